@@ -1,0 +1,60 @@
+"""The `eb` command.
+
+    eb report RUN_DIR [--out DIR]     PNG balance curves + heatmap from RUN_DIR/balance.jsonl
+    eb bench gate [--json]            CrossLayerGate vs DeepSpeed's TopKGate overhead
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+
+def _report(args) -> int:
+    from .report import render_report
+    for path in render_report(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
+def _bench(args) -> int:
+    if args.what == "gate":
+        from .bench import bench_gate
+        result = bench_gate(tokens=args.tokens, hidden=args.hidden, experts=tuple(args.experts), k=args.k,
+                            repeats=args.repeats, progress=not args.json)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print(f"CrossLayerGate / TopKGate (forward+backward): ratio {result['ratio']:.3f} "
+                  f"(target <= {result['target']})")
+        return 0
+    raise AssertionError(args.what)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eb", description="eb_deepspeed tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("report", help="render balance curves and the heatmap from a run's JSONL log")
+    p.add_argument("run_dir", help="directory holding balance.jsonl (easybalance.log.dir), or the .jsonl file")
+    p.add_argument("--out", default=None, help="output directory (default RUN_DIR/plots)")
+    p.set_defaults(func=_report)
+
+    p = sub.add_parser("bench", help="side-by-side benchmarks")
+    p.add_argument("what", choices=["gate"])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--experts", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--k", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=30)
+    p.set_defaults(func=_bench)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""`CrossLayerGate`: a drop-in for `deepspeed.moe.sharded_moe.TopKGate` that feeds the load view.
+
+Shape legend: T tokens, M model dim, E experts, K top-k, C capacity, R routes (K*T), W tally width (3E + 4).
+
+Routing is DeepSpeed's own: the gate computes the logits exactly as `TopKGate` does and calls
+DeepSpeed's `top1gating` / `top2gating` / `topkgating`, so k = 1, 2 and > 2, capacity factors,
+min capacity, `drop_tokens`, `use_rts`, the noisy policies (Jitter, RSample, 2nd-expert
+sampling) and both return forms behave exactly as DeepSpeed's (the sparse 7-tuple
+`gate(x, used_token, True, use_tutel)` that `MOELayer` uses since 0.19.4, and the dense 4-tuple
+`gate(x)` of the legacy path). On top of that the gate
+
+  * adds its routes to a per-layer tally (routed and kept per expert, tokens, non-finite
+    tokens) without any host sync or collective; the adapter drains it once per step;
+  * multiplies `l_aux` by its layer's weight `aux_weight` (1.0 unless a controller sets it),
+    so user code that sums `l_aux` keeps working unchanged;
+  * returns a well-formed empty result for an empty batch (DeepSpeed's gate asserts).
+
+    gate = CrossLayerGate.from_topk_gate(moe.deepspeed_moe.gate, layer_index=3)
+    moe.deepspeed_moe.gate = gate
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from deepspeed.comm import pg_utils
+from deepspeed.moe import sharded_moe as dsm
+from deepspeed.moe.sharded_moe import TopKGate
+
+from .load_view import tally_width
+
+__all__ = ["CrossLayerGate"]
+
+
+class CrossLayerGate(TopKGate):
+    """TopKGate plus per-layer route tallies and a per-layer aux-loss weight."""
+
+    def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
+                 eval_capacity_factor: float = 1.0, min_capacity: int = 8, noisy_gate_policy: Optional[str] = None,
+                 drop_tokens: bool = True, use_rts: bool = True, ep_group=None,
+                 top2_2nd_expert_sampling: bool = True, *, layer_index: int = 0) -> None:
+        super().__init__(model_dim, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+                         noisy_gate_policy, drop_tokens, use_rts, ep_group, top2_2nd_expert_sampling)
+        self.num_experts = num_experts
+        self.layer_index = layer_index
+        # A Python float, not a tensor: multiplying by 1.0 leaves l_aux bit-identical to DeepSpeed's,
+        # and the controller changes it only at step boundaries.
+        self.aux_weight = 1.0
+        # Per-token load weights for the next forward ([T]), set by the adapter when
+        # sequence-length weighting is on; None counts every token as 1.
+        self.token_weights_T: Optional[torch.Tensor] = None
+        # The route tally [W] float64. A plain attribute allocated on the logits' device rather than
+        # a buffer: `model.half()` / `.bfloat16()` would cast a float buffer and lose counts, and the
+        # tally is not model state (it is drained every step and never checkpointed).
+        self._tally_W: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_topk_gate(cls, gate: TopKGate, layer_index: int) -> "CrossLayerGate":
+        """Wrap an existing TopKGate, sharing its `wg` parameter (same object, same name in checkpoints)."""
+        if not isinstance(gate, TopKGate):
+            raise TypeError(f"expected deepspeed TopKGate, got {type(gate).__name__}")
+        num_experts, model_dim = gate.wg.weight.shape
+        new = cls(model_dim, num_experts, gate.k, gate.capacity_factor, gate.eval_capacity_factor,
+                  gate.min_capacity, gate.noisy_gate_policy, gate.drop_tokens, gate.use_rts, gate.ep_group,
+                  getattr(gate, "top2_2nd_expert_sampling", True), layer_index=layer_index)
+        new.wg = gate.wg
+        new.wall_clock_breakdown = gate.wall_clock_breakdown
+        new.train(gate.training)
+        return new
+
+    # ------------------------------------------------------------------ tally
+    def take_tally(self, device: torch.device) -> torch.Tensor:
+        """Return this layer's tally [W] (float64, on `device`) and reset it to zero."""
+        if self._tally_W is None:
+            return torch.zeros(tally_width(self.num_experts), dtype=torch.float64, device=device)
+        out, self._tally_W = self._tally_W.to(device), None
+        return out
+
+    def _record(self, routed_E: torch.Tensor, route_expert_R: torch.Tensor, tokens, nonfinite: torch.Tensor,
+                token_w_R: Optional[torch.Tensor]) -> None:
+        """Add one forward's routes to the tally (no host sync).
+
+        routed_E: [E] route requests before the capacity limit; route_expert_R: [R] int64 expert id
+        of each route, -1 where the capacity limit dropped it; token_w_R: [R] load weight or None.
+        """
+        E = self.num_experts
+        if self._tally_W is None:
+            self._tally_W = torch.zeros(tally_width(E), dtype=torch.float64, device=routed_E.device)
+        t = self._tally_W
+        t[:E] += routed_E
+        slot_R = route_expert_R + (E + 1)  # not kept (-1) lands on the scratch slot E
+        if token_w_R is None:
+            ones_R = torch.ones(1, dtype=torch.float64, device=t.device).expand(slot_R.numel())
+            t.index_add_(0, slot_R, ones_R)
+            t.index_add_(0, slot_R + (E + 1), ones_R)
+        else:
+            t.index_add_(0, slot_R, torch.ones_like(token_w_R))
+            t.index_add_(0, slot_R + (E + 1), token_w_R)
+        t[3 * E + 2] += tokens
+        t[3 * E + 3] += nonfinite
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
+                use_tutel: bool = False):  # type: ignore[override]
+        if self.wall_clock_breakdown:
+            self.timers(dsm.TOPK_GATE_TIMER).start()
+
+        # Logits exactly as TopKGate computes them (same RNG use for the Jitter policy).
+        input_fp32 = input.float()
+        if self.noisy_gate_policy == 'Jitter' and self.training:
+            input_fp32 = dsm.multiplicative_jitter(input_fp32, device=input.device)
+        logits_TE = F.linear(input_fp32, weight=self.wg.weight.float(), bias=None)
+        T = logits_TE.shape[0]
+
+        if T == 0:
+            gate_output = self._empty_output(logits_TE, sparse_routes)
+        else:
+            # Counted before gating: top2gating adds Gumbel noise to the logits in place.
+            # A row sum is non-finite iff the row holds a NaN/Inf (one reduction instead of a [T, E] mask).
+            nonfinite = (~torch.isfinite(logits_TE.sum(dim=1))).sum() if self.training else None
+            capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
+            if self.k == 1:
+                gate_output = dsm.top1gating(logits_TE, capacity_factor, self.min_capacity, used_token,
+                                             self.noisy_gate_policy if self.training else None, self.drop_tokens,
+                                             self.use_rts, self.ep_group, sparse_routes, use_tutel)
+            elif self.k == 2:
+                gate_output = dsm.top2gating(logits_TE, capacity_factor, self.min_capacity, self.drop_tokens,
+                                             self.ep_group, self.top2_2nd_expert_sampling, sparse_routes)
+            else:
+                gate_output = dsm.topkgating(logits_TE, self.k, capacity_factor, self.min_capacity,
+                                             self.drop_tokens, self.ep_group, sparse_routes=sparse_routes)
+            if self.training:
+                self._record_output(gate_output, sparse_routes, T, used_token, nonfinite)
+
+        if self.aux_weight != 1.0:
+            gate_output = (gate_output[0] * self.aux_weight, ) + tuple(gate_output[1:])
+
+        if self.wall_clock_breakdown:
+            self.timers(dsm.TOPK_GATE_TIMER).stop()
+            self.gate_time = self.timers(dsm.TOPK_GATE_TIMER).elapsed(reset=False)
+        return gate_output
+
+    def _record_output(self, gate_output, sparse_routes: bool, T: int, used_token, nonfinite) -> None:
+        if sparse_routes:
+            # (l_aux, capacity, E, indices_KT, locations_KT, gates_KT, exp_counts_E); -1 = dropped route.
+            indices_KT, exp_counts_E = gate_output[3], gate_output[6]
+            route_expert_R = indices_KT.long().reshape(-1)
+            K = indices_KT.shape[0]
+        else:
+            # (l_aux, combine_weights_TEC, dispatch_mask_TEC, exp_counts_E): every (token, expert) pair is
+            # a candidate route, -1 where not dispatched (the legacy path; not on the training hot path).
+            dispatch_TE = gate_output[2].any(dim=2)
+            exp_counts_E = gate_output[3]
+            expert_TE = torch.arange(self.num_experts, device=dispatch_TE.device).expand_as(dispatch_TE)
+            route_expert_R = torch.where(dispatch_TE, expert_TE, -1).reshape(-1)
+            K = self.num_experts
+        token_w = self._token_weights(T)
+        token_w_R = None if token_w is None else token_w.expand(K, T).reshape(-1) if sparse_routes \
+            else token_w[:, None].expand(T, K).reshape(-1)
+        tokens = used_token.sum() if used_token is not None else T
+        self._record(exp_counts_E, route_expert_R, tokens, nonfinite, token_w_R)
+
+    def _token_weights(self, T: int) -> Optional[torch.Tensor]:
+        w = self.token_weights_T
+        if w is None:
+            return None
+        if w.numel() != T:
+            raise ValueError(f"layer {self.layer_index}: sequence-length weights cover {w.numel()} tokens, "
+                             f"the batch has {T}; call set_sequence_lengths() with one length per sequence")
+        return w.to(torch.float64).reshape(-1)
+
+    def _empty_output(self, logits_TE: torch.Tensor, sparse_routes: bool):
+        """A well-formed gate result for zero tokens (DeepSpeed's gating asserts on it)."""
+        dev, E, K = logits_TE.device, self.num_experts, self.k
+        l_aux = logits_TE.sum() * 0.0  # keeps the autograd graph connected to wg
+        exp_counts_E = torch.zeros(E, dtype=torch.long, device=dev)
+        if self.drop_tokens:
+            capacity = torch.tensor(self.min_capacity, dtype=torch.long, device=dev)
+        else:
+            # Other EP ranks all-reduce their capacity inside DeepSpeed's gating; join them.
+            capacity = torch.zeros((), dtype=torch.long, device=dev)
+            if pg_utils.is_parallel(self.ep_group):
+                dsm.dist.all_reduce(capacity, op=dsm.dist.ReduceOp.MAX, group=self.ep_group)
+        if sparse_routes:
+            empty_KT = torch.zeros(K, 0, dtype=torch.int32, device=dev)
+            return (l_aux, capacity, E, empty_KT, empty_KT.clone(), torch.zeros(K, 0, device=dev), exp_counts_E)
+        C = int(capacity)
+        combine_TEC = torch.zeros(0, E, C, device=dev)
+        return l_aux, combine_TEC, combine_TEC.bool(), exp_counts_E

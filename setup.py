@@ -1,0 +1,31 @@
+"""eb_deepspeed: cross-layer load balancing for Mixture-of-Experts models in DeepSpeed.
+
+Install (CPU):  bash launch/setup_cpu.sh      (pins torch==2.13.0 first, then `pip install -e .[test,wandb]`)
+Install (GPU):  pip install -e .              (with the CUDA torch your cluster already has)
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="eb-deepspeed",
+    version="0.1.0",
+    description="Cross-layer load balancing (EasyBalance) for DeepSpeed / Megatron-Core MoE models",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["eb_deepspeed", "eb_deepspeed.*"]),
+    python_requires=">=3.10",
+    # torch is deliberately a range, not a pin: a GPU cluster keeps its own CUDA build.
+    # The CPU install path (launch/setup_cpu.sh) installs torch==2.13.0 before this package.
+    install_requires=[
+        "torch>=2.1",
+        "deepspeed>=0.19.4,<0.20",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "matplotlib"],
+        "wandb": ["wandb"],
+        "plots": ["matplotlib"],
+        "megatron": ["megatron-core"],
+    },
+    entry_points={"console_scripts": ["eb=eb_deepspeed.cli:main"]},
+)

@@ -1,0 +1,155 @@
+"""CrossLayerGate against DeepSpeed's TopKGate, in one process: same routing, plus tallies."""
+import itertools
+
+import pytest
+import torch
+from deepspeed.moe.experts import Experts
+from deepspeed.moe.sharded_moe import MOELayer, TopKGate
+
+from eb_deepspeed import CrossLayerGate, LoadView
+from eb_deepspeed.load_view import split_tally
+
+M, E = 16, 8
+
+
+def pair(k, **kw):
+    torch.manual_seed(0)
+    ds = TopKGate(M, E, k=k, **kw)
+    return ds, CrossLayerGate.from_topk_gate(ds, layer_index=0)
+
+
+def call(gate, x, seed, sparse, used_token=None):
+    torch.manual_seed(seed)
+    return gate(x, used_token, True, False) if sparse else gate(x, used_token)
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        if isinstance(u, torch.Tensor):
+            assert torch.equal(u, v)
+        else:
+            assert u == v
+
+
+CASES = list(itertools.product([1, 2, 3], [True, False], [True, False]))  # k, drop_tokens, sparse
+
+
+@pytest.mark.parametrize("k, drop_tokens, sparse", CASES)
+def test_routing_and_l_aux_equal_deepspeeds_topkgate(k, drop_tokens, sparse):
+    ds, eb = pair(k, capacity_factor=1.0, eval_capacity_factor=1.5, min_capacity=2, drop_tokens=drop_tokens)
+    x = torch.randn(64, M)
+    for training in (True, False):
+        ds.train(training), eb.train(training)
+        assert_same(call(ds, x, 1, sparse), call(eb, x, 1, sparse))
+
+
+@pytest.mark.parametrize("policy, use_rts", [("Jitter", True), ("RSample", False), (None, True)])
+def test_noisy_gate_policies_and_rts_draw_the_same_random_numbers_as_deepspeed(policy, use_rts):
+    ds, eb = pair(1, noisy_gate_policy=policy, use_rts=use_rts, min_capacity=2)
+    x = torch.randn(64, M)
+    assert_same(call(ds, x, 7, True), call(eb, x, 7, True))
+    assert_same(call(ds, x, 7, False), call(eb, x, 7, False))
+
+
+def test_sparse_and_dense_returns_describe_the_same_routing():
+    for k in (1, 2, 3):
+        _, eb = pair(k, min_capacity=2)
+        x = torch.randn(48, M)
+        l_s, C, _, idx_KT, loc_KT, gates_KT, counts_s = call(eb, x, 3, True)
+        l_d, combine_TEC, dispatch_TEC, counts_d = call(eb, x, 3, False)
+        assert torch.equal(l_s, l_d) and torch.equal(counts_s, counts_d) and int(C) == combine_TEC.shape[2]
+        rebuilt = torch.zeros_like(combine_TEC)
+        for kk in range(idx_KT.shape[0]):
+            t = torch.nonzero(idx_KT[kk] >= 0).squeeze(1)
+            rebuilt[t, idx_KT[kk, t].long(), loc_KT[kk, t].long()] += gates_KT[kk, t]
+        assert torch.allclose(rebuilt, combine_TEC, atol=1e-6)
+
+
+@pytest.mark.parametrize("k, sparse", [(1, True), (2, True), (3, True), (2, False)])
+def test_the_tally_holds_demand_kept_routes_and_tokens(k, sparse):
+    _, eb = pair(k, capacity_factor=0.5, min_capacity=1)
+    x = torch.randn(40, M)
+    out = call(eb, x, 5, sparse)
+    part = split_tally(eb.take_tally(torch.device("cpu"))[None], E)
+    assert part.routed_LE[0].tolist() == out[-1].double().tolist()
+    if sparse:
+        kept = torch.bincount(out[3][out[3] >= 0].long(), minlength=E)
+    else:
+        kept = out[2].any(2).sum(0)
+    assert part.kept_LE[0].tolist() == kept.double().tolist()
+    assert part.load_LE[0].tolist() == kept.double().tolist()
+    assert part.tokens_L.item() == 40 and part.nonfinite_L.item() == 0
+    assert part.kept_LE.sum() < part.routed_LE.sum()  # capacity factor 0.5 drops routes
+    assert eb.take_tally(torch.device("cpu")).abs().sum() == 0  # taking the tally resets it
+
+
+def test_the_gate_accumulates_over_micro_batches_and_only_in_training():
+    _, eb = pair(2, min_capacity=2)
+    x = torch.randn(32, M)
+    call(eb, x, 0, True)
+    call(eb, x, 1, True)
+    eb.eval()
+    call(eb, x, 2, True)
+    part = split_tally(eb.take_tally(torch.device("cpu"))[None], E)
+    assert part.tokens_L.item() == 64 and part.routed_LE.sum().item() == 128
+
+
+def test_aux_weight_scales_l_aux_and_its_gradient():
+    ds, eb = pair(2, min_capacity=2)
+    x = torch.randn(32, M)
+    l_ds = call(ds, x, 0, True)[0]
+    l_ds.backward()
+    g_ds = ds.wg.weight.grad.clone()
+    ds.wg.weight.grad = None
+    eb.aux_weight = 2.5
+    l_eb = call(eb, x, 0, True)[0]
+    l_eb.backward()
+    assert torch.allclose(l_eb, 2.5 * l_ds) and torch.allclose(eb.wg.weight.grad, 2.5 * g_ds)
+
+
+def test_nonfinite_logits_are_counted_and_keep_the_layer_out_of_the_view():
+    _, eb = pair(2, min_capacity=2)
+    x = torch.randn(32, M)
+    x[3, 0] = float("nan")
+    x[9, 1] = float("inf")
+    call(eb, x, 0, True)
+    tally = eb.take_tally(torch.device("cpu"))
+    part = split_tally(tally[None], E)
+    assert part.nonfinite_L.item() == 2
+    view = LoadView(1, E, 2)
+    assert view.update(tally[None]).tolist() == [False]
+    assert view.pressure_LG.abs().sum() == 0 and torch.isfinite(view.heat_LE).all()
+
+
+@pytest.mark.parametrize("k, drop_tokens", [(1, True), (2, True), (2, False), (3, True)])
+def test_an_empty_batch_gives_a_well_formed_result_through_deepspeeds_moe_layer(k, drop_tokens):
+    torch.manual_seed(0)
+    gate = CrossLayerGate(M, E, k=k, min_capacity=4, drop_tokens=drop_tokens)
+    layer = MOELayer(gate, Experts(torch.nn.Linear(M, M), E, "ep_size_1"), "ep_size_1", 1, E)
+    x = torch.randn(2, 0, M, requires_grad=True)
+    out = layer(x, None)  # MoE.forward passes (hidden_states, used_token)
+    assert out.shape == (2, 0, M)
+    (out.sum() + layer.l_aux).backward()
+    assert layer.l_aux.item() == 0.0
+    assert gate.wg.weight.grad is not None and gate.wg.weight.grad.abs().sum() == 0
+    assert gate.take_tally(torch.device("cpu")).abs().sum() == 0  # nothing recorded, nothing poisoned
+    l_aux, combine_TEC, dispatch_TEC, counts = gate(torch.randn(0, M))
+    assert combine_TEC.shape[0] == 0 and counts.tolist() == [0] * E
+
+
+def test_from_topk_gate_keeps_the_parameter_object_and_its_name():
+    ds, eb = pair(2, capacity_factor=1.25, eval_capacity_factor=2.0, min_capacity=3, drop_tokens=False,
+                  use_rts=False, noisy_gate_policy="Jitter")
+    assert eb.wg is ds.wg
+    assert [n for n, _ in eb.named_parameters()] == [n for n, _ in ds.named_parameters()] == ["wg.weight"]
+    assert (eb.k, eb.capacity_factor, eb.eval_capacity_factor, eb.min_capacity, eb.drop_tokens, eb.use_rts,
+            eb.noisy_gate_policy) == (2, 1.25, 2.0, 3, False, False, "Jitter")
+    with pytest.raises(TypeError, match="expected deepspeed TopKGate, got Linear"):
+        CrossLayerGate.from_topk_gate(torch.nn.Linear(2, 2), 0)
+
+
+def test_no_gate_buffer_name_mentions_expert():
+    _, eb = pair(2)
+    assert not [n for n, _ in eb.named_buffers() if "expert" in n]
+    assert list(eb.state_dict()) == ["wg.weight"]
