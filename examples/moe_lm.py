@@ -1,0 +1,117 @@
+"""A small byte-level MoE transformer language model and its data: the Python standard library's
+own source files, found at run time (real text that ships with every Python; no downloads).
+
+Used by `train_moe_lm.py` and by the tests. Shape legend: B batch, S sequence, D model dim.
+
+    corpus = StdlibCorpus(max_bytes=4_000_000)
+    model = MoELM(layers=4, hidden=64, experts=8, ep_size=2, k=2)
+    x_BS, y_BS = corpus.batch("train", batch=8, seq_len=128, generator=g)
+    logits_BSV, l_aux = model(x_BS)
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["StdlibCorpus", "MoELM", "stdlib_source_files"]
+
+
+def stdlib_source_files() -> list[str]:
+    """Every .py file of this interpreter's standard library (not site-packages), sorted."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    if not files:
+        raise FileNotFoundError(f"no .py files under the standard library at {root}")
+    return files
+
+
+class StdlibCorpus:
+    """Byte-level train / validation text from the stdlib sources; the split is by file (1 in 20
+    files, chosen by a hash of its relative path, is held out), so it is the same on every rank."""
+
+    def __init__(self, max_bytes: int = 4_000_000, val_every: int = 20):
+        root = sysconfig.get_paths()["stdlib"]
+        parts = {"train": [], "val": []}
+        sizes = {"train": 0, "val": 0}
+        for path in stdlib_source_files():
+            rel = os.path.relpath(path, root)
+            split = "val" if int(hashlib.sha1(rel.encode()).hexdigest(), 16) % val_every == 0 else "train"
+            budget = max_bytes if split == "train" else max_bytes // val_every
+            if sizes[split] >= budget:
+                continue
+            with open(path, "rb") as f:
+                data = f.read()
+            parts[split].append(data)
+            sizes[split] += len(data)
+        self.data = {k: torch.frombuffer(bytearray(b"".join(v)), dtype=torch.uint8).long() for k, v in parts.items()}
+
+    def batch(self, split: str, batch: int, seq_len: int, generator: torch.Generator):
+        """Random windows: inputs [B, S] and next-byte targets [B, S]."""
+        data = self.data[split]
+        starts_B = torch.randint(0, data.numel() - seq_len - 1, (batch, ), generator=generator)
+        offsets_S = torch.arange(seq_len + 1)
+        windows = data[starts_B[:, None] + offsets_S[None, :]]
+        return windows[:, :-1], windows[:, 1:]
+
+
+class ExpertMLP(nn.Module):
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.up = nn.Linear(hidden, ffn)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+
+    def __init__(self, hidden: int, heads: int, experts: int, ep_size: int, k: int, capacity_factor: float,
+                 min_capacity: int, drop_tokens: bool, use_rts: bool):
+        from deepspeed.moe.layer import MoE
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.moe = MoE(hidden, ExpertMLP(hidden, 2 * hidden), num_experts=experts, ep_size=ep_size, k=k,
+                       capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
+                       min_capacity=min_capacity, drop_tokens=drop_tokens, use_rts=use_rts)
+
+    def forward(self, x_BSD, mask_SS):
+        h = self.ln1(x_BSD)
+        x_BSD = x_BSD + self.attn(h, h, h, attn_mask=mask_SS, need_weights=False)[0]
+        out, l_aux, _ = self.moe(self.ln2(x_BSD))
+        return x_BSD + out, l_aux
+
+
+class MoELM(nn.Module):
+    """Embeddings -> `layers` x (attention + DeepSpeed MoE FFN) -> byte logits."""
+
+    def __init__(self, layers: int = 4, hidden: int = 64, heads: int = 4, experts: int = 8, ep_size: int = 1,
+                 k: int = 2, seq_len: int = 128, capacity_factor: float = 1.0, min_capacity: int = 4,
+                 drop_tokens: bool = True, use_rts: bool = True):
+        super().__init__()
+        self.tok = nn.Embedding(256, hidden)
+        self.pos = nn.Embedding(seq_len, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads, experts, ep_size, k, capacity_factor, min_capacity,
+                                          drop_tokens, use_rts) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, 256, bias=False)
+
+    def forward(self, idx_BS):
+        S = idx_BS.shape[1]
+        x = self.tok(idx_BS) + self.pos(torch.arange(S, device=idx_BS.device))
+        mask_SS = torch.full((S, S), float("-inf"), device=idx_BS.device).triu(1)
+        l_aux = []
+        for block in self.blocks:
+            x, aux = block(x, mask_SS)
+            l_aux.append(aux)
+        return self.head(self.ln_f(x)), l_aux

@@ -1,0 +1,148 @@
+"""Train a small byte-level MoE language model on the Python standard library's sources with
+DeepSpeed + eb_deepspeed, and write balance curves (JSONL, W&B offline, PNGs).
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_moe_lm.py \
+        --deepspeed_config configs/train_cpu_2rank.json --steps 60 --run-dir runs/main
+
+Writes RUN_DIR/balance/balance.jsonl (the easybalance log), RUN_DIR/balance/plots/*.png,
+RUN_DIR/ckpt (DeepSpeed checkpoint, resumable with --resume), RUN_DIR/summary.json, and a W&B
+offline run under RUN_DIR/wandb when the config's "wandb" block is enabled.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_lm import MoELM, StdlibCorpus  # noqa: E402
+
+
+def parse_args(argv=None):
+    import deepspeed
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps in total (a resumed run continues)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--ep-size", type=int, default=2)
+    p.add_argument("--k", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--capacity-factor", type=float, default=1.0)
+    p.add_argument("--coeff", type=float, default=0.01, help="aux-loss coefficient (summed over layers)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--max-bytes", type=int, default=4_000_000, help="training text to read")
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--run-dir", default="runs/main")
+    p.add_argument("--resume", action="store_true", help="continue from RUN_DIR/ckpt")
+    p.add_argument("--no-report", action="store_true", help="skip rendering the PNGs at the end")
+    deepspeed.add_config_arguments(p)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("WANDB_MODE", "offline")  # never needs a W&B account; `wandb sync` uploads later
+    os.makedirs(args.run_dir, exist_ok=True)
+    os.environ.setdefault("WANDB_DIR", os.path.abspath(args.run_dir))
+
+    import deepspeed
+    import eb_deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    with open(args.deepspeed_config, encoding="utf-8") as f:
+        ds_config = json.load(f)
+    ds_config.setdefault("easybalance", {}).setdefault("log", {})["dir"] = os.path.join(args.run_dir, "balance")
+
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(args.seed)
+    model = MoELM(layers=args.layers, hidden=args.hidden, experts=args.experts, ep_size=args.ep_size, k=args.k,
+                  seq_len=args.seq_len, capacity_factor=args.capacity_factor)
+    params = split_params_into_different_moe_groups_for_optimizer(
+        {"params": [p for p in model.parameters()], "name": "params"})
+    # A torch optimizer: DeepSpeed would otherwise JIT-compile its fused Adam on first use.
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    engine, optimizer, _, _ = eb_deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    balancer = getattr(engine, "easybalance", None)
+
+    ckpt_dir = os.path.join(args.run_dir, "ckpt")
+    start = 0
+    if args.resume:
+        load_path, client = engine.load_checkpoint(ckpt_dir)
+        if load_path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir}")
+        start = int(client["step"])
+
+    corpus = StdlibCorpus(max_bytes=args.max_bytes)
+    micro_batch = engine.train_micro_batch_size_per_gpu()
+    accum = engine.gradient_accumulation_steps()
+
+    def evaluate() -> float:
+        engine.eval()
+        g = torch.Generator().manual_seed(args.seed + 7)  # same validation windows every time, every rank
+        losses = []
+        with torch.no_grad():
+            for _ in range(args.eval_batches):
+                x, y = corpus.batch("val", micro_batch, args.seq_len, g)
+                logits, _ = engine(x.to(engine.device))
+                losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.to(engine.device).flatten()))
+        engine.train()
+        return float(torch.stack(losses).mean())
+
+    progress = None
+    if rank == 0:
+        from tqdm import tqdm
+        progress = tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True)
+    history = []
+    t0 = time.time()
+    for step in range(start, args.steps):
+        for micro in range(accum):
+            g = torch.Generator().manual_seed(hash((args.seed, rank, step, micro)) % (2**62))
+            x, y = corpus.batch("train", micro_batch, args.seq_len, g)
+            logits, l_aux = engine(x.to(engine.device))
+            lm_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.to(engine.device).flatten())
+            loss = lm_loss + args.coeff * sum(l_aux)
+            engine.backward(loss)
+            engine.step()
+        row = {"step": step + 1, "lm_loss": lm_loss.item(), "aux_loss": float(sum(a.detach() for a in l_aux))}
+        if balancer is not None:
+            m = balancer.metrics()
+            row.update(token_drop_rate=m["token_drop_rate"], device_util_std=m["device_util_std"])
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            row["val_loss"] = evaluate()
+        history.append(row)
+        if progress is not None:
+            progress.set_postfix({k: f"{v:.3f}" for k, v in row.items() if k != "step"}, refresh=False)
+            progress.update(1)
+    if progress is not None:
+        progress.close()
+    elapsed = time.time() - t0
+
+    engine.save_checkpoint(ckpt_dir, client_state={"step": args.steps})
+    if rank == 0:
+        summary = {"steps": args.steps, "world_size": world, "seconds": round(elapsed, 2),
+                   "final": history[-1] if history else None}
+        if balancer is not None:
+            summary["balance"] = {k: v for k, v in balancer.metrics().items() if not isinstance(v, list)}
+            balancer.logger.close()
+            if not args.no_report:
+                from eb_deepspeed.report import render_report
+                summary["plots"] = render_report(os.path.join(args.run_dir, "balance"))
+        with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print(json.dumps(summary, indent=2))
+    if math.isnan(history[-1]["lm_loss"]) if history else False:
+        raise SystemExit("training diverged (NaN loss)")
+
+
+if __name__ == "__main__":
+    main()

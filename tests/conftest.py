@@ -1,0 +1,75 @@
+"""Shared test helpers: launching real multi-process gloo jobs on CPU.
+
+`launch(scenario, world_size, tmp_path, **params)` starts `world_size` processes of
+`tests/dist_worker.py` (RANK / WORLD_SIZE / MASTER_PORT set as `torch.distributed.run` would),
+each running the named scenario with a real DeepSpeed engine, and returns every rank's result.
+A distinct free port per launch; a hard timeout kills the whole job instead of hanging CI.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+# DeepSpeed JIT-compiles its shm comm op on first init (~40-100 s here); one cache for the whole
+# suite (and across runs on the same machine) makes every later init take a fraction of a second.
+EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "eb_deepspeed",
+                                                                  "torch_extensions")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dist_env(world_size: int, rank: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=EXT_DIR,
+               OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=os.pathsep.join(
+                   [ROOT, os.path.join(ROOT, "examples"), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def launch(scenario: str, world_size: int, tmp_path, timeout: float = 240, **params) -> list[dict]:
+    out_dir = tmp_path / f"{scenario}_{world_size}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        log = open(out_dir / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "dist_worker.py"), scenario,
+                                        str(out_dir), json.dumps(params)], env=dist_env(world_size, rank, port),
+                                       stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path)), log))
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for proc, _ in procs:
+            proc.kill()
+        pytest.fail(f"{scenario} with {world_size} ranks hung for {timeout} s; logs in {out_dir}")
+    finally:
+        for _, log in procs:
+            log.close()
+    results = []
+    for rank, (proc, _) in enumerate(procs):
+        text = (out_dir / f"rank{rank}.log").read_text()
+        assert proc.returncode == 0, f"rank {rank} of {scenario} exited {proc.returncode}:\n{text[-4000:]}"
+        results.append(torch.load(out_dir / f"rank{rank}.pt", weights_only=False))
+    return results
+
+
+@pytest.fixture
+def run_dist(tmp_path):
+    def _run(scenario, world_size=2, **params):
+        return launch(scenario, world_size, tmp_path, **params)
+    return _run

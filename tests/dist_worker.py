@@ -1,0 +1,234 @@
+"""One rank of a multi-process test: `python dist_worker.py SCENARIO OUT_DIR PARAMS_JSON`.
+
+Started by `conftest.launch` with RANK / WORLD_SIZE / MASTER_PORT set. Every scenario builds
+real DeepSpeed engines (gloo, CPU) around the small MoE language model of examples/moe_lm.py
+and saves what the test asserts on to OUT_DIR/rank{R}.pt.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+import deepspeed
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+import eb_deepspeed
+from moe_lm import MoELM
+
+SMALL = dict(layers=2, hidden=32, heads=2, experts=4, k=2, seq_len=16, min_capacity=2)
+MICRO_BATCH = 4
+
+
+def base_config(**overrides) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+           "steps_per_print": 10**6}
+    cfg.update(overrides)
+    return cfg
+
+
+def make_model(seed: int = 0, **kw) -> MoELM:
+    torch.manual_seed(seed)
+    return MoELM(**{**SMALL, **kw})
+
+
+def make_engine(model, config, use_eb: bool = True):
+    params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
+    optimizer = torch.optim.SGD(params, lr=0.05)
+    init = eb_deepspeed.initialize if use_eb else deepspeed.initialize
+    engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def batch(step: int, micro: int = 0, rank: int | None = None):
+    """Different data on every rank, the same for the same (step, micro, rank)."""
+    rank = torch.distributed.get_rank() if rank is None else rank
+    g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
+    x = torch.randint(0, 256, (MICRO_BATCH, SMALL["seq_len"] + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def train_step(engine, step: int, grads: dict | None = None, coeff: float = 0.1) -> torch.Tensor:
+    """One optimizer step (all micro-batches); returns the last micro-batch's loss."""
+    rank = torch.distributed.get_rank()
+    for micro in range(engine.gradient_accumulation_steps()):
+        torch.manual_seed(7919 * step + 31 * micro + rank)  # same gate noise (RTS, Gumbel) in every variant
+        x, y = batch(step, micro)
+        logits, l_aux = engine(x)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) + coeff * sum(l_aux)
+        engine.backward(loss)
+        if grads is not None and engine.is_gradient_accumulation_boundary():
+            grads.update({n: p.grad.detach().clone() for n, p in engine.module.named_parameters()
+                          if p.grad is not None})
+        engine.step()
+    return loss.detach()
+
+
+def view_state(engine) -> dict:
+    eb = engine.easybalance
+    return {"pressure_LG": eb.view.pressure_LG.clone(), "heat_LE": eb.view.heat_LE.clone(),
+            "updates_L": eb.view.updates_L.clone(), "steps": eb.view.steps,
+            "last_tally_LW": eb.view.state_dict()["last_tally_LW"], "aux_weight": eb.aux_weights()}
+
+
+# ---------------------------------------------------------------------- scenarios
+def scenario_equivalence(p):
+    """Plain DeepSpeed vs eb_deepspeed disabled / observe / balance: losses and gradients."""
+    out = {}
+    blocks = {"plain": None, "no_block": None, "disabled": {"enabled": False}, "observe": {"mode": "observe"},
+              "balance": {"mode": "balance"}}
+    for name, block in blocks.items():
+        cfg = base_config(gradient_accumulation_steps=p.get("accum", 1))
+        if block is not None:
+            cfg["easybalance"] = {**block, "log": {"dir": os.path.join(p["out"], f"log_{name}")}}
+        engine = make_engine(make_model(ep_size=2), cfg, use_eb=name != "plain")
+        losses, grads = [], []
+        for step in range(3):
+            g = {}
+            losses.append(train_step(engine, step, g))
+            grads.append(g)
+        gate = engine.module.blocks[0].moe.deepspeed_moe.gate
+        out[name] = {"losses": losses, "grads": grads, "gate": type(gate).__name__,
+                     "has_balancer": hasattr(engine, "easybalance"),
+                     "params": {n: t.detach().clone() for n, t in engine.module.named_parameters()}}
+    return out
+
+
+def _load_global_experts(model_ep, state_full, rank: int, local_experts: int):
+    """Copy a full (ep_size=1) state dict into an ep_size>1 model: local expert i = global rank*nle + i."""
+    mapped = {}
+    for name in model_ep.state_dict():
+        src = name
+        if ".deepspeed_experts." in name:
+            head, tail = name.split(".deepspeed_experts.")
+            local, rest = tail.split(".", 1)
+            src = f"{head}.deepspeed_experts.{rank * local_experts + int(local)}.{rest}"
+        mapped[name] = state_full[src]
+    model_ep.load_state_dict(mapped)
+
+
+def scenario_ep_equivalence(p):
+    """ep_size 1 (every rank holds all experts) vs ep_size 2 (All-to-All): same losses and gradients."""
+    rank = torch.distributed.get_rank()
+    cfg = base_config(easybalance={"mode": "observe", "log": {"dir": os.path.join(p["out"], "log")}})
+    full = make_model(ep_size=1, drop_tokens=p["drop_tokens"], use_rts=False)
+    sharded = make_model(ep_size=2, drop_tokens=p["drop_tokens"], use_rts=False)
+    _load_global_experts(sharded, full.state_dict(), rank, SMALL["experts"] // 2)
+    out = {}
+    for name, model in (("ep1", full), ("ep2", sharded)):
+        engine = make_engine(model, copy.deepcopy(cfg))
+        g = {}
+        loss = train_step(engine, 0, g)
+        out[name] = {"loss": loss, "grads": g}
+    return out
+
+
+def scenario_view(p):
+    """Different data per rank, gradient accumulation: identical views, one update per boundary."""
+    accum = p["accum"]
+    cfg = base_config(gradient_accumulation_steps=accum,
+                      easybalance={"mode": "observe", "log": {"dir": os.path.join(p["out"], "log"), "interval": 1}})
+    engine = make_engine(make_model(ep_size=2), cfg)
+    eb = engine.easybalance
+    counts, calls = [], [0]
+    original = eb.on_boundary
+
+    def counting():
+        calls[0] += 1
+        return original()
+
+    eb.on_boundary = counting
+    rank = torch.distributed.get_rank()
+    for step in range(p["steps"]):
+        for micro in range(accum):
+            torch.manual_seed(step * 10 + micro + rank)
+            x, y = batch(step, micro)
+            logits, l_aux = engine(x)
+            engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.1 * sum(l_aux))
+            engine.step()
+            counts.append(calls[0])
+    return {"view": view_state(engine), "counts": counts, "rank_to_node": eb.rank_to_node,
+            "ep_group_ranks": eb.ep_group_ranks, "reduce_world": eb.world_size,
+            "metrics": eb.metrics()}
+
+
+def scenario_checkpoint(p):
+    """Save after 3 steps, restore into a fresh engine: the view and weights come back exactly."""
+    ckpt = os.path.join(p["out"], "ckpt")
+    cfg = base_config(easybalance={"mode": "balance", "log": {"dir": os.path.join(p["out"], "log")}})
+    a = make_engine(make_model(seed=0, ep_size=2), copy.deepcopy(cfg))
+    for step in range(3):
+        train_step(a, step)
+    for gate, w in zip(a.easybalance.gates, (1.5, 0.5)):
+        gate.aux_weight = w
+    a.save_checkpoint(ckpt, tag="step3", client_state={"user_key": 42})
+    saved = view_state(a)
+    train_step(a, 3)
+    after_a = view_state(a)
+
+    b = make_engine(make_model(seed=123, ep_size=2), copy.deepcopy(cfg))
+    train_step(b, 99)  # a different history that the load must replace
+    load_path, client = b.load_checkpoint(ckpt, tag="step3")
+    restored = view_state(b)
+    train_step(b, 3)
+    after_b = view_state(b)
+
+    plain = make_engine(make_model(seed=5, ep_size=2), base_config(), use_eb=False)
+    plain_path, plain_client = plain.load_checkpoint(ckpt, tag="step3")  # a plain engine reads it too
+    return {"saved": saved, "restored": restored, "after_a": after_a, "after_b": after_b,
+            "client": client, "loaded": load_path is not None, "plain_loaded": plain_path is not None,
+            "plain_client_keys": sorted(plain_client)}
+
+
+def scenario_disagree(p):
+    """Rank 1 has another config: every rank raises the same clear error at start-up."""
+    rank = torch.distributed.get_rank()
+    block = {"mode": "observe", "ema_alpha": 0.3 if rank == 0 else 0.2, "log": {"dir": os.path.join(p["out"], "log")}}
+    try:
+        make_engine(make_model(ep_size=2), base_config(easybalance=block))
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def scenario_nonfinite(p):
+    """NaN hidden states reach one rank's gate: the view stays finite, unchanged, identical."""
+    rank = torch.distributed.get_rank()
+    cfg = base_config(easybalance={"mode": "observe", "log": {"dir": os.path.join(p["out"], "log")}})
+    engine = make_engine(make_model(ep_size=2), cfg)
+    for step in range(2):
+        train_step(engine, step)
+    before = view_state(engine)
+    gate = engine.module.blocks[0].moe.deepspeed_moe.gate
+
+    def poison(module, args):
+        x = args[0].clone()
+        x[:3] = float("nan")
+        return (x, ) + tuple(args[1:])
+
+    handle = gate.register_forward_pre_hook(poison) if rank == 1 else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_step(engine, 2)
+    if handle is not None:
+        handle.remove()
+    return {"before": before, "after": view_state(engine),
+            "warned": any("non-finite router logits" in str(w.message) for w in caught),
+            "nonfinite": engine.easybalance.metrics()["nonfinite_tokens"]}
+
+
+def main():
+    scenario, out_dir, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    params["out"] = out_dir
+    deepspeed.init_distributed(dist_backend="gloo")
+    result = globals()[f"scenario_{scenario}"](params)
+    torch.save(result, os.path.join(out_dir, f"rank{torch.distributed.get_rank()}.pt"))
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

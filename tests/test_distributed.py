@@ -1,0 +1,97 @@
+"""Real DeepSpeed engines in real processes (gloo, CPU): equivalence, view identity, checkpoints, errors."""
+import pytest
+import torch
+
+
+def assert_tensors_equal(a, b, what):
+    assert a.keys() == b.keys(), what
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{what}: {key} differs"
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_disabled_and_observe_mode_give_plain_deepspeeds_losses_and_gradients(run_dist, accum):
+    for rank in run_dist("equivalence", 2, accum=accum):
+        plain = rank["plain"]
+        assert plain["gate"] == "TopKGate" and not plain["has_balancer"]
+        for name in ("no_block", "disabled"):
+            assert rank[name]["gate"] == "TopKGate" and not rank[name]["has_balancer"]
+        for name in ("observe", "balance"):
+            assert rank[name]["gate"] == "CrossLayerGate" and rank[name]["has_balancer"]
+        for name in ("no_block", "disabled", "observe", "balance"):
+            assert [float(x) for x in rank[name]["losses"]] == [float(x) for x in plain["losses"]], name
+            for step, (g, g_plain) in enumerate(zip(rank[name]["grads"], plain["grads"])):
+                assert g and g.keys() == g_plain.keys()
+                assert_tensors_equal(g, g_plain, f"{name} step {step} grads")
+            assert_tensors_equal(rank[name]["params"], plain["params"], f"{name} params after 3 steps")
+
+
+@pytest.mark.parametrize("drop_tokens", [True, False])
+def test_ep_size_1_and_2_give_the_same_losses_and_gradients(run_dist, drop_tokens):
+    ranks = run_dist("ep_equivalence", 2, drop_tokens=drop_tokens)
+    for rank_index, rank in enumerate(ranks):
+        ep1, ep2 = rank["ep1"], rank["ep2"]
+        assert torch.allclose(ep1["loss"], ep2["loss"], atol=1e-6)
+        local = 2  # 4 experts over 2 ranks
+        checked_experts = 0
+        for name, g2 in ep2["grads"].items():
+            if ".deepspeed_experts." in name:
+                head, tail = name.split(".deepspeed_experts.")
+                i, rest = tail.split(".", 1)
+                g1 = ep1["grads"][f"{head}.deepspeed_experts.{rank_index * local + int(i)}.{rest}"]
+                checked_experts += 1
+            else:
+                g1 = ep1["grads"][name]
+            assert torch.allclose(g1, g2, atol=1e-6, rtol=1e-5), name
+        assert checked_experts > 0
+
+
+@pytest.mark.parametrize("world_size, accum", [(2, 2), (4, 3)])
+def test_every_rank_holds_the_same_view_updated_once_per_accumulation_boundary(run_dist, world_size, accum):
+    steps = 3
+    ranks = run_dist("view", world_size, accum=accum, steps=steps)
+    first = ranks[0]
+    # one update per boundary: after micro-step m the hook has run m // accum times
+    assert first["counts"] == [(m + 1) // accum for m in range(steps * accum)]
+    assert first["view"]["steps"] == steps and first["view"]["updates_L"].tolist() == [steps, steps]
+    # the reduction spans every EP x DP rank and every micro-batch: tokens = ranks * accum * batch * seq
+    assert first["view"]["last_tally_LW"][:, -2].tolist() == [world_size * accum * 4 * 16] * 2
+    assert first["reduce_world"] == world_size
+    assert first["rank_to_node"] == [0] * world_size
+    assert first["view"]["pressure_LG"].sum() > 0
+    for rank_index, rank in enumerate(ranks):
+        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally_LW"):
+            assert torch.equal(rank["view"][key], first["view"][key]), f"rank {rank_index} {key}"
+        assert len(rank["ep_group_ranks"]) == 2 and rank_index in rank["ep_group_ranks"]
+    # data differs per rank, so routes differ per rank; the view is the sum, not rank 0's copy
+    assert ranks[0]["metrics"]["tokens"] == world_size * accum * 4 * 16
+
+
+def test_checkpoint_round_trip_restores_the_view_and_weights_exactly(run_dist):
+    for rank in run_dist("checkpoint", 2):
+        assert rank["loaded"]
+        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally_LW"):
+            assert torch.equal(rank["restored"][key], rank["saved"][key]), key
+            assert torch.equal(rank["after_b"][key], rank["after_a"][key]), f"next step {key}"
+        assert rank["restored"]["steps"] == rank["saved"]["steps"] == 3
+        assert rank["restored"]["aux_weight"] == [1.5, 0.5]
+        assert rank["client"]["user_key"] == 42 and "easybalance" not in rank["client"]  # ours is taken out
+        assert rank["plain_loaded"] and "easybalance" in rank["plain_client_keys"]
+
+
+def test_a_rank_with_another_config_makes_every_rank_raise_instead_of_hanging(run_dist):
+    for rank in run_dist("disagree", 2):
+        assert rank["error"] is not None
+        assert "disagrees with rank" in rank["error"] and "ema_alpha" in rank["error"]
+
+
+def test_nonfinite_router_logits_on_one_rank_leave_every_view_finite_and_unchanged(run_dist):
+    ranks = run_dist("nonfinite", 2)
+    for rank in ranks:
+        assert rank["nonfinite"] > 0
+        assert torch.equal(rank["after"]["pressure_LG"], rank["before"]["pressure_LG"])
+        assert torch.equal(rank["after"]["heat_LE"], rank["before"]["heat_LE"])
+        assert torch.isfinite(rank["after"]["pressure_LG"]).all()
+        assert rank["after"]["steps"] == rank["before"]["steps"] + 1
+        assert torch.equal(rank["after"]["pressure_LG"], ranks[0]["after"]["pressure_LG"])
+    assert ranks[0]["warned"]
