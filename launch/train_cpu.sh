@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job: set up, then train the byte-level MoE LM on the stdlib sources with 2 CPU ranks under
+# the deepspeed launcher (W&B offline), writing runs/main/balance/balance.jsonl and its PNG plots.
+# Extra arguments go to examples/train_moe_lm.py (e.g. --steps 200, --resume).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup_cpu.sh"
+cd "$EB_ROOT"
+port="$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+deepspeed --num_gpus 2 --master_port "$port" examples/train_moe_lm.py \
+  --deepspeed_config configs/train_cpu_2rank.json --run-dir runs/main "$@"
+echo "plots: $EB_ROOT/runs/main/balance/plots   (re-render any time: eb report runs/main/balance)"

@@ -1,0 +1,54 @@
+"""The README's main job, small: the real `deepspeed` launcher, 2 CPU ranks, W&B offline, JSONL,
+PNG plots, a checkpoint, and a resume that continues the same run."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import EXT_DIR, ROOT, free_port
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def deepspeed_launch(run_dir, *extra, timeout=420):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", WANDB_MODE="offline", TORCH_EXTENSIONS_DIR=EXT_DIR,
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+           os.path.join(ROOT, "examples", "train_moe_lm.py"), "--deepspeed_config",
+           os.path.join(ROOT, "configs", "train_cpu_2rank.json"), "--run-dir", str(run_dir), "--layers", "2",
+           "--max-bytes", "300000", "--eval-every", "3", "--eval-batches", "1", *extra]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_the_main_job_trains_logs_plots_checkpoints_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    deepspeed_launch(run, "--steps", "10")
+    records = [json.loads(line) for line in (run / "balance" / "balance.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5, 10]  # "interval": 5 in configs/train_cpu_2rank.json
+    last = records[-1]
+    assert len(last["device_max_over_mean"]) == 2 and all(v >= 1.0 for v in last["device_max_over_mean"])
+    assert len(last["pressure_LG"]) == 2 and len(last["pressure_LG"][0]) == 2  # layers x EP ranks
+    assert 0.0 <= last["token_drop_rate"] < 1.0 and last["aux_weight"] == [1.0, 1.0]
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 10
+    assert summary["balance"]["token_drop_rate"] == last["token_drop_rate"]
+    assert summary["final"]["val_loss"] < 5.545  # below a uniform guess over 256 bytes (ln 256)
+    for path in summary["plots"]:
+        with open(path, "rb") as f:
+            assert f.read(8) == PNG_MAGIC, path
+    assert {os.path.basename(p) for p in summary["plots"]} >= {"device_max_over_mean.png", "pressure_heatmap.png",
+                                                               "summary.png", "token_drop_rate.png"}
+
+    wandb_runs = list((run / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 1 and list(wandb_runs[0].glob("run-*.wandb"))
+    wandb_log = wandb_runs[0] / "run-" f"{wandb_runs[0].name.split('-')[-1]}.wandb"
+    assert b"easybalance/layer_01/device_max_over_mean" in wandb_log.read_bytes()
+    assert (run / "ckpt" / "latest").read_text().strip()
+
+    deepspeed_launch(run, "--steps", "15", "--resume", "--no-report")
+    records = [json.loads(line) for line in (run / "balance" / "balance.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5, 10, 15]  # the resumed view continues the step count
+    assert json.loads((run / "summary.json").read_text())["steps"] == 15
