@@ -22,9 +22,11 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
-__all__ = ["ConfigError", "CostWeights", "LogConfig", "EasyBalanceConfig", "TOPOLOGY_PRESETS", "MODES"]
+__all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "EasyBalanceConfig", "TOPOLOGY_PRESETS", "MODES",
+           "AUX_POLICIES"]
 
 MODES = ("observe", "balance")
+AUX_POLICIES = ("fixed", "cross_layer", "bias")
 
 # (intra, cross, comm) — seed 000 §3.3 and §5.1.
 TOPOLOGY_PRESETS: dict[str, tuple[float, float, float]] = {
@@ -55,6 +57,23 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class AuxConfig:
+    """Training control (`easybalance.aux`): per-layer aux-loss weights or a selection bias."""
+    policy: str = "cross_layer"
+    weight_range: tuple[float, float] = (0.5, 2.0)   # cross_layer: clip of w_l (mean 1 kept)
+    smoothing: float = 0.3                           # cross_layer: fraction of the way to the target per step
+    bias_rate: float = 1e-3                          # bias: sign-update rate u
+    device_weight: float = 0.5                       # bias: weight of the device (window pressure) term
+    aux_scale: float = 1.0                           # bias: weight of every layer's l_aux
+    explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
+
+    def ignored_options(self) -> list[str]:
+        used = {"fixed": set(), "cross_layer": {"weight_range", "smoothing"},
+                "bias": {"bias_rate", "device_weight", "aux_scale"}}[self.policy]
+        return sorted(self.explicit - used - {"policy"})
+
+
+@dataclass(frozen=True)
 class EasyBalanceConfig:
     enabled: bool = False           # False when the block is absent; True by default when present
     mode: str = "balance"
@@ -66,6 +85,7 @@ class EasyBalanceConfig:
     warmup_batches: int = 4
     seq_len_weighting: bool = False
     log: LogConfig = field(default_factory=LogConfig)
+    aux: AuxConfig = field(default_factory=AuxConfig)
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)  # keys the user set
 
     # ------------------------------------------------------------------ parsing
@@ -92,7 +112,7 @@ class EasyBalanceConfig:
         block = copy.deepcopy(dict(_mapping(block, path)))
         explicit = frozenset(block)
         _reject_unknown(block, path, ["enabled", "mode", "topology", "weights", "ema_alpha", "window",
-                                      "decision_batch", "warmup_batches", "seq_len_weighting", "log"])
+                                      "decision_batch", "warmup_batches", "seq_len_weighting", "log", "aux"])
         enabled = _bool(block.pop("enabled", True), f"{path}.enabled")
         mode = _choice(block.pop("mode", "balance"), f"{path}.mode", MODES)
         topology = _choice(block.pop("topology", "pcie"), f"{path}.topology", tuple(TOPOLOGY_PRESETS))
@@ -116,6 +136,7 @@ class EasyBalanceConfig:
             warmup_batches=_int(block.pop("warmup_batches", 4), f"{path}.warmup_batches", minimum=0),
             seq_len_weighting=_bool(block.pop("seq_len_weighting", False), f"{path}.seq_len_weighting"),
             log=_log(block.pop("log", {}), f"{path}.log"),
+            aux=_aux(block.pop("aux", {}), f"{path}.aux"),
             explicit=explicit,
         )
         assert not block, f"unparsed keys left: {sorted(block)}"
@@ -134,11 +155,12 @@ class EasyBalanceConfig:
     def ignored_options(self) -> list[str]:
         """Options the user set that this mode does not use (each gets one warning).
 
-        `observe` changes nothing, so the options that only steer decisions are ignored there.
+        `observe` changes nothing, so the options that only steer decisions are ignored there;
+        in `balance`, the `aux` options that the chosen policy does not use.
         """
-        if self.mode != "observe":
-            return []
-        return sorted(self.explicit & {"topology", "weights", "decision_batch", "warmup_batches"})
+        if self.mode == "observe":
+            return sorted(self.explicit & {"topology", "weights", "decision_batch", "warmup_batches", "aux"})
+        return [f"aux.{name}" for name in self.aux.ignored_options()]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -148,6 +170,9 @@ class EasyBalanceConfig:
             "decision_batch": self.decision_batch, "warmup_batches": self.warmup_batches,
             "seq_len_weighting": self.seq_len_weighting,
             "log": {"interval": self.log.interval, "dir": self.log.dir, "wandb": self.log.wandb},
+            "aux": {"policy": self.aux.policy, "weight_range": list(self.aux.weight_range),
+                    "smoothing": self.aux.smoothing, "bias_rate": self.aux.bias_rate,
+                    "device_weight": self.aux.device_weight, "aux_scale": self.aux.aux_scale},
         }
 
 
@@ -229,3 +254,31 @@ def _log(block: Any, path: str) -> LogConfig:
         raise ConfigError(f"{path}.dir ({d!r}) must be a non-empty string")
     return LogConfig(interval=_int(block.get("interval", LogConfig.interval), f"{path}.interval", minimum=1),
                      dir=d, wandb=_bool(block.get("wandb", True), f"{path}.wandb"))
+
+
+def _aux(block: Any, path: str) -> AuxConfig:
+    block = dict(_mapping(block, path))
+    _reject_unknown(block, path, ["policy", "weight_range", "smoothing", "bias_rate", "device_weight", "aux_scale"])
+    d = AuxConfig()
+    policy = _choice(block.get("policy", d.policy), f"{path}.policy", AUX_POLICIES)
+    rng = block.get("weight_range", list(d.weight_range))
+    if not isinstance(rng, (list, tuple)) or len(rng) != 2:
+        raise ConfigError(f"{path}.weight_range ({rng!r}) must be [min, max] with min <= 1 <= max")
+    lo, hi = _number(rng[0], f"{path}.weight_range[0]"), _number(rng[1], f"{path}.weight_range[1]")
+    if not 0.0 <= lo <= 1.0 <= hi:
+        raise ConfigError(f"{path}.weight_range ([{lo}, {hi}]) must be [min, max] with 0 <= min <= 1 <= max "
+                          "(the weights keep mean 1)")
+    smoothing = _number(block.get("smoothing", d.smoothing), f"{path}.smoothing")
+    if not 0.0 < smoothing <= 1.0:
+        raise ConfigError(f"{path}.smoothing ({smoothing}) must be in (0, 1]")
+    rate = _number(block.get("bias_rate", d.bias_rate), f"{path}.bias_rate")
+    if not 0.0 < rate <= 1.0:
+        raise ConfigError(f"{path}.bias_rate ({rate}) must be in (0, 1]")
+    device_weight = _number(block.get("device_weight", d.device_weight), f"{path}.device_weight")
+    if device_weight < 0:
+        raise ConfigError(f"{path}.device_weight ({device_weight}) must be >= 0")
+    aux_scale = _number(block.get("aux_scale", d.aux_scale), f"{path}.aux_scale")
+    if aux_scale < 0:
+        raise ConfigError(f"{path}.aux_scale ({aux_scale}) must be >= 0")
+    return AuxConfig(policy=policy, weight_range=(lo, hi), smoothing=smoothing, bias_rate=rate,
+                     device_weight=device_weight, aux_scale=aux_scale, explicit=frozenset(block))

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .aux_control import AuxController
 from .config import EasyBalanceConfig, strip_block
 from .gate import CrossLayerGate
 from .load_view import LoadView, sequence_length_weights
@@ -74,6 +75,8 @@ class EasyBalance:
         self.num_layers, self.num_experts, self.num_devices = len(gates), experts[0], num_devices
         self.view = LoadView(self.num_layers, self.num_experts, num_devices, ema_alpha=config.ema_alpha,
                              window=config.window_for(len(gates)), warmup_batches=config.warmup_batches)
+        self.controller = AuxController(self.num_layers, self.num_experts, config.aux)
+        self._apply_controls()
         self.reduce_group = reduce_group
         self.ep_group = ep_group
         self.world_size = dist.get_world_size(reduce_group) if _dist_ready() else 1
@@ -153,6 +156,8 @@ class EasyBalance:
         if self.world_size > 1:
             dist.all_reduce(tally_LW, group=self.reduce_group)
         valid_L = self.view.update(tally_LW)
+        if self.config.mode == "balance" and self.controller.update(self.view):
+            self._apply_controls()
         if not bool(valid_L.all()) and float(self.view.last.nonfinite_L.sum()) > 0 and not self._warned_nonfinite:
             self._warned_nonfinite = True
             bad = [i for i, n in enumerate(self.view.last.nonfinite_L.tolist()) if n > 0]
@@ -161,6 +166,15 @@ class EasyBalance:
         if self.view.steps % self.config.log.interval == 0:
             self.logger.log(self.log_record(), self.global_samples or self.view.steps)
         return valid_L
+
+    def _apply_controls(self) -> None:
+        """Hand the controller's weights (and bias) to the gates; observe mode leaves DeepSpeed's routing."""
+        if self.config.mode != "balance":
+            return
+        for layer, gate in enumerate(self.gates):
+            gate.aux_weight = float(self.controller.weight_L[layer])
+            if self.controller.uses_bias:
+                gate.selection_bias_E = self.controller.bias_LE[layer].to(gate.wg.weight.device, torch.float32)
 
     # ------------------------------------------------------------------ reads
     def aux_weights(self) -> list[float]:
@@ -180,15 +194,15 @@ class EasyBalance:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, object]:
-        return {"version": 1, "view": self.view.state_dict(), "aux_weight_L": self.aux_weights(),
+        return {"version": 1, "view": self.view.state_dict(), "aux": self.controller.state_dict(),
                 "config": self.config.to_dict()}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         if int(state.get("version", 0)) != 1:
             raise ValueError(f"unknown easybalance checkpoint version {state.get('version')!r}")
         self.view.load_state_dict(state["view"])
-        for gate, w in zip(self.gates, state["aux_weight_L"]):
-            gate.aux_weight = float(w)
+        self.controller.load_state_dict(state["aux"])
+        self._apply_controls()
 
 
 def _wrap_checkpointing(engine, balancer: EasyBalance) -> None:

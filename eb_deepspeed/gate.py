@@ -1,6 +1,6 @@
 """`CrossLayerGate`: a drop-in for `deepspeed.moe.sharded_moe.TopKGate` that feeds the load view.
 
-Shape legend: T tokens, M model dim, E experts, K top-k, C capacity, R routes (K*T), W tally width (3E + 4).
+Shape legend: T tokens, M model dim, E experts, K top-k, C capacity, R routes (K*T), W tally width (3E + 6).
 
 Routing is DeepSpeed's own: the gate computes the logits exactly as `TopKGate` does and calls
 DeepSpeed's `top1gating` / `top2gating` / `topkgating`, so k = 1, 2 and > 2, capacity factors,
@@ -30,7 +30,51 @@ from deepspeed.moe.sharded_moe import TopKGate
 
 from .load_view import tally_width
 
-__all__ = ["CrossLayerGate"]
+__all__ = ["CrossLayerGate", "biased_topk_gating"]
+
+
+def biased_topk_gating(logits_TE: torch.Tensor, bias_E: torch.Tensor, k: int, capacity_factor: float,
+                       min_capacity: int, drop_tokens: bool, ep_group, sparse_routes: bool):
+    """DeepSpeed's `topkgating` ("probs" drop policy), with `bias_E` added to the selection scores only.
+
+    The experts are chosen by top-k of `softmax(logits) + bias` (aux-loss-free balancing); the gate
+    values, `l_aux` and the capacity priority use the unbiased `softmax(logits)`. For k = 1 the gate
+    value is the raw probability (as in DeepSpeed's top1gating), for k > 1 the kept values are
+    normalised to sum 1 (as in top2gating / topkgating). No noise policy applies in this mode.
+    Returns DeepSpeed's sparse 7-tuple or dense 4-tuple.
+    """
+    gates_TE = F.softmax(logits_TE, dim=1)
+    T, E = gates_TE.shape
+    _, top_idx_TK = torch.topk(gates_TE + bias_E.to(gates_TE.dtype), k=k, dim=1)
+    top_gate_TK = gates_TE.gather(1, top_idx_TK)
+    mask_TE = torch.zeros_like(gates_TE, dtype=torch.bool).scatter_(1, top_idx_TK, True)
+    exp_counts_E = mask_TE.sum(0).detach()
+    me_E, ce_E = gates_TE.mean(0), mask_TE.float().mean(0)
+    l_aux = (me_E * ce_E).sum() * E if k == 1 else (me_E * ce_E).mean() * E * E / k
+    if drop_tokens:
+        capacity = dsm._capacity(gates_TE, torch.tensor(capacity_factor * k), torch.tensor(min_capacity))
+        masked_gates_TE = torch.zeros_like(gates_TE).scatter(1, top_idx_TK, top_gate_TK)
+        selection = min(capacity, torch.tensor(T).to(capacity.device))
+        _, keep_idx = torch.topk(masked_gates_TE, k=selection, dim=0, sorted=False)
+        mask_TE &= torch.zeros_like(mask_TE).scatter_(0, keep_idx, True)
+    else:
+        capacity = exp_counts_E.max()
+        if pg_utils.is_parallel(ep_group):
+            dsm.dist.all_reduce(capacity, op=dsm.dist.ReduceOp.MAX, group=ep_group)
+    locations_TE = torch.cumsum(mask_TE, dim=0) - 1
+    gates_masked_TE = gates_TE * mask_TE
+    if k > 1:
+        gates_masked_TE = gates_masked_TE / gates_masked_TE.sum(1, keepdim=True).clamp_min(
+            torch.finfo(gates_masked_TE.dtype).eps)
+    if sparse_routes:
+        kept_TK = mask_TE.gather(1, top_idx_TK)
+        indices_TK = torch.where(kept_TK, top_idx_TK, torch.full_like(top_idx_TK, -1))
+        return (l_aux, capacity, E, dsm._stack_routes(indices_TK, torch.int32),
+                dsm._stack_routes(locations_TE.gather(1, top_idx_TK) * kept_TK, torch.int32),
+                dsm._stack_routes(gates_masked_TE.gather(1, top_idx_TK)), exp_counts_E)
+    locations_TEC = F.one_hot(locations_TE * mask_TE, num_classes=int(capacity)).float()
+    combine_TEC = gates_masked_TE.unsqueeze(2) * locations_TEC
+    return l_aux, combine_TEC, combine_TEC.bool(), exp_counts_E
 
 
 class CrossLayerGate(TopKGate):
@@ -47,6 +91,8 @@ class CrossLayerGate(TopKGate):
         # A Python float, not a tensor: multiplying by 1.0 leaves l_aux bit-identical to DeepSpeed's,
         # and the controller changes it only at step boundaries.
         self.aux_weight = 1.0
+        # Per-expert selection bias [E] of the `bias` policy (selection scores only); None = DeepSpeed's routing.
+        self.selection_bias_E: Optional[torch.Tensor] = None
         # Per-token load weights for the next forward ([T]), set by the adapter when
         # sequence-length weighting is on; None counts every token as 1.
         self.token_weights_T: Optional[torch.Tensor] = None
@@ -78,7 +124,7 @@ class CrossLayerGate(TopKGate):
         return out
 
     def _record(self, routed_E: torch.Tensor, route_expert_R: torch.Tensor, tokens, nonfinite: torch.Tensor,
-                token_w_R: Optional[torch.Tensor]) -> None:
+                token_w_R: Optional[torch.Tensor], l_aux: torch.Tensor) -> None:
         """Add one forward's routes to the tally (no host sync).
 
         routed_E: [E] route requests before the capacity limit; route_expert_R: [R] int64 expert id
@@ -99,6 +145,8 @@ class CrossLayerGate(TopKGate):
             t.index_add_(0, slot_R + (E + 1), token_w_R)
         t[3 * E + 2] += tokens
         t[3 * E + 3] += nonfinite
+        t[3 * E + 4] += l_aux.detach().nan_to_num(0.0, 0.0, 0.0)  # NaN logits -> NaN l_aux; the count says so
+        t[3 * E + 5] += 1
 
     # ------------------------------------------------------------------ forward
     def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
@@ -120,7 +168,10 @@ class CrossLayerGate(TopKGate):
             # A row sum is non-finite iff the row holds a NaN/Inf (one reduction instead of a [T, E] mask).
             nonfinite = (~torch.isfinite(logits_TE.sum(dim=1))).sum() if self.training else None
             capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
-            if self.k == 1:
+            if self.selection_bias_E is not None:
+                gate_output = biased_topk_gating(logits_TE, self.selection_bias_E, self.k, capacity_factor,
+                                                 self.min_capacity, self.drop_tokens, self.ep_group, sparse_routes)
+            elif self.k == 1:
                 gate_output = dsm.top1gating(logits_TE, capacity_factor, self.min_capacity, used_token,
                                              self.noisy_gate_policy if self.training else None, self.drop_tokens,
                                              self.use_rts, self.ep_group, sparse_routes, use_tutel)
@@ -159,7 +210,7 @@ class CrossLayerGate(TopKGate):
         token_w_R = None if token_w is None else token_w.expand(K, T).reshape(-1) if sparse_routes \
             else token_w[:, None].expand(T, K).reshape(-1)
         tokens = used_token.sum() if used_token is not None else T
-        self._record(exp_counts_E, route_expert_R, tokens, nonfinite, token_w_R)
+        self._record(exp_counts_E, route_expert_R, tokens, nonfinite, token_w_R, gate_output[0])
 
     def _token_weights(self, T: int) -> Optional[torch.Tensor]:
         w = self.token_weights_T

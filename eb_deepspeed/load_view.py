@@ -1,14 +1,14 @@
 """The cross-layer load view: one [layers x devices] pressure matrix and one [layers x experts]
 heat matrix, EMA-smoothed, identical on every rank (seed 000 §2.1 and §3.2).
 
-Shape legend: L MoE layers, E logical experts per layer, G EP ranks (devices), W tally width (3E + 4).
+Shape legend: L MoE layers, E logical experts per layer, G EP ranks (devices), W tally width (3E + 6).
 
 Each gate adds its routes to a per-layer *tally* during forward (see `tally_width`); at each
 gradient-accumulation boundary the adapter stacks the tallies into one `[L, W]` tensor, does
 one all-reduce, and calls `LoadView.update` with the sum. Everything here is pure tensor code
 on CPU float64, so every rank computes the same view from the same reduced tallies.
 
-Tally layout per layer, W = 3E + 4:
+Tally layout per layer, W = 3E + 6:
     [0, E)          routed     route requests per expert before the capacity limit (demand)
     E               scratch    routes that were not kept land here; ignored
     [E+1, 2E+1)     kept       routes kept per expert (processed)
@@ -16,6 +16,8 @@ Tally layout per layer, W = 3E + 4:
     [2E+2, 3E+2)    load       kept routes weighted by sequence length (= kept when weighting is off)
     3E + 2          tokens     tokens seen
     3E + 3          nonfinite  tokens whose router logits held NaN/Inf
+    3E + 4          aux        sum of the layer's unweighted l_aux over forwards (and ranks)
+    3E + 5          forwards   forward calls that recorded (so aux / forwards is the mean l_aux)
 
 (A scratch slot sits just before `kept` and `load` so that the gate's index_adds of
 `expert id + offset` need no mask: routes that were not kept carry id -1. Dropped routes are
@@ -36,7 +38,7 @@ __all__ = ["LoadView", "tally_width", "split_tally", "TallySplit", "sequence_len
 
 
 def tally_width(num_experts: int) -> int:
-    return 3 * num_experts + 4
+    return 3 * num_experts + 6
 
 
 @dataclass
@@ -46,15 +48,17 @@ class TallySplit:
     load_LE: torch.Tensor
     tokens_L: torch.Tensor
     nonfinite_L: torch.Tensor
+    aux_L: torch.Tensor
+    forwards_L: torch.Tensor
 
 
 def split_tally(tally_LW: torch.Tensor, num_experts: int) -> TallySplit:
-    """Split a stacked tally [L, 3E + 4] into its named parts (views, no copies)."""
+    """Split a stacked tally [L, 3E + 6] into its named parts (views, no copies)."""
     E = num_experts
     if tally_LW.dim() != 2 or tally_LW.shape[1] != tally_width(E):
         raise ValueError(f"tally must be [layers, {tally_width(E)}] for {E} experts, got {tuple(tally_LW.shape)}")
     return TallySplit(tally_LW[:, :E], tally_LW[:, E + 1:2 * E + 1], tally_LW[:, 2 * E + 2:3 * E + 2],
-                      tally_LW[:, 3 * E + 2], tally_LW[:, 3 * E + 3])
+                      tally_LW[:, 3 * E + 2], tally_LW[:, 3 * E + 3], tally_LW[:, 3 * E + 4], tally_LW[:, 3 * E + 5])
 
 
 def sequence_length_weights(lengths_B: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -113,7 +117,7 @@ class LoadView:
         return out_LG.index_add_(1, self.expert_to_device_E, per_expert_LE)
 
     def update(self, tally_LW: torch.Tensor) -> torch.Tensor:
-        """Fold one step's reduced tallies [L, 3E + 4] into the view. Returns valid_L [L] bool:
+        """Fold one step's reduced tallies [L, 3E + 6] into the view. Returns valid_L [L] bool:
         the layers that were updated (saw tokens, no non-finite logits).
 
         The first valid update of a layer sets its EMA directly (no pull towards the zero start).
@@ -162,6 +166,7 @@ class LoadView:
         out["layer_token_drop_rate"] = torch.where(routed_L > 0, dropped_L / routed_L.clamp_min(1), 0.0).tolist()
         out["ema_device_max_over_mean"] = M.max_over_mean(self.pressure_LG).tolist()
         out["ema_device_util_std"] = M.device_util_std(self.pressure_LG)
+        out["aux_loss"] = torch.where(last.forwards_L > 0, last.aux_L / last.forwards_L.clamp_min(1), 0.0).tolist()
         out["tokens"] = float(last.tokens_L.max())
         out["nonfinite_tokens"] = float(last.nonfinite_L.sum())
         out["skipped_layers"] = int(self.L - int(((last.tokens_L > 0) & (last.nonfinite_L == 0)).sum()))

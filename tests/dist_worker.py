@@ -70,9 +70,12 @@ def train_step(engine, step: int, grads: dict | None = None, coeff: float = 0.1)
 
 def view_state(engine) -> dict:
     eb = engine.easybalance
+    gates = eb.gates
     return {"pressure_LG": eb.view.pressure_LG.clone(), "heat_LE": eb.view.heat_LE.clone(),
             "updates_L": eb.view.updates_L.clone(), "steps": eb.view.steps,
-            "last_tally_LW": eb.view.state_dict()["last_tally_LW"], "aux_weight": eb.aux_weights()}
+            "last_tally_LW": eb.view.state_dict()["last_tally_LW"], "aux_weight": eb.aux_weights(),
+            "weight_L": eb.controller.weight_L.clone(), "bias_LE": eb.controller.bias_LE.clone(),
+            "gate_bias": [None if g.selection_bias_E is None else g.selection_bias_E.clone() for g in gates]}
 
 
 # ---------------------------------------------------------------------- scenarios
@@ -80,7 +83,7 @@ def scenario_equivalence(p):
     """Plain DeepSpeed vs eb_deepspeed disabled / observe / balance: losses and gradients."""
     out = {}
     blocks = {"plain": None, "no_block": None, "disabled": {"enabled": False}, "observe": {"mode": "observe"},
-              "balance": {"mode": "balance"}}
+              "balance": {"mode": "balance", "aux": {"policy": "fixed"}}}
     for name, block in blocks.items():
         cfg = base_config(gradient_accumulation_steps=p.get("accum", 1))
         if block is not None:
@@ -157,14 +160,17 @@ def scenario_view(p):
 
 
 def scenario_checkpoint(p):
-    """Save after 3 steps, restore into a fresh engine: the view and weights come back exactly."""
+    """Save after 3 steps, restore into a fresh engine: view, weights and bias come back exactly,
+    and the next step gives what the uninterrupted run gives."""
     ckpt = os.path.join(p["out"], "ckpt")
-    cfg = base_config(easybalance={"mode": "balance", "log": {"dir": os.path.join(p["out"], "log")}})
+    aux = {"policy": p["policy"]}
+    if p["policy"] == "bias":
+        aux["bias_rate"] = 0.05
+    cfg = base_config(easybalance={"mode": "balance", "warmup_batches": 1, "aux": aux,
+                                   "log": {"dir": os.path.join(p["out"], "log")}})
     a = make_engine(make_model(seed=0, ep_size=2), copy.deepcopy(cfg))
     for step in range(3):
         train_step(a, step)
-    for gate, w in zip(a.easybalance.gates, (1.5, 0.5)):
-        gate.aux_weight = w
     a.save_checkpoint(ckpt, tag="step3", client_state={"user_key": 42})
     saved = view_state(a)
     train_step(a, 3)

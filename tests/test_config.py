@@ -53,7 +53,7 @@ def test_the_users_dict_is_never_changed():
 
 
 @pytest.mark.parametrize("block, message", [
-    ({"ema_alfa": 0.3}, r"easybalance\.ema_alfa: unknown key; valid keys: decision_batch, ema_alpha, enabled"),
+    ({"ema_alfa": 0.3}, r"easybalance\.ema_alfa: unknown key; valid keys: aux, decision_batch, ema_alpha, enabled"),
     ({"weights": {"crosss": 0.5}}, r"easybalance\.weights\.crosss: unknown key; valid keys: comm, cross, intra"),
     ({"log": {"every": 2}}, r"easybalance\.log\.every: unknown key; valid keys: dir, interval, wandb"),
     ({"mode": "fast"}, r"easybalance\.mode \('fast'\) must be one of: observe, balance"),

@@ -67,14 +67,25 @@ def test_every_rank_holds_the_same_view_updated_once_per_accumulation_boundary(r
     assert ranks[0]["metrics"]["tokens"] == world_size * accum * 4 * 16
 
 
-def test_checkpoint_round_trip_restores_the_view_and_weights_exactly(run_dist):
-    for rank in run_dist("checkpoint", 2):
+@pytest.mark.parametrize("policy", ["cross_layer", "bias"])
+def test_checkpoint_round_trip_restores_the_view_and_controls_and_the_next_step_matches(run_dist, policy):
+    ranks = run_dist("checkpoint", 2, policy=policy)
+    for rank in ranks:
         assert rank["loaded"]
-        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally_LW"):
+        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally_LW", "weight_L", "bias_LE"):
             assert torch.equal(rank["restored"][key], rank["saved"][key]), key
             assert torch.equal(rank["after_b"][key], rank["after_a"][key]), f"next step {key}"
         assert rank["restored"]["steps"] == rank["saved"]["steps"] == 3
-        assert rank["restored"]["aux_weight"] == [1.5, 0.5]
+        assert rank["restored"]["aux_weight"] == rank["saved"]["aux_weight"]
+        if policy == "cross_layer":  # the controller acted before the save: weights are not all 1
+            assert rank["saved"]["aux_weight"] != [1.0, 1.0]
+            assert abs(sum(rank["saved"]["aux_weight"]) / 2 - 1.0) < 1e-9
+        else:
+            assert rank["saved"]["bias_LE"].abs().sum() > 0 and rank["saved"]["aux_weight"] == [1.0, 1.0]
+            assert all(torch.equal(g.double(), b.float().double()) for g, b in
+                       zip(rank["restored"]["gate_bias"], rank["restored"]["bias_LE"]))
+        assert torch.equal(rank["saved"]["weight_L"], ranks[0]["saved"]["weight_L"])  # same on every rank
+        assert torch.equal(rank["saved"]["bias_LE"], ranks[0]["saved"]["bias_LE"])
         assert rank["client"]["user_key"] == 42 and "easybalance" not in rank["client"]  # ours is taken out
         assert rank["plain_loaded"] and "easybalance" in rank["plain_client_keys"]
 

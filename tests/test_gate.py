@@ -153,3 +153,52 @@ def test_no_gate_buffer_name_mentions_expert():
     _, eb = pair(2)
     assert not [n for n, _ in eb.named_buffers() if "expert" in n]
     assert list(eb.state_dict()) == ["wg.weight"]
+
+
+@pytest.mark.parametrize("k, sparse", [(1, True), (2, True), (3, True), (2, False)])
+def test_the_selection_bias_changes_which_experts_are_chosen_but_never_the_gate_values(k, sparse):
+    from eb_deepspeed.gate import biased_topk_gating
+    torch.manual_seed(0)
+    logits = torch.randn(64, E)
+    probs = torch.softmax(logits, 1)
+    bias = torch.zeros(E)
+    bias[3] = 10.0  # expert 3 wins every selection
+    out = biased_topk_gating(logits, bias, k, float(E), 1, True, None, sparse)  # capacity >= T: nothing dropped
+    if sparse:
+        idx_KT, gates_KT = out[3].long(), out[5]
+        assert (idx_KT == 3).any(0).all()  # every token routed to expert 3
+        chosen = probs.gather(1, idx_KT.clamp_min(0).t()).t()
+        expected = chosen if k == 1 else chosen / chosen.sum(0, keepdim=True)
+        assert torch.allclose(gates_KT, expected * (idx_KT >= 0))
+        # l_aux from the unbiased probabilities: mean(me * ce) * E * E / k
+        ce = torch.zeros(E).index_add_(0, idx_KT.flatten(), torch.ones(idx_KT.numel())) / 64
+        assert torch.allclose(out[0], (probs.mean(0) * ce).mean() * E * E / k)
+    else:
+        combine_TEC = out[1]
+        assert combine_TEC[:, 3].sum() > 0
+        picked_TE = combine_TEC.sum(2)
+        sel = picked_TE > 0
+        expected = probs * sel / (probs * sel).sum(1, keepdim=True)
+        assert torch.allclose(picked_TE, expected)
+
+
+def test_a_zero_bias_routes_exactly_like_deepspeeds_topkgating():
+    from deepspeed.moe.sharded_moe import topkgating
+    from eb_deepspeed.gate import biased_topk_gating
+    torch.manual_seed(1)
+    logits = torch.randn(64, E)
+    for drop in (True, False):
+        ours = biased_topk_gating(logits.clone(), torch.zeros(E), 3, 1.0, 2, drop, None, True)
+        theirs = topkgating(logits.clone(), 3, 1.0, 2, drop, None, sparse_routes=True)
+        assert_same(ours, theirs)
+
+
+def test_the_gate_uses_its_selection_bias_and_records_the_biased_routes():
+    _, eb = pair(2, min_capacity=2, capacity_factor=float(E))
+    eb.selection_bias_E = torch.zeros(E)
+    eb.selection_bias_E[5] = 10.0
+    out = call(eb, torch.randn(32, M), 0, True)
+    assert (out[3] == 5).any(0).all()
+    part = split_tally(eb.take_tally(torch.device("cpu"))[None], E)
+    assert part.kept_LE[0, 5].item() == 32 and part.forwards_L.item() == 1
+    assert part.aux_L.item() == pytest.approx(out[0].item())

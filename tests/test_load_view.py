@@ -9,11 +9,11 @@ E = 4  # experts 0, 1 on device 0; experts 2, 3 on device 1
 
 
 def tally(routed, kept=None, load=None, tokens=None, nonfinite=0.0):
-    """One layer's tally row [3E + 4] from readable parts."""
+    """One layer's tally row [3E + 6] from readable parts."""
     kept = routed if kept is None else kept
     load = kept if load is None else load
     tokens = sum(routed) / 2 if tokens is None else tokens
-    return torch.tensor(list(routed) + [0.0] + list(kept) + [0.0] + list(load) + [tokens, nonfinite],
+    return torch.tensor(list(routed) + [0.0] + list(kept) + [0.0] + list(load) + [tokens, nonfinite, 0.0, 1.0],
                         dtype=torch.float64)
 
 
@@ -23,7 +23,7 @@ def test_tally_layout_splits_into_named_parts():
     assert part.kept_LE.tolist() == [[1, 2, 3, 3]]
     assert part.load_LE.tolist() == [[2, 2, 2, 2]]
     assert part.tokens_L.tolist() == [5] and part.nonfinite_L.tolist() == [1]
-    assert tally_width(E) == 3 * E + 4
+    assert tally_width(E) == 3 * E + 6
 
 
 def test_the_first_update_sets_the_view_and_later_ones_follow_the_ema():
@@ -83,7 +83,7 @@ def test_corrupt_tallies_are_refused_without_changing_the_view():
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="tallies must be finite and non-negative"):
         view.update(bad)
-    with pytest.raises(ValueError, match=r"tally must be \[layers, 16\] for 4 experts, got \(1, 3\)"):
+    with pytest.raises(ValueError, match=r"tally must be \[layers, 18\] for 4 experts, got \(1, 3\)"):
         view.update(torch.zeros(1, 3))
     assert torch.equal(view.pressure_LG, before["pressure_LG"]) and view.steps == before["steps"]
 
@@ -110,7 +110,7 @@ def test_state_dict_round_trip_restores_the_view_exactly():
     for _ in range(5):
         routed = torch.randint(0, 50, (3, E), generator=g).double()
         view.update(torch.cat([routed, torch.zeros(3, 1), routed, torch.zeros(3, 1), routed,
-                               routed.sum(1, keepdim=True) / 2, torch.zeros(3, 1)], 1))
+                               routed.sum(1, keepdim=True) / 2, torch.zeros(3, 1), torch.ones(3, 1), torch.ones(3, 1)], 1))
     restored = LoadView(3, E, 2, ema_alpha=0.3)
     restored.load_state_dict(view.state_dict())
     assert torch.equal(restored.pressure_LG, view.pressure_LG) and torch.equal(restored.heat_LE, view.heat_LE)
