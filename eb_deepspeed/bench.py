@@ -1,17 +1,23 @@
 """Benchmarks that print ratios measured side by side in one run (absolute times here are noise).
 
     eb bench gate --json      # CrossLayerGate vs DeepSpeed's TopKGate, forward + backward
+    eb bench train --json     # aux policies fixed / cross_layer / bias (+ no balancing), same seed and data
 
 Shape legend: T tokens, M model dim, E experts, K top-k.
 """
 from __future__ import annotations
 
+import json
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
-__all__ = ["bench_gate"]
+__all__ = ["bench_gate", "bench_train", "TRAIN_ROWS"]
 
 
 def _time_gate(gate, x_TM: torch.Tensor, seed: int) -> float:
@@ -60,3 +66,94 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
     ratio = statistics.geometric_mean([r["ratio"] for r in rows])
     return {"benchmark": "gate", "mode": "forward+backward, sparse routes", "threads": torch.get_num_threads(),
             "repeats": repeats, "rows": rows, "ratio": round(ratio, 4), "target": 1.05}
+
+
+# (row name, aux policy, coefficient multiplier): the no-balancing row keeps the gates but coefficient 0.
+TRAIN_ROWS = (("none", "fixed", 0.0), ("fixed", "fixed", 1.0), ("cross_layer", "cross_layer", 1.0),
+              ("bias", "bias", 1.0))
+TRAIN_KEYS = ("token_drop_rate", "val_token_drop_rate", "val_max_vio", "device_max_over_mean_p90",
+              "val_device_max_over_mean_p90", "val_loss", "seconds_per_step")
+
+
+def _repo_root() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.exists(os.path.join(root, "examples", "train_moe_lm.py")):
+        raise FileNotFoundError(f"eb bench train needs the repository's examples/ (not found under {root}); "
+                                "install with `pip install -e .` from a checkout")
+    return root
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_train(steps: int = 200, coeff: float = 0.01, capacity_factor: float = 1.0, seed: int = 1234,
+                out_dir: str = "runs/bench_train", bias_rate: float | None = None, layers: int = 4,
+                num_gpus: int = 2, progress: bool = True, extra: tuple[str, ...] = ()) -> dict[str, object]:
+    """Train the example model once per policy (real deepspeed launcher, `num_gpus` CPU ranks) and compare.
+
+    Every row uses the same seed, data, capacity factor, step count and mean coefficient; `none`
+    sets the coefficient to 0 to show how much imbalance there is to remove.
+    """
+    root = _repo_root()
+    rows = {}
+    for name, policy, mult in TRAIN_ROWS:
+        run_dir = os.path.join(out_dir, name)
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus), "--master_port",
+               str(_free_port()), os.path.join(root, "examples", "train_moe_lm.py"), "--deepspeed_config",
+               os.path.join(root, "configs", "train_cpu_2rank.json"), "--run-dir", run_dir, "--steps", str(steps),
+               "--seed", str(seed), "--coeff", str(coeff * mult), "--aux-policy", policy, "--capacity-factor",
+               str(capacity_factor), "--layers", str(layers), "--eval-every", str(max(1, steps // 2)),
+               "--eval-batches", "8", *extra]
+        if bias_rate is not None:
+            cmd += ["--bias-rate", str(bias_rate)]
+        if progress:
+            print(f"[eb bench train] {name}: policy {policy}, coefficient {coeff * mult} ...", file=sys.stderr,
+                  flush=True)
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="offline"))
+        if proc.returncode != 0:
+            raise RuntimeError(f"row {name} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            summary = json.load(f)
+        final, half = summary["final"], summary["train_second_half"]
+        rows[name] = {"policy": policy, "coeff": coeff * mult,
+                      "token_drop_rate": half["token_drop_rate"],
+                      "val_token_drop_rate": final["val_token_drop_rate"], "val_max_vio": final["val_max_vio"],
+                      "device_max_over_mean_p90": half["device_max_over_mean_p90"],
+                      "val_device_max_over_mean_p90": final["val_device_max_over_mean_p90"],
+                      "val_loss": final["val_loss"], "seconds_per_step": summary["seconds_per_step"],
+                      "wall_s": round(time.time() - t0, 1)}
+        if progress:
+            print("  " + ", ".join(f"{k} {rows[name][k]:.4f}" for k in TRAIN_KEYS), file=sys.stderr, flush=True)
+    base = rows["fixed"]
+
+    def cut(row, key, minus_one=False):
+        b, r = base[key] - (1.0 if minus_one else 0.0), row[key] - (1.0 if minus_one else 0.0)
+        return 1.0 - r / b if b > 0 else 0.0
+
+    verdicts = {}
+    for name in ("cross_layer", "bias"):
+        row = rows[name]
+        v = {"drop_rate_cut": cut(row, "token_drop_rate"), "val_drop_rate_cut": cut(row, "val_token_drop_rate"),
+             "p90_excess_cut": cut(row, "device_max_over_mean_p90", True),
+             "val_p90_excess_cut": cut(row, "val_device_max_over_mean_p90", True),
+             "val_loss_change": row["val_loss"] / base["val_loss"] - 1.0}
+        v["meets_target"] = bool(v["drop_rate_cut"] >= 0.3 and v["p90_excess_cut"] >= 0.3
+                                 and v["val_loss_change"] <= 0.01)
+        verdicts[name] = {k: (round(x, 4) if isinstance(x, float) else x) for k, x in v.items()}
+    return {"benchmark": "train", "steps": steps, "coeff": coeff, "capacity_factor": capacity_factor, "seed": seed,
+            "layers": layers, "ranks": num_gpus, "rows": rows, "against_fixed": verdicts,
+            "target": "drop rate and p90 device max/mean excess cut >= 30% vs fixed, val loss <= +1%"}
+
+
+def format_train_table(result: dict[str, object]) -> str:
+    head = ["row", "coeff"] + list(TRAIN_KEYS)
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for name, row in result["rows"].items():
+        lines.append(" | ".join([name, f"{row['coeff']:g}"] + [f"{row[k]:.4f}" for k in TRAIN_KEYS]))
+    for name, v in result["against_fixed"].items():
+        lines.append(f"{name} vs fixed: " + ", ".join(f"{k} {val}" for k, val in v.items()))
+    return "\n".join(lines)

@@ -2,6 +2,7 @@
 
     eb report RUN_DIR [--out DIR]     PNG balance curves + heatmap from RUN_DIR/balance.jsonl
     eb bench gate [--json]            CrossLayerGate vs DeepSpeed's TopKGate overhead
+    eb bench train [--json]           aux policies side by side on the example model (2 CPU ranks)
 """
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ def _bench(args) -> int:
             print(f"CrossLayerGate / TopKGate (forward+backward): ratio {result['ratio']:.3f} "
                   f"(target <= {result['target']})")
         return 0
+    if args.what == "train":
+        from .bench import bench_train, format_train_table
+        result = bench_train(steps=args.steps, coeff=args.coeff, capacity_factor=args.capacity_factor,
+                             seed=args.seed, out_dir=args.out, bias_rate=args.bias_rate, layers=args.layers)
+        print(format_train_table(result))
+        if args.json:
+            print(json.dumps(result, indent=2))
+        return 0
     raise AssertionError(args.what)
 
 
@@ -43,13 +52,20 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_report)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
-    p.add_argument("what", choices=["gate"])
+    p.add_argument("what", choices=["gate", "train"])
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--experts", type=int, nargs="+", default=[16, 64])
     p.add_argument("--k", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=30, help="gate: timed repeats")
+    p.add_argument("--steps", type=int, default=200, help="train: optimizer steps per row")
+    p.add_argument("--coeff", type=float, default=0.01, help="train: aux-loss coefficient of the balanced rows")
+    p.add_argument("--capacity-factor", type=float, default=1.0, help="train: capacity factor of every row")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--layers", type=int, default=4, help="train: MoE layers of the example model")
+    p.add_argument("--bias-rate", type=float, default=None, help="train: easybalance.aux.bias_rate of the bias row")
+    p.add_argument("--out", default="runs/bench_train", help="train: run directories")
     p.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)

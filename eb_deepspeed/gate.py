@@ -30,51 +30,40 @@ from deepspeed.moe.sharded_moe import TopKGate
 
 from .load_view import tally_width
 
-__all__ = ["CrossLayerGate", "biased_topk_gating"]
+__all__ = ["CrossLayerGate", "unbias_gate_output"]
 
 
-def biased_topk_gating(logits_TE: torch.Tensor, bias_E: torch.Tensor, k: int, capacity_factor: float,
-                       min_capacity: int, drop_tokens: bool, ep_group, sparse_routes: bool):
-    """DeepSpeed's `topkgating` ("probs" drop policy), with `bias_E` added to the selection scores only.
+def unbias_gate_output(gate_output, logits_TE: torch.Tensor, selection_TE: torch.Tensor, k: int,
+                       sparse_routes: bool):
+    """Gate values and l_aux of an output routed on biased `selection_TE`, recomputed from `logits_TE`.
 
-    The experts are chosen by top-k of `softmax(logits) + bias` (aux-loss-free balancing); the gate
-    values, `l_aux` and the capacity priority use the unbiased `softmax(logits)`. For k = 1 the gate
-    value is the raw probability (as in DeepSpeed's top1gating), for k > 1 the kept values are
-    normalised to sum 1 (as in top2gating / topkgating). No noise policy applies in this mode.
-    Returns DeepSpeed's sparse 7-tuple or dense 4-tuple.
+    The `bias` policy routes with DeepSpeed's own gating functions on `logits + bias` (so capacity,
+    RTS, 2nd-expert sampling and both return forms are DeepSpeed's), then puts back what the bias
+    must never touch: each kept route's gate value is the unbiased probability (raw for k = 1,
+    normalised over the token's kept routes for k > 1, as DeepSpeed does), and l_aux uses the
+    unbiased mean probabilities with DeepSpeed's formula for that k.
     """
-    gates_TE = F.softmax(logits_TE, dim=1)
-    T, E = gates_TE.shape
-    _, top_idx_TK = torch.topk(gates_TE + bias_E.to(gates_TE.dtype), k=k, dim=1)
-    top_gate_TK = gates_TE.gather(1, top_idx_TK)
-    mask_TE = torch.zeros_like(gates_TE, dtype=torch.bool).scatter_(1, top_idx_TK, True)
-    exp_counts_E = mask_TE.sum(0).detach()
-    me_E, ce_E = gates_TE.mean(0), mask_TE.float().mean(0)
-    l_aux = (me_E * ce_E).sum() * E if k == 1 else (me_E * ce_E).mean() * E * E / k
-    if drop_tokens:
-        capacity = dsm._capacity(gates_TE, torch.tensor(capacity_factor * k), torch.tensor(min_capacity))
-        masked_gates_TE = torch.zeros_like(gates_TE).scatter(1, top_idx_TK, top_gate_TK)
-        selection = min(capacity, torch.tensor(T).to(capacity.device))
-        _, keep_idx = torch.topk(masked_gates_TE, k=selection, dim=0, sorted=False)
-        mask_TE &= torch.zeros_like(mask_TE).scatter_(0, keep_idx, True)
-    else:
-        capacity = exp_counts_E.max()
-        if pg_utils.is_parallel(ep_group):
-            dsm.dist.all_reduce(capacity, op=dsm.dist.ReduceOp.MAX, group=ep_group)
-    locations_TE = torch.cumsum(mask_TE, dim=0) - 1
-    gates_masked_TE = gates_TE * mask_TE
-    if k > 1:
-        gates_masked_TE = gates_masked_TE / gates_masked_TE.sum(1, keepdim=True).clamp_min(
-            torch.finfo(gates_masked_TE.dtype).eps)
+    probs_TE = F.softmax(logits_TE, dim=1)
+    T, E = probs_TE.shape
+    me_E = probs_TE.mean(0)
+    if k == 2:  # top2gating's ce counts first choices only
+        ce_E = F.one_hot(selection_TE.argmax(1), num_classes=E).float().mean(0)
+        l_aux = (me_E * ce_E).mean() * E * E
+    else:       # top1gating / topkgating: ce from the (pre-capacity) routed counts
+        ce_E = gate_output[-1].float() / T
+        l_aux = (me_E * ce_E).sum() * E if k == 1 else (me_E * ce_E).mean() * E * E / k
     if sparse_routes:
-        kept_TK = mask_TE.gather(1, top_idx_TK)
-        indices_TK = torch.where(kept_TK, top_idx_TK, torch.full_like(top_idx_TK, -1))
-        return (l_aux, capacity, E, dsm._stack_routes(indices_TK, torch.int32),
-                dsm._stack_routes(locations_TE.gather(1, top_idx_TK) * kept_TK, torch.int32),
-                dsm._stack_routes(gates_masked_TE.gather(1, top_idx_TK)), exp_counts_E)
-    locations_TEC = F.one_hot(locations_TE * mask_TE, num_classes=int(capacity)).float()
-    combine_TEC = gates_masked_TE.unsqueeze(2) * locations_TEC
-    return l_aux, combine_TEC, combine_TEC.bool(), exp_counts_E
+        indices_KT = gate_output[3]
+        kept_KT = indices_KT >= 0
+        p_KT = probs_TE.gather(1, indices_KT.long().clamp_min(0).t()).t() * kept_KT
+        if k > 1:
+            p_KT = p_KT / p_KT.sum(0, keepdim=True).clamp_min(torch.finfo(p_KT.dtype).eps)
+        return (l_aux, ) + tuple(gate_output[1:5]) + (p_KT, gate_output[6])
+    dispatch_TEC = gate_output[2]
+    p_TE = probs_TE * dispatch_TEC.any(2)
+    if k > 1:
+        p_TE = p_TE / p_TE.sum(1, keepdim=True).clamp_min(torch.finfo(p_TE.dtype).eps)
+    return l_aux, dispatch_TEC * p_TE.unsqueeze(2), dispatch_TEC, gate_output[3]
 
 
 class CrossLayerGate(TopKGate):
@@ -168,19 +157,24 @@ class CrossLayerGate(TopKGate):
             # A row sum is non-finite iff the row holds a NaN/Inf (one reduction instead of a [T, E] mask).
             nonfinite = (~torch.isfinite(logits_TE.sum(dim=1))).sum() if self.training else None
             capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
-            if self.selection_bias_E is not None:
-                gate_output = biased_topk_gating(logits_TE, self.selection_bias_E, self.k, capacity_factor,
-                                                 self.min_capacity, self.drop_tokens, self.ep_group, sparse_routes)
-            elif self.k == 1:
-                gate_output = dsm.top1gating(logits_TE, capacity_factor, self.min_capacity, used_token,
+            # The bias policy selects on logits + bias; DeepSpeed's gating does the rest, unbias_gate_output
+            # restores the unbiased gate values and l_aux. (Softmax is monotone: top-k of logits + b is
+            # top-k of softmax(logits + b).)
+            selection_TE = logits_TE if self.selection_bias_E is None else logits_TE + self.selection_bias_E
+            if self.k == 1:
+                gate_output = dsm.top1gating(selection_TE, capacity_factor, self.min_capacity, used_token,
                                              self.noisy_gate_policy if self.training else None, self.drop_tokens,
                                              self.use_rts, self.ep_group, sparse_routes, use_tutel)
             elif self.k == 2:
-                gate_output = dsm.top2gating(logits_TE, capacity_factor, self.min_capacity, self.drop_tokens,
+                # top2gating adds its Gumbel noise to the logits in place: hand it a copy when biased
+                gate_output = dsm.top2gating(selection_TE if self.selection_bias_E is None else selection_TE.clone(),
+                                             capacity_factor, self.min_capacity, self.drop_tokens,
                                              self.ep_group, self.top2_2nd_expert_sampling, sparse_routes)
             else:
-                gate_output = dsm.topkgating(logits_TE, self.k, capacity_factor, self.min_capacity,
+                gate_output = dsm.topkgating(selection_TE, self.k, capacity_factor, self.min_capacity,
                                              self.drop_tokens, self.ep_group, sparse_routes=sparse_routes)
+            if self.selection_bias_E is not None:
+                gate_output = unbias_gate_output(gate_output, logits_TE, selection_TE, self.k, sparse_routes)
             if self.training:
                 self._record_output(gate_output, sparse_routes, T, used_token, nonfinite)
 

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["read_log", "render_report", "heatmap_figure", "CURVES"]
+__all__ = ["read_log", "render_report", "heatmap_figure", "curve_figure", "CURVES"]
 
 # (record key, plot title, file name): one PNG per per-layer curve.
 CURVES = (
@@ -20,6 +20,7 @@ CURVES = (
     ("max_vio", "MaxVio per layer (expert granularity)", "max_vio.png"),
     ("layer_token_drop_rate", "token drop rate per layer", "token_drop_rate.png"),
     ("aux_weight", "aux-loss weight per layer", "aux_weight.png"),
+    ("aux_loss", "aux loss per layer (unweighted l_aux)", "aux_loss.png"),
 )
 SCALARS = (("device_util_std", "device utilisation std (mean over layers)"),
            ("token_drop_rate", "token drop rate (all layers)"),
@@ -68,6 +69,26 @@ def heatmap_figure(pressure_LG, title: str = "device pressure"):
     return fig
 
 
+def curve_figure(records: list[dict[str, Any]], key: str, title: str):
+    """One line per layer of the per-layer list `key` against the optimizer step; None if never logged."""
+    rows = [r.get(key) for r in records]
+    if not any(rows):
+        return None
+    plt = _plt()
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    num_layers = max(len(r) for r in rows if r)
+    for layer in range(num_layers):
+        pts = [(s, r[layer]) for s, r in zip(steps, rows) if r and layer < len(r)]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"layer {layer}")
+    ax.set_xlabel("optimizer step")
+    ax.set_title(title)
+    ax.legend(fontsize="small", ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
     """Write the PNGs; returns their paths."""
     records = read_log(run_dir)
@@ -79,19 +100,9 @@ def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
     written = []
 
     for key, title, fname in CURVES:
-        rows = [r.get(key) for r in records]
-        if not any(rows):
+        fig = curve_figure(records, key, title)
+        if fig is None:
             continue
-        fig, ax = plt.subplots(figsize=(7, 4))
-        num_layers = max(len(r) for r in rows if r)
-        for layer in range(num_layers):
-            pts = [(s, r[layer]) for s, r in zip(steps, rows) if r and layer < len(r)]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"layer {layer}")
-        ax.set_xlabel("optimizer step")
-        ax.set_title(title)
-        ax.legend(fontsize="small", ncol=2)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
         written.append(os.path.join(out_dir, fname))
         fig.savefig(written[-1], dpi=90)
         plt.close(fig)

@@ -6,7 +6,7 @@ Used by `train_moe_lm.py` and by the tests. Shape legend: B batch, S sequence, D
     corpus = StdlibCorpus(max_bytes=4_000_000)
     model = MoELM(layers=4, hidden=64, experts=8, ep_size=2, k=2)
     x_BS, y_BS = corpus.batch("train", batch=8, seq_len=128, generator=g)
-    logits_BSV, l_aux = model(x_BS)
+    logits_BSV, l_aux = model(x_BS)        # l_aux: one per MoE layer; model.last_counts_LE: routes [L, E]
 """
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ class Block(nn.Module):
     def forward(self, x_BSD, mask_SS):
         h = self.ln1(x_BSD)
         x_BSD = x_BSD + self.attn(h, h, h, attn_mask=mask_SS, need_weights=False)[0]
-        out, l_aux, _ = self.moe(self.ln2(x_BSD))
-        return x_BSD + out, l_aux
+        out, l_aux, exp_counts_E = self.moe(self.ln2(x_BSD))
+        return x_BSD + out, l_aux, exp_counts_E
 
 
 class MoELM(nn.Module):
@@ -110,8 +110,11 @@ class MoELM(nn.Module):
         S = idx_BS.shape[1]
         x = self.tok(idx_BS) + self.pos(torch.arange(S, device=idx_BS.device))
         mask_SS = torch.full((S, S), float("-inf"), device=idx_BS.device).triu(1)
-        l_aux = []
+        l_aux, counts = [], []
         for block in self.blocks:
-            x, aux = block(x, mask_SS)
+            x, aux, exp_counts_E = block(x, mask_SS)
             l_aux.append(aux)
+            counts.append(exp_counts_E)
+        # route requests per layer and expert of this forward ([L, E], before the capacity limit)
+        self.last_counts_LE = torch.stack(counts).detach()
         return self.head(self.ln_f(x)), l_aux

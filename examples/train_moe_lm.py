@@ -36,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--capacity-factor", type=float, default=1.0)
     p.add_argument("--coeff", type=float, default=0.01, help="aux-loss coefficient (summed over layers)")
+    p.add_argument("--aux-policy", choices=["fixed", "cross_layer", "bias"], default=None,
+                   help="override easybalance.aux.policy of the config")
+    p.add_argument("--bias-rate", type=float, default=None, help="override easybalance.aux.bias_rate")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="training text to read")
@@ -60,7 +63,12 @@ def main(argv=None):
 
     with open(args.deepspeed_config, encoding="utf-8") as f:
         ds_config = json.load(f)
-    ds_config.setdefault("easybalance", {}).setdefault("log", {})["dir"] = os.path.join(args.run_dir, "balance")
+    block = ds_config.setdefault("easybalance", {})
+    block.setdefault("log", {})["dir"] = os.path.join(args.run_dir, "balance")
+    if args.aux_policy is not None:
+        block.setdefault("aux", {})["policy"] = args.aux_policy
+    if args.bias_rate is not None:
+        block.setdefault("aux", {})["bias_rate"] = args.bias_rate
 
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -86,17 +94,35 @@ def main(argv=None):
     micro_batch = engine.train_micro_batch_size_per_gpu()
     accum = engine.gradient_accumulation_steps()
 
-    def evaluate() -> float:
+    def evaluate() -> dict:
+        """Validation loss and balance on held-out files: rank r reads its own windows, sums are all-reduced."""
+        from eb_deepspeed import metrics as M
         engine.eval()
-        g = torch.Generator().manual_seed(args.seed + 7)  # same validation windows every time, every rank
-        losses = []
+        g = torch.Generator().manual_seed(args.seed + 7 + 1000 * rank)  # same windows every evaluation
+        capacity = M.deepspeed_capacity(micro_batch * args.seq_len, args.experts, args.k, args.capacity_factor, 4)
+        # sums: loss, max_vio per layer, device max/mean per layer, dropped routes, routes, batches
+        sums = torch.zeros(3 * args.layers + 3, dtype=torch.float64)
+        L = args.layers
         with torch.no_grad():
             for _ in range(args.eval_batches):
                 x, y = corpus.batch("val", micro_batch, args.seq_len, g)
                 logits, _ = engine(x.to(engine.device))
-                losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.to(engine.device).flatten()))
+                counts_LE = engine.module.last_counts_LE.double().cpu()
+                device_LG = counts_LE.view(L, args.ep_size, -1).sum(2)
+                sums[0] += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                                   y.to(engine.device).flatten()))
+                sums[1:1 + L] += M.max_vio(counts_LE)
+                sums[1 + L:1 + 2 * L] += M.max_over_mean(device_LG)
+                sums[1 + 2 * L:1 + 3 * L] += M.dropped_routes(counts_LE, capacity)
+                sums[1 + 3 * L] += counts_LE.sum()
+                sums[2 + 3 * L] += 1
+        torch.distributed.all_reduce(sums)
         engine.train()
-        return float(torch.stack(losses).mean())
+        n = float(sums[-1])
+        device_mom_L = sums[1 + L:1 + 2 * L] / n
+        return {"val_loss": float(sums[0]) / n, "val_max_vio": float(sums[1:1 + L].mean()) / n,
+                "val_device_max_over_mean_p90": float(torch.quantile(device_mom_L, 0.9)),
+                "val_token_drop_rate": float(sums[1 + 2 * L:1 + 3 * L].sum() / sums[1 + 3 * L])}
 
     progress = None
     if rank == 0:
@@ -104,7 +130,9 @@ def main(argv=None):
         progress = tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True)
     history = []
     t0 = time.time()
+    step_times = []
     for step in range(start, args.steps):
+        t_step = time.perf_counter()
         for micro in range(accum):
             g = torch.Generator().manual_seed(hash((args.seed, rank, step, micro)) % (2**62))
             x, y = corpus.batch("train", micro_batch, args.seq_len, g)
@@ -113,15 +141,18 @@ def main(argv=None):
             loss = lm_loss + args.coeff * sum(l_aux)
             engine.backward(loss)
             engine.step()
+        step_times.append(time.perf_counter() - t_step)
         row = {"step": step + 1, "lm_loss": lm_loss.item(), "aux_loss": float(sum(a.detach() for a in l_aux))}
         if balancer is not None:
             m = balancer.metrics()
-            row.update(token_drop_rate=m["token_drop_rate"], device_util_std=m["device_util_std"])
+            row.update(token_drop_rate=m["token_drop_rate"], device_util_std=m["device_util_std"],
+                       device_max_over_mean_p90=m["device_max_over_mean_p90"])
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            row["val_loss"] = evaluate()
+            row.update(evaluate())
         history.append(row)
         if progress is not None:
-            progress.set_postfix({k: f"{v:.3f}" for k, v in row.items() if k != "step"}, refresh=False)
+            progress.set_postfix({k: f"{v:.3f}" for k, v in row.items() if k in ("lm_loss", "aux_loss", "val_loss",
+                                                                               "token_drop_rate")}, refresh=False)
             progress.update(1)
     if progress is not None:
         progress.close()
@@ -129,8 +160,13 @@ def main(argv=None):
 
     engine.save_checkpoint(ckpt_dir, client_state={"step": args.steps})
     if rank == 0:
+        tail = history[len(history) // 2:]  # the second half of this run's steps
         summary = {"steps": args.steps, "world_size": world, "seconds": round(elapsed, 2),
-                   "final": history[-1] if history else None}
+                   "seconds_per_step": sum(step_times[2:]) / max(1, len(step_times[2:])),
+                   "final": history[-1] if history else None,
+                   "train_second_half": {key: sum(r[key] for r in tail) / len(tail) for key in
+                                         ("lm_loss", "token_drop_rate", "device_max_over_mean_p90")
+                                         if tail and key in tail[0]}}
         if balancer is not None:
             summary["balance"] = {k: v for k, v in balancer.metrics().items() if not isinstance(v, list)}
             balancer.logger.close()

@@ -133,8 +133,10 @@ def scenario_ep_equivalence(p):
 def scenario_view(p):
     """Different data per rank, gradient accumulation: identical views, one update per boundary."""
     accum = p["accum"]
-    cfg = base_config(gradient_accumulation_steps=accum,
-                      easybalance={"mode": "observe", "log": {"dir": os.path.join(p["out"], "log"), "interval": 1}})
+    block = {"mode": p.get("mode", "observe"), "log": {"dir": os.path.join(p["out"], "log"), "interval": 1}}
+    if "policy" in p:
+        block.update(warmup_batches=1, aux={"policy": p["policy"], "bias_rate": 0.05})
+    cfg = base_config(gradient_accumulation_steps=accum, easybalance=block)
     engine = make_engine(make_model(ep_size=2), cfg)
     eb = engine.easybalance
     counts, calls = [], [0]
@@ -145,6 +147,7 @@ def scenario_view(p):
         return original()
 
     eb.on_boundary = counting
+    controls = []
     rank = torch.distributed.get_rank()
     for step in range(p["steps"]):
         for micro in range(accum):
@@ -154,7 +157,8 @@ def scenario_view(p):
             engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.1 * sum(l_aux))
             engine.step()
             counts.append(calls[0])
-    return {"view": view_state(engine), "counts": counts, "rank_to_node": eb.rank_to_node,
+            controls.append((eb.controller.weight_L.clone(), eb.controller.bias_LE.clone()))
+    return {"view": view_state(engine), "counts": counts, "controls": controls, "rank_to_node": eb.rank_to_node,
             "ep_group_ranks": eb.ep_group_ranks, "reduce_world": eb.world_size,
             "metrics": eb.metrics()}
 

@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from eb_deepspeed.load_view import split_tally
+
 
 def assert_tensors_equal(a, b, what):
     assert a.keys() == b.keys(), what
@@ -55,7 +57,9 @@ def test_every_rank_holds_the_same_view_updated_once_per_accumulation_boundary(r
     assert first["counts"] == [(m + 1) // accum for m in range(steps * accum)]
     assert first["view"]["steps"] == steps and first["view"]["updates_L"].tolist() == [steps, steps]
     # the reduction spans every EP x DP rank and every micro-batch: tokens = ranks * accum * batch * seq
-    assert first["view"]["last_tally_LW"][:, -2].tolist() == [world_size * accum * 4 * 16] * 2
+    last = split_tally(first["view"]["last_tally_LW"], 4)
+    assert last.tokens_L.tolist() == [world_size * accum * 4 * 16] * 2
+    assert last.forwards_L.tolist() == [world_size * accum] * 2
     assert first["reduce_world"] == world_size
     assert first["rank_to_node"] == [0] * world_size
     assert first["view"]["pressure_LG"].sum() > 0
@@ -65,6 +69,26 @@ def test_every_rank_holds_the_same_view_updated_once_per_accumulation_boundary(r
         assert len(rank["ep_group_ranks"]) == 2 and rank_index in rank["ep_group_ranks"]
     # data differs per rank, so routes differ per rank; the view is the sum, not rank 0's copy
     assert ranks[0]["metrics"]["tokens"] == world_size * accum * 4 * 16
+
+
+@pytest.mark.parametrize("policy", ["cross_layer", "bias"])
+def test_controls_change_only_at_accumulation_boundaries_and_are_identical_on_every_rank(run_dist, policy):
+    accum, steps = 2, 4
+    ranks = run_dist("view", 2, accum=accum, steps=steps, mode="balance", policy=policy)
+    controls = ranks[0]["controls"]
+    changed = [m for m in range(1, len(controls))
+               if not (torch.equal(controls[m][0], controls[m - 1][0]) and torch.equal(controls[m][1], controls[m - 1][1]))]
+    # micro-step m (0-based) ends a boundary when (m + 1) % accum == 0; warm-up 1 -> every boundary acts
+    assert changed == [m for m in range(1, steps * accum) if (m + 1) % accum == 0]
+    weight_L, bias_LE = controls[-1]
+    if policy == "cross_layer":
+        assert abs(float(weight_L.mean()) - 1.0) < 1e-9 and not torch.equal(weight_L, torch.ones(2, dtype=weight_L.dtype))
+    else:
+        assert bias_LE.abs().sum() > 0 and bias_LE.sum(1).abs().max() < 1e-9
+    for rank in ranks[1:]:
+        for (w, b), (w0, b0) in zip(rank["controls"], controls):
+            assert torch.equal(w, w0) and torch.equal(b, b0)
+    assert ranks[1]["view"]["aux_weight"] == ranks[0]["view"]["aux_weight"] == [float(x) for x in weight_L]
 
 
 @pytest.mark.parametrize("policy", ["cross_layer", "bias"])

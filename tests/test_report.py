@@ -1,0 +1,56 @@
+"""Balance logging and `eb report`: JSONL records, namespaced keys, PNGs that hold the run's numbers."""
+import json
+
+import pytest
+
+from eb_deepspeed.cli import main as eb_main
+from eb_deepspeed.monitor import JsonlLogger, flatten_record
+from eb_deepspeed.report import CURVES, curve_figure, read_log, render_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def records():
+    return [{"step": s, "device_max_over_mean": [1.0 + s / 100, 1.5], "max_vio": [0.1 * s, 0.2],
+             "aux_weight": [1.2, 0.8], "aux_loss": [1.01, 1.02], "layer_token_drop_rate": [0.1, 0.0],
+             "expert_max_over_mean": [1.3, 1.1], "device_util_std": 0.05 * s, "token_drop_rate": 0.05,
+             "device_max_over_mean_p90": 1.4, "pressure_LG": [[10.0, 5.0], [7.0, 8.0]]} for s in (5, 10, 15)]
+
+
+def test_the_jsonl_logger_appends_one_record_per_line(tmp_path):
+    log = JsonlLogger(str(tmp_path))
+    for r in records():
+        log.log(r, r["step"])
+    log.close()
+    assert read_log(str(tmp_path)) == records()
+    assert read_log(str(tmp_path / "balance.jsonl"))[0]["step"] == 5
+
+
+def test_flattened_keys_are_namespaced_per_layer():
+    flat = flatten_record(records()[0])
+    assert flat["easybalance/layer_00/device_max_over_mean"] == 1.05
+    assert flat["easybalance/layer_01/aux_weight"] == 0.8
+    assert flat["easybalance/device_util_std"] == 0.25
+    assert "easybalance/pressure_LG" not in flat
+
+
+def test_eb_report_writes_pngs_whose_curves_hold_the_logged_numbers(tmp_path, capsys):
+    (tmp_path / "balance.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records()))
+    assert eb_main(["report", str(tmp_path)]) == 0
+    paths = capsys.readouterr().out.split()
+    names = {p.rsplit("/", 1)[-1] for p in paths}
+    assert names == {fname for _, _, fname in CURVES} | {"summary.png", "pressure_heatmap.png"}
+    for path in paths:
+        with open(path, "rb") as f:
+            assert f.read(8) == PNG_MAGIC
+    fig = curve_figure(records(), "max_vio", "MaxVio")
+    assert [list(line.get_ydata()) for line in fig.axes[0].lines] == [[0.5, 1.0, 1.5], [0.2, 0.2, 0.2]]
+    assert list(fig.axes[0].lines[0].get_xdata()) == [5, 10, 15]
+
+
+def test_a_malformed_or_missing_log_gives_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no balance log at"):
+        render_report(str(tmp_path))
+    (tmp_path / "balance.jsonl").write_text('{"step": 1}\n{not json\n')
+    with pytest.raises(ValueError, match=r"balance.jsonl:2: not a JSON record"):
+        read_log(str(tmp_path))
