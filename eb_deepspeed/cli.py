@@ -35,7 +35,7 @@ def _bench(args) -> int:
         from .bench import bench_train, format_train_table
         result = bench_train(steps=args.steps, coeff=args.coeff, capacity_factor=args.capacity_factor,
                              seed=args.seed, out_dir=args.out, bias_rate=args.bias_rate, layers=args.layers)
-        print(format_train_table(result))
+        print(format_train_table(result), file=sys.stderr if args.json else sys.stdout)
         if args.json:
             print(json.dumps(result, indent=2))
         return 0

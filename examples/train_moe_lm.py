@@ -39,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--aux-policy", choices=["fixed", "cross_layer", "bias"], default=None,
                    help="override easybalance.aux.policy of the config")
     p.add_argument("--bias-rate", type=float, default=None, help="override easybalance.aux.bias_rate")
+    p.add_argument("--aux-smoothing", type=float, default=None, help="override easybalance.aux.smoothing")
+    p.add_argument("--aux-weight-range", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="override easybalance.aux.weight_range")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="training text to read")
@@ -67,8 +70,10 @@ def main(argv=None):
     block.setdefault("log", {})["dir"] = os.path.join(args.run_dir, "balance")
     if args.aux_policy is not None:
         block.setdefault("aux", {})["policy"] = args.aux_policy
-    if args.bias_rate is not None:
-        block.setdefault("aux", {})["bias_rate"] = args.bias_rate
+    for key, value in (("bias_rate", args.bias_rate), ("smoothing", args.aux_smoothing),
+                       ("weight_range", args.aux_weight_range)):
+        if value is not None:
+            block.setdefault("aux", {})[key] = value
 
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

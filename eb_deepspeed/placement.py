@@ -1,0 +1,223 @@
+"""Expert placement and replication planned over all layers at once (pure tensor code).
+
+Shape legend: L layers, E logical experts, G devices (EP ranks), S slots per device,
+P physical slots per layer (G * S; slot p lives on device p // S), R max replicas of one expert.
+
+    plan = plan_placement(load_LE, num_devices=8, slots_per_device=5, num_nodes=2, previous=old_plan)
+    plan.phy2log   # [L, P] logical expert in each physical slot, -1 = empty
+    plan.log2phy   # [L, E, R] physical slots of each expert's replicas, -1 padded
+    plan.logcnt    # [L, E] replica count per expert
+    plan.moves     # replicas placed where `previous` did not hold that expert (weight copies)
+
+The algorithm, in the style of DeepSeek's EPLB, with fixed output sizes and no Python loop over
+experts or tokens:
+
+1. Replica counts. Each expert gets cnt = clamp(ceil(load / (tau * layer mean)), 1, G): experts
+   hotter than tau times their layer's mean get more replicas. Without a budget every layer fills
+   its P slots (its own tau, found by bisection for all layers at once). With `slot_budget` (total
+   slots over all layers, when per-device memory rather than per-layer count is the limit) one
+   global tau is found, so layers that are more skewed get more replicas. The last few slots
+   that the discrete ceil cannot hit exactly go to the highest load-per-replica experts.
+2. Assignment. Replicas are sorted by load per replica (descending) and each goes to the least
+   loaded device that has a free slot and does not hold that expert yet (so no device holds two
+   replicas of one expert), preferring nodes that do not hold the expert yet (replicas spread
+   across nodes, so steering can keep tokens node-local), and preferring the device that held the
+   expert in `previous` when its load is within `stickiness` of the best (few weight moves for
+   the same balance). One step per replica rank, vectorised over layers.
+3. Index maps: phy2log, log2phy (inverse), logcnt; moves against `previous`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Placement", "plan_placement", "static_placement", "replica_counts"]
+
+
+@dataclass
+class Placement:
+    phy2log: torch.Tensor       # [L, P] long, -1 = empty slot
+    log2phy: torch.Tensor       # [L, E, R] long, -1 padded
+    logcnt: torch.Tensor        # [L, E] long
+    num_devices: int
+    slots_per_device: int
+    moves: int = 0              # weight copies against `previous` (0 without one)
+    device_load_LG: torch.Tensor | None = None  # expected load per device, even split over replicas
+
+    @property
+    def num_experts(self) -> int:
+        return self.logcnt.shape[1]
+
+    def holds(self) -> torch.Tensor:
+        """holds_LGE [L, G, E] bool: device g holds a replica of expert e."""
+        L, P = self.phy2log.shape
+        G, S = self.num_devices, self.slots_per_device
+        holds = torch.zeros(L, G, self.num_experts + 1, dtype=torch.bool)
+        dev_P = torch.arange(P) // S
+        holds[torch.arange(L)[:, None], dev_P[None, :].expand(L, P), (self.phy2log + 1).clamp_min(0)] = True
+        return holds[:, :, 1:]
+
+    def expert_devices(self) -> torch.Tensor:
+        """Device of each replica, [L, E, R] long (-1 padded)."""
+        return torch.where(self.log2phy >= 0, self.log2phy // self.slots_per_device, -1)
+
+
+def static_placement(num_layers: int, num_experts: int, num_devices: int) -> Placement:
+    """DeepSpeed's layout: one replica per expert, expert e on device e // (E / G)."""
+    if num_experts % num_devices:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by num_devices ({num_devices})")
+    S = num_experts // num_devices
+    phy2log = torch.arange(num_experts).expand(num_layers, num_experts).clone()
+    return _finish(phy2log, num_experts, num_devices, S, None, None)
+
+
+def replica_counts(load_LE: torch.Tensor, slots_L: torch.Tensor | int, max_replicas: int,
+                   slot_budget: int | None = None, iters: int = 50) -> torch.Tensor:
+    """Replica count per expert [L, E] (see step 1 of the module doc). slots_L: slots each layer may fill."""
+    load_LE = load_LE.to(torch.float64).clamp_min(0)
+    L, E = load_LE.shape
+    slots_L = torch.as_tensor(slots_L, dtype=torch.long).expand(L)
+    cap_L = torch.minimum(slots_L, torch.full_like(slots_L, E * max_replicas))
+    mean_L1 = load_LE.mean(1, keepdim=True).clamp_min(1e-12)
+    rel_LE = load_LE / mean_L1 + 1e-9
+
+    def counts(tau_L1):
+        return torch.ceil(rel_LE / tau_L1).clamp(1, max_replicas).long()
+
+    def fill_tau(target_L):  # per-layer tau with sum(counts) <= target, as small as possible
+        lo = torch.full((L, 1), 1e-6, dtype=torch.float64)
+        hi = torch.full((L, 1), float(rel_LE.max()) + 1.0, dtype=torch.float64)
+        for _ in range(iters):
+            mid = (lo * hi).sqrt()
+            over = counts(mid).sum(1, keepdim=True) > target_L[:, None]
+            lo, hi = torch.where(over, mid, lo), torch.where(over, hi, mid)
+        return hi
+
+    tau_L1 = fill_tau(cap_L)
+    if slot_budget is not None:
+        lo_t, hi_t = torch.tensor(1e-6, dtype=torch.float64), torch.tensor(float(rel_LE.max()) + 1.0)
+        for _ in range(iters):
+            mid = (lo_t * hi_t).sqrt()
+            over = counts(torch.maximum(tau_L1, mid)).sum() > slot_budget
+            lo_t, hi_t = torch.where(over, mid, lo_t), torch.where(over, hi_t, mid)
+        tau_L1 = torch.maximum(tau_L1, hi_t)
+    cnt_LE = counts(tau_L1)
+    # Top up the slots the discrete ceil missed: highest load per replica first, within each layer's
+    # room and (with a budget) the global room.
+    room_L = cap_L - cnt_LE.sum(1)
+    room_total = L * E * max_replicas if slot_budget is None else slot_budget - int(cnt_LE.sum())
+    per_rep_LE = torch.where(cnt_LE < max_replicas, load_LE / cnt_LE, -1.0)
+    rank_LE = torch.argsort(torch.argsort(per_rep_LE, dim=1, descending=True), dim=1)
+    score = torch.where((rank_LE < room_L[:, None]) & (per_rep_LE >= 0), per_rep_LE, -1.0).flatten()
+    take = max(0, min(room_total, int((score >= 0).sum())))
+    if take:
+        cnt_LE.view(-1)[torch.topk(score, take).indices] += 1
+    return cnt_LE
+
+
+def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: int, *, num_nodes: int = 1,
+                   previous: Placement | None = None, slot_budget: int | None = None,
+                   stickiness: float = 0.05) -> Placement:
+    """Plan replicas and their devices for every layer at once (see the module doc).
+
+    load_LE: [L, E] expected tokens per layer and logical expert (e.g. the view's heat).
+    num_nodes must divide num_devices (devices d of node d // (G / num_nodes)).
+    slot_budget: total physical slots over all layers (L*E <= budget <= L*G*S); None fills every slot.
+    stickiness: with `previous`, keep an expert on its old device when that device's load is within
+    this fraction of the layer's mean device load of the best choice.
+    """
+    load_LE = torch.as_tensor(load_LE, dtype=torch.float64)
+    if load_LE.dim() != 2:
+        raise ValueError(f"load_LE must be [layers, experts], got shape {tuple(load_LE.shape)}")
+    if not bool(torch.isfinite(load_LE).all()) or bool((load_LE < 0).any()):
+        raise ValueError("load_LE must be finite and non-negative")
+    L, E = load_LE.shape
+    G, S = int(num_devices), int(slots_per_device)
+    P = G * S
+    if G < 1 or S < 1:
+        raise ValueError(f"num_devices ({G}) and slots_per_device ({S}) must be >= 1")
+    if P < E:
+        raise ValueError(f"num_devices * slots_per_device ({G} * {S} = {P}) must be >= num_experts ({E}): "
+                         "every expert needs a slot")
+    if num_nodes < 1 or G % num_nodes:
+        raise ValueError(f"num_nodes ({num_nodes}) must divide num_devices ({G})")
+    if slot_budget is not None and not L * E <= slot_budget <= L * P:
+        raise ValueError(f"slot_budget ({slot_budget}) must be in [layers * experts, layers * slots] = "
+                         f"[{L * E}, {L * P}]")
+    if previous is not None and (previous.phy2log.shape[0] != L or previous.num_devices != G
+                                 or previous.num_experts != E):
+        raise ValueError("previous placement must have the same layers, experts and devices")
+
+    cnt_LE = replica_counts(load_LE, P, G, slot_budget)
+    weight_LE = load_LE / cnt_LE
+
+    # Replicas, sorted by load per replica, padded to P per layer (expert -1 = empty).
+    R = int(cnt_LE.max())
+    rep_LER = torch.arange(R)[None, None, :] < cnt_LE[:, :, None]
+    expert_LER = torch.arange(E)[None, :, None].expand(L, E, R)
+    w_LER = torch.where(rep_LER, weight_LE[:, :, None].expand(L, E, R), -1.0)
+    order = torch.argsort(w_LER.reshape(L, -1), dim=1, descending=True, stable=True)[:, :P]
+    rep_expert_LP = torch.where(rep_LER.reshape(L, -1).gather(1, order), expert_LER.reshape(L, -1).gather(1, order), -1)
+    rep_w_LP = w_LER.reshape(L, -1).gather(1, order).clamp_min(0)
+
+    node_G = torch.arange(G) // (G // num_nodes)
+    dev_load_LG = torch.zeros(L, G, dtype=torch.float64)
+    used_LG = torch.zeros(L, G, dtype=torch.long)
+    # expert-major so that one expert's row per layer is a contiguous gather; row 0: the "empty" expert
+    holds_LEG = torch.zeros(L, E + 1, G, dtype=torch.bool)
+    node_holds_LEN = torch.zeros(L, E + 1, num_nodes, dtype=torch.bool)
+    prev_LEG = previous.holds().transpose(1, 2).contiguous() if previous is not None else None
+    phy2log = torch.full((L, P), -1, dtype=torch.long)
+    lidx = torch.arange(L)
+    mean_load_L1 = load_LE.sum(1, keepdim=True) / G
+    big = float(load_LE.sum()) * 4 + 1.0
+
+    for i in range(P):
+        e_L = rep_expert_LP[:, i]
+        live_L = e_L >= 0
+        col = (e_L + 1)
+        full_LG = used_LG >= S
+        dup_LG = holds_LEG[lidx, col]                         # device already holds this expert
+        node_dup_LG = node_holds_LEN[lidx, col][:, node_G]    # its node already holds this expert
+        key_LG = dev_load_LG + node_dup_LG * big
+        if prev_LEG is not None:
+            was_LG = prev_LEG[lidx, e_L.clamp_min(0)] & live_L[:, None]
+            key_LG = key_LG - was_LG * (stickiness * mean_load_L1)
+        key_LG = torch.where(full_LG | dup_LG, float("inf"), key_LG)
+        best_L = key_LG.argmin(1)
+        ok_L = torch.isfinite(key_LG[lidx, best_L]) & live_L
+        # A surplus replica with nowhere legal to go is dropped (its expert keeps its other replicas).
+        slot_L = best_L * S + used_LG[lidx, best_L]
+        phy2log[lidx[ok_L], slot_L[ok_L]] = e_L[ok_L]
+        used_LG[lidx[ok_L], best_L[ok_L]] += 1
+        dev_load_LG[lidx[ok_L], best_L[ok_L]] += rep_w_LP[ok_L, i]
+        holds_LEG[lidx[ok_L], col[ok_L], best_L[ok_L]] = True
+        node_holds_LEN[lidx[ok_L], col[ok_L], node_G[best_L[ok_L]]] = True
+
+    return _finish(phy2log, E, G, S, load_LE, previous)
+
+
+def _finish(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Tensor | None,
+            previous: Placement | None) -> Placement:
+    """Build log2phy / logcnt (and device loads, moves) from phy2log [L, P]."""
+    L, P = phy2log.shape
+    logcnt = torch.zeros(L, E + 1, dtype=torch.long).scatter_add_(1, phy2log + 1, torch.ones_like(phy2log))[:, 1:]
+    R = max(1, int(logcnt.max()))
+    # slots sorted by expert: each expert's replicas become consecutive; rank within the expert = column
+    key = torch.where(phy2log >= 0, phy2log * P + torch.arange(P), E * P + torch.arange(P))
+    order = torch.argsort(key, dim=1)
+    sorted_exp = phy2log.gather(1, order)
+    first = torch.cumsum(torch.cat([torch.zeros(L, 1, dtype=torch.long), logcnt], 1), 1)[:, :-1]  # [L, E]
+    rank = torch.arange(P)[None, :] - first.gather(1, sorted_exp.clamp_min(0))
+    log2phy = torch.full((L, E + 1, R), -1, dtype=torch.long)
+    valid = sorted_exp >= 0
+    li = torch.arange(L)[:, None].expand(L, P)
+    log2phy[li[valid], sorted_exp[valid], rank[valid]] = order[valid]
+    plan = Placement(phy2log=phy2log, log2phy=log2phy[:, :E], logcnt=logcnt, num_devices=G, slots_per_device=S)
+    if load_LE is not None:
+        per_rep = torch.where(phy2log >= 0, (load_LE / logcnt.clamp_min(1)).gather(1, phy2log.clamp_min(0)), 0.0)
+        plan.device_load_LG = per_rep.view(L, G, S).sum(2)
+    if previous is not None:
+        plan.moves = int((plan.holds() & ~previous.holds()).sum())
+    return plan

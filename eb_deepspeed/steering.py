@@ -1,0 +1,128 @@
+"""Per-batch steering: split each expert's tokens among its replicas (outputs unchanged), and the
+opt-in near-tie re-routing to a different expert (outputs change; bounded and reported).
+
+Shape legend: G devices (EP ranks, also the source ranks), E logical experts, R replicas per expert,
+T tokens, K top-k.
+
+    split_GER = steer(counts_GE, devices_ER, node_G, pressure_G=view_cross_G, weights=cfg.weights,
+                      topology="pcie", decision_batch=8)
+
+The cost of sending a chunk of tokens from source rank s to a replica on device d is the seed's
+(000 §2.2, §4.2) weighted sum of normalised terms:
+    intra  * load_so_far[d] / mean_load          this batch's load already on d (intra-layer heat)
+  + cross  * pressure[d] / mean(pressure)       the view's cross-layer window pressure on d
+  + comm   * hop(s, d)                          0 same rank, `node_hop` same node, 1 other node
+  - comm   * aggregation * [s already sends to d]   few, large messages (seed §4.2)
+Decisions are made per chunk of `decision_batch` tokens (or 1/`rounds` of a source's tokens for
+an expert, whichever is larger), for all (source, expert) pairs at once per round: `rounds`
+vectorised steps per layer, never a Python loop over tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["steer", "hop_cost", "NODE_HOP", "reroute_near_ties", "device_loads"]
+
+# cost of a hop inside a node, relative to one across nodes (1.0), per topology (seed 000 §3.3)
+NODE_HOP = {"nvlink": 0.1, "pcie": 0.3, "multi_node": 0.2}
+
+
+def hop_cost(node_G: torch.Tensor, node_hop: float) -> torch.Tensor:
+    """[G, G] cost of sending from rank s to rank d: 0 same rank, node_hop same node, 1 otherwise."""
+    node_G = torch.as_tensor(node_G)
+    same_node = node_G[:, None] == node_G[None, :]
+    cost = torch.where(same_node, node_hop, 1.0).to(torch.float64)
+    cost.fill_diagonal_(0.0)
+    return cost
+
+
+def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tensor, *,
+          pressure_G: torch.Tensor | None = None, weights=(0.3, 0.5, 0.2), topology: str = "pcie",
+          decision_batch: int = 8, rounds: int = 16, aggregation: float = 0.5) -> torch.Tensor:
+    """Tokens from each source rank to each replica of each expert. -> split_GER [G, E, R] (long)
+
+    counts_GE: [G, E] tokens source rank s routes to logical expert e (this batch, this layer).
+    devices_ER: [E, R] device of each replica, -1 padded (e.g. Placement.expert_devices()[layer]).
+    node_G: [G] node of each rank. pressure_G: [G] the view's cross-layer pressure (None = none).
+    weights: (intra, cross, comm), e.g. `EasyBalanceConfig.weights`.
+    Conserves tokens (split_GER.sum(2) == counts_GE) and uses only existing replicas.
+    """
+    counts_GE = torch.as_tensor(counts_GE, dtype=torch.long)
+    devices_ER = torch.as_tensor(devices_ER, dtype=torch.long)
+    G, E = counts_GE.shape
+    R = devices_ER.shape[1]
+    if devices_ER.shape[0] != E:
+        raise ValueError(f"devices_ER has {devices_ER.shape[0]} experts, counts_GE {E}")
+    if bool((devices_ER[:, 0] < 0).any()):
+        raise ValueError("every expert needs at least one replica (devices_ER[:, 0] >= 0)")
+    if hasattr(weights, "intra"):
+        weights = (weights.intra, weights.cross, weights.comm)
+    w_intra, w_cross, w_comm = (float(w) for w in weights)
+    valid_ER = devices_ER >= 0
+    dev_ER = devices_ER.clamp_min(0)
+    hop_GG = hop_cost(node_G, NODE_HOP[topology])
+    hop_GER = hop_GG[:, dev_ER]                                           # [G, E, R]
+    if pressure_G is None:
+        cross_term_ER = torch.zeros(E, R, dtype=torch.float64)
+    else:
+        p = torch.as_tensor(pressure_G, dtype=torch.float64)
+        cross_term_ER = (p / p.mean().clamp_min(1e-12))[dev_ER]
+    static_GER = w_cross * cross_term_ER[None] + w_comm * hop_GER
+    static_GER = torch.where(valid_ER[None], static_GER, float("inf"))
+
+    mean_load = max(float(counts_GE.sum()) / G, 1.0)
+    chunk_GE = torch.maximum(torch.full_like(counts_GE, decision_batch), -(-counts_GE // rounds))
+    remaining_GE = counts_GE.clone()
+    load_G = torch.zeros(G, dtype=torch.float64)
+    sends_GG = torch.zeros(G, G, dtype=torch.bool)
+    split_GER = torch.zeros(G, E, R, dtype=torch.long)
+    g_idx = torch.arange(G)[:, None].expand(G, E)
+    single = bool((valid_ER.sum(1) == 1).all())
+    if single:  # no replicas anywhere: nothing to decide
+        split_GER[:, :, 0] = counts_GE
+        return split_GER
+    while bool((remaining_GE > 0).any()):
+        cost_GER = static_GER + w_intra * (load_G / mean_load)[dev_ER][None]
+        cost_GER = cost_GER - (w_comm * aggregation) * sends_GG[:, dev_ER]
+        pick_GE = cost_GER.argmin(2)
+        amount_GE = torch.minimum(remaining_GE, chunk_GE)
+        split_GER.scatter_add_(2, pick_GE[:, :, None], amount_GE[:, :, None])
+        remaining_GE -= amount_GE
+        dest_GE = dev_ER.gather(1, pick_GE.t()).t()                       # [G, E] device chosen
+        load_G.index_add_(0, dest_GE.reshape(-1), amount_GE.reshape(-1).to(torch.float64))
+        sends_GG[g_idx[amount_GE > 0], dest_GE[amount_GE > 0]] = True
+    return split_GER
+
+
+def device_loads(split_GER: torch.Tensor, devices_ER: torch.Tensor, num_devices: int) -> torch.Tensor:
+    """Tokens each device processes: [G, E, R] split -> [G] load."""
+    dev_ER = torch.as_tensor(devices_ER).clamp_min(0)
+    per_ER = split_GER.sum(0).to(torch.float64)
+    return torch.zeros(num_devices, dtype=torch.float64).index_add_(0, dev_ER.reshape(-1), per_ER.reshape(-1))
+
+
+def reroute_near_ties(topk_idx_TK: torch.Tensor, probs_TE: torch.Tensor, device_load_G: torch.Tensor,
+                      expert_device_E: torch.Tensor, gap: float) -> tuple[torch.Tensor, float]:
+    """Seed 000's candidate-expert steering, opt-in: move a route to a different expert whose gate
+    probability is within `gap` of the chosen one and whose device is less loaded.
+
+    This changes the model's output (a different expert computes the token), so it is bounded by
+    `gap` and reported: returns (new topk_idx [T, K], fraction of routes changed). The token's
+    own other choices are never picked (no expert twice per token). Vectorised over tokens.
+    """
+    T, K = topk_idx_TK.shape
+    if T == 0 or gap <= 0:
+        return topk_idx_TK.clone(), 0.0
+    dev_load_E = torch.as_tensor(device_load_G, dtype=torch.float64)[expert_device_E]
+    chosen_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter_(1, topk_idx_TK, True)
+    p_TK = probs_TE.gather(1, topk_idx_TK)
+    new = topk_idx_TK.clone()
+    for k in range(K):  # K is the top-k (1..8), not tokens
+        ok_TE = (~chosen_TE) & (probs_TE >= (p_TK[:, k:k + 1] - gap))
+        score_TE = torch.where(ok_TE, dev_load_E[None, :].expand(T, -1), float("inf"))
+        best_T = score_TE.argmin(1)
+        better_T = score_TE.gather(1, best_T[:, None]).squeeze(1) < dev_load_E[new[:, k]]
+        chosen_TE.scatter_(1, new[:, k:k + 1], ~better_T[:, None] & chosen_TE.gather(1, new[:, k:k + 1]))
+        new[:, k] = torch.where(better_T, best_T, new[:, k])
+        chosen_TE.scatter_(1, new[:, k:k + 1], True)
+    return new, float((new != topk_idx_TK).float().mean())
