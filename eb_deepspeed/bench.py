@@ -2,6 +2,7 @@
 
     eb bench gate --json      # CrossLayerGate vs DeepSpeed's TopKGate, forward + backward
     eb bench train --json     # aux policies fixed / cross_layer / bias (+ no balancing), same seed and data
+    eb bench plan --json      # planner time at 61 x 256 x 64, steering time vs one MoE layer forward
 
 Shape legend: T tokens, M model dim, E experts, K top-k.
 """
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-__all__ = ["bench_gate", "bench_train", "TRAIN_ROWS"]
+__all__ = ["bench_gate", "bench_train", "bench_plan", "TRAIN_ROWS"]
 
 
 def _time_gate(gate, x_TM: torch.Tensor, seed: int) -> float:
@@ -157,3 +158,59 @@ def format_train_table(result: dict[str, object]) -> str:
     for name, v in result["against_fixed"].items():
         lines.append(f"{name} vs fixed: " + ", ".join(f"{k} {val}" for k, val in v.items()))
     return "\n".join(lines)
+
+
+def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: int = 5, nodes: int = 8,
+               repeats: int = 5, tokens: int = 4096, hidden: int = 1024, steer_devices: int = 8,
+               steer_experts: int = 64, k: int = 2) -> dict[str, object]:
+    """Planner time at DeepSeek-V3 scale, and steering time against one MoE layer's forward.
+
+    Planner: median wall time of plan_placement on a skewed [layers, experts] load (target <= 100 ms).
+    Steering: steer() for one layer (steer_devices source ranks x steer_experts experts, `tokens`
+    per rank, top-k, 2 slots per expert on average) against the forward of a DeepSpeed MoE layer
+    (`steer_experts` experts of hidden -> 4 * hidden -> hidden, ep_size 1) on the same `tokens`
+    in this process, side by side (target: steering <= 2 % of the layer).
+    """
+    from deepspeed.moe.experts import Experts
+    from deepspeed.moe.sharded_moe import MOELayer, TopKGate
+    from .placement import plan_placement
+    from .steering import steer
+
+    g = torch.Generator().manual_seed(0)
+    load_LE = torch.rand(layers, experts, generator=g).pow(-1 / 1.2)
+    plan_ms = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        plan = plan_placement(load_LE, devices, slots, num_nodes=nodes)
+        plan_ms.append((time.perf_counter() - t0) * 1e3)
+
+    E, G = steer_experts, steer_devices
+    heat_E = torch.rand(1, E, generator=g).pow(-1 / 1.2)
+    small = plan_placement(heat_E, G, 2 * E // G, num_nodes=1)
+    probs_E = heat_E[0] / heat_E.sum()
+    counts_GE = torch.distributions.Multinomial(tokens * k, probs_E).sample((G, )).long()
+    steer_ms = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        steer(counts_GE, small.expert_devices()[0], torch.zeros(G, dtype=torch.long), pressure_G=torch.rand(G))
+        steer_ms.append((time.perf_counter() - t0) * 1e3)
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden))
+    layer = MOELayer(TopKGate(hidden, E, k=k, min_capacity=4), Experts(mlp, E, "ep_size_1"), "ep_size_1", 1, E).eval()
+    x = torch.randn(1, tokens, hidden)
+    layer_ms = []
+    with torch.no_grad():
+        for _ in range(max(2, repeats // 2)):
+            t0 = time.perf_counter()
+            layer(x, None)
+            layer_ms.append((time.perf_counter() - t0) * 1e3)
+    plan_med, steer_med, layer_med = (statistics.median(v) for v in (plan_ms, steer_ms, layer_ms))
+    return {"benchmark": "plan", "threads": torch.get_num_threads(),
+            "planner": {"layers": layers, "experts": experts, "devices": devices, "slots_per_device": slots,
+                        "nodes": nodes, "median_ms": round(plan_med, 2), "target_ms": 100,
+                        "balancedness": round(float((plan.device_load_LG.mean(1) / plan.device_load_LG.amax(1)).sum()
+                                                    / layers), 4)},
+            "steering": {"ranks": G, "experts": E, "tokens_per_rank": tokens, "k": k, "median_ms": round(steer_med, 3),
+                         "moe_layer_forward_ms": round(layer_med, 2), "ratio": round(steer_med / layer_med, 5),
+                         "target_ratio": 0.02}}

@@ -3,6 +3,7 @@
     eb report RUN_DIR [--out DIR]     PNG balance curves + heatmap from RUN_DIR/balance.jsonl
     eb bench gate [--json]            CrossLayerGate vs DeepSpeed's TopKGate overhead
     eb bench train [--json]           aux policies side by side on the example model (2 CPU ranks)
+    eb bench plan [--json]            planner time (61 x 256 x 64) and steering vs an MoE layer forward
 """
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ def _bench(args) -> int:
         if args.json:
             print(json.dumps(result, indent=2))
         return 0
+    if args.what == "plan":
+        from .bench import bench_plan
+        result = bench_plan()
+        print(json.dumps(result, indent=2) if args.json else
+              f"planner {result['planner']['median_ms']} ms (target <= 100); steering / MoE layer "
+              f"{result['steering']['ratio']:.4f} (target <= 0.02)")
+        return 0
     raise AssertionError(args.what)
 
 
@@ -52,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_report)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
-    p.add_argument("what", choices=["gate", "train"])
+    p.add_argument("what", choices=["gate", "train", "plan"])
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=1024)

@@ -31,7 +31,7 @@ def hop_cost(node_G: torch.Tensor, node_hop: float) -> torch.Tensor:
     """[G, G] cost of sending from rank s to rank d: 0 same rank, node_hop same node, 1 otherwise."""
     node_G = torch.as_tensor(node_G)
     same_node = node_G[:, None] == node_G[None, :]
-    cost = torch.where(same_node, node_hop, 1.0).to(torch.float64)
+    cost = torch.full(same_node.shape, 1.0, dtype=torch.float64).masked_fill_(same_node, node_hop)
     cost.fill_diagonal_(0.0)
     return cost
 

@@ -1,0 +1,88 @@
+"""Per-batch steering among replicas, and the opt-in near-tie re-routing."""
+import pytest
+import torch
+
+from eb_deepspeed.placement import plan_placement
+from eb_deepspeed.steering import device_loads, hop_cost, reroute_near_ties, steer
+
+NODE_2x2 = torch.tensor([0, 0, 1, 1])  # 4 ranks on 2 nodes
+
+
+def test_hop_cost_is_zero_on_the_same_rank_then_node_then_network():
+    assert hop_cost(NODE_2x2, 0.3).tolist() == [[0, 0.3, 1, 1], [0.3, 0, 1, 1], [1, 1, 0, 0.3], [1, 1, 0.3, 0]]
+
+
+def random_case(seed, G=4, E=8, S=3):
+    g = torch.Generator().manual_seed(seed)
+    load = torch.rand(1, E, generator=g).pow(-1 / 1.2) * 100  # Pareto(1, 1.2)
+    plan = plan_placement(load, G, S, num_nodes=2)
+    counts_GE = torch.poisson(load.expand(G, E) / G, generator=g).long()
+    return plan.expert_devices()[0], counts_GE
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_steering_conserves_tokens_and_only_uses_slots_that_hold_the_expert(seed):
+    devices_ER, counts_GE = random_case(seed)
+    split_GER = steer(counts_GE, devices_ER, NODE_2x2, pressure_G=torch.rand(4), decision_batch=8)
+    assert torch.equal(split_GER.sum(2), counts_GE)
+    assert bool((split_GER[:, devices_ER < 0] == 0).all())
+    assert bool((split_GER >= 0).all())
+
+
+def test_steering_is_deterministic():
+    devices_ER, counts_GE = random_case(1)
+    p = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert torch.equal(steer(counts_GE, devices_ER, NODE_2x2, pressure_G=p),
+                       steer(counts_GE, devices_ER, NODE_2x2, pressure_G=p))
+
+
+def test_a_hot_expert_is_split_over_its_replicas_to_shrink_the_slowest_device():
+    # expert 0 (hot) has replicas on devices 0 and 2; experts 1..3 one replica each on devices 1, 2, 3
+    devices_ER = torch.tensor([[0, 2], [1, -1], [2, -1], [3, -1]])
+    counts_GE = torch.tensor([[400, 100, 50, 100], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    split = steer(counts_GE, devices_ER, torch.tensor([0, 0, 0, 0]), weights=(1.0, 0.0, 0.0))
+    load = device_loads(split, devices_ER, 4)
+    all_on_first = torch.tensor([400.0, 100, 50, 100])
+    assert float(load.max()) < float(all_on_first.max()) and float(load.max()) <= 0.5 * 450 + 50
+
+
+def test_communication_cost_keeps_tokens_on_the_senders_node_when_load_does_not_matter():
+    devices_ER = torch.tensor([[0, 2]])      # replicas on node 0 (device 0) and node 1 (device 2)
+    counts_GE = torch.tensor([[64], [64], [64], [64]])
+    split = steer(counts_GE, devices_ER, NODE_2x2, weights=(0.0, 0.0, 1.0), topology="multi_node")
+    assert split[:, 0, 0].tolist() == [64, 64, 0, 0] and split[:, 0, 1].tolist() == [0, 0, 64, 64]
+
+
+def test_the_aggregation_bonus_means_fewer_messages():
+    devices_ER, counts_GE = random_case(2, G=4, E=8, S=4)
+    def messages(split):
+        per_dev = torch.zeros(4, 4, dtype=torch.long)
+        for r in range(devices_ER.shape[1]):
+            d = devices_ER[:, r]
+            for e in range(devices_ER.shape[0]):
+                if d[e] >= 0:
+                    per_dev[:, d[e]] += split[:, e, r]
+        return int((per_dev > 0).sum())
+    with_bonus = steer(counts_GE, devices_ER, NODE_2x2, aggregation=1.0)
+    without = steer(counts_GE, devices_ER, NODE_2x2, aggregation=0.0)
+    assert messages(with_bonus) <= messages(without)
+
+
+def test_every_expert_needs_a_replica():
+    with pytest.raises(ValueError, match=r"every expert needs at least one replica"):
+        steer(torch.ones(2, 2, dtype=torch.long), torch.tensor([[0], [-1]]), torch.tensor([0, 0]))
+
+
+def test_near_tie_rerouting_moves_only_within_the_gap_and_reports_the_fraction():
+    probs = torch.tensor([[0.50, 0.30, 0.15, 0.05], [0.40, 0.38, 0.20, 0.02]])
+    topk = torch.tensor([[0, 1], [0, 1]])
+    expert_device = torch.tensor([0, 0, 1, 1])
+    load = torch.tensor([100.0, 10.0])  # device 0 is hot
+    same, frac = reroute_near_ties(topk, probs, load, expert_device, gap=0.0)
+    assert torch.equal(same, topk) and frac == 0.0
+    new, frac = reroute_near_ties(topk, probs, load, expert_device, gap=0.2)
+    # token 0: expert 1 (0.30) -> expert 2 (0.15, within 0.2, on the cold device); expert 0 has no tie
+    # token 1: expert 0 (0.40) -> expert 2 (0.20, within 0.2); expert 1 (0.38) -> expert 3? 0.02 < 0.18: no
+    assert new.tolist() == [[0, 2], [2, 1]] and frac == pytest.approx(0.5)
+    for row in new.tolist():
+        assert len(set(row)) == len(row)
