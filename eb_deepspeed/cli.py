@@ -4,6 +4,7 @@
     eb bench gate [--json]            CrossLayerGate vs DeepSpeed's TopKGate overhead
     eb bench train [--json]           aux policies side by side on the example model (2 CPU ranks)
     eb bench plan [--json]            planner time (61 x 256 x 64) and steering vs an MoE layer forward
+    eb simulate [--workload all] [--json]   seed 000's table + placement/steering rows, with targets
 """
 from __future__ import annotations
 
@@ -50,6 +51,36 @@ def _bench(args) -> int:
     raise AssertionError(args.what)
 
 
+def _simulate(args) -> int:
+    from tqdm import tqdm
+    from . import sim
+    names = list(sim.WORKLOADS) if args.workload == "all" else [args.workload]
+    cfg = sim.SimConfig(model=sim.ClusterModel(topology=sim.TOPOLOGIES[args.topology], window=args.window),
+                        extra_slots=args.extra_slots, topology=args.topology)
+    workloads = []
+    for name in names:
+        if name == "trace":
+            trace = sim.load_trace(args.trace)
+            workloads.append(sim.trace_workload(trace, args.devices, name=f"trace:{args.trace}"))
+        else:
+            workloads.append(sim.synthetic_workload(name, layers=args.layers, experts=args.experts,
+                                                    devices=args.devices, steps=args.steps, seed=args.seed,
+                                                    **sim.WORKLOADS[name]))
+    total = sum(w.counts_NLGE.shape[0] for w in workloads) * len(sim.STRATEGIES)
+    tables = {}
+    with tqdm(total=total, desc="simulate", disable=args.json, dynamic_ncols=True) as bar:
+        for w in workloads:
+            tables[w.name] = sim.run_table(w, cfg, progress=bar)
+    result = {"tables": tables, "targets": sim.evaluate_targets(tables)}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for t in tables.values():
+            print(sim.format_table(t) + "\n")
+        print("targets:", json.dumps(result["targets"]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eb", description="eb_deepspeed tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bias-rate", type=float, default=None, help="train: easybalance.aux.bias_rate of the bias row")
     p.add_argument("--out", default="runs/bench_train", help="train: run directories")
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser("simulate", help="cluster simulator: the seed's table plus placement + steering")
+    p.add_argument("--workload", default="skewed_correlated", choices=["all", "trace", *__import__(
+        "eb_deepspeed.sim", fromlist=["WORKLOADS"]).WORKLOADS])
+    p.add_argument("--trace", help="with --workload trace: SGLang / vLLM expert-load file or balance.jsonl")
+    p.add_argument("--topology", default="pcie", choices=["nvlink", "pcie", "multi_node"])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--extra-slots", type=int, default=2, help="replica slots per device beyond experts / devices")
+    p.add_argument("--window", type=int, default=1, help="1 = synchronised per layer; w > 1 = bounded run-ahead")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_simulate)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -190,6 +190,8 @@ class EasyBalance:
         record = {"step": self.view.steps, "samples": self.global_samples, "mode": self.config.mode}
         record.update(self.metrics())
         record["pressure_LG"] = [[round(x, 3) for x in row] for row in self.view.pressure_LG.tolist()]
+        # the step's routed counts per layer and expert: a trace `eb simulate --workload trace` replays
+        record["expert_counts_LE"] = self.view.last.routed_LE.round().long().tolist()
         return record
 
     # ------------------------------------------------------------------ checkpoint

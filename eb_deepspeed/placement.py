@@ -149,7 +149,7 @@ def _apportion(load_LE: np.ndarray, slots_L: np.ndarray, max_replicas: int) -> n
 
 def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: int, *, num_nodes: int = 1,
                    previous: Placement | None = None, slot_budget: int | None = None,
-                   stickiness: float = 0.05) -> Placement:
+                   stickiness: float = 0.1) -> Placement:
     """Plan replicas and their devices for every layer at once (see the module doc).
 
     load_LE: [L, E] expected tokens per layer and logical expert (e.g. the view's heat).

@@ -13,15 +13,16 @@ The cost of sending a chunk of tokens from source rank s to a replica on device 
   + cross  * pressure[d] / mean(pressure)       the view's cross-layer window pressure on d
   + comm   * hop(s, d)                          0 same rank, `node_hop` same node, 1 other node
   - comm   * aggregation * [s already sends to d]   few, large messages (seed §4.2)
-Decisions are made per chunk of `decision_batch` tokens (or 1/`rounds` of a source's tokens for
-an expert, whichever is larger), for all (source, expert) pairs at once per round: `rounds`
-vectorised steps per layer, never a Python loop over tokens.
+Starting from the even split over replicas, each round lets every source rank in turn move, for
+all its experts at once, tokens from its costliest replica to its cheapest one (never overshooting,
+never fewer than `decision_batch` tokens per decision): at most `rounds` x G vectorised steps per
+layer, never a Python loop over tokens.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["steer", "hop_cost", "NODE_HOP", "reroute_near_ties", "device_loads"]
+__all__ = ["steer", "even_split", "hop_cost", "NODE_HOP", "reroute_near_ties", "device_loads"]
 
 # cost of a hop inside a node, relative to one across nodes (1.0), per topology (seed 000 §3.3)
 NODE_HOP = {"nvlink": 0.1, "pcie": 0.3, "multi_node": 0.2}
@@ -38,13 +39,15 @@ def hop_cost(node_G: torch.Tensor, node_hop: float) -> torch.Tensor:
 
 def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tensor, *,
           pressure_G: torch.Tensor | None = None, weights=(0.3, 0.5, 0.2), topology: str = "pcie",
-          decision_batch: int = 8, rounds: int = 16, aggregation: float = 0.5) -> torch.Tensor:
+          decision_batch: int = 8, rounds: int = 16, aggregation: float = 0.5,
+          overshoot_guard: float = 2.0, weight_G: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens from each source rank to each replica of each expert. -> split_GER [G, E, R] (long)
 
     counts_GE: [G, E] tokens source rank s routes to logical expert e (this batch, this layer).
     devices_ER: [E, R] device of each replica, -1 padded (e.g. Placement.expert_devices()[layer]).
     node_G: [G] node of each rank. pressure_G: [G] the view's cross-layer pressure (None = none).
     weights: (intra, cross, comm), e.g. `EasyBalanceConfig.weights`.
+    weight_G: [G] cost of one token from each source (sequence-length weighting); None = 1.
     Conserves tokens (split_GER.sum(2) == counts_GE) and uses only existing replicas.
     """
     counts_GE = torch.as_tensor(counts_GE, dtype=torch.long)
@@ -70,28 +73,56 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tenso
     static_GER = w_cross * cross_term_ER[None] + w_comm * hop_GER
     static_GER = torch.where(valid_ER[None], static_GER, float("inf"))
 
-    mean_load = max(float(counts_GE.sum()) / G, 1.0)
-    chunk_GE = torch.maximum(torch.full_like(counts_GE, decision_batch), -(-counts_GE // rounds))
-    remaining_GE = counts_GE.clone()
-    load_G = torch.zeros(G, dtype=torch.float64)
-    sends_GG = torch.zeros(G, G, dtype=torch.bool)
-    split_GER = torch.zeros(G, E, R, dtype=torch.long)
-    g_idx = torch.arange(G)[:, None].expand(G, E)
-    single = bool((valid_ER.sum(1) == 1).all())
-    if single:  # no replicas anywhere: nothing to decide
-        split_GER[:, :, 0] = counts_GE
+    # Start from the even split over replicas (EPLB's assumption), then improve it: in each round every
+    # source rank in turn moves, for all its experts at once, tokens from its costliest replica to its
+    # cheapest one. Loads are updated between source ranks, so ranks do not all pile onto the same
+    # idle device; a move never overshoots (the load term would make the target the costlier one).
+    split_GER = even_split(counts_GE, devices_ER)
+    if bool((valid_ER.sum(1) == 1).all()):  # no replicas anywhere: nothing to decide
         return split_GER
-    while bool((remaining_GE > 0).any()):
-        cost_GER = static_GER + w_intra * (load_G / mean_load)[dev_ER][None]
-        cost_GER = cost_GER - (w_comm * aggregation) * sends_GG[:, dev_ER]
-        pick_GE = cost_GER.argmin(2)
-        amount_GE = torch.minimum(remaining_GE, chunk_GE)
-        split_GER.scatter_add_(2, pick_GE[:, :, None], amount_GE[:, :, None])
-        remaining_GE -= amount_GE
-        dest_GE = dev_ER.gather(1, pick_GE.t()).t()                       # [G, E] device chosen
-        load_G.index_add_(0, dest_GE.reshape(-1), amount_GE.reshape(-1).to(torch.float64))
-        sends_GG[g_idx[amount_GE > 0], dest_GE[amount_GE > 0]] = True
+    w_G = torch.ones(G, dtype=torch.float64) if weight_G is None else torch.as_tensor(weight_G, dtype=torch.float64)
+    load_G = device_loads(split_GER * w_G[:, None, None], devices_ER, G)
+    mean_load = max(float(load_G.sum()) / G, 1e-9)
+    e_idx = torch.arange(E)
+    for _ in range(rounds):
+        moved_any = False
+        for s in range(G):    # source ranks (not tokens): G vectorised steps per round
+            sends_G = torch.zeros(G, dtype=torch.float64).index_add_(
+                0, dev_ER.reshape(-1), split_GER[s].reshape(-1).to(torch.float64)) > 0
+            cost_ER = static_GER[s] + w_intra * (load_G / mean_load)[dev_ER] \
+                - (w_comm * aggregation) * sends_G[dev_ER]
+            has_ER = split_GER[s] > 0
+            src_E = torch.where(has_ER, cost_ER, float("-inf")).argmax(1)
+            dst_E = cost_ER.argmin(1)
+            gain_E = cost_ER[e_idx, src_E] - cost_ER[e_idx, dst_E]
+            avail_E = split_GER[s, e_idx, src_E].to(torch.float64)
+            # moving x tokens closes the gap by 2 * w_intra * x * w_s / mean_load: with overshoot_guard 2 a
+            # move stops where the two costs meet (several experts of this source may share a target
+            # device; later rounds correct that)
+            limit_E = avail_E if w_intra == 0 else torch.minimum(
+                avail_E, gain_E * mean_load / (overshoot_guard * w_intra * float(w_G[s])))
+            amount_E = torch.floor(limit_E)
+            amount_E = torch.where((gain_E > 1e-12) & (amount_E >= torch.clamp(avail_E, max=decision_batch)),
+                                   amount_E, 0.0).long()
+            if not bool((amount_E > 0).any()):
+                continue
+            moved_any = True
+            split_GER[s, e_idx, src_E] -= amount_E
+            split_GER[s, e_idx, dst_E] += amount_E
+            load_G.index_add_(0, dev_ER[e_idx, src_E], -amount_E.to(torch.float64) * w_G[s])
+            load_G.index_add_(0, dev_ER[e_idx, dst_E], amount_E.to(torch.float64) * w_G[s])
+        if not moved_any:
+            break
     return split_GER
+
+
+def even_split(counts_GE: torch.Tensor, devices_ER: torch.Tensor) -> torch.Tensor:
+    """Each source's tokens for an expert divided evenly over its replicas -> [G, E, R] (long)."""
+    valid_ER = devices_ER >= 0
+    n_E = valid_ER.sum(1).clamp_min(1)
+    base, rem = counts_GE // n_E, counts_GE % n_E
+    r_idx = torch.arange(devices_ER.shape[1])
+    return (base[:, :, None] + (r_idx[None, None, :] < rem[:, :, None]).long()) * valid_ER[None]
 
 
 def device_loads(split_GER: torch.Tensor, devices_ER: torch.Tensor, num_devices: int) -> torch.Tensor:
