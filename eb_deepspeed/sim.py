@@ -17,14 +17,13 @@ a device may start layer l once every device has finished layer l - window.
 """
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from . import metrics as M
-from .placement import Placement, plan_placement, static_placement
+from .placement import Placement, _finish, plan_placement, static_placement
 from .steering import NODE_HOP, even_split, steer
 
 __all__ = ["Topology", "TOPOLOGIES", "ClusterModel", "SimConfig", "Workload", "synthetic_workload", "uniform_workload",
@@ -291,7 +290,6 @@ def _greedy_eplb(load_LE: torch.Tensor, G: int, S: int) -> Placement:
             used[d] += 1
             dev_load[d] += w
             holds[d].add(e)
-    from .placement import _finish
     return _finish(phy, E, G, S, load_LE, None)
 
 
@@ -325,7 +323,7 @@ def simulate(workload: Workload, strategy: str, cfg: SimConfig = SimConfig(), pr
     """Run one strategy over the workload; returns step time, throughput, balance and moves."""
     counts = workload.counts_NLGE
     N, L, G, E = counts.shape
-    model = replace(cfg.model, window=cfg.model.window)
+    model = cfg.model
     node_G = model.node_of(G)
     hop_GG = torch.where(node_G[:, None] == node_G[None, :], NODE_HOP[cfg.topology], 1.0).to(torch.float64)
     hop_GG.fill_diagonal_(0.0)
@@ -336,7 +334,7 @@ def simulate(workload: Workload, strategy: str, cfg: SimConfig = SimConfig(), pr
     heat_LE = None
     pressure_LG = None
     moves = replan_moves = 0
-    times, utils, bal_num, bal_den, devloads = [], [], 0.0, 0.0, []
+    times, utils, bal_num, bal_den = [], [], 0.0, 0.0
     tokens_per_step = float(counts[0].sum()) / workload.k
     decision_batch = 1 if strategy == "per_token" else cfg.decision_batch
     intra, cross, comm = cfg.weights
