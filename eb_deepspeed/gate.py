@@ -89,6 +89,9 @@ class CrossLayerGate(TopKGate):
         # a buffer: `model.half()` / `.bfloat16()` would cast a float buffer and lose counts, and the
         # tally is not model state (it is drained every step and never checkpointed).
         self._tally_W: Optional[torch.Tensor] = None
+        # Host-side parts of the tally (plain numbers: no tensor op per forward for them).
+        self._tokens, self._forwards = 0, 0
+        self._ones: Optional[torch.Tensor] = None  # reused source of index_add_ for unweighted routes
 
     @classmethod
     def from_topk_gate(cls, gate: TopKGate, layer_index: int) -> "CrossLayerGate":
@@ -107,9 +110,14 @@ class CrossLayerGate(TopKGate):
     # ------------------------------------------------------------------ tally
     def take_tally(self, device: torch.device) -> torch.Tensor:
         """Return this layer's tally [W] (float64, on `device`) and reset it to zero."""
+        E = self.num_experts
         if self._tally_W is None:
-            return torch.zeros(tally_width(self.num_experts), dtype=torch.float64, device=device)
+            return torch.zeros(tally_width(E), dtype=torch.float64, device=device)
         out, self._tally_W = self._tally_W.to(device), None
+        out[3 * E + 2] += self._tokens
+        out[3 * E + 4] = out[3 * E + 4].nan_to_num(0.0, 0.0, 0.0)  # NaN logits -> NaN l_aux; the count says so
+        out[3 * E + 5] += self._forwards
+        self._tokens, self._forwards = 0, 0
         return out
 
     def _record(self, routed_E: torch.Tensor, route_expert_R: torch.Tensor, tokens, nonfinite: torch.Tensor,
@@ -126,16 +134,20 @@ class CrossLayerGate(TopKGate):
         t[:E] += routed_E
         slot_R = route_expert_R + (E + 1)  # not kept (-1) lands on the scratch slot E
         if token_w_R is None:
-            ones_R = torch.ones(1, dtype=torch.float64, device=t.device).expand(slot_R.numel())
+            if self._ones is None or self._ones.numel() < slot_R.numel() or self._ones.device != t.device:
+                self._ones = torch.ones(slot_R.numel(), dtype=torch.float64, device=t.device)
+            ones_R = self._ones[:slot_R.numel()]
             t.index_add_(0, slot_R, ones_R)
             t.index_add_(0, slot_R + (E + 1), ones_R)
         else:
             t.index_add_(0, slot_R, torch.ones_like(token_w_R))
             t.index_add_(0, slot_R + (E + 1), token_w_R)
-        t[3 * E + 2] += tokens
-        t[3 * E + 3] += nonfinite
-        t[3 * E + 4] += l_aux.detach().nan_to_num(0.0, 0.0, 0.0)  # NaN logits -> NaN l_aux; the count says so
-        t[3 * E + 5] += 1
+        if isinstance(tokens, int):
+            self._tokens += tokens
+        else:
+            t[3 * E + 2] += tokens
+        t[3 * E + 3:3 * E + 5] += torch.stack((nonfinite.to(t.dtype), l_aux.detach().to(t.dtype)))
+        self._forwards += 1
 
     # ------------------------------------------------------------------ forward
     def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
