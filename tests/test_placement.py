@@ -82,7 +82,8 @@ def _brute_force_optimum(load_E, G, S):
 
 
 @pytest.mark.parametrize("E, G, S, seed", [(4, 3, 2, s) for s in range(10)] + [(3, 2, 3, s) for s in range(4)]
-                         + [(4, 2, 3, s) for s in range(4)])
+                         + [(4, 2, 3, s) for s in range(4)] + [(5, 2, 3, s) for s in range(4)]
+                         + [(6, 3, 2, s) for s in range(3)])
 def test_the_planner_is_within_5_percent_of_the_brute_force_optimum_on_tiny_inputs(E, G, S, seed):
     # objective: the slowest device after steering (tokens split freely among replicas), which is
     # how placements are used; every legal filling of the G * S slots is enumerated
