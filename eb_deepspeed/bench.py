@@ -18,7 +18,7 @@ import time
 
 import torch
 
-__all__ = ["bench_gate", "bench_train", "bench_plan", "TRAIN_ROWS"]
+__all__ = ["bench_gate", "bench_train", "bench_plan", "free_port", "TRAIN_ROWS"]
 
 
 def _time_gate(gate, x_TM: torch.Tensor, seed: int) -> float:
@@ -84,7 +84,8 @@ def _repo_root() -> str:
     return root
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on loopback (one per launch, so concurrent jobs never share a master port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -103,7 +104,7 @@ def bench_train(steps: int = 200, coeff: float = 0.01, capacity_factor: float = 
     for name, policy, mult in TRAIN_ROWS:
         run_dir = os.path.join(out_dir, name)
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus), "--master_port",
-               str(_free_port()), os.path.join(root, "examples", "train_moe_lm.py"), "--deepspeed_config",
+               str(free_port()), os.path.join(root, "examples", "train_moe_lm.py"), "--deepspeed_config",
                os.path.join(root, "configs", "train_cpu_2rank.json"), "--run-dir", run_dir, "--steps", str(steps),
                "--seed", str(seed), "--coeff", str(coeff * mult), "--aux-policy", policy, "--capacity-factor",
                str(capacity_factor), "--layers", str(layers), "--eval-every", str(max(1, steps // 2)),

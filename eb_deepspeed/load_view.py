@@ -162,7 +162,7 @@ class LoadView:
         out = M.summarize(self.device_load(last.kept_LE), last.routed_LE)
         routed_L = last.routed_LE.sum(1)
         dropped_L = (routed_L - last.kept_LE.sum(1)).clamp_min(0)
-        out["token_drop_rate"] = (float(dropped_L.sum()) / float(routed_L.sum())) if float(routed_L.sum()) > 0 else 0.0
+        out["token_drop_rate"] = M.token_drop_rate(dropped_L, routed_L, k=1)  # routed = tokens * k already
         out["layer_token_drop_rate"] = torch.where(routed_L > 0, dropped_L / routed_L.clamp_min(1), 0.0).tolist()
         out["ema_device_max_over_mean"] = M.max_over_mean(self.pressure_LG).tolist()
         out["ema_device_util_std"] = M.device_util_std(self.pressure_LG)

@@ -319,8 +319,9 @@ def _candidate_rebalance(load_G: torch.Tensor, predicted_G: torch.Tensor, movabl
     return moved_GG
 
 
-def simulate(workload: Workload, strategy: str, cfg: SimConfig = SimConfig(), progress=None) -> dict[str, float]:
+def simulate(workload: Workload, strategy: str, cfg: SimConfig | None = None, progress=None) -> dict[str, float]:
     """Run one strategy over the workload; returns step time, throughput, balance and moves."""
+    cfg = cfg or SimConfig()
     counts = workload.counts_NLGE
     N, L, G, E = counts.shape
     model = cfg.model
@@ -423,7 +424,8 @@ def _cross(pressure_LG: torch.Tensor, l: int, window: int) -> torch.Tensor:
     return pressure_LG[lo:hi].sum(0)
 
 
-def run_table(workload: Workload, cfg: SimConfig = SimConfig(), strategies=STRATEGIES, progress=None) -> dict:
+def run_table(workload: Workload, cfg: SimConfig | None = None, strategies=STRATEGIES, progress=None) -> dict:
+    cfg = cfg or SimConfig()
     rows = {}
     for name in strategies:
         rows[name] = simulate(workload, name, cfg, progress)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from eb_deepspeed.bench import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -23,12 +24,6 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 # suite (and across runs on the same machine) makes every later init take a fraction of a second.
 EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "eb_deepspeed",
                                                                   "torch_extensions")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dist_env(world_size: int, rank: int, port: int) -> dict[str, str]:
