@@ -3,11 +3,13 @@
     eb bench gate --json      # CrossLayerGate vs DeepSpeed's TopKGate, forward + backward
     eb bench train --json     # aux policies fixed / cross_layer / bias (+ no balancing), same seed and data
     eb bench plan --json      # planner time at 61 x 256 x 64, steering time vs one MoE layer forward
+    eb bench optimum --json   # planner vs a brute-force optimum on tiny inputs, with and without refinement
 
 Shape legend: T tokens, M model dim, E experts, K top-k.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -16,9 +18,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
-__all__ = ["bench_gate", "bench_train", "bench_plan", "free_port", "TRAIN_ROWS"]
+__all__ = ["bench_gate", "bench_train", "bench_plan", "bench_optimum", "free_port", "pareto_loads",
+           "steered_max_load", "brute_force_optimum", "TRAIN_ROWS"]
 
 
 def _time_gate(gate, x_TM: torch.Tensor, seed: int) -> float:
@@ -39,6 +43,7 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
     median(ours) / median(DeepSpeed's), per expert count and overall (geometric mean).
     """
     from deepspeed.moe.sharded_moe import TopKGate
+
     from .gate import CrossLayerGate
 
     rows = []
@@ -161,12 +166,18 @@ def format_train_table(result: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
+def _balancedness(load_LG: torch.Tensor) -> float:
+    """Mean over layers of mean / max device load (1 = perfectly even)."""
+    return float((load_LG.mean(1) / load_LG.amax(1)).mean())
+
+
 def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: int = 5, nodes: int = 8,
                repeats: int = 5, tokens: int = 4096, hidden: int = 1024, steer_devices: int = 8,
                steer_experts: int = 64, k: int = 2) -> dict[str, object]:
     """Planner time at DeepSeek-V3 scale, and steering time against one MoE layer's forward.
 
-    Planner: median wall time of plan_placement on a skewed [layers, experts] load (target <= 100 ms).
+    Planner: median wall time of plan_placement on a skewed [layers, experts] load (target <= 100 ms),
+    and the same without its refinement (step 3), with the balancedness each reaches after steering.
     Steering: steer() for one layer (steer_devices source ranks x steer_experts experts, `tokens`
     per rank, top-k, 2 slots per expert on average) against the forward of a DeepSpeed MoE layer
     (`steer_experts` experts of hidden -> 4 * hidden -> hidden, ep_size 1) on the same `tokens`
@@ -174,7 +185,8 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
     """
     from deepspeed.moe.experts import Experts
     from deepspeed.moe.sharded_moe import MOELayer, TopKGate
-    from .placement import plan_placement
+
+    from .placement import _steer_flows, plan_placement
     from .steering import steer
 
     g = torch.Generator().manual_seed(0)
@@ -184,6 +196,14 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
         t0 = time.perf_counter()
         plan = plan_placement(load_LE, devices, slots, num_nodes=nodes)
         plan_ms.append((time.perf_counter() - t0) * 1e3)
+    greedy_ms = []   # the same planner without its steering-aware refinement (step 3), side by side
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        greedy = plan_placement(load_LE, devices, slots, num_nodes=nodes, refine_rounds=0)
+        greedy_ms.append((time.perf_counter() - t0) * 1e3)
+    greedy_x = _steer_flows(np.ones(tuple(greedy.phy2log.shape)), greedy.phy2log.numpy(), load_LE.double().numpy(),
+                            slots, 16)
+    greedy_steered_LG = torch.from_numpy(greedy_x.reshape(layers, devices, slots).sum(2))
 
     E, G = steer_experts, steer_devices
     heat_E = torch.rand(1, E, generator=g).pow(-1 / 1.2)
@@ -210,8 +230,80 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
     return {"benchmark": "plan", "threads": torch.get_num_threads(),
             "planner": {"layers": layers, "experts": experts, "devices": devices, "slots_per_device": slots,
                         "nodes": nodes, "median_ms": round(plan_med, 2), "target_ms": 100,
-                        "balancedness": round(float((plan.device_load_LG.mean(1) / plan.device_load_LG.amax(1)).sum()
-                                                    / layers), 4)},
+                        "balancedness_even_split": round(_balancedness(plan.device_load_LG), 4),
+                        "balancedness_steered": round(_balancedness(plan.steered_load_LG), 4),
+                        "greedy_only_median_ms": round(statistics.median(greedy_ms), 2),
+                        "greedy_only_balancedness_steered": round(_balancedness(greedy_steered_LG), 4)},
             "steering": {"ranks": G, "experts": E, "tokens_per_rank": tokens, "k": k, "median_ms": round(steer_med, 3),
                          "moe_layer_forward_ms": round(layer_med, 2), "ratio": round(steer_med / layer_med, 5),
                          "target_ratio": 0.02}}
+
+
+def pareto_loads(L: int, E: int, seed: int = 0) -> torch.Tensor:
+    """Skewed expert loads [L, E]: Pareto(1, 1.3) by inverse transform, times U(1, 2) noise."""
+    g = torch.Generator().manual_seed(seed)
+    pareto = torch.rand(L, E, generator=g).pow(-1 / 1.3)
+    return pareto.mul(1 + torch.rand(L, E, generator=g))
+
+
+def steered_max_load(holds_GE, load_E) -> float:
+    """Slowest device's load when steering splits each expert's tokens freely among its replicas.
+
+    holds_GE: [G][E] bools (device g holds expert e); load_E: [E] tokens. By Hall's theorem
+    (supply and demand on a bipartite graph with unbounded edges) the optimum is the max over
+    expert subsets A of load(A) / |devices holding any expert of A|. Exponential in E: tiny inputs.
+    """
+    E = len(load_E)
+    best = 0.0
+    for mask in range(1, 2 ** E):
+        A = [e for e in range(E) if mask >> e & 1]
+        devices = {d for d in range(len(holds_GE)) for e in A if holds_GE[d][e]}
+        best = max(best, sum(load_E[e] for e in A) / len(devices))
+    return best
+
+
+def brute_force_optimum(load_E, G: int, S: int) -> float:
+    """The best steered max load over every legal filling of G * S slots (no expert twice on a device,
+    every expert at least once, every slot used)."""
+    E, P = len(load_E), G * S
+    best = float("inf")
+    seen = set()
+    for assign in itertools.product(range(E), repeat=P):
+        per_dev = [frozenset(assign[d * S:(d + 1) * S]) for d in range(G)]
+        if any(len(d) < S for d in per_dev) or len(set(assign)) < E:
+            continue
+        key = tuple(sorted(tuple(sorted(d)) for d in per_dev))
+        if key in seen:
+            continue
+        seen.add(key)
+        best = min(best, steered_max_load([[e in d for e in range(E)] for d in per_dev], load_E))
+    return best
+
+
+OPTIMUM_SHAPES = ((4, 3, 2), (5, 3, 2), (3, 2, 3), (4, 2, 3), (5, 2, 3), (6, 3, 2), (4, 2, 2))
+
+
+def bench_optimum(seeds: int = 30, shapes=OPTIMUM_SHAPES) -> dict[str, object]:
+    """plan_placement against the brute-force optimum on tiny inputs (experts, devices, slots), one
+    Pareto load per seed; the steered slowest device of the plan over the optimum's, with the
+    refinement (default) and without it (refine_rounds=0), side by side (target: within 5 %)."""
+    from .placement import plan_placement
+
+    rows = []
+    for E, G, S in shapes:
+        ratios = {"refined": [], "greedy_only": []}
+        for seed in range(seeds):
+            load = pareto_loads(1, E, seed)
+            best = brute_force_optimum(load[0].tolist(), G, S)
+            for name, rounds in (("refined", None), ("greedy_only", 0)):
+                plan = plan_placement(load, G, S, refine_rounds=rounds)
+                ratios[name].append(steered_max_load(plan.holds()[0].tolist(), load[0].tolist()) / best)
+        rows.append({"experts": E, "devices": G, "slots": S, "seeds": seeds,
+                     **{f"{name}_worst": round(max(r), 4) for name, r in ratios.items()},
+                     **{f"{name}_over_5pct": sum(x > 1.05 + 1e-9 for x in r) for name, r in ratios.items()}})
+    return {"benchmark": "optimum", "rows": rows,
+            "refined_worst": max(r["refined_worst"] for r in rows),
+            "refined_over_5pct": sum(r["refined_over_5pct"] for r in rows),
+            "greedy_only_worst": max(r["greedy_only_worst"] for r in rows),
+            "greedy_only_over_5pct": sum(r["greedy_only_over_5pct"] for r in rows),
+            "cases": seeds * len(shapes)}

@@ -4,6 +4,7 @@
     eb bench gate [--json]            CrossLayerGate vs DeepSpeed's TopKGate overhead
     eb bench train [--json]           aux policies side by side on the example model (2 CPU ranks)
     eb bench plan [--json]            planner time (61 x 256 x 64) and steering vs an MoE layer forward
+    eb bench optimum [--json]         planner vs a brute-force optimum on tiny inputs (30 loads x 7 shapes)
     eb simulate [--workload all] [--json]   seed 000's table + placement/steering rows, with targets
 """
 from __future__ import annotations
@@ -48,6 +49,14 @@ def _bench(args) -> int:
               f"planner {result['planner']['median_ms']} ms (target <= 100); steering / MoE layer "
               f"{result['steering']['ratio']:.4f} (target <= 0.02)")
         return 0
+    if args.what == "optimum":
+        from .bench import bench_optimum
+        result = bench_optimum(seeds=args.seeds)
+        print(json.dumps(result, indent=2) if args.json else
+              "\n".join(f"{r['experts']} experts on {r['devices']} x {r['slots']}: worst {r['refined_worst']} "
+                        f"({r['refined_over_5pct']} of {r['seeds']} over 5 %); greedy only {r['greedy_only_worst']} "
+                        f"({r['greedy_only_over_5pct']} over)" for r in result["rows"]))
+        return 0
     raise AssertionError(args.what)
 
 
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_report)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
-    p.add_argument("what", choices=["gate", "train", "plan"])
+    p.add_argument("what", choices=["gate", "train", "plan", "optimum"])
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=1024)
@@ -105,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4, help="train: MoE layers of the example model")
     p.add_argument("--bias-rate", type=float, default=None, help="train: easybalance.aux.bias_rate of the bias row")
     p.add_argument("--out", default="runs/bench_train", help="train: run directories")
+    p.add_argument("--seeds", type=int, default=30, help="optimum: random loads per shape")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("simulate", help="cluster simulator: the seed's table plus placement + steering")
