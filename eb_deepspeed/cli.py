@@ -62,6 +62,7 @@ def _bench(args) -> int:
 
 def _simulate(args) -> int:
     from tqdm import tqdm
+
     from . import sim
     names = list(sim.WORKLOADS) if args.workload == "all" else [args.workload]
     cfg = sim.SimConfig(model=sim.ClusterModel(topology=sim.TOPOLOGIES[args.topology], window=args.window),

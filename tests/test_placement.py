@@ -11,7 +11,6 @@ from eb_deepspeed.placement import (
     static_placement,
 )
 
-
 skewed = pareto_loads
 
 
