@@ -35,7 +35,8 @@ experts or tokens:
    confirmed by steering them, and one is kept per layer and round when it lowers the slowest
    device. With `previous`, weight moves are priced (moving all P slots of a layer must gain
    `stickiness` x the mean device load). The rounds shrink with the input so the
-   refinement costs about the same at every size (8-37 ms at 61 x 256 x 64 on this noisy machine).
+   refinement costs about the same at every size (22-35 ms at 61 x 256 x 64 on this noisy machine);
+   a layer whose moves did not pay once both splits are settled returns to the greedy plan.
 4. Index maps: phy2log, log2phy (inverse), logcnt; moves against `previous`; the expected load per
    device with an even split (`device_load_LG`) and after steering (`steered_load_LG`).
 """
@@ -264,8 +265,8 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     if refine_rounds is None:   # about the same refinement time at every size: fewer rounds on larger inputs
         refine_rounds = int(np.clip((1 << 16) // (L * P), 1, 64))
     if refine_rounds > 0:
-        prev_LP = previous.phy2log.numpy() if previous is not None else None
-        phy, x_LP = _refine(phy, load_LE.numpy(), G, S, node_G, prev_LP, stickiness, refine_rounds, refine_iters,
+        was_LGE = previous.holds().numpy() if previous is not None else None   # any slots per device
+        phy, x_LP = _refine(phy, load_LE.numpy(), G, S, node_G, was_LGE, stickiness, refine_rounds, refine_iters,
                             refine_work)
     plan = _finish(torch.from_numpy(phy), E, G, S, load_LE, previous)
     if x_LP is not None:
@@ -300,21 +301,21 @@ def _finish(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Tensor
 
 
 
-def _steer_flows(x_LP: np.ndarray, phy_LP: np.ndarray, load_LE: np.ndarray, S: int, iters: int,
-                 inner: int = 3) -> np.ndarray:
+def _steer_flows(x_LP: np.ndarray, phy_LP: np.ndarray, load_LE: np.ndarray, S: int, iters: int) -> np.ndarray:
     """Tokens per slot x_LP [L, P] after `iters` rounds of per-expert water filling from x_LP.
 
     phy_LP [L, P]: expert per slot (-1 empty); load_LE [L, E]: tokens per expert. x_LP may be any
     non-negative start; it is first rescaled so each expert's slots carry exactly its load. Each round
-    every expert spreads its load over its replicas so that their devices' loads become as level as
-    the other experts' current shares allow; the step is damped by 1/2 because experts sharing a
-    device move at once. The fixed point is the split that minimises the sum of squared device
-    loads, which also minimises the slowest device: the best steering can do for this placement.
-    The water level of an expert is found without sorting: start with every replica active, level =
-    (load + sum of active bases) / active count, drop the replicas whose base is at or above it
-    (`inner` times; exact once no replica drops), then rescale to the expert's load. Only the slots
-    of experts with two or more replicas move (about a quarter of them at DeepSeek-V3 scale), so the
-    loop runs on those alone, as flat arrays.
+    every expert computes the split of its load over its replicas that levels their devices as far
+    as the other experts' current shares allow (exact water filling: start with every replica
+    active, level = (load + sum of active bases) / active count, drop the replicas whose base is at
+    or above it, until none drops), and all experts step towards theirs at once, expert e by
+    1 / (most moving experts on one of its devices). With those steps each device's new load is a
+    convex combination of single-expert moves, so the sum of squared device loads never rises
+    (a plain 1/2 step oscillates when five or more experts share two devices); the fixed point
+    minimises it, and with it the slowest device: the best steering can do for this placement.
+    Only the slots of experts with two or more replicas move, so the loop runs on those alone, as
+    flat arrays.
     """
     L, P = phy_LP.shape
     E = load_LE.shape[1]
@@ -338,6 +339,9 @@ def _steer_flows(x_LP: np.ndarray, phy_LP: np.ndarray, load_LE: np.ndarray, S: i
     n = len(rows)
     w_N = load_LE.ravel()[rows]
     cnt_N = np.bincount(eid_F, minlength=n).astype(np.float64)
+    crowd_N = np.zeros(n)
+    np.maximum.at(crowd_N, eid_F, np.bincount(dev_F, minlength=L * G)[dev_F])
+    step_F = (1.0 / crowd_N)[eid_F]
 
     def per_expert(v):
         return np.bincount(eid_F, weights=v, minlength=n)
@@ -352,16 +356,21 @@ def _steer_flows(x_LP: np.ndarray, phy_LP: np.ndarray, load_LE: np.ndarray, S: i
         y_D = fixed_D + np.bincount(dev_F, weights=x_F, minlength=L * G)
         base_F = y_D[dev_F] - x_F
         level = (w_N + per_expert(base_F)) / cnt_N
-        for _ in range(inner - 1):
-            act_F = base_F < level[eid_F]
+        act_F = base_F < level[eid_F]
+        for _ in range(G):                                               # at most G replicas drop out
             level = (w_N + per_expert(base_F * act_F)) / np.maximum(per_expert(act_F.astype(np.float64)), 1)
-        x_F = 0.5 * (x_F + to_load(np.maximum(level[eid_F] - base_F, 0)))
+            nxt = act_F & (base_F < level[eid_F])
+            if np.array_equal(nxt, act_F):
+                break
+            act_F = nxt
+        target_F = np.maximum(level[eid_F] - base_F, 0) * act_F
+        x_F = x_F + step_F * (to_load(target_F) - x_F)
     out_LP.ravel()[flex] = x_F
     return out_LP
 
 
 def _refine(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, node_G: np.ndarray,
-            prev_LP: np.ndarray | None, stickiness: float, rounds: int, iters: int,
+            was_LGE: np.ndarray | None, stickiness: float, rounds: int, iters: int,
             work: int, partners: int = 8) -> tuple[np.ndarray, np.ndarray]:
     """Steering-aware local search (step 3): improve each layer's slowest device after steering.
 
@@ -375,17 +384,22 @@ def _refine(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, node_G: np.
     to half the gap), and the best K of each layer are confirmed by steering them; K is sized so
     a round steers about `work` slots, whatever the size (every move on tiny inputs, the best
     estimate on large ones). The best confirmed move is kept when it lowers the slowest device
-    (ties: the sum of squared device loads), else the layer stops. With `previous` (prev_LP
-    [L, P]) each weight move adds `stickiness` x the mean device load / P to the score (moving every
+    (ties: the sum of squared device loads), else the layer stops. With `previous` (was_LGE
+    [L, G, E], the devices that held each expert) each weight move adds `stickiness` x the mean device load / P to the score (moving every
     slot must gain `stickiness` x the mean load). No move puts two replicas of an expert on one
-    device or takes an expert off a node it alone covered.
+    device or takes an expert off a node it alone covered. At the end both splits are settled
+    further and a layer whose moves did not pay returns to the greedy plan.
     """
     L, P = phy_LP.shape
     E = load_LE.shape[1]
     nodes = int(node_G.max()) + 1
     dev_P = np.arange(P) // S
     node_P = node_G[dev_P]
-    x_LP = _steer_flows(np.ones((L, P)), phy_LP, load_LE, S, 4 * iters)
+    def n_iter(rows: int, least: int) -> int:       # water-filling rounds: more where they are cheap
+        return int(np.clip((8 * work) // (rows * P), least, 100))
+
+    x_LP = _steer_flows(np.ones((L, P)), phy_LP, load_LE, S, n_iter(L, 4 * iters))
+    phy0_LP, x0_LP = phy_LP.copy(), x_LP.copy()
     mean_L = load_LE.sum(1) / G
     tol_L = 1e-6 * mean_L + 1e-12
     move_cost_L = stickiness * mean_L / P                     # moving every slot: stickiness x the mean load
@@ -396,7 +410,6 @@ def _refine(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, node_G: np.
         h[np.arange(N)[:, None], dev_P[None, :], phy + 1] = True
         return h[:, :, 1:]
 
-    was_LGE = holds_of(prev_LP) if prev_LP is not None else None
 
     def score(x, phy, rows):                                    # slowest device and sum of squares, [N]
         y = x.reshape(len(x), G, S).sum(2)
@@ -488,7 +501,7 @@ def _refine(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, node_G: np.
         # by extra iterations alone
         rows = np.concatenate([np.repeat(active, K), active])
         both = _steer_flows(np.concatenate([cx.reshape(A * K, P), x]), np.concatenate([cphy.reshape(A * K, P), phy]),
-                            load_LE[rows], S, iters)
+                            load_LE[rows], S, n_iter(len(rows), iters))
         cx, x = both[:A * K], both[A * K:]
         x_LP[active] = x
         cmax, csq = score(cx, cphy.reshape(A * K, P), rows[:A * K])
@@ -503,4 +516,13 @@ def _refine(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, node_G: np.
         phy_LP[active[keep]] = cphy[keep, pick[keep]]
         x_LP[active[keep]] = cx.reshape(A, K, P)[keep, pick[keep]]
         active = active[keep]
-    return phy_LP, _steer_flows(x_LP, phy_LP, load_LE, S, 4 * iters)   # settle the reported split
+    # Settle both splits and return a layer to the greedy plan where its moves did not pay after all:
+    # moves are confirmed on splits a few rounds from settled, which can mislead on slow layers.
+    x_LP = _steer_flows(x_LP, phy_LP, load_LE, S, n_iter(L, 4 * iters))
+    changed = np.flatnonzero((phy_LP != phy0_LP).any(1))
+    if changed.size:
+        x0 = _steer_flows(x0_LP[changed], phy0_LP[changed], load_LE[changed], S, n_iter(L, 4 * iters))
+        shape = (len(changed), G, S)
+        back = x_LP[changed].reshape(shape).sum(2).max(1) > x0.reshape(shape).sum(2).max(1) + tol_L[changed]
+        phy_LP[changed[back]], x_LP[changed[back]] = phy0_LP[changed[back]], x0[back]
+    return phy_LP, x_LP
