@@ -67,16 +67,19 @@ class Placement:
 
     def holds(self) -> torch.Tensor:
         """holds_LGE [L, G, E] bool: device g holds a replica of expert e."""
-        L, P = self.phy2log.shape
-        G, S = self.num_devices, self.slots_per_device
-        holds = torch.zeros(L, G, self.num_experts + 1, dtype=torch.bool)
-        dev_P = torch.arange(P) // S
-        holds[torch.arange(L)[:, None], dev_P[None, :].expand(L, P), (self.phy2log + 1).clamp_min(0)] = True
-        return holds[:, :, 1:]
+        return torch.from_numpy(_holds(self.phy2log.numpy(), self.slots_per_device, self.num_experts))
 
     def expert_devices(self) -> torch.Tensor:
         """Device of each replica, [L, E, R] long (-1 padded)."""
         return torch.where(self.log2phy >= 0, self.log2phy // self.slots_per_device, -1)
+
+
+def _holds(phy_NP: np.ndarray, S: int, E: int) -> np.ndarray:
+    """holds_NGE [N, G, E] bool from phy_NP [N, P] (-1 = empty): device g holds a replica of expert e."""
+    N, P = phy_NP.shape
+    h = np.zeros((N, P // S, E + 1), dtype=bool)
+    h[np.arange(N)[:, None], np.arange(P)[None, :] // S, phy_NP + 1] = True
+    return h[:, :, 1:]
 
 
 def static_placement(num_layers: int, num_experts: int, num_devices: int) -> Placement:
@@ -233,10 +236,10 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     # nodes (spread replicas across nodes first), minus the stickiness bonus where `previous` held it.
     HUGE, big = 1e30, float(load_LE.sum()) * 4 + 1.0
     penalty_XG = np.zeros((L * (E + 1), G))
-    if previous is not None:
-        was_LEG = previous.holds().transpose(1, 2).numpy().astype(np.float64)
+    was_LGE = previous.holds().numpy() if previous is not None else None   # any slots per device
+    if was_LGE is not None:
         bonus_L11 = (stickiness * load_LE.sum(1) / G).numpy()[:, None, None]
-        penalty_XG.reshape(L, E + 1, G)[:, 1:] -= was_LEG * bonus_L11
+        penalty_XG.reshape(L, E + 1, G)[:, 1:] -= was_LGE.transpose(0, 2, 1) * bonus_L11
     rep_expert = rep_expert_LP.numpy()
     rep_w = rep_w_LP.numpy()
     rows_LP = np.arange(L)[:, None] * (E + 1) + rep_expert + 1
@@ -265,7 +268,6 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     if refine_rounds is None:   # about the same refinement time at every size: fewer rounds on larger inputs
         refine_rounds = int(np.clip((1 << 16) // (L * P), 1, 64))
     if refine_rounds > 0:
-        was_LGE = previous.holds().numpy() if previous is not None else None   # any slots per device
         phy, x_LP = _refine(phy, load_LE.numpy(), G, S, node_G, was_LGE, stickiness, refine_rounds, refine_iters,
                             refine_work)
     plan = _finish(torch.from_numpy(phy), E, G, S, load_LE, previous)
@@ -385,16 +387,18 @@ def _refine(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, node_G: np.
     a round steers about `work` slots, whatever the size (every move on tiny inputs, the best
     estimate on large ones). The best confirmed move is kept when it lowers the slowest device
     (ties: the sum of squared device loads), else the layer stops. With `previous` (was_LGE
-    [L, G, E], the devices that held each expert) each weight move adds `stickiness` x the mean device load / P to the score (moving every
-    slot must gain `stickiness` x the mean load). No move puts two replicas of an expert on one
-    device or takes an expert off a node it alone covered. At the end both splits are settled
-    further and a layer whose moves did not pay returns to the greedy plan.
+    [L, G, E], the devices that held each expert) each weight move adds `stickiness` x the mean
+    device load / P to the score (moving every slot must gain `stickiness` x the mean load). No
+    move puts two replicas of an expert on one device or takes an expert off a node it alone
+    covered. At the end both splits are settled further and a layer whose moves did not pay
+    returns to the greedy plan.
     """
     L, P = phy_LP.shape
     E = load_LE.shape[1]
     nodes = int(node_G.max()) + 1
     dev_P = np.arange(P) // S
     node_P = node_G[dev_P]
+
     def n_iter(rows: int, least: int) -> int:       # water-filling rounds: more where they are cheap
         return int(np.clip((8 * work) // (rows * P), least, 100))
 
@@ -404,18 +408,11 @@ def _refine(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, node_G: np.
     tol_L = 1e-6 * mean_L + 1e-12
     move_cost_L = stickiness * mean_L / P                     # moving every slot: stickiness x the mean load
 
-    def holds_of(phy):                                          # [N, G, E] bool
-        N = phy.shape[0]
-        h = np.zeros((N, G, E + 1), dtype=bool)
-        h[np.arange(N)[:, None], dev_P[None, :], phy + 1] = True
-        return h[:, :, 1:]
-
-
     def score(x, phy, rows):                                    # slowest device and sum of squares, [N]
         y = x.reshape(len(x), G, S).sum(2)
         cost = np.zeros(len(x))
         if was_LGE is not None:                                 # weight moves against previous, priced
-            cost = (holds_of(phy) & ~was_LGE[rows]).sum((1, 2)) * move_cost_L[rows]
+            cost = (_holds(phy, S, E) & ~was_LGE[rows]).sum((1, 2)) * move_cost_L[rows]
         return y.max(1) + cost, (y ** 2).sum(1)
 
     M = min(G - 1, partners)
@@ -426,8 +423,8 @@ def _refine(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, node_G: np.
         A = active.size
         ai = np.arange(A)[:, None]
         phy, x = phy_LP[active], x_LP[active]
-        holds = holds_of(phy)
-        y_AG = (x.reshape(A * G, S) @ np.ones(S)).reshape(A, G)
+        holds = _holds(phy, S, E)
+        y_AG = x.reshape(A, G, S).sum(2)
         rank_AG = np.argsort(y_AG, 1, kind="stable")
         g_A = rank_AG[:, -1]                                    # the slowest device
         h_AM = rank_AG[:, :M]                                   # its partners: the M least loaded
@@ -500,8 +497,8 @@ def _refine(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, node_G: np.
         # candidates and the current placement (last A rows) get the same steering: a move never wins
         # by extra iterations alone
         rows = np.concatenate([np.repeat(active, K), active])
-        both = _steer_flows(np.concatenate([cx.reshape(A * K, P), x]), np.concatenate([cphy.reshape(A * K, P), phy]),
-                            load_LE[rows], S, n_iter(len(rows), iters))
+        both = _steer_flows(np.concatenate([cx.reshape(A * K, P), x]),
+                            np.concatenate([cphy.reshape(A * K, P), phy]), load_LE[rows], S, n_iter(len(rows), iters))
         cx, x = both[:A * K], both[A * K:]
         x_LP[active] = x
         cmax, csq = score(cx, cphy.reshape(A * K, P), rows[:A * K])
@@ -511,7 +508,8 @@ def _refine(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, node_G: np.
         tol = tol_L[active]
         pick = np.where(cmax <= best[:, None] + tol[:, None], csq, np.inf).argmin(1)
         cur_max, cur_sq = score(x, phy, active)
-        gain = (best < cur_max - tol) | ((best <= cur_max + tol) & (csq[ai[:, 0], pick] < cur_sq - tol * mean_L[active]))
+        tied = (best <= cur_max + tol) & (csq[ai[:, 0], pick] < cur_sq - tol * mean_L[active])
+        gain = (best < cur_max - tol) | tied
         keep = np.flatnonzero(gain)
         phy_LP[active[keep]] = cphy[keep, pick[keep]]
         x_LP[active[keep]] = cx.reshape(A, K, P)[keep, pick[keep]]
