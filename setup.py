@@ -27,5 +27,5 @@ setup(
         "plots": ["matplotlib"],
         "megatron": ["megatron-core"],
     },
-    entry_points={"console_scripts": ["eb=eb_deepspeed.cli:main"]},
+    entry_points={"console_scripts": ["eb=eb_deepspeed.tools.cli:main"]},
 )

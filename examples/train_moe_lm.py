@@ -176,7 +176,7 @@ def main(argv=None):
             summary["balance"] = {k: v for k, v in balancer.metrics().items() if not isinstance(v, list)}
             balancer.logger.close()
             if not args.no_report:
-                from eb_deepspeed.report import render_report
+                from eb_deepspeed.observe.report import render_report
                 summary["plots"] = render_report(os.path.join(args.run_dir, "balance"))
         with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

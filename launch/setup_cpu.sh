@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Set up everything eb_deepspeed needs on a CPU machine, into ./.venv (idempotent, safe to re-run).
 # torch is pinned to the CPU build (torch==2.13.0) *before* the package, so no CUDA build is downloaded.
+# DeepSpeed's JIT-compiled shm comm op is built here, once, into this checkout's venv, so no test and
+# no training job pays for the compile inside its own time limit, and two checkouts never rebuild
+# each other's copy (torch keys a build by its flags, which name the venv).
 # Usage: source launch/setup_cpu.sh   (or bash it; the other launch scripts source it)
 set -euo pipefail
 EB_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,5 +22,17 @@ fi
 export PATH="$EB_VENV/bin:$PATH"
 export DS_ACCELERATOR=cpu                       # DeepSpeed's CPU accelerator (gloo backend)
 export WANDB_MODE="${WANDB_MODE:-offline}"      # real W&B run files, no account; `wandb sync` uploads later
-# DeepSpeed JIT-compiles its shm comm op once (~40-100 s here); keep the build between runs.
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/eb_deepspeed/torch_extensions}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$EB_VENV/torch_extensions}"
+# Build (first time, ~40-110 s) or load (a few seconds) the shm op that deepspeed.init_distributed uses.
+if ! ops_log="$("$EB_VENV/bin/python" - 2>&1 <<'PY'
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+    builder.load(verbose=False)
+PY
+)"; then
+  echo "$ops_log" >&2
+  echo "[eb setup] building DeepSpeed's shm comm op failed (log above)" >&2
+  exit 1
+fi

@@ -4,6 +4,7 @@
 `tests/dist_worker.py` (RANK / WORLD_SIZE / MASTER_PORT set as `torch.distributed.run` would),
 each running the named scenario with a real DeepSpeed engine, and returns every rank's result.
 A distinct free port per launch; a hard timeout kills the whole job instead of hanging CI.
+Every test carries exactly one of the markers `unit`, `distributed`, `slow` (pytest.ini).
 """
 from __future__ import annotations
 
@@ -15,15 +16,24 @@ import sys
 import pytest
 import torch
 
-from eb_deepspeed.bench import free_port
+from eb_deepspeed.tools.bench import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-# DeepSpeed JIT-compiles its shm comm op on first init (~40-100 s here); one cache for the whole
-# suite (and across runs on the same machine) makes every later init take a fraction of a second.
-EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "eb_deepspeed",
-                                                                  "torch_extensions")
+# DeepSpeed JIT-compiles its shm comm op on first init (~40-100 s here). launch/setup_cpu.sh builds it
+# once into this checkout's venv before any test runs, so no test's timeout pays for it.
+EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(ROOT, ".venv", "torch_extensions")
+# A multi-rank job on a busy 2-core machine: DeepSpeed init, a few steps, checkpoints.
+LAUNCH_TIMEOUT = 600
+MARKERS = ("unit", "distributed", "slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marks = [m for m in MARKERS if item.get_closest_marker(m)]
+        if len(marks) != 1:
+            raise pytest.UsageError(f"{item.nodeid} must carry exactly one of the markers {MARKERS}, has {marks}")
 
 
 def dist_env(world_size: int, rank: int, port: int) -> dict[str, str]:
@@ -35,7 +45,7 @@ def dist_env(world_size: int, rank: int, port: int) -> dict[str, str]:
     return env
 
 
-def launch(scenario: str, world_size: int, tmp_path, timeout: float = 240, **params) -> list[dict]:
+def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIMEOUT, **params) -> list[dict]:
     out_dir = tmp_path / f"{scenario}_{world_size}"
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()

@@ -73,7 +73,7 @@ def view_state(engine) -> dict:
     gates = eb.gates
     return {"pressure_LG": eb.view.pressure_LG.clone(), "heat_LE": eb.view.heat_LE.clone(),
             "updates_L": eb.view.updates_L.clone(), "steps": eb.view.steps,
-            "last_tally_LW": eb.view.state_dict()["last_tally_LW"], "aux_weight": eb.aux_weights(),
+            "last_tally": eb.view.state_dict()["last_tally"], "aux_weight": eb.aux_weights(),
             "weight_L": eb.controller.weight_L.clone(), "bias_LE": eb.controller.bias_LE.clone(),
             "gate_bias": [None if g.selection_bias_E is None else g.selection_bias_E.clone() for g in gates]}
 
@@ -99,6 +99,134 @@ def scenario_equivalence(p):
                      "has_balancer": hasattr(engine, "easybalance"),
                      "params": {n: t.detach().clone() for n, t in engine.module.named_parameters()}}
     return out
+
+
+def scenario_user_equivalence(p):
+    """As a user runs it: seed once, build, train; no reseeding between steps (so any random number
+    that eb_deepspeed drew, or failed to draw, would change every later RTS draw and the losses)."""
+    out = {}
+    blocks = {"plain": None, "observe": {"mode": "observe"}, "balance": {"mode": "balance", "aux": {"policy": "fixed"}}}
+    for name, block in blocks.items():
+        cfg = base_config()
+        if block is not None:
+            cfg["easybalance"] = {**block, "log": {"dir": os.path.join(p["out"], f"log_{name}")}}
+        torch.manual_seed(0)
+        model = MoELM(**{**SMALL, "ep_size": 2})
+        engine = make_engine(model, cfg, use_eb=name != "plain")
+        losses = []
+        for step in range(4):
+            x, y = batch(step)
+            logits, l_aux = engine(x)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.1 * sum(l_aux)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        out[name] = {"losses": losses, "params": {n: t.detach().clone() for n, t in engine.module.named_parameters()}}
+    return out
+
+
+def scenario_seq_len(p):
+    """Mixed-length batches through the real gate and hook: the weighted view is the true load."""
+    from eb_deepspeed import sequence_length_weights
+    rank = torch.distributed.get_rank()
+    S, E, G = SMALL["seq_len"], SMALL["experts"], 2
+    lengths = torch.tensor([16, 3, 9, 5]) if rank == 0 else torch.tensor([2, 16, 12, 7])
+    out = {}
+    for weighted in (True, False):
+        block = {"mode": "observe", "seq_len_weighting": weighted, "log": {"dir": os.path.join(p["out"], "log")}}
+        engine = make_engine(make_model(ep_size=2, use_rts=False), base_config(easybalance=block))
+        captured = []
+        handles = [blk.moe.deepspeed_moe.gate.register_forward_hook(lambda m, a, o: captured.append(o[3].clone()))
+                   for blk in engine.module.blocks]
+        if weighted:
+            engine.easybalance.set_sequence_lengths(lengths, S)
+        x, y = batch(0)
+        logits, l_aux = engine(x)
+        engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.1 * sum(l_aux))
+        engine.step()
+        for h in handles:
+            h.remove()
+        # the true load: every kept route costs its token's sequence length relative to the batch mean;
+        # the count: every kept route costs 1. Per expert, then per device (expert e on rank e // (E / G)).
+        w_T = sequence_length_weights(lengths, S)
+        true_LG, count_LG = torch.zeros(len(captured), G, dtype=torch.float64), torch.zeros(len(captured), G,
+                                                                                           dtype=torch.float64)
+        for layer, idx_KT in enumerate(captured):
+            kept_KT = idx_KT >= 0
+            dev_R = idx_KT[kept_KT].long() // (E // G)
+            true_LG[layer].index_add_(0, dev_R, w_T.expand_as(idx_KT)[kept_KT])
+            count_LG[layer].index_add_(0, dev_R, torch.ones(dev_R.numel(), dtype=torch.float64))
+        torch.distributed.all_reduce(true_LG)
+        torch.distributed.all_reduce(count_LG)
+        out["weighted" if weighted else "unweighted"] = {"pressure_LG": engine.easybalance.view.pressure_LG.clone(),
+                                                         "true_LG": true_LG, "count_LG": count_LG}
+    return out
+
+
+class _PipeEmbed(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, hidden)
+
+    def forward(self, x):
+        h = self.emb(x)
+        return h, torch.zeros(1) + 0 * h.sum()     # hidden, running sum of l_aux
+
+
+class _PipeMoE(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+        self.moe = MoE(hidden, torch.nn.Linear(hidden, hidden), num_experts=4, ep_size=1, k=2, min_capacity=2,
+                       use_rts=False)
+
+    def forward(self, inputs):
+        h, aux = inputs
+        out, l_aux, _ = self.moe(h)
+        return h + out, aux + l_aux
+
+
+class _PipeHead(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.head = torch.nn.Linear(hidden, 256)
+
+    def forward(self, inputs):
+        h, aux = inputs
+        return self.head(h), aux
+
+
+def scenario_pipeline(p):
+    """MoE layers in a PipelineModule over 2 stages: the hook fires under PipelineEngine.train_batch and
+    every rank holds the whole model's view (both stages' layers)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    def loss_fn(outputs, y):
+        logits, aux = outputs
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.1 * aux.sum()
+
+    torch.manual_seed(0)
+    hidden = 16
+    specs = [LayerSpec(_PipeEmbed, hidden)] + [LayerSpec(_PipeMoE, hidden) for _ in range(4)] + [LayerSpec(_PipeHead, hidden)]
+    net = PipelineModule(specs, num_stages=2, loss_fn=loss_fn, partition_method="uniform")
+    block = {"mode": "balance", "warmup_batches": 1, "aux": {"policy": "cross_layer", "smoothing": 1.0},
+             "log": {"dir": os.path.join(p["out"], "log"), "interval": 1}}
+    engine = make_engine(net, base_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+                                          easybalance=block))
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        while True:
+            x = torch.randint(0, 256, (2, 9), generator=g)
+            yield x[:, :-1], x[:, 1:]
+
+    it = data()
+    for _ in range(3):
+        engine.train_batch(it)
+    eb = engine.easybalance
+    return {"engine": type(engine).__name__, "stage": engine.stage_id, "global_steps": engine.global_steps,
+            "view": view_state(engine), "layers": eb.layers, "num_layers": eb.num_layers,
+            "gate_weights": [g.aux_weight for g in eb.gates]}
 
 
 def _load_global_experts(model_ep, state_full, rank: int, local_experts: int):
@@ -136,17 +264,17 @@ def scenario_view(p):
     block = {"mode": p.get("mode", "observe"), "log": {"dir": os.path.join(p["out"], "log"), "interval": 1}}
     if "policy" in p:
         block.update(warmup_batches=1, aux={"policy": p["policy"], "bias_rate": 0.05})
-    cfg = base_config(gradient_accumulation_steps=accum, easybalance=block)
+    cfg = base_config(gradient_accumulation_steps=accum, easybalance=block, **p.get("ds", {}))
     engine = make_engine(make_model(ep_size=2), cfg)
     eb = engine.easybalance
     counts, calls = [], [0]
-    original = eb.on_boundary
+    original = eb.step
 
     def counting():
         calls[0] += 1
         return original()
 
-    eb.on_boundary = counting
+    eb.step = counting
     controls = []
     rank = torch.distributed.get_rank()
     for step in range(p["steps"]):
@@ -159,8 +287,7 @@ def scenario_view(p):
             counts.append(calls[0])
             controls.append((eb.controller.weight_L.clone(), eb.controller.bias_LE.clone()))
     return {"view": view_state(engine), "counts": counts, "controls": controls, "rank_to_node": eb.rank_to_node,
-            "ep_group_ranks": eb.ep_group_ranks, "reduce_world": eb.world_size,
-            "metrics": eb.metrics()}
+            "metrics": eb.metrics(), "optimizer": type(engine.optimizer).__name__}
 
 
 def scenario_checkpoint(p):

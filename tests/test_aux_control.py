@@ -3,8 +3,11 @@ import pytest
 import torch
 
 from eb_deepspeed import EasyBalanceConfig, LoadView
-from eb_deepspeed.aux_control import (AuxController, bias_update, clip_mean_one, cross_layer_scores,
-                                      cross_layer_weights)
+from eb_deepspeed.core.policies import (POLICIES, AuxController, bias_update, clip_mean_one, cross_layer_scores,
+                                        cross_layer_weights)
+from eb_deepspeed.core.tally import Tally
+
+pytestmark = pytest.mark.unit
 
 
 def test_cross_layer_scores_weigh_excess_load_by_how_hot_the_device_is_across_the_window():
@@ -55,9 +58,7 @@ def test_bias_update_is_a_sign_step_re_centred_with_a_device_term():
 def _view(steps, routed_LE, warmup=2):
     view = LoadView(2, 4, 2, warmup_batches=warmup)
     for _ in range(steps):
-        r = torch.as_tensor(routed_LE, dtype=torch.float64)
-        view.update(torch.cat([r, torch.zeros(2, 1), r, torch.zeros(2, 1), r, torch.full((2, 1), 8.0),
-                               torch.zeros(2, 1), torch.ones(2, 1), torch.ones(2, 1)], 1))
+        view.update(Tally.build(routed_LE, tokens_L=8.0))
     return view
 
 
@@ -103,4 +104,15 @@ def test_bad_aux_options_name_their_path(aux, message):
 
 def test_options_the_policy_does_not_use_are_reported_once_each():
     cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "bias", "smoothing": 0.5}}})
-    assert cfg.ignored_options() == ["aux.smoothing"]
+    assert cfg.ignored_options("train") == ["easybalance.aux.smoothing"]
+
+
+def test_the_config_takes_its_policy_choices_and_options_from_the_registry():
+    # every option of every policy is a valid aux key, and each policy reports the others' as ignored
+    every = sorted({o for p in POLICIES.values() for o in p.options})
+    for name, policy in POLICIES.items():
+        block = {"aux": {"policy": name, **{o: EasyBalanceConfig().aux.__getattribute__(o) for o in every}}}
+        block["aux"]["weight_range"] = list(block["aux"]["weight_range"])
+        cfg = EasyBalanceConfig.from_ds_config({"easybalance": block})
+        assert cfg.ignored_options("train") == [f"easybalance.aux.{o}" for o in every if o not in policy.options]
+    assert tuple(POLICIES) == ("fixed", "cross_layer", "bias")

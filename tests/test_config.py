@@ -5,6 +5,9 @@ import json
 import pytest
 
 from eb_deepspeed import ConfigError, EasyBalanceConfig
+from eb_deepspeed.core.topology import TOPOLOGIES
+
+pytestmark = pytest.mark.unit
 
 
 def test_no_block_or_no_config_gives_a_disabled_config():
@@ -15,8 +18,8 @@ def test_no_block_or_no_config_gives_a_disabled_config():
 def test_an_empty_block_enables_balancing_with_the_seed_tuning_table_defaults():
     cfg = EasyBalanceConfig.from_ds_config({"easybalance": {}})
     assert cfg.enabled and cfg.mode == "balance"
-    assert (cfg.weights.intra, cfg.weights.cross, cfg.weights.comm) == (0.3, 0.5, 0.2)
-    assert cfg.ema_alpha == 0.3 and cfg.decision_batch == 8
+    assert cfg.inference.weights.as_tuple() == (0.3, 0.5, 0.2)
+    assert cfg.ema_alpha == 0.3 and cfg.inference.decision_batch == 8
     assert 3 <= cfg.warmup_batches <= 5
     # window "auto": 5 layers for a 32-layer model, 8 for a 61-layer one (seed 000 §5.1)
     assert cfg.window_for(32) == 5 and cfg.window_for(61) == 8 and cfg.window_for(4) == 5
@@ -29,13 +32,14 @@ def test_enabled_false_disables_balancing():
 @pytest.mark.parametrize("topology, expected", [("nvlink", (0.3, 0.6, 0.1)), ("pcie", (0.3, 0.5, 0.2)),
                                                 ("multi_node", (0.2, 0.4, 0.4))])
 def test_topology_presets_set_the_cost_weights_the_way_the_seed_says(topology, expected):
-    w = EasyBalanceConfig.from_ds_config({"easybalance": {"topology": topology}}).weights
-    assert (w.intra, w.cross, w.comm) == expected
+    w = EasyBalanceConfig.from_ds_config({"easybalance": {"inference": {"topology": topology}}}).inference.weights
+    assert w.as_tuple() == expected == TOPOLOGIES[topology].weights
 
 
 def test_explicit_weights_override_the_preset_key_by_key():
-    w = EasyBalanceConfig.from_ds_config({"easybalance": {"topology": "multi_node", "weights": {"comm": 0.7}}}).weights
-    assert (w.intra, w.cross, w.comm) == (0.2, 0.4, 0.7)
+    block = {"inference": {"topology": "multi_node", "weights": {"comm": 0.7}}}
+    w = EasyBalanceConfig.from_ds_config({"easybalance": block}).inference.weights
+    assert w.as_tuple() == (0.2, 0.4, 0.7)
 
 
 def test_the_config_reads_a_json_file(tmp_path):
@@ -46,27 +50,39 @@ def test_the_config_reads_a_json_file(tmp_path):
 
 
 def test_the_users_dict_is_never_changed():
-    user = {"easybalance": {"mode": "observe", "weights": {"comm": 0.5}, "log": {"interval": 3}}}
+    user = {"easybalance": {"mode": "observe", "inference": {"weights": {"comm": 0.5}}, "log": {"interval": 3}}}
     before = copy.deepcopy(user)
     EasyBalanceConfig.from_ds_config(user)
     assert user == before
 
 
 @pytest.mark.parametrize("block, message", [
-    ({"ema_alfa": 0.3}, r"easybalance\.ema_alfa: unknown key; valid keys: aux, decision_batch, ema_alpha, enabled"),
-    ({"weights": {"crosss": 0.5}}, r"easybalance\.weights\.crosss: unknown key; valid keys: comm, cross, intra"),
+    ({"ema_alfa": 0.3}, r"easybalance\.ema_alfa: unknown key; valid keys: aux, ema_alpha, enabled, inference, log"),
+    ({"inference": {"weights": {"crosss": 0.5}}},
+     r"easybalance\.inference\.weights\.crosss: unknown key; valid keys: comm, cross, intra"),
+    ({"inference": {"replicas": 1}}, r"easybalance\.inference\.replicas: unknown key; valid keys: decision_batch, "
+                                     r"replan_interval, replan_threshold, replica_slots, topology, weights"),
+    ({"topology": "nvlink"}, r"easybalance\.topology: moved to easybalance\.inference\.topology"),
+    ({"weights": {"comm": 0.1}}, r"easybalance\.weights: moved to easybalance\.inference\.weights"),
+    ({"decision_batch": 4}, r"easybalance\.decision_batch: moved to easybalance\.inference\.decision_batch"),
     ({"log": {"every": 2}}, r"easybalance\.log\.every: unknown key; valid keys: dir, interval, wandb"),
     ({"mode": "fast"}, r"easybalance\.mode \('fast'\) must be one of: observe, balance"),
-    ({"topology": "infiniband"}, r"easybalance\.topology \('infiniband'\) must be one of: pcie, nvlink, multi_node"),
+    ({"inference": {"topology": "infiniband"}},
+     r"easybalance\.inference\.topology \('infiniband'\) must be one of: pcie, nvlink, multi_node"),
     ({"ema_alpha": 1.5}, r"easybalance\.ema_alpha \(1\.5\) must be in \(0, 1\]"),
     ({"ema_alpha": 0}, r"easybalance\.ema_alpha \(0\.0\) must be in \(0, 1\]"),
     ({"ema_alpha": "0.3"}, r"easybalance\.ema_alpha \('0\.3'\) must be a finite number"),
-    ({"decision_batch": 0}, r"easybalance\.decision_batch \(0\) must be >= 1"),
+    ({"inference": {"decision_batch": 0}}, r"easybalance\.inference\.decision_batch \(0\) must be >= 1"),
+    ({"inference": {"replica_slots": -1}}, r"easybalance\.inference\.replica_slots \(-1\) must be >= 0"),
+    ({"inference": {"replan_threshold": 0.9}}, r"easybalance\.inference\.replan_threshold \(0\.9\) must be >= 1"),
+    ({"inference": {"replan_interval": 0}}, r"easybalance\.inference\.replan_interval \(0\) must be >= 1"),
+    ({"inference": []}, r"easybalance\.inference must be a JSON object, got list"),
     ({"window": -1}, r"easybalance\.window \(-1\) must be >= 0 or \"auto\""),
     ({"window": 2.5}, r"easybalance\.window \(2\.5\) must be an integer >= 0 or \"auto\""),
     ({"warmup_batches": True}, r"easybalance\.warmup_batches \(True\) must be an integer >= 0"),
-    ({"weights": {"cross": 1.2}}, r"easybalance\.weights\.cross \(1\.2\) must be in \[0, 1\]"),
-    ({"weights": {"intra": 0, "cross": 0, "comm": 0}}, r"easybalance\.weights: intra, cross and comm .* must not all be 0"),
+    ({"inference": {"weights": {"cross": 1.2}}}, r"easybalance\.inference\.weights\.cross \(1\.2\) must be in \[0, 1\]"),
+    ({"inference": {"weights": {"intra": 0, "cross": 0, "comm": 0}}},
+     r"easybalance\.inference\.weights: intra, cross and comm .* must not all be 0"),
     ({"enabled": "yes"}, r"easybalance\.enabled \('yes'\) must be true or false"),
     ({"log": {"interval": 0}}, r"easybalance\.log\.interval \(0\) must be >= 1"),
     ([1, 2], r"easybalance must be a JSON object, got list"),
@@ -80,8 +96,23 @@ def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 
 
-def test_observe_mode_reports_the_decision_options_it_ignores():
-    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"mode": "observe", "weights": {"comm": 0.4},
-                                                            "decision_batch": 4, "ema_alpha": 0.2}})
-    assert cfg.ignored_options() == ["decision_batch", "weights"]
-    assert EasyBalanceConfig.from_ds_config({"easybalance": {"decision_batch": 4}}).ignored_options() == []
+@pytest.mark.parametrize("block, context, ignored", [
+    # observe changes nothing: every decision option is ignored, in training and in serving
+    ({"mode": "observe", "inference": {"decision_batch": 4}, "warmup_batches": 2, "ema_alpha": 0.2,
+      "aux": {"policy": "bias"}}, "train",
+     ["easybalance.aux.policy", "easybalance.inference.decision_batch", "easybalance.warmup_batches"]),
+    ({"mode": "observe", "window": 3}, "inference", ["easybalance.window"]),
+    # balance, training: inference options, and the aux options the policy does not read
+    ({"inference": {"replica_slots": 2, "topology": "nvlink"}, "aux": {"policy": "cross_layer", "bias_rate": 0.1}},
+     "train", ["easybalance.inference.replica_slots", "easybalance.inference.topology", "easybalance.aux.bias_rate"]),
+    # fixed acts on nothing the view holds: window and warm-up are ignored too
+    ({"aux": {"policy": "fixed"}, "window": 3, "warmup_batches": 2}, "train",
+     ["easybalance.warmup_batches", "easybalance.window"]),
+    # balance, serving: the training controls
+    ({"aux": {"smoothing": 0.5}, "inference": {"replica_slots": 2}}, "inference", ["easybalance.aux.smoothing"]),
+    ({"inference": {"decision_batch": 4}, "aux": {"policy": "bias", "bias_rate": 0.01}}, "inference",
+     ["easybalance.aux.bias_rate", "easybalance.aux.policy"]),
+    ({"ema_alpha": 0.2, "seq_len_weighting": True}, "train", []),
+])
+def test_every_option_set_without_effect_is_named_by_its_json_path(block, context, ignored):
+    assert EasyBalanceConfig.from_ds_config({"easybalance": block}).ignored_options(context) == ignored

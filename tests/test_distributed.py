@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from eb_deepspeed.load_view import split_tally
+from eb_deepspeed.core.tally import Tally
+
+pytestmark = pytest.mark.distributed
 
 
 def assert_tensors_equal(a, b, what):
@@ -48,25 +50,29 @@ def test_ep_size_1_and_2_give_the_same_losses_and_gradients(run_dist, drop_token
         assert checked_experts > 0
 
 
-@pytest.mark.parametrize("world_size, accum", [(2, 2), (4, 3)])
-def test_every_rank_holds_the_same_view_updated_once_per_accumulation_boundary(run_dist, world_size, accum):
+ZERO1 = {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
+BF16_ZERO2 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+
+
+@pytest.mark.parametrize("world_size, accum, ds", [(2, 2, {}), (4, 3, {}), (2, 2, ZERO1), (2, 1, BF16_ZERO2)])
+def test_every_rank_holds_the_same_view_updated_once_per_accumulation_boundary(run_dist, world_size, accum, ds):
+    # ZeRO steps the torch optimizer once per parameter group: the hook still runs once per step
     steps = 3
-    ranks = run_dist("view", world_size, accum=accum, steps=steps)
+    ranks = run_dist("view", world_size, accum=accum, steps=steps, ds=ds)
     first = ranks[0]
+    assert first["optimizer"] == ("DeepSpeedZeroOptimizer" if ds else "SGD")
     # one update per boundary: after micro-step m the hook has run m // accum times
     assert first["counts"] == [(m + 1) // accum for m in range(steps * accum)]
     assert first["view"]["steps"] == steps and first["view"]["updates_L"].tolist() == [steps, steps]
     # the reduction spans every EP x DP rank and every micro-batch: tokens = ranks * accum * batch * seq
-    last = split_tally(first["view"]["last_tally_LW"], 4)
+    last = Tally.unpack(first["view"]["last_tally"], 4)
     assert last.tokens_L.tolist() == [world_size * accum * 4 * 16] * 2
     assert last.forwards_L.tolist() == [world_size * accum] * 2
-    assert first["reduce_world"] == world_size
     assert first["rank_to_node"] == [0] * world_size
     assert first["view"]["pressure_LG"].sum() > 0
     for rank_index, rank in enumerate(ranks):
-        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally_LW"):
+        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally"):
             assert torch.equal(rank["view"][key], first["view"][key]), f"rank {rank_index} {key}"
-        assert len(rank["ep_group_ranks"]) == 2 and rank_index in rank["ep_group_ranks"]
     # data differs per rank, so routes differ per rank; the view is the sum, not rank 0's copy
     assert ranks[0]["metrics"]["tokens"] == world_size * accum * 4 * 16
 
@@ -96,7 +102,7 @@ def test_checkpoint_round_trip_restores_the_view_and_controls_and_the_next_step_
     ranks = run_dist("checkpoint", 2, policy=policy)
     for rank in ranks:
         assert rank["loaded"]
-        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally_LW", "weight_L", "bias_LE"):
+        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally", "weight_L", "bias_LE"):
             assert torch.equal(rank["restored"][key], rank["saved"][key]), key
             assert torch.equal(rank["after_b"][key], rank["after_a"][key]), f"next step {key}"
         assert rank["restored"]["steps"] == rank["saved"]["steps"] == 3
@@ -130,3 +136,39 @@ def test_nonfinite_router_logits_on_one_rank_leave_every_view_finite_and_unchang
         assert rank["after"]["steps"] == rank["before"]["steps"] + 1
         assert torch.equal(rank["after"]["pressure_LG"], ranks[0]["after"]["pressure_LG"])
     assert ranks[0]["warned"]
+
+
+def test_as_users_run_it_without_reseeding_observe_and_fixed_balance_equal_plain_deepspeed(run_dist):
+    for rank in run_dist("user_equivalence", 2):
+        plain = rank["plain"]
+        for name in ("observe", "balance"):
+            assert [float(x) for x in rank[name]["losses"]] == [float(x) for x in plain["losses"]], name
+            assert_tensors_equal(rank[name]["params"], plain["params"], f"{name} params after 4 steps")
+
+
+def test_sequence_length_weighting_makes_the_view_the_true_load_through_the_gate_and_the_hook(run_dist):
+    for rank in run_dist("seq_len", 2):
+        weighted, unweighted = rank["weighted"], rank["unweighted"]
+        # after one step the EMA is the step's value: the weighted view equals the true per-device load
+        assert torch.allclose(weighted["pressure_LG"], weighted["true_LG"], rtol=1e-9, atol=1e-9)
+        assert not torch.allclose(weighted["count_LG"], weighted["true_LG"], rtol=1e-3)   # mixed lengths differ
+        # the unweighted view counts routes, which is not the load
+        assert torch.equal(unweighted["pressure_LG"], unweighted["count_LG"])
+        assert not torch.allclose(unweighted["pressure_LG"], unweighted["true_LG"], rtol=1e-3)
+
+
+def test_under_pipeline_parallelism_the_hook_fires_and_every_rank_holds_every_stages_layers(run_dist):
+    ranks = run_dist("pipeline", 2)
+    assert [r["engine"] for r in ranks] == ["PipelineEngine"] * 2 and [r["stage"] for r in ranks] == [0, 1]
+    assert ranks[0]["layers"] == [0, 1] and ranks[1]["layers"] == [2, 3]
+    for rank in ranks:
+        view = rank["view"]
+        assert rank["num_layers"] == 4 and rank["global_steps"] == 3
+        assert view["steps"] == 3 and view["updates_L"].tolist() == [3] * 4   # once per train_batch
+        # every layer's row was filled by its stage: 2 micro-batches x 2 sequences x 8 tokens
+        assert Tally.unpack(view["last_tally"], 4).tokens_L.tolist() == [32.0] * 4
+        for key in ("pressure_LG", "heat_LE", "weight_L"):
+            assert torch.equal(view[key], ranks[0]["view"][key]), key
+        # the controller acted on the whole view; each stage's gates carry their own layers' weights
+        assert abs(float(view["weight_L"].mean()) - 1.0) < 1e-9 and not torch.equal(view["weight_L"], torch.ones(4, dtype=torch.float64))
+        assert rank["gate_weights"] == [float(view["weight_L"][i]) for i in rank["layers"]]

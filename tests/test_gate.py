@@ -7,9 +7,15 @@ from deepspeed.moe.experts import Experts
 from deepspeed.moe.sharded_moe import MOELayer, TopKGate
 
 from eb_deepspeed import CrossLayerGate, LoadView
-from eb_deepspeed.load_view import split_tally
+from eb_deepspeed.core.tally import Tally
 
+pytestmark = pytest.mark.unit
 M, E = 16, 8
+
+
+def taken(gate) -> Tally:
+    """The gate's tally since the last call, by name."""
+    return Tally.unpack(gate.take_tally()[None], E)
 
 
 def pair(k, **kw):
@@ -71,7 +77,7 @@ def test_the_tally_holds_demand_kept_routes_and_tokens(k, sparse):
     _, eb = pair(k, capacity_factor=0.5, min_capacity=1)
     x = torch.randn(40, M)
     out = call(eb, x, 5, sparse)
-    part = split_tally(eb.take_tally(torch.device("cpu"))[None], E)
+    part = taken(eb)
     assert part.routed_LE[0].tolist() == out[-1].double().tolist()
     if sparse:
         kept = torch.bincount(out[3][out[3] >= 0].long(), minlength=E)
@@ -81,7 +87,7 @@ def test_the_tally_holds_demand_kept_routes_and_tokens(k, sparse):
     assert part.load_LE[0].tolist() == kept.double().tolist()
     assert part.tokens_L.item() == 40 and part.nonfinite_L.item() == 0
     assert part.kept_LE.sum() < part.routed_LE.sum()  # capacity factor 0.5 drops routes
-    assert eb.take_tally(torch.device("cpu")).abs().sum() == 0  # taking the tally resets it
+    assert eb.take_tally().abs().sum() == 0  # taking the tally resets it
 
 
 def test_the_gate_accumulates_over_micro_batches_and_only_in_training():
@@ -91,7 +97,7 @@ def test_the_gate_accumulates_over_micro_batches_and_only_in_training():
     call(eb, x, 1, True)
     eb.eval()
     call(eb, x, 2, True)
-    part = split_tally(eb.take_tally(torch.device("cpu"))[None], E)
+    part = taken(eb)
     assert part.tokens_L.item() == 64 and part.routed_LE.sum().item() == 128
 
 
@@ -114,11 +120,10 @@ def test_nonfinite_logits_are_counted_and_keep_the_layer_out_of_the_view():
     x[3, 0] = float("nan")
     x[9, 1] = float("inf")
     call(eb, x, 0, True)
-    tally = eb.take_tally(torch.device("cpu"))
-    part = split_tally(tally[None], E)
+    part = taken(eb)
     assert part.nonfinite_L.item() == 2
     view = LoadView(1, E, 2)
-    assert view.update(tally[None]).tolist() == [False]
+    assert view.update(part).tolist() == [False]
     assert view.pressure_LG.abs().sum() == 0 and torch.isfinite(view.heat_LE).all()
 
 
@@ -133,7 +138,7 @@ def test_an_empty_batch_gives_a_well_formed_result_through_deepspeeds_moe_layer(
     (out.sum() + layer.l_aux).backward()
     assert layer.l_aux.item() == 0.0
     assert gate.wg.weight.grad is not None and gate.wg.weight.grad.abs().sum() == 0
-    assert gate.take_tally(torch.device("cpu")).abs().sum() == 0  # nothing recorded, nothing poisoned
+    assert gate.take_tally().abs().sum() == 0  # nothing recorded, nothing poisoned
     l_aux, combine_TEC, dispatch_TEC, counts = gate(torch.randn(0, M))
     assert combine_TEC.shape[0] == 0 and counts.tolist() == [0] * E
 
@@ -202,6 +207,41 @@ def test_the_gate_uses_its_selection_bias_and_records_the_biased_routes():
     eb.selection_bias_E[5] = 50.0
     out = call(eb, torch.randn(32, M), 0, True)
     assert (out[3] == 5).any(0).all()
-    part = split_tally(eb.take_tally(torch.device("cpu"))[None], E)
+    part = taken(eb)
     assert part.kept_LE[0, 5].item() == 32 and part.forwards_L.item() == 1
     assert part.aux_L.item() == pytest.approx(out[0].item())
+
+
+def test_swapping_a_gate_draws_no_random_number():
+    ds, _ = pair(2)
+    torch.manual_seed(11)
+    expected = torch.rand(4)
+    torch.manual_seed(11)
+    CrossLayerGate.from_topk_gate(ds, layer_index=0)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def _checkpointed_layer(kind):
+    torch.manual_seed(0)
+    gate = CrossLayerGate(M, E, k=2, min_capacity=2, capacity_factor=float(E))
+    layer = MOELayer(gate, Experts(torch.nn.Linear(M, M), E, "ep_size_1"), "ep_size_1", 1, E).train()
+    x = torch.randn(1, 24, M, requires_grad=True)
+    if kind == "none":
+        return gate, layer(x, None)
+    if kind == "deepspeed":
+        import deepspeed
+        return gate, deepspeed.checkpointing.checkpoint(lambda h: layer(h, None), x)
+    return gate, torch.utils.checkpoint.checkpoint(lambda h: layer(h, None), x, use_reentrant=kind == "reentrant")
+
+
+@pytest.mark.parametrize("kind", ["deepspeed", "reentrant", "non_reentrant"])
+def test_under_activation_checkpointing_each_route_is_counted_once(kind):
+    plain_gate, plain_out = _checkpointed_layer("none")
+    plain_out.sum().backward()
+    expected = taken(plain_gate)
+    gate, out = _checkpointed_layer(kind)
+    out.sum().backward()          # re-runs the gate's forward during backward
+    assert gate.wg.weight.grad is not None and gate.wg.weight.grad.abs().sum() > 0
+    part = taken(gate)
+    assert part.tokens_L.item() == 24 and part.forwards_L.item() == 1
+    assert torch.equal(part.routed_LE, expected.routed_LE) and torch.equal(part.kept_LE, expected.kept_LE)

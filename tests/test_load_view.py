@@ -3,41 +3,34 @@ import pytest
 import torch
 
 from eb_deepspeed import LoadView, sequence_length_weights
-from eb_deepspeed.load_view import split_tally, tally_width
+from eb_deepspeed.core.tally import Tally
 
+pytestmark = pytest.mark.unit
 E = 4  # experts 0, 1 on device 0; experts 2, 3 on device 1
 
 
 def tally(routed, kept=None, load=None, tokens=None, nonfinite=0.0):
-    """One layer's tally row [3E + 6] from readable parts."""
-    kept = routed if kept is None else kept
-    load = kept if load is None else load
-    tokens = sum(routed) / 2 if tokens is None else tokens
-    return torch.tensor(list(routed) + [0.0] + list(kept) + [0.0] + list(load) + [tokens, nonfinite, 0.0, 1.0],
-                        dtype=torch.float64)
+    """One layer's tally from readable parts (a [1, E] Tally)."""
+    return Tally.build([routed], kept_LE=None if kept is None else [kept], load_LE=None if load is None else [load],
+                       tokens_L=tokens, nonfinite_L=nonfinite)
 
 
-def test_tally_layout_splits_into_named_parts():
-    part = split_tally(tally([1, 2, 3, 4], kept=[1, 2, 3, 3], load=[2, 2, 2, 2], tokens=5, nonfinite=1)[None], E)
-    assert part.routed_LE.tolist() == [[1, 2, 3, 4]]
-    assert part.kept_LE.tolist() == [[1, 2, 3, 3]]
-    assert part.load_LE.tolist() == [[2, 2, 2, 2]]
-    assert part.tokens_L.tolist() == [5] and part.nonfinite_L.tolist() == [1]
-    assert tally_width(E) == 3 * E + 6
+def stack(*rows):
+    return Tally.unpack(torch.cat([r.pack() for r in rows]), E)
 
 
 def test_the_first_update_sets_the_view_and_later_ones_follow_the_ema():
     view = LoadView(1, E, 2, ema_alpha=0.5)
-    view.update(tally([4, 0, 2, 2])[None])
+    view.update(tally([4, 0, 2, 2]))
     assert view.pressure_LG.tolist() == [[4.0, 4.0]]       # devices: 4+0, 2+2
-    view.update(tally([8, 0, 0, 0])[None])
+    view.update(tally([8, 0, 0, 0]))
     assert view.pressure_LG.tolist() == [[6.0, 2.0]]       # 0.5*8 + 0.5*4, 0.5*0 + 0.5*4
     assert view.heat_LE.tolist() == [[6.0, 0.0, 1.0, 1.0]]
 
 
 def test_device_pressure_counts_kept_routes_and_heat_counts_demand():
     view = LoadView(1, E, 2)
-    view.update(tally([10, 0, 2, 2], kept=[6, 0, 2, 2])[None])
+    view.update(tally([10, 0, 2, 2], kept=[6, 0, 2, 2]))
     assert view.pressure_LG.tolist() == [[6.0, 4.0]]
     assert view.heat_LE.tolist() == [[10.0, 0.0, 2.0, 2.0]]
     m = view.metrics()
@@ -47,7 +40,7 @@ def test_device_pressure_counts_kept_routes_and_heat_counts_demand():
 def test_cross_layer_pressure_sums_a_window_of_layers_clipped_at_the_ends():
     view = LoadView(4, E, 2, window=1)
     rows = [tally([1, 0, 0, 0]), tally([2, 0, 0, 0]), tally([3, 0, 0, 0]), tally([4, 0, 0, 0])]
-    view.update(torch.stack(rows))
+    view.update(stack(*rows))
     # device 0 pressure per layer 1, 2, 3, 4; window 1: [1+2, 1+2+3, 2+3+4, 3+4]
     assert view.cross_layer_pressure()[:, 0].tolist() == [3.0, 6.0, 9.0, 7.0]
     assert view.cross_layer_pressure(window=0)[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
@@ -56,19 +49,19 @@ def test_cross_layer_pressure_sums_a_window_of_layers_clipped_at_the_ends():
 def test_warm_up_needs_that_many_valid_updates_of_every_layer():
     view = LoadView(2, E, 2, warmup_batches=3)
     for _ in range(2):
-        view.update(torch.stack([tally([1, 1, 1, 1]), tally([1, 1, 1, 1])]))
+        view.update(stack(tally([1, 1, 1, 1]), tally([1, 1, 1, 1])))
     assert not view.ready
-    view.update(torch.stack([tally([1, 1, 1, 1]), tally([0, 0, 0, 0], tokens=0)]))  # layer 1 empty
+    view.update(stack(tally([1, 1, 1, 1]), tally([0, 0, 0, 0], tokens=0)))  # layer 1 empty
     assert not view.ready
-    view.update(torch.stack([tally([1, 1, 1, 1]), tally([1, 1, 1, 1])]))
+    view.update(stack(tally([1, 1, 1, 1]), tally([1, 1, 1, 1])))
     assert view.ready
 
 
 def test_an_empty_batch_or_nonfinite_logits_leave_the_layer_untouched():
     view = LoadView(2, E, 2)
-    view.update(torch.stack([tally([4, 0, 0, 0]), tally([0, 0, 4, 0])]))
+    view.update(stack(tally([4, 0, 0, 0]), tally([0, 0, 4, 0])))
     before = (view.pressure_LG.clone(), view.heat_LE.clone())
-    valid = view.update(torch.stack([tally([0, 0, 0, 0], tokens=0), tally([0, 9, 0, 0], nonfinite=3)]))
+    valid = view.update(stack(tally([0, 0, 0, 0], tokens=0), tally([0, 9, 0, 0], nonfinite=3)))
     assert valid.tolist() == [False, False]
     assert torch.equal(view.pressure_LG, before[0]) and torch.equal(view.heat_LE, before[1])
     assert view.updates_L.tolist() == [1, 1]
@@ -77,23 +70,46 @@ def test_an_empty_batch_or_nonfinite_logits_leave_the_layer_untouched():
 
 def test_corrupt_tallies_are_refused_without_changing_the_view():
     view = LoadView(1, E, 2)
-    view.update(tally([1, 1, 1, 1])[None])
+    view.update(tally([1, 1, 1, 1]))
     before = view.state_dict()
-    bad = tally([1, 1, 1, 1])[None].clone()
-    bad[0, 0] = float("nan")
+    bad = tally([1, 1, 1, 1])
+    bad.routed_LE[0, 0] = float("nan")
     with pytest.raises(ValueError, match="tallies must be finite and non-negative"):
         view.update(bad)
-    with pytest.raises(ValueError, match=r"tally must be \[layers, 18\] for 4 experts, got \(1, 3\)"):
-        view.update(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="tallies must be finite and non-negative"):
+        view.update(tally([1, 1, 1, 1]), device_load_LG=torch.tensor([[1.0, -2.0]]))
+    with pytest.raises(ValueError, match=r"tally is for \(layers, experts\) = \(1, 3\), the view has \(1, 4\)"):
+        view.update(tally([1, 1, 1]))
+    with pytest.raises(ValueError, match=r"a packed tally must be \[layers, 19\] for 4 experts, got \(1, 3\)"):
+        Tally.unpack(torch.zeros(1, 3), E)
     assert torch.equal(view.pressure_LG, before["pressure_LG"]) and view.steps == before["steps"]
 
 
-def test_update_does_not_modify_the_callers_tensor():
-    t = tally([1, 2, 3, 4])[None]
-    t[0, E] = 5.0  # scratch slot
-    copy = t.clone()
-    LoadView(1, E, 2).update(t)
-    assert torch.equal(t, copy)
+def test_the_tally_packs_and_unpacks_by_name_and_the_layout_has_one_width():
+    t = tally([1, 2, 3, 4], kept=[1, 2, 3, 3], load=[2, 2, 2, 2], tokens=5, nonfinite=1)
+    packed = t.pack()
+    assert packed.shape == (1, 3 * (E + 1) + 4)   # three per-expert fields, each after a scratch slot, and 4 counts
+    back = Tally.unpack(packed, E)
+    assert back.routed_LE.tolist() == [[1, 2, 3, 4]] and back.kept_LE.tolist() == [[1, 2, 3, 3]]
+    assert back.load_LE.tolist() == [[2, 2, 2, 2]]
+    assert back.tokens_L.tolist() == [5] and back.nonfinite_L.tolist() == [1] and back.forwards_L.tolist() == [1]
+    assert back.dropped_L().tolist() == [1.0] and back.valid_L().tolist() == [False]
+
+
+def test_update_does_not_modify_the_callers_tally():
+    t = tally([1, 2, 3, 4])
+    copy = t.pack().clone()
+    view = LoadView(1, E, 2)
+    view.update(t)
+    view.last.routed_LE += 1          # the view keeps its own copy
+    assert torch.equal(t.pack(), copy)
+
+
+def test_a_device_load_given_with_the_tally_replaces_the_expert_to_device_sum():
+    # replicated placements: experts are not where expert_to_device_E says, the adapter knows the real load
+    view = LoadView(1, E, 2)
+    view.update(tally([4, 0, 0, 0]), device_load_LG=torch.tensor([[2.0, 2.0]]))
+    assert view.pressure_LG.tolist() == [[2.0, 2.0]] and view.heat_LE.tolist() == [[4.0, 0.0, 0.0, 0.0]]
 
 
 def test_sequence_length_weighting_counts_tokens_by_relative_length():
@@ -109,8 +125,7 @@ def test_state_dict_round_trip_restores_the_view_exactly():
     g = torch.Generator().manual_seed(0)
     for _ in range(5):
         routed = torch.randint(0, 50, (3, E), generator=g).double()
-        view.update(torch.cat([routed, torch.zeros(3, 1), routed, torch.zeros(3, 1), routed,
-                               routed.sum(1, keepdim=True) / 2, torch.zeros(3, 1), torch.ones(3, 1), torch.ones(3, 1)], 1))
+        view.update(Tally.build(routed))
     restored = LoadView(3, E, 2, ema_alpha=0.3)
     restored.load_state_dict(view.state_dict())
     assert torch.equal(restored.pressure_LG, view.pressure_LG) and torch.equal(restored.heat_LE, view.heat_LE)

@@ -6,6 +6,8 @@ import torch
 
 from eb_deepspeed import metrics as M
 
+pytestmark = pytest.mark.unit
+
 # Two layers, four devices. Layer 0: [4, 2, 1, 1] -> mean 2, max 4. Layer 1: [2, 2, 2, 2].
 LOAD = torch.tensor([[4.0, 2.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
 

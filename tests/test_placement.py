@@ -3,14 +3,12 @@ import numpy as np
 import pytest
 import torch
 
-from eb_deepspeed.bench import brute_force_optimum, pareto_loads, steered_max_load
-from eb_deepspeed.placement import (
-    _steer_flows,
-    plan_placement,
-    replica_counts,
-    static_placement,
-)
+from eb_deepspeed.planning.flows import steer_flows
+from eb_deepspeed.planning.oracle import brute_force_optimum, steered_max_load
+from eb_deepspeed.planning.placement import plan_placement, replica_counts, static_placement
+from eb_deepspeed.tools.bench import pareto_loads
 
+pytestmark = pytest.mark.unit
 skewed = pareto_loads
 
 
@@ -86,7 +84,7 @@ def test_steering_settles_when_many_experts_share_the_same_two_devices(shared):
     phy = np.array([list(range(k)) + [k] + list(range(k)) + [k + 1]])
     load = np.array([[1.0] * k + [1.0, 3.0]])
     for iters in (20, 21):   # no two-step cycle: consecutive counts agree
-        y = _steer_flows(np.ones((1, 2 * S)), phy, load, S, iters).reshape(2, S).sum(1)
+        y = steer_flows(np.ones((1, 2 * S)), phy, load, S, iters).reshape(2, S).sum(1)
         assert y.max() == pytest.approx(k / 2 + 2, rel=1e-6)
 
 
@@ -111,25 +109,26 @@ def test_replanning_from_a_layout_with_fewer_slots_per_device_counts_its_moves()
     assert plan.moves == int((plan.holds() & ~static.holds()).sum()) > 0
 
 
-@pytest.mark.parametrize("L, E, G, S, nodes, budget", [(6, 16, 8, 3, 2, None), (5, 32, 8, 5, 2, 5 * 32 + 40),
-                                                       (4, 12, 4, 4, 1, None)])
-def test_refining_never_makes_the_steered_slowest_device_worse(L, E, G, S, nodes, budget):
-    load = skewed(L, E, 7).sqrt()   # milder skew: no single expert sets the bound, so there is room to gain
+@pytest.mark.parametrize("L, E, G, S, nodes, budget, seed", [(6, 16, 8, 3, 2, None, 7), (5, 32, 8, 5, 2, 5 * 32 + 40, 2),
+                                                             (4, 12, 4, 4, 1, None, 7)])
+def test_refining_never_makes_the_steered_slowest_device_worse(L, E, G, S, nodes, budget, seed):
+    # milder skew: no single expert sets the bound, so there is room to gain (each case has such layers)
+    load = skewed(L, E, seed).sqrt()
     greedy = plan_placement(load, G, S, num_nodes=nodes, slot_budget=budget, refine_rounds=0)
     plan = plan_placement(load, G, S, num_nodes=nodes, slot_budget=budget)
     check_properties(plan, E, G, S)
     assert bool((plan.logcnt.sum(1) == greedy.logcnt.sum(1)).all())  # the same slots per layer (budget kept)
     # steer both plans with the planner's own water filling, run long enough to converge
     def steered_max(p):
-        x = _steer_flows(np.ones((L, G * S)), p.phy2log.numpy(), load.double().numpy(), S, 400)
+        x = steer_flows(np.ones((L, G * S)), p.phy2log.numpy(), load.double().numpy(), S, 400)
         return x.reshape(L, G, S).sum(2).max(1)
     ours, before = steered_max(plan), steered_max(greedy)
     bound = load.double().sum(1).numpy() / G                    # no placement beats an even spread
     assert bool((ours >= bound * (1 - 1e-9)).all())
     assert bool((ours <= before * (1 + 1e-3)).all())
     room = before > bound * (1 + 1e-3)                          # layers the greedy plan left above the bound
-    if room.any():
-        assert (ours[room] - bound[room]).sum() < 0.8 * (before[room] - bound[room]).sum()
+    assert room.any()
+    assert (ours[room] - bound[room]).sum() < 0.8 * (before[room] - bound[room]).sum()
     assert np.allclose(plan.steered_load_LG.amax(1).numpy(), ours, rtol=0.01)   # the reported split is close
     if nodes > 1:   # moves never crowd an expert's copies onto fewer nodes than the greedy plan left them
         def crowded(p):
@@ -143,7 +142,7 @@ def test_the_steered_split_matches_the_exact_optimum_and_keeps_every_token():
     for seed in range(5):
         load = skewed(1, 6, seed)
         plan = plan_placement(load, 3, 3, refine_rounds=0)
-        x = _steer_flows(np.ones((1, 9)), plan.phy2log.numpy(), load.double().numpy(), 3, 200)
+        x = steer_flows(np.ones((1, 9)), plan.phy2log.numpy(), load.double().numpy(), 3, 200)
         per_expert = np.bincount(plan.phy2log[0].numpy(), weights=x[0], minlength=6)
         assert np.allclose(per_expert, load[0].double().numpy())
         assert bool((x >= 0).all())

@@ -3,9 +3,11 @@ import json
 
 import pytest
 
-from eb_deepspeed.cli import main as eb_main
-from eb_deepspeed.monitor import JsonlLogger, flatten_record
-from eb_deepspeed.report import CURVES, curve_figure, read_log, render_report
+from eb_deepspeed.observe.monitor import JsonlLogger, flatten_record
+from eb_deepspeed.observe.report import CURVES, FILE_NAMES, curve_figure, read_log, render_report
+from eb_deepspeed.tools.cli import main as eb_main
+
+pytestmark = pytest.mark.unit
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -39,7 +41,7 @@ def test_eb_report_writes_pngs_whose_curves_hold_the_logged_numbers(tmp_path, ca
     assert eb_main(["report", str(tmp_path)]) == 0
     paths = capsys.readouterr().out.split()
     names = {p.rsplit("/", 1)[-1] for p in paths}
-    assert names == {fname for _, _, fname in CURVES} | {"summary.png", "pressure_heatmap.png"}
+    assert names == {FILE_NAMES.get(k, f"{k}.png") for k in CURVES} | {"summary.png", "pressure_heatmap.png"}
     for path in paths:
         with open(path, "rb") as f:
             assert f.read(8) == PNG_MAGIC

@@ -7,6 +7,8 @@ import torch
 from eb_deepspeed import sim
 from eb_deepspeed.sim import ClusterModel, SimConfig, TOPOLOGIES
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_balanced_workload_makes_every_strategy_equal():
     w = sim.uniform_workload(layers=4, experts=16, devices=4, steps=5, tokens_per_rank=256)

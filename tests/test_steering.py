@@ -2,8 +2,11 @@
 import pytest
 import torch
 
-from eb_deepspeed.placement import plan_placement
-from eb_deepspeed.steering import device_loads, hop_cost, reroute_near_ties, steer
+from eb_deepspeed.core.topology import hop_cost
+from eb_deepspeed.planning.placement import plan_placement
+from eb_deepspeed.planning.steering import device_loads, reroute_near_ties, steer
+
+pytestmark = pytest.mark.unit
 
 NODE_2x2 = torch.tensor([0, 0, 1, 1])  # 4 ranks on 2 nodes
 
@@ -53,19 +56,31 @@ def test_communication_cost_keeps_tokens_on_the_senders_node_when_load_does_not_
     assert split[:, 0, 0].tolist() == [64, 64, 0, 0] and split[:, 0, 1].tolist() == [0, 0, 64, 64]
 
 
-def test_the_aggregation_bonus_means_fewer_messages():
-    devices_ER, counts_GE = random_case(2, G=4, E=8, S=4)
-    def messages(split):
-        per_dev = torch.zeros(4, 4, dtype=torch.long)
-        for r in range(devices_ER.shape[1]):
-            d = devices_ER[:, r]
-            for e in range(devices_ER.shape[0]):
-                if d[e] >= 0:
-                    per_dev[:, d[e]] += split[:, e, r]
-        return int((per_dev > 0).sum())
-    with_bonus = steer(counts_GE, devices_ER, NODE_2x2, aggregation=1.0)
-    without = steer(counts_GE, devices_ER, NODE_2x2, aggregation=0.0)
-    assert messages(with_bonus) <= messages(without)
+def messages(split_GER, devices_ER, G):
+    """Messages of an All-to-All: (source, other device) pairs that carry at least one token."""
+    per_GG = torch.zeros(G, G, dtype=torch.long)
+    valid_ER = devices_ER >= 0
+    for s in range(G):
+        per_GG[s].index_add_(0, devices_ER[valid_ER], split_GER[s][valid_ER])
+    return int(((per_GG > 0) & ~torch.eye(G, dtype=torch.bool)).sum())
+
+
+def test_the_aggregation_bonus_keeps_a_small_chunk_where_its_source_sends_anyway():
+    # devices 0, 1, 2 on one node. Source 0 sends 16 tokens to expert 0 (replicas on devices 1, 2) and 16 to
+    # expert 1 (device 1 only); source 2 sends 8 to expert 2 (device 2 only). Even split: expert 0 gives 8 to
+    # each replica, loads d1 = 24, d2 = 16, mean 40 / 3.
+    # Without aggregation: d1 costs 0.2 * (24 - 16) / 13.3 = 0.12 more, so 4 tokens move to d2 (costs meet at
+    # 20 / 20) and source 0 keeps two messages (to d1 and d2).
+    # With aggregation 1: d1 carries source 0's expert-1 tokens, so it costs 0.8 less; d2 only expert 0's own
+    # chunk: 0.8 - 0.12 = 0.68 in favour of d1, all 8 move there and the message to d2 disappears (d1 32, d2 8).
+    devices_ER = torch.tensor([[1, 2], [1, -1], [2, -1]])
+    counts_GE = torch.tensor([[16, 16, 0], [0, 0, 0], [0, 0, 8]])
+    node_G = torch.zeros(3, dtype=torch.long)
+    runs = {agg: steer(counts_GE, devices_ER, node_G, weights=(0.2, 0.0, 0.8), aggregation=agg, decision_batch=1)
+            for agg in (0.0, 1.0)}
+    assert runs[0.0][0, 0].tolist() == [4, 12] and device_loads(runs[0.0], devices_ER, 3).tolist() == [0, 20, 20]
+    assert runs[1.0][0, 0].tolist() == [16, 0] and device_loads(runs[1.0], devices_ER, 3).tolist() == [0, 32, 8]
+    assert messages(runs[1.0], devices_ER, 3) == 1 < messages(runs[0.0], devices_ER, 3) == 2
 
 
 def test_every_expert_needs_a_replica():

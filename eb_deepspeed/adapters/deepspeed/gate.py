@@ -1,6 +1,6 @@
 """`CrossLayerGate`: a drop-in for `deepspeed.moe.sharded_moe.TopKGate` that feeds the load view.
 
-Shape legend: T tokens, M model dim, E experts, K top-k, C capacity, R routes (K*T), W tally width (3E + 6).
+Shape legend: T tokens, M model dim, E experts, K top-k, C capacity, R routes (K*T), W packed tally width.
 
 Routing is DeepSpeed's own: the gate computes the logits exactly as `TopKGate` does and calls
 DeepSpeed's `top1gating` / `top2gating` / `topkgating`, so k = 1, 2 and > 2, capacity factors,
@@ -9,8 +9,10 @@ sampling) and both return forms behave exactly as DeepSpeed's (the sparse 7-tupl
 `gate(x, used_token, True, use_tutel)` that `MOELayer` uses since 0.19.4, and the dense 4-tuple
 `gate(x)` of the legacy path). On top of that the gate
 
-  * adds its routes to a per-layer tally (routed and kept per expert, tokens, non-finite
-    tokens) without any host sync or collective; the adapter drains it once per step;
+  * adds its routes to a per-layer tally (`core.tally.TallyRecorder`: routed and kept per expert,
+    tokens, non-finite tokens) without any host sync or collective; the balancer drains it once
+    per step. A forward that activation checkpointing re-runs during backward is not counted
+    again (`_recomputing`);
   * multiplies `l_aux` by its layer's weight `aux_weight` (1.0 unless a controller sets it),
     so user code that sums `l_aux` keeps working unchanged;
   * returns a well-formed empty result for an empty batch (DeepSpeed's gate asserts).
@@ -28,7 +30,7 @@ from deepspeed.comm import pg_utils
 from deepspeed.moe import sharded_moe as dsm
 from deepspeed.moe.sharded_moe import TopKGate
 
-from .load_view import tally_width
+from ...core.tally import TallyRecorder
 
 __all__ = ["CrossLayerGate", "unbias_gate_output"]
 
@@ -66,8 +68,17 @@ def unbias_gate_output(gate_output, logits_TE: torch.Tensor, selection_TE: torch
     return l_aux, dispatch_TEC * p_TE.unsqueeze(2), dispatch_TEC, gate_output[3]
 
 
+def _recomputing() -> bool:
+    """True while autograd runs a backward pass: a gate forward then is activation checkpointing
+    re-running it (DeepSpeed's `checkpointing.checkpoint`, `torch.utils.checkpoint` reentrant or
+    not), whose routes the first forward already counted. The hazard: without this, every route of
+    a checkpointed layer is counted twice. (torch has no public name for "inside backward".)"""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 class CrossLayerGate(TopKGate):
-    """TopKGate plus per-layer route tallies and a per-layer aux-loss weight."""
+    """TopKGate plus per-layer route tallies and a per-layer aux-loss weight (`BalancedGate`)."""
 
     def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
                  eval_capacity_factor: float = 1.0, min_capacity: int = 8, noisy_gate_policy: Optional[str] = None,
@@ -82,72 +93,42 @@ class CrossLayerGate(TopKGate):
         self.aux_weight = 1.0
         # Per-expert selection bias [E] of the `bias` policy (selection scores only); None = DeepSpeed's routing.
         self.selection_bias_E: Optional[torch.Tensor] = None
-        # Per-token load weights for the next forward ([T]), set by the adapter when
-        # sequence-length weighting is on; None counts every token as 1.
+        # Per-token load weights for the next forward ([T]) under sequence-length weighting; None counts 1.
         self.token_weights_T: Optional[torch.Tensor] = None
-        # The route tally [W] float64. A plain attribute allocated on the logits' device rather than
-        # a buffer: `model.half()` / `.bfloat16()` would cast a float buffer and lose counts, and the
-        # tally is not model state (it is drained every step and never checkpointed).
-        self._tally_W: Optional[torch.Tensor] = None
-        # Host-side parts of the tally (plain numbers: no tensor op per forward for them).
-        self._tokens, self._forwards = 0, 0
-        self._ones: Optional[torch.Tensor] = None  # reused source of index_add_ for unweighted routes
+        self.tally = TallyRecorder(num_experts)
 
     @classmethod
     def from_topk_gate(cls, gate: TopKGate, layer_index: int) -> "CrossLayerGate":
-        """Wrap an existing TopKGate, sharing its `wg` parameter (same object, same name in checkpoints)."""
+        """Wrap an existing TopKGate, sharing its `wg` parameter (same object, same name in checkpoints).
+
+        Building the new gate initialises a throw-away `wg` inside a forked RNG, so swapping gates
+        leaves every later random draw (dropout, RTS, noise) exactly as plain DeepSpeed's.
+        """
         if not isinstance(gate, TopKGate):
             raise TypeError(f"expected deepspeed TopKGate, got {type(gate).__name__}")
         num_experts, model_dim = gate.wg.weight.shape
-        new = cls(model_dim, num_experts, gate.k, gate.capacity_factor, gate.eval_capacity_factor,
-                  gate.min_capacity, gate.noisy_gate_policy, gate.drop_tokens, gate.use_rts, gate.ep_group,
-                  getattr(gate, "top2_2nd_expert_sampling", True), layer_index=layer_index)
+        with torch.random.fork_rng(devices=[]):
+            new = cls(model_dim, num_experts, gate.k, gate.capacity_factor, gate.eval_capacity_factor,
+                      gate.min_capacity, gate.noisy_gate_policy, gate.drop_tokens, gate.use_rts, gate.ep_group,
+                      getattr(gate, "top2_2nd_expert_sampling", True), layer_index=layer_index)
         new.wg = gate.wg
         new.wall_clock_breakdown = gate.wall_clock_breakdown
         new.train(gate.training)
         return new
 
-    # ------------------------------------------------------------------ tally
-    def take_tally(self, device: torch.device) -> torch.Tensor:
-        """Return this layer's tally [W] (float64, on `device`) and reset it to zero."""
-        E = self.num_experts
-        if self._tally_W is None:
-            return torch.zeros(tally_width(E), dtype=torch.float64, device=device)
-        out, self._tally_W = self._tally_W.to(device), None
-        out[3 * E + 2] += self._tokens
-        out[3 * E + 4] = out[3 * E + 4].nan_to_num(0.0, 0.0, 0.0)  # NaN logits -> NaN l_aux; the count says so
-        out[3 * E + 5] += self._forwards
-        self._tokens, self._forwards = 0, 0
-        return out
+    # ------------------------------------------------------------------ BalancedGate
+    def take_tally(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """This layer's packed tally row [W] (float64, on `device`), reset to zero."""
+        return self.tally.take(device)
 
-    def _record(self, routed_E: torch.Tensor, route_expert_R: torch.Tensor, tokens, nonfinite: torch.Tensor,
-                token_w_R: Optional[torch.Tensor], l_aux: torch.Tensor) -> None:
-        """Add one forward's routes to the tally (no host sync).
+    def set_aux_weight(self, weight: float) -> None:
+        self.aux_weight = float(weight)
 
-        routed_E: [E] route requests before the capacity limit; route_expert_R: [R] int64 expert id
-        of each route, -1 where the capacity limit dropped it; token_w_R: [R] load weight or None.
-        """
-        E = self.num_experts
-        if self._tally_W is None:
-            self._tally_W = torch.zeros(tally_width(E), dtype=torch.float64, device=routed_E.device)
-        t = self._tally_W
-        t[:E] += routed_E
-        slot_R = route_expert_R + (E + 1)  # not kept (-1) lands on the scratch slot E
-        if token_w_R is None:
-            if self._ones is None or self._ones.numel() < slot_R.numel() or self._ones.device != t.device:
-                self._ones = torch.ones(slot_R.numel(), dtype=torch.float64, device=t.device)
-            ones_R = self._ones[:slot_R.numel()]
-            t.index_add_(0, slot_R, ones_R)
-            t.index_add_(0, slot_R + (E + 1), ones_R)
-        else:
-            t.index_add_(0, slot_R, torch.ones_like(token_w_R))
-            t.index_add_(0, slot_R + (E + 1), token_w_R)
-        if isinstance(tokens, int):
-            self._tokens += tokens
-        else:
-            t[3 * E + 2] += tokens
-        t[3 * E + 3:3 * E + 5] += torch.stack((nonfinite.to(t.dtype), l_aux.detach().to(t.dtype)))
-        self._forwards += 1
+    def set_selection_bias(self, bias_E: Optional[torch.Tensor]) -> None:
+        self.selection_bias_E = None if bias_E is None else bias_E.to(self.wg.weight.device, torch.float32)
+
+    def set_token_weights(self, weights_T: Optional[torch.Tensor]) -> None:
+        self.token_weights_T = weights_T
 
     # ------------------------------------------------------------------ forward
     def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
@@ -167,7 +148,11 @@ class CrossLayerGate(TopKGate):
         else:
             # Counted before gating: top2gating adds Gumbel noise to the logits in place.
             # A row sum is non-finite iff the row holds a NaN/Inf (one reduction instead of a [T, E] mask).
-            nonfinite = (~torch.isfinite(logits_TE.sum(dim=1))).sum() if self.training else None
+            recording = self.training and not _recomputing()
+            nonfinite = None
+            if recording:   # a count: no autograd node (checkpointing compares saved tensors with the re-run)
+                with torch.no_grad():
+                    nonfinite = (~torch.isfinite(logits_TE.sum(dim=1))).sum()
             capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
             # The bias policy selects on logits + bias; DeepSpeed's gating does the rest, unbias_gate_output
             # restores the unbiased gate values and l_aux. (Softmax is monotone: top-k of logits + b is
@@ -187,7 +172,7 @@ class CrossLayerGate(TopKGate):
                                              self.drop_tokens, self.ep_group, sparse_routes=sparse_routes)
             if self.selection_bias_E is not None:
                 gate_output = unbias_gate_output(gate_output, logits_TE, selection_TE, self.k, sparse_routes)
-            if self.training:
+            if recording:
                 self._record_output(gate_output, sparse_routes, T, used_token, nonfinite)
 
         if self.aux_weight != 1.0:
@@ -216,7 +201,7 @@ class CrossLayerGate(TopKGate):
         token_w_R = None if token_w is None else token_w.expand(K, T).reshape(-1) if sparse_routes \
             else token_w[:, None].expand(T, K).reshape(-1)
         tokens = used_token.sum() if used_token is not None else T
-        self._record(exp_counts_E, route_expert_R, tokens, nonfinite, token_w_R, gate_output[0])
+        self.tally.record(exp_counts_E, route_expert_R, tokens, nonfinite, gate_output[0], token_w_R)
 
     def _token_weights(self, T: int) -> Optional[torch.Tensor]:
         w = self.token_weights_T

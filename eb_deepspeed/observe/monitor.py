@@ -2,7 +2,7 @@
 
 Shape legend: L layers, G EP ranks.
 
-A record is a dict of Python numbers and per-layer lists (see `EasyBalance.log_record`).
+A record is a dict of Python numbers and per-layer lists (`Balancer.record()`; keys in `core/record.py`).
   * `JsonlLogger` appends it to `DIR/balance.jsonl` — always on, rank 0 only; `eb report DIR`
     renders it to PNGs (see `report.py`), so nothing needs a W&B account.
   * `DeepSpeedMonitorLogger` sends it through DeepSpeed's own monitor (`engine.monitor`), so
@@ -17,27 +17,12 @@ import json
 import os
 from typing import Any, Iterable
 
+from ..core import record as R
+from ..core.record import BalanceLogger, NullLogger
+from .report import JSONL_NAME, heatmap_figure
+
 __all__ = ["BalanceLogger", "NullLogger", "JsonlLogger", "DeepSpeedMonitorLogger", "MultiLogger",
-           "flatten_record", "PER_LAYER_KEYS", "JSONL_NAME"]
-
-JSONL_NAME = "balance.jsonl"
-PER_LAYER_KEYS = ("device_max_over_mean", "expert_max_over_mean", "max_vio", "device_cv",
-                  "layer_token_drop_rate", "aux_weight", "aux_loss", "ema_device_max_over_mean")
-SCALAR_KEYS = ("device_util_std", "ema_device_util_std", "token_drop_rate", "device_balancedness",
-               "expert_balancedness", "device_max_over_mean_p90", "nonfinite_tokens", "skipped_layers")
-
-
-class BalanceLogger:
-    def log(self, record: dict[str, Any], step: int) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class NullLogger(BalanceLogger):
-    def log(self, record: dict[str, Any], step: int) -> None:
-        pass
+           "flatten_record", "JSONL_NAME"]
 
 
 class MultiLogger(BalanceLogger):
@@ -72,10 +57,10 @@ class JsonlLogger(BalanceLogger):
 def flatten_record(record: dict[str, Any], prefix: str = "easybalance") -> dict[str, float]:
     """Namespaced scalar keys: `easybalance/device_util_std`, `easybalance/layer_03/max_vio`."""
     out: dict[str, float] = {}
-    for key in SCALAR_KEYS:
+    for key in R.SCALARS:
         if key in record:
             out[f"{prefix}/{key}"] = float(record[key])
-    for key in PER_LAYER_KEYS:
+    for key in R.PER_LAYER:
         for layer, value in enumerate(record.get(key, ()) or ()):
             out[f"{prefix}/layer_{layer:02d}/{key}"] = float(value)
     return out
@@ -91,15 +76,14 @@ class DeepSpeedMonitorLogger(BalanceLogger):
     def log(self, record: dict[str, Any], step: int) -> None:
         events = [(k, v, step) for k, v in flatten_record(record).items()]
         self.monitor.write_events(events)
-        if self.heatmap and "pressure_LG" in record:
+        if self.heatmap and R.PRESSURE in record:
             self._log_heatmap(record, step)
 
     def _log_heatmap(self, record: dict[str, Any], step: int) -> None:
         import wandb  # lazy: only when DeepSpeed's wandb monitor is on
         if wandb.run is None:
             return
-        from .report import heatmap_figure
         import matplotlib.pyplot as plt
-        fig = heatmap_figure(record["pressure_LG"], title=f"device pressure (EMA), step {record['step']}")
+        fig = heatmap_figure(record[R.PRESSURE], title=f"device pressure (EMA), step {record['step']}")
         wandb.log({"easybalance/pressure_heatmap": wandb.Image(fig)}, step=step)
         plt.close(fig)

@@ -1,17 +1,19 @@
 """The `"easybalance"` block of a DeepSpeed config: typed, strict, never mutates the user's dict.
 
     cfg = EasyBalanceConfig.from_ds_config("ds_config.json")      # or a dict
-    cfg.enabled, cfg.mode, cfg.weights.cross, cfg.window_for(num_layers)
+    cfg.enabled, cfg.mode, cfg.aux.policy, cfg.inference.weights.cross, cfg.window_for(num_layers)
+    cfg.ignored_options("train")    # JSON paths set by the user that have no effect here
 
-Defaults come from the tuning table of the EasyBalance article (seed 000, §5.1):
-EMA alpha 0.3, cross-layer window 5-8 layers, cost weights intra 0.3 / cross 0.5 / comm 0.2,
-decision batch 8, warm-up 3-5 batches. Topology presets set the cost weights the way the
-article says (§3.3): NVLink all-to-all machines lower comm to ~0.1 and raise cross to ~0.6;
-across nodes comm must be >= 0.4. Explicit `weights` override the preset key by key.
+Defaults come from the tuning table of the EasyBalance article (seed 000, §5.1): EMA alpha 0.3,
+cross-layer window 5-8 layers, cost weights intra 0.3 / cross 0.5 / comm 0.2, decision batch 8,
+warm-up 3-5 batches. The options that only steer inference (topology, cost weights, decision
+batch, replica slots, re-planning) live under `easybalance.inference`; the topology presets come
+from `topology.TOPOLOGIES`, the aux policies and their options from `policies.POLICIES`.
 
 Every mistake raises `ConfigError` naming the JSON path, e.g.
     easybalance.ema_alpha (1.5) must be in (0, 1]
-    easybalance.weight: unknown key; valid keys: cross, comm, intra
+    easybalance.inference.weight: unknown key; valid keys: ...
+    easybalance.topology: moved to easybalance.inference.topology
 """
 from __future__ import annotations
 
@@ -22,18 +24,16 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
-__all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "EasyBalanceConfig", "TOPOLOGY_PRESETS", "MODES",
-           "AUX_POLICIES"]
+from .policies import POLICIES
+from .topology import TOPOLOGIES
+
+__all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "InferenceConfig", "EasyBalanceConfig", "MODES",
+           "CONTEXTS"]
 
 MODES = ("observe", "balance")
-AUX_POLICIES = ("fixed", "cross_layer", "bias")
-
-# (intra, cross, comm) — seed 000 §3.3 and §5.1.
-TOPOLOGY_PRESETS: dict[str, tuple[float, float, float]] = {
-    "pcie": (0.3, 0.5, 0.2),        # the article's "usual starting point"
-    "nvlink": (0.3, 0.6, 0.1),      # all-to-all NVLink: comm ~0.1, cross ~0.6
-    "multi_node": (0.2, 0.4, 0.4),  # across a network: comm >= 0.4
-}
+CONTEXTS = ("train", "inference")   # eb_deepspeed.initialize / eb_deepspeed.init_inference
+# Keys of earlier versions, and where they live now.
+MOVED = {"topology": "inference.topology", "weights": "inference.weights", "decision_batch": "inference.decision_batch"}
 
 
 class ConfigError(ValueError):
@@ -46,6 +46,9 @@ class CostWeights:
     intra: float
     cross: float
     comm: float
+
+    def as_tuple(self) -> tuple[float, float, float]:
+        return (self.intra, self.cross, self.comm)
 
 
 @dataclass(frozen=True)
@@ -67,25 +70,30 @@ class AuxConfig:
     aux_scale: float = 1.0                           # bias: weight of every layer's l_aux
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
 
-    def ignored_options(self) -> list[str]:
-        used = {"fixed": set(), "cross_layer": {"weight_range", "smoothing"},
-                "bias": {"bias_rate", "device_weight", "aux_scale"}}[self.policy]
-        return sorted(self.explicit - used - {"policy"})
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    """Serving (`easybalance.inference`): replicas, steering and re-planning."""
+    replica_slots: int = 1          # extra physical expert slots per EP rank (0 = no replicas)
+    topology: str = "pcie"          # sets `weights` and the hop cost
+    weights: CostWeights = field(default_factory=lambda: CostWeights(*TOPOLOGIES["pcie"].weights))
+    decision_batch: int = 8         # tokens per steering decision (seed 000 §4.1)
+    replan_threshold: float = 1.5   # re-plan when a layer's expected device max/mean passes this (seed 003: 1.5x)
+    replan_interval: int = 50       # batches between two re-plans, at least
+    explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)
 class EasyBalanceConfig:
     enabled: bool = False           # False when the block is absent; True by default when present
     mode: str = "balance"
-    topology: str = "pcie"
-    weights: CostWeights = field(default_factory=lambda: CostWeights(*TOPOLOGY_PRESETS["pcie"]))
     ema_alpha: float = 0.3
     window: int | None = None       # None = "auto": 5 layers, growing to 8 for deep models
-    decision_batch: int = 8
     warmup_batches: int = 4
     seq_len_weighting: bool = False
     log: LogConfig = field(default_factory=LogConfig)
     aux: AuxConfig = field(default_factory=AuxConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)  # keys the user set
 
     # ------------------------------------------------------------------ parsing
@@ -110,33 +118,26 @@ class EasyBalanceConfig:
     @classmethod
     def from_block(cls, block: Mapping[str, Any], path: str = "easybalance") -> "EasyBalanceConfig":
         block = copy.deepcopy(dict(_mapping(block, path)))
+        for old, new in MOVED.items():
+            if old in block:
+                raise ConfigError(f"{path}.{old}: moved to {path}.{new} (it only steers inference)")
         explicit = frozenset(block)
-        _reject_unknown(block, path, ["enabled", "mode", "topology", "weights", "ema_alpha", "window",
-                                      "decision_batch", "warmup_batches", "seq_len_weighting", "log", "aux"])
-        enabled = _bool(block.pop("enabled", True), f"{path}.enabled")
-        mode = _choice(block.pop("mode", "balance"), f"{path}.mode", MODES)
-        topology = _choice(block.pop("topology", "pcie"), f"{path}.topology", tuple(TOPOLOGY_PRESETS))
-        weights = _weights(block.pop("weights", {}), f"{path}.weights", TOPOLOGY_PRESETS[topology])
+        _reject_unknown(block, path, [f.name for f in fields(cls) if f.name != "explicit"])
         ema_alpha = _number(block.pop("ema_alpha", 0.3), f"{path}.ema_alpha")
         if not 0.0 < ema_alpha <= 1.0:
             raise ConfigError(f"{path}.ema_alpha ({ema_alpha}) must be in (0, 1]")
         window = block.pop("window", "auto")
-        if window == "auto":
-            window = None
-        else:
-            window = _int(window, f"{path}.window", minimum=0, hint=' or "auto"')
+        window = None if window == "auto" else _int(window, f"{path}.window", minimum=0, hint=' or "auto"')
         cfg = cls(
-            enabled=enabled,
-            mode=mode,
-            topology=topology,
-            weights=weights,
+            enabled=_bool(block.pop("enabled", True), f"{path}.enabled"),
+            mode=_choice(block.pop("mode", "balance"), f"{path}.mode", MODES),
             ema_alpha=ema_alpha,
             window=window,
-            decision_batch=_int(block.pop("decision_batch", 8), f"{path}.decision_batch", minimum=1),
             warmup_batches=_int(block.pop("warmup_batches", 4), f"{path}.warmup_batches", minimum=0),
             seq_len_weighting=_bool(block.pop("seq_len_weighting", False), f"{path}.seq_len_weighting"),
             log=_log(block.pop("log", {}), f"{path}.log"),
             aux=_aux(block.pop("aux", {}), f"{path}.aux"),
+            inference=_inference(block.pop("inference", {}), f"{path}.inference"),
             explicit=explicit,
         )
         assert not block, f"unparsed keys left: {sorted(block)}"
@@ -152,27 +153,46 @@ class EasyBalanceConfig:
             return self.window
         return int(min(8, max(5, math.ceil(num_layers / 8))))
 
-    def ignored_options(self) -> list[str]:
-        """Options the user set that this mode does not use (each gets one warning).
+    def ignored_options(self, context: str) -> list[str]:
+        """JSON paths the user set that have no effect in this mode and context (one warning each).
 
-        `observe` changes nothing, so the options that only steer decisions are ignored there;
-        in `balance`, the `aux` options that the chosen policy does not use.
+        context: "train" (`eb_deepspeed.initialize`) or "inference" (`eb_deepspeed.init_inference`).
+        `observe` changes nothing, so every option that only steers decisions is ignored there.
         """
+        if context not in CONTEXTS:
+            raise ValueError(f"context ({context!r}) must be one of: {', '.join(CONTEXTS)}")
+        top = {"aux", "inference"}
         if self.mode == "observe":
-            return sorted(self.explicit & {"topology", "weights", "decision_batch", "warmup_batches", "aux"})
-        return [f"aux.{name}" for name in self.aux.ignored_options()]
+            top |= {"window", "warmup_batches"}
+        elif context == "train":
+            if not POLICIES[self.aux.policy].uses_view:
+                top |= {"window", "warmup_batches"}
+            top.discard("aux")
+        else:
+            top.discard("inference")
+        out = []
+        for key in sorted(self.explicit & top):
+            sub = {"aux": self.aux.explicit, "inference": self.inference.explicit}.get(key)
+            out += [f"easybalance.{key}"] if sub is None else [f"easybalance.{key}.{k}" for k in sorted(sub)]
+        if self.mode == "balance" and context == "train":
+            used = set(POLICIES[self.aux.policy].options) | {"policy"}
+            out += [f"easybalance.aux.{k}" for k in sorted(self.aux.explicit - used)]
+        return out
 
     def to_dict(self) -> dict[str, Any]:
+        inf = self.inference
         return {
-            "enabled": self.enabled, "mode": self.mode, "topology": self.topology,
-            "weights": {"intra": self.weights.intra, "cross": self.weights.cross, "comm": self.weights.comm},
-            "ema_alpha": self.ema_alpha, "window": "auto" if self.window is None else self.window,
-            "decision_batch": self.decision_batch, "warmup_batches": self.warmup_batches,
+            "enabled": self.enabled, "mode": self.mode, "ema_alpha": self.ema_alpha,
+            "window": "auto" if self.window is None else self.window, "warmup_batches": self.warmup_batches,
             "seq_len_weighting": self.seq_len_weighting,
             "log": {"interval": self.log.interval, "dir": self.log.dir, "wandb": self.log.wandb},
             "aux": {"policy": self.aux.policy, "weight_range": list(self.aux.weight_range),
                     "smoothing": self.aux.smoothing, "bias_rate": self.aux.bias_rate,
                     "device_weight": self.aux.device_weight, "aux_scale": self.aux.aux_scale},
+            "inference": {"replica_slots": inf.replica_slots, "topology": inf.topology,
+                          "weights": {"intra": inf.weights.intra, "cross": inf.weights.cross, "comm": inf.weights.comm},
+                          "decision_batch": inf.decision_batch, "replan_threshold": inf.replan_threshold,
+                          "replan_interval": inf.replan_interval},
         }
 
 
@@ -222,8 +242,8 @@ def _int(value: Any, path: str, minimum: int, hint: str = "") -> int:
     return value
 
 
-def _choice(value: Any, path: str, valid: tuple[str, ...]) -> str:
-    if value not in valid:
+def _choice(value: Any, path: str, valid) -> str:
+    if not isinstance(value, str) or value not in valid:
         raise ConfigError(f"{path} ({value!r}) must be one of: {', '.join(valid)}")
     return value
 
@@ -231,7 +251,6 @@ def _choice(value: Any, path: str, valid: tuple[str, ...]) -> str:
 def _weights(block: Any, path: str, preset: tuple[float, float, float]) -> CostWeights:
     block = dict(_mapping(block, path))
     _reject_unknown(block, path, ["intra", "cross", "comm"])
-    base = CostWeights(*preset)
     values = {}
     for f in fields(CostWeights):
         if f.name in block:
@@ -239,7 +258,7 @@ def _weights(block: Any, path: str, preset: tuple[float, float, float]) -> CostW
             if not 0.0 <= v <= 1.0:
                 raise ConfigError(f"{path}.{f.name} ({v}) must be in [0, 1]")
             values[f.name] = v
-    out = replace(base, **values)
+    out = replace(CostWeights(*preset), **values)
     if out.intra + out.cross + out.comm <= 0.0:
         raise ConfigError(f"{path}: intra, cross and comm ({out.intra}, {out.cross}, {out.comm}) "
                           "must not all be 0")
@@ -258,9 +277,9 @@ def _log(block: Any, path: str) -> LogConfig:
 
 def _aux(block: Any, path: str) -> AuxConfig:
     block = dict(_mapping(block, path))
-    _reject_unknown(block, path, ["policy", "weight_range", "smoothing", "bias_rate", "device_weight", "aux_scale"])
+    _reject_unknown(block, path, ["policy", *{o for p in POLICIES.values() for o in p.options}])
     d = AuxConfig()
-    policy = _choice(block.get("policy", d.policy), f"{path}.policy", AUX_POLICIES)
+    policy = _choice(block.get("policy", d.policy), f"{path}.policy", tuple(POLICIES))
     rng = block.get("weight_range", list(d.weight_range))
     if not isinstance(rng, (list, tuple)) or len(rng) != 2:
         raise ConfigError(f"{path}.weight_range ({rng!r}) must be [min, max] with min <= 1 <= max")
@@ -282,3 +301,21 @@ def _aux(block: Any, path: str) -> AuxConfig:
         raise ConfigError(f"{path}.aux_scale ({aux_scale}) must be >= 0")
     return AuxConfig(policy=policy, weight_range=(lo, hi), smoothing=smoothing, bias_rate=rate,
                      device_weight=device_weight, aux_scale=aux_scale, explicit=frozenset(block))
+
+
+def _inference(block: Any, path: str) -> InferenceConfig:
+    block = dict(_mapping(block, path))
+    _reject_unknown(block, path, [f.name for f in fields(InferenceConfig) if f.name != "explicit"])
+    d = InferenceConfig()
+    topology = _choice(block.get("topology", d.topology), f"{path}.topology", tuple(TOPOLOGIES))
+    threshold = _number(block.get("replan_threshold", d.replan_threshold), f"{path}.replan_threshold")
+    if threshold < 1.0:
+        raise ConfigError(f"{path}.replan_threshold ({threshold}) must be >= 1 (a device max/mean)")
+    return InferenceConfig(
+        replica_slots=_int(block.get("replica_slots", d.replica_slots), f"{path}.replica_slots", minimum=0),
+        topology=topology,
+        weights=_weights(block.get("weights", {}), f"{path}.weights", TOPOLOGIES[topology].weights),
+        decision_batch=_int(block.get("decision_batch", d.decision_batch), f"{path}.decision_batch", minimum=1),
+        replan_threshold=threshold,
+        replan_interval=_int(block.get("replan_interval", d.replan_interval), f"{path}.replan_interval", minimum=1),
+        explicit=frozenset(block))

@@ -14,6 +14,8 @@ weight, instead of one fixed coefficient for all layers. Three policies (`easyba
                balance with a sign update and re-centred to mean 0, made device-aware by the view;
                every layer's l_aux keeps weight `aux_scale` (a small aux loss can stay on).
 
+`POLICIES` is the registry: each entry names the `aux.*` options it reads (the config takes its
+choices and its "ignored option" warnings from it) and holds its control step.
 `AuxController.update(view)` runs once per gradient-accumulation boundary, after the view update,
 on every rank with the same reduced view, so every rank computes the same weights and bias.
 """
@@ -23,9 +25,9 @@ import torch
 
 from . import metrics as M
 
-__all__ = ["POLICIES", "cross_layer_scores", "cross_layer_weights", "clip_mean_one", "bias_update", "AuxController"]
+__all__ = ["POLICIES", "AuxPolicy", "cross_layer_scores", "cross_layer_weights", "clip_mean_one", "bias_update",
+           "AuxController"]
 
-POLICIES = ("fixed", "cross_layer", "bias")
 _SCORE_FLOOR = 0.05  # a perfectly balanced layer still scores this much, so its weight never hits 0 alone
 
 
@@ -94,34 +96,77 @@ def bias_update(bias_LE: torch.Tensor, counts_LE: torch.Tensor, cross_LG: torch.
     return new_LE - new_LE.mean(1, keepdim=True)
 
 
+class AuxPolicy:
+    """One training control law. `options`: the `easybalance.aux.*` keys it reads."""
+    name = ""
+    options: tuple[str, ...] = ()
+    uses_bias = False          # hands a selection bias to the gates
+    uses_view = False          # acts on the view (so `window` and `warmup_batches` matter)
+
+    def initial_weight(self, cfg) -> float:
+        return 1.0
+
+    def step(self, ctl: "AuxController", view) -> bool:
+        """One control step from the warm view; returns whether anything changed."""
+        return False
+
+
+class FixedPolicy(AuxPolicy):
+    name = "fixed"
+
+
+class CrossLayerPolicy(AuxPolicy):
+    name = "cross_layer"
+    options = ("weight_range", "smoothing")
+    uses_view = True
+
+    def step(self, ctl, view) -> bool:
+        lo, hi = ctl.cfg.weight_range
+        ctl.weight_L = cross_layer_weights(view.pressure_LG, view.cross_layer_pressure(), view.heat_LE, ctl.weight_L,
+                                           w_min=lo, w_max=hi, smoothing=ctl.cfg.smoothing)
+        return True
+
+
+class BiasPolicy(AuxPolicy):
+    name = "bias"
+    options = ("bias_rate", "device_weight", "aux_scale")
+    uses_bias = True
+    uses_view = True
+
+    def initial_weight(self, cfg) -> float:
+        return float(cfg.aux_scale)
+
+    def step(self, ctl, view) -> bool:
+        ctl.bias_LE = bias_update(ctl.bias_LE, view.last.routed_LE, view.cross_layer_pressure(),
+                                  view.expert_to_device_E, rate=ctl.cfg.bias_rate,
+                                  device_weight=ctl.cfg.device_weight)
+        return True
+
+
+POLICIES: dict[str, AuxPolicy] = {p.name: p for p in (FixedPolicy(), CrossLayerPolicy(), BiasPolicy())}
+
+
 class AuxController:
     """Holds the per-layer weights [L] and bias [L, E]; `update(view)` applies the configured policy."""
 
     def __init__(self, num_layers: int, num_experts: int, aux_config):
         self.cfg = aux_config
-        self.weight_L = torch.full((num_layers, ), float(aux_config.aux_scale if aux_config.policy == "bias" else 1.0),
-                                   dtype=torch.float64)
+        self.policy = POLICIES[aux_config.policy]
+        self.weight_L = torch.full((num_layers, ), self.policy.initial_weight(aux_config), dtype=torch.float64)
         self.bias_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self.updates = 0
 
     @property
     def uses_bias(self) -> bool:
-        return self.cfg.policy == "bias"
+        return self.policy.uses_bias
 
     def update(self, view) -> bool:
         """One control step from the (reduced, identical) view; returns whether anything changed."""
-        if self.cfg.policy == "fixed" or not view.ready:
+        if not self.policy.uses_view or not view.ready:
             return False
-        cross_LG = view.cross_layer_pressure()
-        if self.cfg.policy == "cross_layer":
-            lo, hi = self.cfg.weight_range
-            self.weight_L = cross_layer_weights(view.pressure_LG, cross_LG, view.heat_LE, self.weight_L,
-                                                w_min=lo, w_max=hi, smoothing=self.cfg.smoothing)
-        else:
-            self.bias_LE = bias_update(self.bias_LE, view.last.routed_LE, cross_LG, view.expert_to_device_E,
-                                       rate=self.cfg.bias_rate, device_weight=self.cfg.device_weight)
-        self.updates += 1
-        return True
+        changed = self.policy.step(self, view)
+        self.updates += int(changed)
+        return changed
 
     def state_dict(self) -> dict[str, object]:
         return {"policy": self.cfg.policy, "weight_L": self.weight_L.clone(), "bias_LE": self.bias_LE.clone(),

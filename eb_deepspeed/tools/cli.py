@@ -17,7 +17,7 @@ __all__ = ["main"]
 
 
 def _report(args) -> int:
-    from .report import render_report
+    from ..observe.report import render_report
     for path in render_report(args.run_dir, args.out):
         print(path)
     return 0
@@ -63,7 +63,7 @@ def _bench(args) -> int:
 def _simulate(args) -> int:
     from tqdm import tqdm
 
-    from . import sim
+    from .. import sim
     names = list(sim.WORKLOADS) if args.workload == "all" else [args.workload]
     cfg = sim.SimConfig(model=sim.ClusterModel(topology=sim.TOPOLOGIES[args.topology], window=args.window),
                         extra_slots=args.extra_slots, topology=args.topology)

@@ -11,25 +11,22 @@ import json
 import os
 from typing import Any
 
-__all__ = ["read_log", "render_report", "heatmap_figure", "curve_figure", "CURVES"]
+from ..core import record as R
 
-# (record key, plot title, file name): one PNG per per-layer curve.
-CURVES = (
-    ("device_max_over_mean", "device max/mean per layer (1 = balanced)", "device_max_over_mean.png"),
-    ("expert_max_over_mean", "expert max/mean per layer", "expert_max_over_mean.png"),
-    ("max_vio", "MaxVio per layer (expert granularity)", "max_vio.png"),
-    ("layer_token_drop_rate", "token drop rate per layer", "token_drop_rate.png"),
-    ("aux_weight", "aux-loss weight per layer", "aux_weight.png"),
-    ("aux_loss", "aux loss per layer (unweighted l_aux)", "aux_loss.png"),
-)
-SCALARS = (("device_util_std", "device utilisation std (mean over layers)"),
-           ("token_drop_rate", "token drop rate (all layers)"),
-           ("device_max_over_mean_p90", "p90 over layers of device max/mean"))
+__all__ = ["read_log", "render_report", "heatmap_figure", "curve_figure", "CURVES", "SUMMARY", "JSONL_NAME"]
+
+JSONL_NAME = "balance.jsonl"     # the log file in a run's balance directory (written by monitor.JsonlLogger)
+
+# Per-layer curves drawn, one PNG each (file name: the key, but `layer_token_drop_rate` -> token_drop_rate.png).
+CURVES = ("device_max_over_mean", "expert_max_over_mean", "max_vio", "layer_token_drop_rate", "aux_weight", "aux_loss")
+FILE_NAMES = {"layer_token_drop_rate": "token_drop_rate.png"}
+# Scalars of the summary figure.
+SUMMARY = ("device_util_std", "token_drop_rate", "device_max_over_mean_p90")
 
 
 def read_log(run_dir: str) -> list[dict[str, Any]]:
     """Records of `run_dir/balance.jsonl` (or of a .jsonl path), in order. Bad lines raise ValueError."""
-    path = run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, "balance.jsonl")
+    path = run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, JSONL_NAME)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no balance log at {path}; is easybalance.log.dir pointing here?")
     records = []
@@ -99,18 +96,18 @@ def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
     steps = [r["step"] for r in records]
     written = []
 
-    for key, title, fname in CURVES:
-        fig = curve_figure(records, key, title)
+    for key in CURVES:
+        fig = curve_figure(records, key, R.PER_LAYER[key])
         if fig is None:
             continue
-        written.append(os.path.join(out_dir, fname))
+        written.append(os.path.join(out_dir, FILE_NAMES.get(key, f"{key}.png")))
         fig.savefig(written[-1], dpi=90)
         plt.close(fig)
 
-    fig, axes = plt.subplots(1, len(SCALARS), figsize=(4 * len(SCALARS), 3.5))
-    for ax, (key, title) in zip(axes, SCALARS):
+    fig, axes = plt.subplots(1, len(SUMMARY), figsize=(4 * len(SUMMARY), 3.5))
+    for ax, key in zip(axes, SUMMARY):
         ax.plot(steps, [r.get(key, float("nan")) for r in records])
-        ax.set_title(title, fontsize="medium")
+        ax.set_title(R.SCALARS[key], fontsize="medium")
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -119,8 +116,8 @@ def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
     plt.close(fig)
 
     last = records[-1]
-    if last.get("pressure_LG"):
-        fig = heatmap_figure(last["pressure_LG"], title=f"device pressure (EMA) at step {last['step']}")
+    if last.get(R.PRESSURE):
+        fig = heatmap_figure(last[R.PRESSURE], title=f"device pressure (EMA) at step {last['step']}")
         written.append(os.path.join(out_dir, "pressure_heatmap.png"))
         fig.savefig(written[-1], dpi=90)
         plt.close(fig)

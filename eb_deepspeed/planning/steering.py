@@ -4,15 +4,15 @@ opt-in near-tie re-routing to a different expert (outputs change; bounded and re
 Shape legend: G devices (EP ranks, also the source ranks), E logical experts, R replicas per expert,
 T tokens, K top-k.
 
-    split_GER = steer(counts_GE, devices_ER, node_G, pressure_G=view_cross_G, weights=cfg.weights,
+    split_GER = steer(counts_GE, devices_ER, node_G, pressure_G=view_cross_G, weights=cfg.inference.weights,
                       topology="pcie", decision_batch=8)
 
 The cost of sending a chunk of tokens from source rank s to a replica on device d is the seed's
 (000 §2.2, §4.2) weighted sum of normalised terms:
     intra  * load_so_far[d] / mean_load          this batch's load already on d (intra-layer heat)
   + cross  * pressure[d] / mean(pressure)       the view's cross-layer window pressure on d
-  + comm   * hop(s, d)                          0 same rank, `node_hop` same node, 1 other node
-  - comm   * aggregation * [s already sends to d]   few, large messages (seed §4.2)
+  + comm   * hop(s, d)                          0 same rank, the topology's `node_hop` same node, 1 other node
+  - comm   * aggregation * [s sends to d for another expert]   few, large messages (seed §4.2)
 Starting from the even split over replicas, each round lets every source rank in turn move, for
 all its experts at once, tokens from its costliest replica to its cheapest one (never overshooting,
 never fewer than `decision_batch` tokens per decision): at most `rounds` x G vectorised steps per
@@ -23,19 +23,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["steer", "even_split", "hop_cost", "NODE_HOP", "reroute_near_ties", "device_loads"]
+from ..core.topology import TOPOLOGIES, hop_cost
 
-# cost of a hop inside a node, relative to one across nodes (1.0), per topology (seed 000 §3.3)
-NODE_HOP = {"nvlink": 0.1, "pcie": 0.3, "multi_node": 0.2}
-
-
-def hop_cost(node_G: torch.Tensor, node_hop: float) -> torch.Tensor:
-    """[G, G] cost of sending from rank s to rank d: 0 same rank, node_hop same node, 1 otherwise."""
-    node_G = torch.as_tensor(node_G)
-    same_node = node_G[:, None] == node_G[None, :]
-    cost = torch.full(same_node.shape, 1.0, dtype=torch.float64).masked_fill_(same_node, node_hop)
-    cost.fill_diagonal_(0.0)
-    return cost
+__all__ = ["steer", "even_split", "reroute_near_ties", "device_loads"]
 
 
 def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tensor, *,
@@ -47,7 +37,7 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tenso
     counts_GE: [G, E] tokens source rank s routes to logical expert e (this batch, this layer).
     devices_ER: [E, R] device of each replica, -1 padded (e.g. Placement.expert_devices()[layer]).
     node_G: [G] node of each rank. pressure_G: [G] the view's cross-layer pressure (None = none).
-    weights: (intra, cross, comm), e.g. `EasyBalanceConfig.weights`.
+    weights: (intra, cross, comm), e.g. `EasyBalanceConfig.inference.weights`; topology: a `TOPOLOGIES` key.
     weight_G: [G] cost of one token from each source (sequence-length weighting); None = 1.
     Conserves tokens (split_GER.sum(2) == counts_GE) and uses only existing replicas.
     """
@@ -64,7 +54,7 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tenso
     w_intra, w_cross, w_comm = (float(w) for w in weights)
     valid_ER = devices_ER >= 0
     dev_ER = devices_ER.clamp_min(0)
-    hop_GG = hop_cost(node_G, NODE_HOP[topology])
+    hop_GG = hop_cost(node_G, TOPOLOGIES[topology].node_hop)
     hop_GER = hop_GG[:, dev_ER]                                           # [G, E, R]
     if pressure_G is None:
         cross_term_ER = torch.zeros(E, R, dtype=torch.float64)
@@ -95,7 +85,11 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tenso
         for s in range(G):    # source ranks (not tokens)
             sends = np.zeros(G)
             np.add.at(sends, dev.reshape(-1), split[s].reshape(-1))
-            cost = static[s] + w_intra * (load / mean_load)[dev] - (w_comm * aggregation) * (sends > 0)[dev]
+            # aggregation: a replica on a device this source already sends other experts' tokens to costs less,
+            # so a chunk that alone opens a message moves where a message goes anyway (its own chunk does
+            # not count, or the even split's chunks would hold every replica in place)
+            others_ER = sends[dev] - split[s]
+            cost = static[s] + w_intra * (load / mean_load)[dev] - (w_comm * aggregation) * (others_ER > 0)
             src = np.where(split[s] > 0, cost, -np.inf).argmax(1)
             dst = cost.argmin(1)
             gain = cost[e_idx, src] - cost[e_idx, dst]

@@ -9,7 +9,6 @@ Shape legend: T tokens, M model dim, E experts, K top-k.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import socket
@@ -18,11 +17,11 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import torch
 
-__all__ = ["bench_gate", "bench_train", "bench_plan", "bench_optimum", "free_port", "pareto_loads",
-           "steered_max_load", "brute_force_optimum", "TRAIN_ROWS"]
+from ..planning.oracle import brute_force_optimum, steered_max_load
+
+__all__ = ["bench_gate", "bench_train", "bench_plan", "bench_optimum", "free_port", "pareto_loads", "TRAIN_ROWS"]
 
 
 def _time_gate(gate, x_TM: torch.Tensor, seed: int) -> float:
@@ -44,7 +43,7 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
     """
     from deepspeed.moe.sharded_moe import TopKGate
 
-    from .gate import CrossLayerGate
+    from ..adapters.deepspeed.gate import CrossLayerGate
 
     rows = []
     for num_experts in experts:
@@ -82,7 +81,7 @@ TRAIN_KEYS = ("token_drop_rate", "val_token_drop_rate", "val_max_vio", "device_m
 
 
 def _repo_root() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not os.path.exists(os.path.join(root, "examples", "train_moe_lm.py")):
         raise FileNotFoundError(f"eb bench train needs the repository's examples/ (not found under {root}); "
                                 "install with `pip install -e .` from a checkout")
@@ -186,8 +185,9 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
     from deepspeed.moe.experts import Experts
     from deepspeed.moe.sharded_moe import MOELayer, TopKGate
 
-    from .placement import _steer_flows, plan_placement
-    from .steering import steer
+    from ..planning.flows import steered_load
+    from ..planning.placement import plan_placement
+    from ..planning.steering import steer
 
     g = torch.Generator().manual_seed(0)
     load_LE = torch.rand(layers, experts, generator=g).pow(-1 / 1.2)
@@ -201,9 +201,7 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
         t0 = time.perf_counter()
         greedy = plan_placement(load_LE, devices, slots, num_nodes=nodes, refine_rounds=0)
         greedy_ms.append((time.perf_counter() - t0) * 1e3)
-    greedy_x = _steer_flows(np.ones(tuple(greedy.phy2log.shape)), greedy.phy2log.numpy(), load_LE.double().numpy(),
-                            slots, 16)
-    greedy_steered_LG = torch.from_numpy(greedy_x.reshape(layers, devices, slots).sum(2))
+    greedy_steered_LG = steered_load(greedy, load_LE, iters=16)
 
     E, G = steer_experts, steer_devices
     heat_E = torch.rand(1, E, generator=g).pow(-1 / 1.2)
@@ -246,40 +244,6 @@ def pareto_loads(L: int, E: int, seed: int = 0) -> torch.Tensor:
     return pareto.mul(1 + torch.rand(L, E, generator=g))
 
 
-def steered_max_load(holds_GE, load_E) -> float:
-    """Slowest device's load when steering splits each expert's tokens freely among its replicas.
-
-    holds_GE: [G][E] bools (device g holds expert e); load_E: [E] tokens. By Hall's theorem
-    (supply and demand on a bipartite graph with unbounded edges) the optimum is the max over
-    expert subsets A of load(A) / |devices holding any expert of A|. Exponential in E: tiny inputs.
-    """
-    E = len(load_E)
-    best = 0.0
-    for mask in range(1, 2 ** E):
-        A = [e for e in range(E) if mask >> e & 1]
-        devices = {d for d in range(len(holds_GE)) for e in A if holds_GE[d][e]}
-        best = max(best, sum(load_E[e] for e in A) / len(devices))
-    return best
-
-
-def brute_force_optimum(load_E, G: int, S: int) -> float:
-    """The best steered max load over every legal filling of G * S slots (no expert twice on a device,
-    every expert at least once, every slot used)."""
-    E, P = len(load_E), G * S
-    best = float("inf")
-    seen = set()
-    for assign in itertools.product(range(E), repeat=P):
-        per_dev = [frozenset(assign[d * S:(d + 1) * S]) for d in range(G)]
-        if any(len(d) < S for d in per_dev) or len(set(assign)) < E:
-            continue
-        key = tuple(sorted(tuple(sorted(d)) for d in per_dev))
-        if key in seen:
-            continue
-        seen.add(key)
-        best = min(best, steered_max_load([[e in d for e in range(E)] for d in per_dev], load_E))
-    return best
-
-
 OPTIMUM_SHAPES = ((4, 3, 2), (5, 3, 2), (3, 2, 3), (4, 2, 3), (5, 2, 3), (6, 3, 2), (4, 2, 2))
 
 
@@ -287,7 +251,7 @@ def bench_optimum(seeds: int = 30, shapes=OPTIMUM_SHAPES) -> dict[str, object]:
     """plan_placement against the brute-force optimum on tiny inputs (experts, devices, slots), one
     Pareto load per seed; the steered slowest device of the plan over the optimum's, with the
     refinement (default) and without it (refine_rounds=0), side by side (target: within 5 %)."""
-    from .placement import plan_placement
+    from ..planning.placement import plan_placement
 
     rows = []
     for E, G, S in shapes:

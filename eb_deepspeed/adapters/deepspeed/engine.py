@@ -1,0 +1,273 @@
+"""The DeepSpeed training adapter: gate swap, the per-step hook, checkpoint state, start-up agreement.
+
+Shape legend: L MoE layers (the whole model's), E experts per layer, G EP ranks, W packed tally width.
+
+    engine, optimizer, _, _ = eb_deepspeed.initialize(model=model, model_parameters=params,
+                                                      config="ds_config.json")
+    engine.easybalance               # the core Balancer: .view, .metrics(), .set_sequence_lengths(...)
+
+The balancing loop itself is `core.Balancer`; this file only connects it to a DeepSpeed engine:
+
+* the **step hook** is a torch optimizer step post-hook on the innermost `torch.optim.Optimizer`
+  (a public door), run once per value of `engine.global_steps`: DeepSpeed steps that optimizer
+  once per gradient-accumulation boundary, or once per parameter group under ZeRO, through
+  `_take_model_step` in both `DeepSpeedEngine.step` and `PipelineEngine.train_batch`. A step that
+  DeepSpeed skips (fp16 overflow) does not step the optimizer; its routes are counted with the next
+  step's.
+* the **reduce** is one all-reduce per step of the stacked [L, W] tally: over DeepSpeed's
+  data-parallel group (every EP x DP rank) for a plain engine; over every rank for a pipeline,
+  where each stage fills the rows of its own layers (one rank per tensor-parallel slice), so every
+  rank holds the whole model's view;
+* one **all-gather at start-up** checks that every rank agrees on the model and config (a rank
+  that disagrees would hang the per-step reduce) and learns the pipeline layout and node map;
+* the balancer state rides in DeepSpeed's checkpoint `client_state` (`save_checkpoint` and
+  `load_checkpoint` are wrapped on the instance: DeepSpeed has no checkpoint hook).
+With world size 1 there is no communication at all.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import socket
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...core.balancer import Balancer, check_agreement
+from ...core.config import EasyBalanceConfig, strip_block
+from ...core.record import BalanceLogger, NullLogger
+from ...core.topology import node_map
+from ...observe.monitor import DeepSpeedMonitorLogger, JsonlLogger, MultiLogger
+from .gate import CrossLayerGate
+
+__all__ = ["initialize", "swap_gates", "find_moe_layers", "attach", "STATE_KEY"]
+
+STATE_KEY = "easybalance"  # key of the balancer state in DeepSpeed's checkpoint client_state
+
+
+def find_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every `deepspeed.moe.layer.MoE` in `model`, in module order (the order of layers)."""
+    from deepspeed.moe.layer import MoE
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def swap_gates(model: torch.nn.Module) -> list[CrossLayerGate]:
+    """Replace each MoE layer's TopKGate by a CrossLayerGate sharing its `wg` parameter.
+
+    Call before `deepspeed.initialize` (DeepSpeed then hands the gates their EP group).
+    Parameter names, values and objects are unchanged, so optimizers and checkpoints see the
+    same model, and no random number is drawn. Already-swapped gates are kept.
+    """
+    gates = []
+    for index, (_, moe) in enumerate(find_moe_layers(model)):
+        gate = moe.deepspeed_moe.gate
+        if not isinstance(gate, CrossLayerGate):
+            gate = CrossLayerGate.from_topk_gate(gate, layer_index=index)
+            moe.deepspeed_moe.gate = gate
+        gate.layer_index = index
+        gates.append(gate)
+    return gates
+
+
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_pipeline(engine) -> bool:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    return isinstance(engine, PipelineEngine)
+
+
+def _layout(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> dict[str, Any]:
+    """One all-gather: check that every rank agrees, and learn the pipeline layout and node map.
+
+    Returns the global index of each local gate, the model's layer count, E, G and rank -> node.
+    Every rank evaluates the same gathered data, so a disagreement raises the same error everywhere.
+    """
+    moes = [m for _, m in find_moe_layers(engine.module)]
+    ep_sizes = sorted({m.ep_size for m in moes})
+    if len(ep_sizes) > 1:
+        raise ValueError(f"every MoE layer must have the same ep_size for the cross-layer view, got "
+                         f"{[m.ep_size for m in moes]}")
+    stage = int(engine.stage_id) if _is_pipeline(engine) else 0
+    mine = {"stage": stage, "top_k": [g.k for g in gates], "experts": sorted({g.num_experts for g in gates}),
+            "devices": ep_sizes, "config": config.to_dict(), "host": socket.gethostname()}
+    if _dist_ready() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        rank = dist.get_rank()
+    else:
+        gathered, rank = [mine], 0
+    # Model-wide facts: every rank holding MoE layers agrees on E and G; every rank on the config.
+    shapes = {(tuple(g["experts"]), tuple(g["devices"])) for g in gathered if g["top_k"]}
+    if len(shapes) > 1:
+        raise ValueError(f"ranks disagree on (num_experts, ep_size) of their MoE layers: {sorted(shapes)}")
+    check_agreement([{"config": g["config"]} for g in gathered], rank)
+    # Per pipeline stage: the same layers on every rank of the stage; stages in order give global indices.
+    first_of_stage: dict[int, int] = {}
+    for r, g in enumerate(gathered):
+        first = first_of_stage.setdefault(g["stage"], r)
+        if g["top_k"] != gathered[first]["top_k"]:
+            raise ValueError(f"rank {r} disagrees with rank {first} (pipeline stage {g['stage']}) on its MoE layers' "
+                             f"top-k: {g['top_k']} vs {gathered[first]['top_k']}")
+    offset = {s: sum(len(gathered[first_of_stage[t]]["top_k"]) for t in first_of_stage if t < s)
+              for s in first_of_stage}
+    num_layers = sum(len(gathered[r]["top_k"]) for r in first_of_stage.values())
+    if num_layers == 0:
+        raise ValueError("easybalance is enabled but the model has no deepspeed.moe.layer.MoE layers")
+    (experts, devices), = shapes
+    return {"layers": [offset[stage] + i for i in range(len(gates))], "num_layers": num_layers,
+            "num_experts": experts[0], "num_devices": devices[0],
+            "rank_to_node": node_map([g["host"] for g in gathered])}
+
+
+def _reduce_fn(engine):
+    """The per-step all-reduce (None for world size 1). See the module doc for the groups."""
+    if not _dist_ready() or dist.get_world_size() == 1:
+        return None
+    if _is_pipeline(engine):
+        # every rank, so every stage's rows reach every rank; one copy per tensor-parallel slice
+        contributes = engine.grid.get_slice_parallel_rank() == 0
+
+        def reduce(packed_LW: torch.Tensor) -> None:
+            if not contributes:
+                packed_LW.zero_()
+            dist.all_reduce(packed_LW)
+        return reduce
+    from deepspeed.utils import groups
+    group = groups._get_data_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return None
+    return lambda packed_LW: dist.all_reduce(packed_LW, group=group)
+
+
+def _innermost_torch_optimizer(optimizer) -> Optional[torch.optim.Optimizer]:
+    """The torch optimizer inside DeepSpeed's wrappers (FP16/BF16, ZeRO), or None."""
+    seen = 0
+    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and seen < 8:
+        optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+class _StepHook:
+    """Runs `balancer.step()` once per optimizer step of `engine` (see the module doc)."""
+
+    def __init__(self, engine, balancer: Balancer):
+        self.engine, self.balancer = engine, balancer
+        self.last_step: Optional[int] = None
+        self.handle = None
+        optimizer = _innermost_torch_optimizer(getattr(engine, "optimizer", None))
+        if optimizer is None:
+            warnings.warn("easybalance: the engine has no torch optimizer to hook; call engine.easybalance.step() "
+                          "on every rank after each optimizer step yourself")
+        else:
+            self.handle = optimizer.register_step_post_hook(self)
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        step = int(self.engine.global_steps)       # DeepSpeed increments it after the optimizer step
+        if step == self.last_step:                  # ZeRO steps the optimizer once per parameter group
+            return
+        self.last_step = step
+        self.balancer.samples = int(self.engine.global_samples) + int(self.engine.train_batch_size())
+        self.balancer.step()
+
+    def reset(self) -> None:
+        """After a checkpoint load `global_steps` may repeat a value already seen."""
+        self.last_step = None
+
+
+def _wrap_checkpointing(engine, balancer: Balancer, hook: _StepHook) -> None:
+    """Save the balancer state in DeepSpeed's client_state; restore it on load.
+
+    Stored in client_state rather than in module buffers so that model state dicts stay exactly
+    DeepSpeed's (checkpoints load both ways between plain DeepSpeed and eb_deepspeed).
+    """
+    original_save, original_load = engine.save_checkpoint, engine.load_checkpoint
+    save_sig = inspect.signature(original_save)
+
+    def save_checkpoint(*args, **kwargs):
+        bound = save_sig.bind(*args, **kwargs)
+        client_state = dict(bound.arguments.get("client_state") or {})
+        client_state[STATE_KEY] = balancer.state_dict()
+        bound.arguments["client_state"] = client_state
+        return original_save(*bound.args, **bound.kwargs)
+
+    def load_checkpoint(*args, **kwargs):
+        load_path, client_state = original_load(*args, **kwargs)
+        if load_path is not None and client_state is not None:
+            hook.reset()
+            state = client_state.pop(STATE_KEY, None)
+            if state is None:
+                warnings.warn(f"easybalance: checkpoint {load_path} holds no balancer state; the load view starts cold")
+            elif not balancer.load_state_dict(state):
+                warnings.warn(f"easybalance: checkpoint {load_path} holds balancer state of an older format "
+                              f"({state.get('version')}); the load view starts cold")
+        return load_path, client_state
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
+
+
+def _make_logger(cfg: EasyBalanceConfig, engine) -> BalanceLogger:
+    if _dist_ready() and dist.get_rank() != 0:
+        return NullLogger()
+    loggers: list[BalanceLogger] = [JsonlLogger(cfg.log.dir)]
+    monitor = getattr(engine, "monitor", None)
+    if cfg.log.wandb and monitor is not None and getattr(monitor, "enabled", False):
+        loggers.append(DeepSpeedMonitorLogger(monitor))
+    return MultiLogger(loggers)
+
+
+def attach(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> Balancer:
+    """Build the balancer for an initialized engine whose MoE gates are `gates`, and hook it in."""
+    from deepspeed.accelerator import get_accelerator
+    layout = _layout(engine, config, gates)
+    balancer = Balancer(config, gates, layout["num_devices"], reduce=_reduce_fn(engine), layers=layout["layers"],
+                        num_layers=layout["num_layers"], num_experts=layout["num_experts"],
+                        rank_to_node=layout["rank_to_node"],
+                        tally_device=get_accelerator().current_device_name())
+    balancer.logger = _make_logger(config, engine)
+    hook = _StepHook(engine, balancer)
+    _wrap_checkpointing(engine, balancer, hook)
+    engine.easybalance = balancer
+    return balancer
+
+
+def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=None, config_params=None,
+               **kwargs):
+    """`deepspeed.initialize`, plus the `easybalance` block of the same config.
+
+    Takes every argument `deepspeed.initialize` takes and returns the same 4-tuple
+    `(engine, optimizer, dataloader, lr_scheduler)`. With no block, or `"enabled": false`, this
+    is plain `deepspeed.initialize` (the block is only removed from a copy of the config).
+    Otherwise each `MoE` layer's gate becomes a `CrossLayerGate`, and `engine.easybalance`
+    holds the balancer (view, metrics, checkpoint state), stepped once per optimizer step.
+    """
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    if config is None and config_params is not None:
+        config = config_params
+    if config is None and args is not None and getattr(args, "deepspeed_config", None) is not None:
+        config = args.deepspeed_config
+        args = copy.copy(args)
+        args.deepspeed_config = None  # handed over as `config` below; DeepSpeed refuses both
+    eb_config = EasyBalanceConfig.from_ds_config(config)
+    ds_config = strip_block(config)
+
+    if not eb_config.enabled:
+        return deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
+    if model is None:
+        raise ValueError("eb_deepspeed.initialize needs `model` when easybalance is enabled")
+    where = f'mode "{eb_config.mode}"' + (f', aux.policy "{eb_config.aux.policy}"' if eb_config.mode == "balance" else "")
+    for path in eb_config.ignored_options("train"):
+        warnings.warn(f"{path} has no effect in training ({where})")
+
+    gates = swap_gates(model)
+    if not gates and not isinstance(model, PipelineModule):   # a pipeline stage may hold none; checked across ranks
+        raise ValueError("easybalance is enabled but the model has no deepspeed.moe.layer.MoE layers")
+    out = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
+    attach(out[0], eb_config, gates)
+    return out

@@ -1,0 +1,201 @@
+"""The balancing loop, framework-neutral: tally -> reduce -> view -> control -> apply -> report.
+
+Shape legend: L MoE layers (all of the model's, over every pipeline stage), E experts per layer,
+G EP ranks (devices), W packed tally width, B sequences, T tokens.
+
+An adapter (DeepSpeed, Megatron-Core) hands the `Balancer` its gates and one `reduce` function,
+and calls `step()` once per optimizer step (gradient-accumulation boundary) on every rank:
+
+    balancer = Balancer(config, gates, num_devices, reduce=lambda t: dist.all_reduce(t, group=g))
+    ...forwards...                # each gate's TallyRecorder adds its routes
+    balancer.step()               # one reduce of the stacked [L, W] tally, view + controls + log
+
+Gates are anything with the small `BalancedGate` protocol below. With pipeline parallelism a rank
+holds some of the model's layers: `layers` gives their global indices, the tally rows of the other
+layers stay 0 on this rank, and a `reduce` over every rank fills them in, so every rank holds the
+whole view. World size 1 is `reduce=None`: no communication at all.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import torch
+
+from .config import EasyBalanceConfig
+from .policies import AuxController
+from .record import EXPERT_COUNTS, PRESSURE, BalanceLogger, NullLogger
+from .tally import Tally, TallyLayout
+from .view import LoadView, sequence_length_weights
+
+__all__ = ["Balancer", "BalancedGate", "check_agreement"]
+
+
+class BalancedGate(Protocol):
+    """What the loop needs from a gate (DeepSpeed's `CrossLayerGate`, Megatron's router adapter)."""
+    num_experts: int
+
+    def take_tally(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """This layer's packed tally row [W] since the last call (see `TallyRecorder.take`)."""
+
+    def set_aux_weight(self, weight: float) -> None:
+        """Multiply the layer's l_aux by `weight` from the next forward on."""
+
+    def set_selection_bias(self, bias_E: Optional[torch.Tensor]) -> None:
+        """Add `bias_E` [E] to the selection scores only (None: route as the framework does)."""
+
+    def set_token_weights(self, weights_T: Optional[torch.Tensor]) -> None:
+        """Load weight of each token of the next forward [T] (None: every token counts 1)."""
+
+
+def check_agreement(gathered: Sequence[dict[str, Any]], rank: int) -> None:
+    """Raise the same ValueError on every rank when any rank's summary differs from this rank's.
+
+    gathered: every rank's summary (model shape and config), from one all-gather at start-up. A rank
+    that disagreed would make the per-step reduce mismatch or hang; this turns it into one error.
+    """
+    mine = gathered[rank]
+    for other, theirs in enumerate(gathered):
+        if theirs != mine:
+            diff = {k: (mine.get(k), theirs.get(k)) for k in sorted(set(mine) | set(theirs))
+                    if mine.get(k) != theirs.get(k)}
+            raise ValueError(f"rank {other} disagrees with rank {rank} on the MoE model or easybalance config "
+                             f"(mine, theirs): {diff}")
+
+
+class Balancer:
+    """Owns the view and the controller; `step()` runs the loop once.
+
+    config: the parsed `easybalance` block. gates: this rank's gates, in layer order.
+    num_devices: EP ranks of a layer (G). reduce: sums a tensor in place over every rank that holds
+    a copy of the model's layers (the data-parallel group; every rank under pipeline parallelism);
+    None for world size 1. layers: global index of each gate (default 0 .. len(gates) - 1);
+    num_layers: layers of the whole model (default len(gates)). rank_to_node: node of each rank.
+    expert_to_device_E: [E] EP rank holding each expert (default DeepSpeed's contiguous layout).
+    num_experts: E, for a rank that holds no MoE layer itself (a pipeline stage without one).
+    """
+
+    def __init__(self, config: EasyBalanceConfig, gates: Sequence[BalancedGate], num_devices: int, *,
+                 reduce: Optional[Callable[[torch.Tensor], Any]] = None, layers: Optional[Sequence[int]] = None,
+                 num_layers: Optional[int] = None, rank_to_node: Optional[Sequence[int]] = None,
+                 expert_to_device_E: Optional[torch.Tensor] = None, logger: Optional[BalanceLogger] = None,
+                 tally_device: torch.device | str = "cpu", num_experts: Optional[int] = None):
+        experts = sorted({g.num_experts for g in gates} | ({num_experts} if num_experts is not None else set()))
+        if not experts:
+            raise ValueError("easybalance is enabled but the model has no MoE layers")
+        if len(experts) != 1:
+            raise ValueError(f"every MoE layer must have the same num_experts for the cross-layer view, got "
+                             f"{[g.num_experts for g in gates] or experts}")
+        self.config = config
+        self.gates = list(gates)
+        self.num_experts, self.num_devices = experts[0], int(num_devices)
+        self.layers = list(range(len(gates))) if layers is None else [int(i) for i in layers]
+        self.num_layers = len(gates) if num_layers is None else int(num_layers)
+        if self.num_layers < 1 or len(self.layers) != len(gates) or len(set(self.layers)) != len(self.layers) \
+                or not all(0 <= i < self.num_layers for i in self.layers):
+            raise ValueError(f"layers ({self.layers}) must be {len(gates)} distinct indices in [0, {self.num_layers})")
+        self.reduce = reduce
+        self.rank_to_node = list(rank_to_node or [0])
+        self.view = LoadView(self.num_layers, self.num_experts, self.num_devices, ema_alpha=config.ema_alpha,
+                             window=config.window_for(self.num_layers), warmup_batches=config.warmup_batches,
+                             expert_to_device_E=expert_to_device_E)
+        self.controller = AuxController(self.num_layers, self.num_experts, config.aux)
+        self.logger: BalanceLogger = logger or NullLogger()
+        self.tally_device = torch.device(tally_device)
+        self.samples = 0                  # the adapter's sample count, for log steps
+        self._warned_nonfinite = False
+        self.apply_controls()
+
+    @property
+    def num_nodes(self) -> int:
+        return max(self.rank_to_node) + 1
+
+    # ------------------------------------------------------------------ per forward
+    def set_sequence_lengths(self, lengths_B: torch.Tensor, seq_len: int) -> None:
+        """Real lengths of the sequences in the next micro-batch ([B]); weights the view by length.
+
+        Only with `easybalance.seq_len_weighting: true`; call before each forward.
+        """
+        if not self.config.seq_len_weighting:
+            raise ValueError("set_sequence_lengths() needs easybalance.seq_len_weighting = true")
+        weights_T = sequence_length_weights(lengths_B, seq_len)
+        for gate in self.gates:
+            gate.set_token_weights(weights_T)
+
+    # ------------------------------------------------------------------ per step
+    def gather_tally(self) -> torch.Tensor:
+        """Drain every local gate into one packed [L, W] tensor (rows of other ranks' layers are 0)."""
+        width = TallyLayout(self.num_experts).width
+        packed_LW = torch.zeros(self.num_layers, width, dtype=torch.float64, device=self.tally_device)
+        for layer, gate in zip(self.layers, self.gates):
+            packed_LW[layer] = gate.take_tally(self.tally_device)
+        return packed_LW
+
+    def step(self) -> torch.Tensor:
+        """Tally -> one reduce -> view -> control -> apply -> log. Returns valid_L [L] bool."""
+        packed_LW = self.gather_tally()
+        if self.reduce is not None:
+            self.reduce(packed_LW)
+        tally = Tally.unpack(packed_LW.cpu(), self.num_experts)
+        valid_L = self.view.update(tally)
+        if self.config.mode == "balance" and self.controller.update(self.view):
+            self.apply_controls()
+        bad = [i for i, n in enumerate(tally.nonfinite_L.tolist()) if n > 0]
+        if bad and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            warnings.warn(f"easybalance: non-finite router logits in MoE layers {bad} at step {self.view.steps}; "
+                          "those layers were left out of the load view for that step (warned once)")
+        if self.view.steps % self.config.log.interval == 0:
+            self.logger.log(self.record(), self.samples or self.view.steps)
+        return valid_L
+
+    def apply_controls(self) -> None:
+        """Hand the controller's weights (and bias) to the local gates; observe mode touches nothing."""
+        if self.config.mode != "balance":
+            return
+        for layer, gate in zip(self.layers, self.gates):
+            gate.set_aux_weight(float(self.controller.weight_L[layer]))
+            if self.controller.uses_bias:
+                gate.set_selection_bias(self.controller.bias_LE[layer])
+
+    # ------------------------------------------------------------------ reads
+    def aux_weights(self) -> list[float]:
+        """Per-layer aux weight in effect [L] (1.0 everywhere outside `balance` mode)."""
+        if self.config.mode != "balance":
+            return [1.0] * self.num_layers
+        return [float(w) for w in self.controller.weight_L]
+
+    def metrics(self) -> dict[str, object]:
+        """The view's metrics plus the per-layer aux weights (see `LoadView.metrics`)."""
+        out = self.view.metrics()
+        out["aux_weight"] = self.aux_weights()
+        return out
+
+    def record(self) -> dict[str, object]:
+        """One balance record (keys: `record.py`)."""
+        out = {"step": self.view.steps, "samples": self.samples, "mode": self.config.mode,
+               "policy": self.config.aux.policy}
+        out.update(self.metrics())
+        out[PRESSURE] = [[round(x, 3) for x in row] for row in self.view.pressure_LG.tolist()]
+        out[EXPERT_COUNTS] = self.view.last.routed_LE.round().long().tolist()
+        return out
+
+    # ------------------------------------------------------------------ checkpoint
+    VERSION = 2
+
+    def state_dict(self) -> dict[str, object]:
+        return {"version": self.VERSION, "view": self.view.state_dict(), "aux": self.controller.state_dict(),
+                "config": self.config.to_dict()}
+
+    def load_state_dict(self, state: dict[str, object]) -> bool:
+        """Restore a saved state; returns False (and changes nothing) for a state of an older format."""
+        version = int(state.get("version", 0))
+        if version < self.VERSION:
+            return False
+        if version != self.VERSION:
+            raise ValueError(f"easybalance state format {version} is newer than this eb_deepspeed reads "
+                             f"({self.VERSION}); upgrade eb_deepspeed")
+        self.view.load_state_dict(state["view"])
+        self.controller.load_state_dict(state["aux"])
+        self.apply_controls()
+        return True

@@ -1,0 +1,194 @@
+"""The route tally: what each MoE layer's gate counts during forward, by name.
+
+Shape legend: L MoE layers, E experts per layer, W packed width (`TallyLayout(E).width`),
+R routes of one forward (K * T; -1 = a route the capacity limit dropped), T tokens.
+
+A gate owns a `TallyRecorder` and calls `record(...)` on every training forward (no host sync, no
+collective). At the step boundary the balancer stacks each layer's packed row into one `[L, W]`
+tensor, all-reduces it once, and reads it back by name with `Tally.unpack`:
+
+    routed_LE    route requests per expert, before the capacity limit (demand)
+    kept_LE      routes kept per expert (what the experts processed)
+    load_LE      kept routes weighted by sequence length (= kept when weighting is off)
+    tokens_L     tokens seen
+    nonfinite_L  tokens whose router logits held NaN/Inf
+    aux_L        sum of the layer's unweighted l_aux over forwards (and ranks)
+    forwards_L   forward calls that recorded (aux / forwards is the mean l_aux)
+
+The packed layout is private to this file: `TallyLayout` gives every field its slice. Each
+per-expert field is preceded by one scratch slot, so recording a route of expert id `e` is an
+`index_add_` at `offset + e` with no mask: a dropped route (id -1) lands on the scratch slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+__all__ = ["Tally", "TallyLayout", "TallyRecorder", "PER_EXPERT_FIELDS", "PER_LAYER_FIELDS"]
+
+PER_EXPERT_FIELDS = ("routed", "kept", "load")
+PER_LAYER_FIELDS = ("tokens", "nonfinite", "aux", "forwards")
+
+
+class TallyLayout:
+    """Where each field lives in a packed row of width W = 3 (E + 1) + 4."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = E = int(num_experts)
+        self.start: dict[str, int] = {}
+        self.scratch: list[int] = []
+        at = 0
+        for name in PER_EXPERT_FIELDS:
+            self.scratch.append(at)
+            self.start[name] = at + 1
+            at += E + 1
+        for name in PER_LAYER_FIELDS:
+            self.start[name] = at
+            at += 1
+        self.width = at
+
+    def span(self, name: str) -> slice | int:
+        """Slice of a per-expert field, or the index of a per-layer one."""
+        if name in PER_EXPERT_FIELDS:
+            return slice(self.start[name], self.start[name] + self.num_experts)
+        return self.start[name]
+
+
+@dataclass
+class Tally:
+    """One step's counts for L layers (float64). Build it by name; `pack` / `unpack` for the wire."""
+    routed_LE: torch.Tensor
+    kept_LE: torch.Tensor
+    load_LE: torch.Tensor
+    tokens_L: torch.Tensor
+    nonfinite_L: torch.Tensor
+    aux_L: torch.Tensor
+    forwards_L: torch.Tensor
+
+    @classmethod
+    def zeros(cls, num_layers: int, num_experts: int) -> "Tally":
+        return cls.unpack(torch.zeros(num_layers, TallyLayout(num_experts).width, dtype=torch.float64), num_experts)
+
+    @classmethod
+    def build(cls, routed_LE, kept_LE=None, load_LE=None, tokens_L=None, nonfinite_L=None, aux_L=None,
+              forwards_L=None) -> "Tally":
+        """A tally from readable parts: kept defaults to routed, load to kept, tokens to routed / 2
+        (top-2), forwards to 1, the rest to 0. For tests, simulators and adapters that count
+        elsewhere."""
+        routed_LE = torch.as_tensor(routed_LE, dtype=torch.float64)
+        if routed_LE.dim() == 1:
+            routed_LE = routed_LE[None]
+        L = routed_LE.shape[0]
+
+        def per_layer(v, default):
+            return torch.as_tensor(default if v is None else v, dtype=torch.float64).expand(L).clone()
+
+        kept_LE = routed_LE if kept_LE is None else torch.as_tensor(kept_LE, dtype=torch.float64).reshape(L, -1)
+        load_LE = kept_LE if load_LE is None else torch.as_tensor(load_LE, dtype=torch.float64).reshape(L, -1)
+        return cls(routed_LE.clone(), kept_LE.clone(), load_LE.clone(), per_layer(tokens_L, routed_LE.sum(1) / 2),
+                   per_layer(nonfinite_L, 0.0), per_layer(aux_L, 0.0), per_layer(forwards_L, 1.0))
+
+    @classmethod
+    def unpack(cls, packed_LW: torch.Tensor, num_experts: int) -> "Tally":
+        """Read a packed [L, W] tensor by name (views into it, no copies)."""
+        layout = TallyLayout(num_experts)
+        if packed_LW.dim() != 2 or packed_LW.shape[1] != layout.width:
+            raise ValueError(f"a packed tally must be [layers, {layout.width}] for {num_experts} experts, "
+                             f"got {tuple(packed_LW.shape)}")
+        return cls(**{f.name: packed_LW[:, layout.span(f.name.rsplit("_", 1)[0])] for f in fields(cls)})
+
+    def pack(self) -> torch.Tensor:
+        """One [L, W] float64 tensor (the scratch slots are 0): what goes through the all-reduce."""
+        L, E = self.routed_LE.shape
+        layout = TallyLayout(E)
+        out_LW = torch.zeros(L, layout.width, dtype=torch.float64, device=self.routed_LE.device)
+        for f in fields(self):
+            out_LW[:, layout.span(f.name.rsplit("_", 1)[0])] = getattr(self, f.name)
+        return out_LW
+
+    @property
+    def num_layers(self) -> int:
+        return self.routed_LE.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.routed_LE.shape[1]
+
+    def valid_L(self) -> torch.Tensor:
+        """[L] bool: layers that saw tokens and no non-finite router logits."""
+        return (self.tokens_L > 0) & (self.nonfinite_L == 0)
+
+    def dropped_L(self) -> torch.Tensor:
+        """[L] routes the capacity limit dropped (routed - kept)."""
+        return (self.routed_LE.sum(1) - self.kept_LE.sum(1)).clamp_min(0)
+
+    def mean_aux_L(self) -> torch.Tensor:
+        """[L] mean unweighted l_aux per forward (0 for layers that did not record)."""
+        return torch.where(self.forwards_L > 0, self.aux_L / self.forwards_L.clamp_min(1), 0.0)
+
+
+class TallyRecorder:
+    """One layer's running tally, filled during forward and drained at the step boundary.
+
+    The buffer is a plain float64 tensor allocated on the logits' device, not a module buffer:
+    `model.half()` / `.bfloat16()` would cast a buffer and lose counts, and it is not model state.
+    Token and forward counts stay on the host (plain ints: no tensor op per forward for them).
+    """
+
+    def __init__(self, num_experts: int):
+        self.layout = TallyLayout(num_experts)
+        self._row_W: Optional[torch.Tensor] = None
+        self._tokens = 0
+        self._forwards = 0
+        self._ones: Optional[torch.Tensor] = None   # reused source of index_add_ for unweighted routes
+
+    def record(self, routed_E: torch.Tensor, route_expert_R: torch.Tensor, tokens, nonfinite: torch.Tensor,
+               l_aux: torch.Tensor, token_w_R: Optional[torch.Tensor] = None) -> None:
+        """Add one forward's routes (no host sync).
+
+        routed_E: [E] route requests before the capacity limit; route_expert_R: [R] int64 expert id of
+        each route, -1 where it was dropped; tokens: int or 0-dim tensor; nonfinite: 0-dim count of
+        tokens with non-finite logits; l_aux: the unweighted aux loss; token_w_R: [R] load weight of
+        each route (sequence-length weighting), None = 1.
+        """
+        lay = self.layout
+        if self._row_W is None:
+            self._row_W = torch.zeros(lay.width, dtype=torch.float64, device=routed_E.device)
+        row = self._row_W
+        row[lay.span("routed")] += routed_E
+        kept_R = route_expert_R + lay.start["kept"]      # -1 lands on the scratch slot before `kept`
+        load_R = route_expert_R + lay.start["load"]
+        if token_w_R is None:
+            if self._ones is None or self._ones.numel() < kept_R.numel() or self._ones.device != row.device:
+                self._ones = torch.ones(kept_R.numel(), dtype=torch.float64, device=row.device)
+            ones_R = self._ones[:kept_R.numel()]
+            row.index_add_(0, kept_R, ones_R)
+            row.index_add_(0, load_R, ones_R)
+        else:
+            row.index_add_(0, kept_R, torch.ones_like(token_w_R))
+            row.index_add_(0, load_R, token_w_R.to(torch.float64))
+        if isinstance(tokens, int):
+            self._tokens += tokens
+        else:
+            row[lay.start["tokens"]] += tokens
+        at = lay.start["nonfinite"]
+        assert lay.start["aux"] == at + 1
+        row[at:at + 2] += torch.stack((nonfinite.to(row.dtype), l_aux.detach().to(row.dtype)))
+        self._forwards += 1
+
+    def take(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """This layer's packed row [W] (float64, on `device`), reset to zero."""
+        lay = self.layout
+        if self._row_W is None:
+            out = torch.zeros(lay.width, dtype=torch.float64, device=device)
+        else:
+            out, self._row_W = self._row_W.to(device), None
+            out[lay.scratch] = 0.0
+            # NaN logits give a NaN l_aux; the nonfinite count already says so
+            out[lay.start["aux"]] = out[lay.start["aux"]].nan_to_num(0.0, 0.0, 0.0)
+        out[lay.start["tokens"]] += self._tokens
+        out[lay.start["forwards"]] += self._forwards
+        self._tokens, self._forwards = 0, 0
+        return out

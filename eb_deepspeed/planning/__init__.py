@@ -1,0 +1,17 @@
+"""Planning: where replicas live and how tokens are split among them (pure functions, no framework).
+
+    plan = plan_placement(load_LE, num_devices, slots_per_device, num_nodes=..., previous=...)
+    split_GER = steer(counts_GE, plan.expert_devices()[layer], node_G, ...)
+
+`placement` (the planner, EPLB-shaped steps), `refine` (its steering-aware step 3), `flows` (the
+planner's model of steering), `steering` (the runtime's per-batch split), `oracle` (exact answers
+on tiny inputs).
+"""
+from .flows import steer_flows, steered_load
+from .oracle import brute_force_optimum, steered_max_load
+from .placement import Placement, assign_replicas, index_maps, plan_placement, replica_counts, static_placement
+from .steering import device_loads, even_split, reroute_near_ties, steer
+
+__all__ = ["Placement", "plan_placement", "static_placement", "replica_counts", "assign_replicas", "index_maps",
+           "steer_flows", "steered_load", "steer", "even_split", "device_loads", "reroute_near_ties",
+           "steered_max_load", "brute_force_optimum"]

@@ -1,0 +1,69 @@
+"""The simulator's cost model: one MoE layer's time per device, and a step's wall time.
+
+Shape legend: L layers, G devices (= source ranks).
+
+Cost of one layer on device d (seconds):
+    compute   = routes processed on d * route_s       (* padded capacity instead, with `padded`)
+    all2all   = 2 * max(intra bytes / intra_bw, inter bytes / inter_bw) + messages * latency
+                (dispatch and combine; bytes = tokens sent to other ranks * hidden * 2)
+    decisions = routes decided on d / decision_batch * decision_s   (the seed's 2-3 ms per layer
+                per-token cost against 0.3 ms batched is what decision_s and decision_batch model)
+Execution is synchronised per layer (a layer takes its slowest device), or with bounded run-ahead:
+a device may start layer l once every device has finished layer l - window. Links, latencies and
+devices per node come from the one topology table, `core.topology.TOPOLOGIES`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.topology import TOPOLOGIES, Topology
+
+__all__ = ["ClusterModel"]
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    topology: Topology = TOPOLOGIES["pcie"]
+    hidden: int = 4096
+    bytes_per_elem: int = 2
+    route_s: float = 0.6e-6        # expert compute per routed token (8192 routes/device ~ 4.9 ms)
+    decision_s: float = 0.3e-6     # one steering decision (per-token: ~2.5 ms per layer at 4096 x 2)
+    padded: bool = False           # compute ~ padded capacity (DeepSpeed drop_tokens=False) instead of tokens
+    window: int = 1                # 1 = synchronised per layer; w > 1 = bounded run-ahead
+
+    def node_of(self, G: int) -> torch.Tensor:
+        return torch.arange(G) // min(G, self.topology.devices_per_node)
+
+    def layer_times(self, traffic_GG: torch.Tensor, compute_G: torch.Tensor, messages_G: torch.Tensor,
+                    decisions_G: torch.Tensor) -> torch.Tensor:
+        """Per-device time of one layer [G] from tokens sent s->d [G, G] (weighted), routes processed [G],
+        messages sent [G] and steering decisions made [G]."""
+        G = traffic_GG.shape[0]
+        node = self.node_of(G)
+        same = node[:, None] == node[None, :]
+        off = ~torch.eye(G, dtype=torch.bool)
+        tok_bytes = self.hidden * self.bytes_per_elem
+        t = self.topology
+        intra_send = (traffic_GG * (same & off)).sum(1) * tok_bytes / t.intra_bw
+        inter_send = (traffic_GG * ~same).sum(1) * tok_bytes / t.inter_bw
+        intra_recv = (traffic_GG * (same & off)).sum(0) * tok_bytes / t.intra_bw
+        inter_recv = (traffic_GG * ~same).sum(0) * tok_bytes / t.inter_bw
+        lat = t.inter_lat if int(node.max()) > 0 else t.intra_lat
+        a2a = 2 * torch.maximum(torch.maximum(intra_send, inter_send), torch.maximum(intra_recv, inter_recv)) \
+            + messages_G * lat
+        return compute_G * self.route_s + a2a + decisions_G * self.decision_s
+
+    def step_time(self, times_LG: torch.Tensor) -> float:
+        """Wall time of one step from per-layer per-device times [L, G]."""
+        if self.window <= 1:
+            return float(times_LG.amax(1).sum())
+        L, G = times_LG.shape
+        finish = torch.zeros(L, G, dtype=torch.float64)
+        for l in range(L):  # layers, not tokens
+            ready = finish[l - 1] if l else torch.zeros(G, dtype=torch.float64)
+            if l - self.window >= 0:
+                ready = torch.maximum(ready, finish[l - self.window].max().expand(G))
+            finish[l] = ready + times_LG[l]
+        return float(finish[-1].max())

@@ -1,0 +1,93 @@
+"""Expert-load traces from files, for `eb simulate --workload trace` and the planner.
+
+Shape legend: N steps, L layers, E logical experts, P physical slots.
+
+    trace_NLE = load_trace("runs/main/balance")          # our own balance log
+    trace_NLE = load_trace("expert_distribution.pt")      # SGLang dump, vLLM-style loads
+
+Every importer ends in the same check (`_checked`): a float64 tensor [N, L, E] of finite,
+non-negative counts, or a ValueError naming the file and the problem.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..core.record import EXPERT_COUNTS
+
+__all__ = ["load_trace"]
+
+
+def load_trace(path: str) -> torch.Tensor:
+    """Expert load trace [steps, layers, experts] from a file.
+
+    * SGLang expert-distribution dump (`torch.save` of a dict with `logical_count`
+      [steps, layers, experts] or [layers, experts]);
+    * vLLM-style expert load (a dict with `expert_load_window` [window, layers, physical] or
+      `expert_load_pass` [layers, physical], plus `physical_to_logical_map` [layers, physical]; or a
+      logical `global_expert_load` [layers, experts]);
+    * our own balance log (`balance.jsonl`, or its directory: the `expert_counts_LE` of each record).
+    Read with `torch.load(..., weights_only=True)`; malformed files raise ValueError naming the problem.
+    """
+    if path.endswith(".jsonl") or os.path.isdir(path):
+        return _from_balance_log(path)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle/zip errors differ by cause; all mean "not a torch.save'd dict"
+        raise ValueError(f"{path}: not a torch.save file readable with weights_only=True ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a dict of tensors, got {type(data).__name__}")
+
+    def tensor(key):
+        t = data[key]
+        if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3):
+            raise ValueError(f"{path}: '{key}' must be a tensor with 2 or 3 dimensions, "
+                             f"got {type(t).__name__}{'' if not isinstance(t, torch.Tensor) else tuple(t.shape)}")
+        t = _checked(t, f"{path}: '{key}'")
+        return t[None] if t.dim() == 2 else t
+
+    if "logical_count" in data:                                   # SGLang
+        return tensor("logical_count")
+    if "global_expert_load" in data:                              # vLLM, logical
+        return tensor("global_expert_load")
+    for key in ("expert_load_window", "expert_load_pass"):        # vLLM, physical
+        if key in data:
+            t_NLP = tensor(key)
+            if "physical_to_logical_map" not in data:
+                raise ValueError(f"{path}: '{key}' counts physical experts; 'physical_to_logical_map' is missing")
+            p2l = data["physical_to_logical_map"]
+            if not isinstance(p2l, torch.Tensor) or tuple(p2l.shape) != tuple(t_NLP.shape[1:]):
+                raise ValueError(f"{path}: physical_to_logical_map must be {tuple(t_NLP.shape[1:])} to match '{key}'")
+            p2l_LP = p2l.long()
+            E = int(p2l_LP.max()) + 1
+            out = torch.zeros(t_NLP.shape[0], t_NLP.shape[1], E + 1, dtype=torch.float64)
+            out.scatter_add_(2, (p2l_LP + 1).clamp_min(0).expand_as(t_NLP), t_NLP)
+            return _checked(out[:, :, 1:], path)
+    raise ValueError(f"{path}: no expert load found; expected one of logical_count (SGLang), global_expert_load, "
+                     f"expert_load_window / expert_load_pass (vLLM); keys present: {sorted(data)}")
+
+
+def _from_balance_log(path: str) -> torch.Tensor:
+    from ..observe.report import read_log
+    rows = [r[EXPERT_COUNTS] for r in read_log(path) if EXPERT_COUNTS in r]
+    if not rows:
+        raise ValueError(f"{path}: no record holds {EXPERT_COUNTS}")
+    try:
+        t = torch.tensor(rows, dtype=torch.float64)
+    except (TypeError, ValueError) as e:   # ragged lists, strings, nulls
+        raise ValueError(f"{path}: {EXPERT_COUNTS} must be a [layers, experts] list of numbers in every record "
+                         f"({e})") from None
+    if t.dim() != 3:
+        raise ValueError(f"{path}: {EXPERT_COUNTS} must be [layers, experts] in every record, got {tuple(t.shape[1:])}")
+    return _checked(t, f"{path}: {EXPERT_COUNTS}")
+
+
+def _checked(t: torch.Tensor, what: str) -> torch.Tensor:
+    """The one validation path of every importer: float64, finite, non-negative, not empty."""
+    t = t.to(torch.float64)
+    if t.numel() == 0:
+        raise ValueError(f"{what} is empty")
+    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+        raise ValueError(f"{what} must be finite and non-negative")
+    return t

@@ -1,0 +1,1 @@
+"""Tools: the `eb` command (`cli`) and the side-by-side benchmarks (`bench`)."""

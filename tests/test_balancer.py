@@ -1,0 +1,143 @@
+"""The framework-neutral loop in one process: gates that only speak the BalancedGate protocol."""
+import pytest
+import torch
+
+from eb_deepspeed.core import Balancer, EasyBalanceConfig, Tally, TallyRecorder
+from eb_deepspeed.core import record as R
+from eb_deepspeed.core.balancer import check_agreement
+
+pytestmark = pytest.mark.unit
+E = 4
+
+
+class ToyGate:
+    """The smallest BalancedGate: routes token t to expert t % E, records through a TallyRecorder."""
+
+    def __init__(self):
+        self.num_experts = E
+        self.recorder = TallyRecorder(E)
+        self.aux_weight, self.bias_E, self.weights_T = 1.0, None, None
+
+    def forward(self, experts_T: torch.Tensor) -> None:
+        routed_E = torch.bincount(experts_T, minlength=E).double()
+        self.recorder.record(routed_E, experts_T, experts_T.numel(), torch.tensor(0), torch.tensor(1.0),
+                             None if self.weights_T is None else self.weights_T)
+
+    def take_tally(self, device="cpu"):
+        return self.recorder.take(device)
+
+    def set_aux_weight(self, weight):
+        self.aux_weight = weight
+
+    def set_selection_bias(self, bias_E):
+        self.bias_E = bias_E
+
+    def set_token_weights(self, weights_T):
+        self.weights_T = weights_T
+
+
+def config(**block):
+    return EasyBalanceConfig.from_ds_config({"easybalance": {"warmup_batches": 1, **block}})
+
+
+def test_one_step_drains_every_gate_reduces_once_and_updates_the_view():
+    gates = [ToyGate(), ToyGate()]
+    reduced = []
+    balancer = Balancer(config(mode="observe"), gates, 2, reduce=lambda t: reduced.append(t.clone()))
+    gates[0].forward(torch.tensor([0, 0, 0, 1]))       # layer 0: experts 0, 1 on device 0
+    gates[1].forward(torch.tensor([3, 3, 2, 1]))       # layer 1: 3 routes on device 1, 1 on device 0
+    balancer.step()
+    assert len(reduced) == 1 and reduced[0].shape == (2, Tally.zeros(1, E).pack().shape[1])
+    assert balancer.view.pressure_LG.tolist() == [[4.0, 0.0], [1.0, 3.0]]
+    assert balancer.view.last.tokens_L.tolist() == [4.0, 4.0] and balancer.view.steps == 1
+    balancer.step()                                    # nothing recorded since: an empty step, layers skipped
+    assert balancer.view.updates_L.tolist() == [1, 1] and balancer.view.steps == 2
+
+
+def test_the_reduce_sums_what_other_ranks_saw():
+    gates = [ToyGate()]
+
+    def reduce(packed_LW):   # another rank routed the same again
+        packed_LW.mul_(2)
+    balancer = Balancer(config(mode="observe"), gates, 2, reduce=reduce)
+    gates[0].forward(torch.tensor([0, 3]))
+    balancer.step()
+    assert balancer.view.pressure_LG.tolist() == [[2.0, 2.0]] and balancer.view.last.tokens_L.tolist() == [4.0]
+
+
+def test_a_rank_holding_some_layers_fills_their_rows_and_controls_only_its_gates():
+    # pipeline stage 1 of 2: global layers 2, 3 of 4; the reduce brings the other stage's rows
+    gates = [ToyGate(), ToyGate()]
+
+    def other_stage(packed_LW):
+        assert packed_LW[:2].abs().sum() == 0 and packed_LW[2:].abs().sum() > 0
+        packed_LW[:2] = packed_LW[2:]
+    balancer = Balancer(config(aux={"policy": "cross_layer", "smoothing": 1.0}), gates, 2, reduce=other_stage,
+                        layers=[2, 3], num_layers=4)
+    gates[0].forward(torch.tensor([0, 0, 0, 0, 2]))
+    gates[1].forward(torch.tensor([0, 2, 3, 1]))
+    balancer.step()
+    assert balancer.view.updates_L.tolist() == [1] * 4
+    weight_L = balancer.controller.weight_L
+    assert abs(float(weight_L.mean()) - 1.0) < 1e-9 and weight_L[2] > weight_L[3]
+    assert [g.aux_weight for g in gates] == [float(weight_L[2]), float(weight_L[3])]
+
+
+def test_the_bias_policy_hands_each_gate_its_layers_bias_and_observe_hands_nothing():
+    gates = [ToyGate()]
+    balancer = Balancer(config(aux={"policy": "bias", "bias_rate": 0.1}), gates, 2)
+    gates[0].forward(torch.tensor([0, 0, 0, 1]))
+    balancer.step()
+    assert gates[0].bias_E is not None and gates[0].bias_E[0] < 0 < gates[0].bias_E[2]
+    quiet = [ToyGate()]
+    observer = Balancer(config(mode="observe", aux={"policy": "bias"}), quiet, 2)
+    quiet[0].forward(torch.tensor([0, 0, 0, 1]))
+    observer.step()
+    assert quiet[0].bias_E is None and quiet[0].aux_weight == 1.0 and observer.aux_weights() == [1.0]
+
+
+def test_sequence_lengths_reach_every_gate_as_token_weights():
+    gates = [ToyGate(), ToyGate()]
+    balancer = Balancer(config(mode="observe", seq_len_weighting=True), gates, 2)
+    balancer.set_sequence_lengths(torch.tensor([2, 1]), seq_len=2)
+    assert all(torch.allclose(g.weights_T, torch.tensor([4 / 3, 4 / 3, 2 / 3, 2 / 3], dtype=torch.float64))
+               for g in gates)
+    with pytest.raises(ValueError, match="set_sequence_lengths\\(\\) needs easybalance.seq_len_weighting = true"):
+        Balancer(config(mode="observe"), [ToyGate()], 2).set_sequence_lengths(torch.tensor([1]), 1)
+
+
+def test_every_record_key_is_in_the_one_table():
+    gates = [ToyGate()]
+    balancer = Balancer(config(mode="observe"), gates, 2)
+    gates[0].forward(torch.tensor([0, 1, 2, 3]))
+    balancer.step()
+    record = balancer.record()
+    assert set(record) == set(R.META) | set(R.PER_LAYER) | set(R.SCALARS) | set(R.MATRICES)
+
+
+def test_a_state_of_an_older_format_is_refused_without_changing_anything():
+    gates = [ToyGate()]
+    balancer = Balancer(config(), gates, 2)
+    gates[0].forward(torch.tensor([0, 1]))
+    balancer.step()
+    before = balancer.state_dict()
+    assert balancer.load_state_dict({"version": 1, "view": {}, "aux": {}}) is False
+    assert torch.equal(balancer.view.pressure_LG, before["view"]["pressure_LG"])
+    with pytest.raises(ValueError, match="easybalance state format 3 is newer than this eb_deepspeed reads \\(2\\)"):
+        balancer.load_state_dict({"version": 3})
+
+
+def test_when_one_rank_disagrees_every_rank_raises():
+    same = {"config": {"ema_alpha": 0.3}}
+    other = {"config": {"ema_alpha": 0.2}}
+    check_agreement([same, same], 0)
+    for rank in (0, 1, 2):
+        with pytest.raises(ValueError, match="disagrees with rank .*ema_alpha"):
+            check_agreement([same, same, other], rank)
+
+
+def test_bad_layer_layouts_are_refused():
+    with pytest.raises(ValueError, match=r"layers \(\[0, 0\]\) must be 2 distinct indices in \[0, 4\)"):
+        Balancer(config(), [ToyGate(), ToyGate()], 2, layers=[0, 0], num_layers=4)
+    with pytest.raises(ValueError, match="the model has no MoE layers"):
+        Balancer(config(), [], 2)
