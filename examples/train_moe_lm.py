@@ -25,6 +25,7 @@ from moe_lm import MoELM, StdlibCorpus  # noqa: E402
 
 def parse_args(argv=None):
     import deepspeed
+    from eb_deepspeed.core.policies import POLICIES
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p.add_argument("--steps", type=int, default=60, help="optimizer steps in total (a resumed run continues)")
@@ -36,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--capacity-factor", type=float, default=1.0)
     p.add_argument("--coeff", type=float, default=0.01, help="aux-loss coefficient (summed over layers)")
-    p.add_argument("--aux-policy", choices=["fixed", "cross_layer", "bias"], default=None,
+    p.add_argument("--aux-policy", choices=list(POLICIES), default=None,
                    help="override easybalance.aux.policy of the config")
     p.add_argument("--bias-rate", type=float, default=None, help="override easybalance.aux.bias_rate")
     p.add_argument("--aux-smoothing", type=float, default=None, help="override easybalance.aux.smoothing")

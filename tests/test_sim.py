@@ -113,3 +113,16 @@ def test_malformed_trace_files_give_clear_errors(tmp_path, content, message):
         torch.save(content, path)
     with pytest.raises(ValueError, match=message):
         sim.load_trace(str(path))
+
+
+@pytest.mark.parametrize("counts, message", [
+    ([[1, float("nan")], [0, 1]], r"expert_counts_LE must be finite and non-negative"),
+    ([[1, -3], [0, 1]], r"expert_counts_LE must be finite and non-negative"),
+    ([[1, 2], [0]], r"expert_counts_LE must be a \[layers, experts\] list of numbers in every record"),
+    ([1, 2], r"expert_counts_LE must be \[layers, experts\] in every record, got \(2,\)"),
+])
+def test_a_balance_log_with_bad_counts_is_refused_like_the_other_importers(tmp_path, counts, message):
+    # one validation path for every importer: our own log gets the same checks as a .pt dump
+    (tmp_path / "balance.jsonl").write_text(json.dumps({"step": 1, "expert_counts_LE": counts}) + "\n")
+    with pytest.raises(ValueError, match=message):
+        sim.load_trace(str(tmp_path))

@@ -70,7 +70,8 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
                   f"ratio {eb_med / ds_med:.3f}", flush=True)
     ratio = statistics.geometric_mean([r["ratio"] for r in rows])
     return {"benchmark": "gate", "mode": "forward+backward, sparse routes", "threads": torch.get_num_threads(),
-            "repeats": repeats, "rows": rows, "ratio": round(ratio, 4), "target": 1.05}
+            "repeats": repeats, "rows": rows, "ratio": round(ratio, 4), "target": 1.05,
+            "targets": {"gate_ratio_le_1.05": bool(ratio <= 1.05)}}
 
 
 # (row name, aux policy, coefficient multiplier): the no-balancing row keeps the gates but coefficient 0.
@@ -152,7 +153,8 @@ def bench_train(steps: int = 200, coeff: float = 0.01, capacity_factor: float = 
         verdicts[name] = {k: (round(x, 4) if isinstance(x, float) else x) for k, x in v.items()}
     return {"benchmark": "train", "steps": steps, "coeff": coeff, "capacity_factor": capacity_factor, "seed": seed,
             "layers": layers, "ranks": num_gpus, "rows": rows, "against_fixed": verdicts,
-            "target": "drop rate and p90 device max/mean excess cut >= 30% vs fixed, val loss <= +1%"}
+            "target": "drop rate and p90 device max/mean excess cut >= 30% vs fixed, val loss <= +1%",
+            "targets": {f"{name}_meets_target": v["meets_target"] for name, v in verdicts.items()}}
 
 
 def format_train_table(result: dict[str, object]) -> str:
@@ -234,7 +236,8 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
                         "greedy_only_balancedness_steered": round(_balancedness(greedy_steered_LG), 4)},
             "steering": {"ranks": G, "experts": E, "tokens_per_rank": tokens, "k": k, "median_ms": round(steer_med, 3),
                          "moe_layer_forward_ms": round(layer_med, 2), "ratio": round(steer_med / layer_med, 5),
-                         "target_ratio": 0.02}}
+                         "target_ratio": 0.02},
+            "targets": {"planner_ms_le_100": bool(plan_med <= 100), "steering_ratio_le_0.02": bool(steer_med / layer_med <= 0.02)}}
 
 
 def pareto_loads(L: int, E: int, seed: int = 0) -> torch.Tensor:
@@ -270,4 +273,5 @@ def bench_optimum(seeds: int = 30, shapes=OPTIMUM_SHAPES) -> dict[str, object]:
             "refined_over_5pct": sum(r["refined_over_5pct"] for r in rows),
             "greedy_only_worst": max(r["greedy_only_worst"] for r in rows),
             "greedy_only_over_5pct": sum(r["greedy_only_over_5pct"] for r in rows),
-            "cases": seeds * len(shapes)}
+            "cases": seeds * len(shapes),
+            "targets": {"refined_within_5pct": all(r["refined_over_5pct"] == 0 for r in rows)}}

@@ -66,7 +66,8 @@ def _simulate(args) -> int:
     from .. import sim
     names = list(sim.WORKLOADS) if args.workload == "all" else [args.workload]
     cfg = sim.SimConfig(model=sim.ClusterModel(topology=sim.TOPOLOGIES[args.topology], window=args.window),
-                        extra_slots=args.extra_slots, topology=args.topology)
+                        extra_slots=args.extra_slots, topology=args.topology,
+                        weights=sim.TOPOLOGIES[args.topology].weights)
     workloads = []
     for name in names:
         if name == "trace":
@@ -92,6 +93,9 @@ def _simulate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..core.topology import TOPOLOGIES
+    from ..sim.workloads import WORKLOADS
+
     parser = argparse.ArgumentParser(prog="eb", description="eb_deepspeed tools")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -119,10 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("simulate", help="cluster simulator: the seed's table plus placement + steering")
-    p.add_argument("--workload", default="skewed_correlated", choices=["all", "trace", *__import__(
-        "eb_deepspeed.sim", fromlist=["WORKLOADS"]).WORKLOADS])
+    p.add_argument("--workload", default="skewed_correlated", choices=["all", "trace", *WORKLOADS])
     p.add_argument("--trace", help="with --workload trace: SGLang / vLLM expert-load file or balance.jsonl")
-    p.add_argument("--topology", default="pcie", choices=["nvlink", "pcie", "multi_node"])
+    p.add_argument("--topology", default="pcie", choices=list(TOPOLOGIES))
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--devices", type=int, default=8)
