@@ -1,6 +1,6 @@
 """eb_deepspeed: cross-layer load balancing for Mixture-of-Experts models in DeepSpeed.
 
-Install (CPU):  bash launch/setup_cpu.sh      (pins torch==2.13.0 first, then `pip install -e .[test,wandb]`)
+Install (CPU):  bash launch/setup_cpu.sh      (pins torch==2.13.0 first, then `pip install -e .[test,wandb,plots]`)
 Install (GPU):  pip install -e .              (with the CUDA torch your cluster already has)
 """
 from setuptools import find_packages, setup

@@ -186,6 +186,16 @@ class _PipeMoE(torch.nn.Module):
         return h + out, aux + l_aux
 
 
+class _PipeDense(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, inputs):
+        h, aux = inputs
+        return h + self.lin(h), aux
+
+
 class _PipeHead(torch.nn.Module):
     def __init__(self, hidden):
         super().__init__()
@@ -207,7 +217,11 @@ def scenario_pipeline(p):
 
     torch.manual_seed(0)
     hidden = 16
-    specs = [LayerSpec(_PipeEmbed, hidden)] + [LayerSpec(_PipeMoE, hidden) for _ in range(4)] + [LayerSpec(_PipeHead, hidden)]
+    moe_layers = 4 if p["layout"] == "both_stages" else 2
+    # "both_stages": 2 MoE layers per stage; "second_stage": embedding and two dense layers on stage 0
+    dense = [] if p["layout"] == "both_stages" else [LayerSpec(_PipeDense, hidden) for _ in range(2)]
+    specs = ([LayerSpec(_PipeEmbed, hidden)] + dense + [LayerSpec(_PipeMoE, hidden) for _ in range(moe_layers)]
+             + [LayerSpec(_PipeHead, hidden)])
     net = PipelineModule(specs, num_stages=2, loss_fn=loss_fn, partition_method="uniform")
     block = {"mode": "balance", "warmup_batches": 1, "aux": {"policy": "cross_layer", "smoothing": 1.0},
              "log": {"dir": os.path.join(p["out"], "log"), "interval": 1}}
@@ -226,7 +240,7 @@ def scenario_pipeline(p):
     eb = engine.easybalance
     return {"engine": type(engine).__name__, "stage": engine.stage_id, "global_steps": engine.global_steps,
             "view": view_state(engine), "layers": eb.layers, "num_layers": eb.num_layers,
-            "gate_weights": [g.aux_weight for g in eb.gates]}
+            "gate_weights": [g.aux_weight for g in eb.gates], "gate_layers": [g.layer_index for g in eb.gates]}
 
 
 def _load_global_experts(model_ep, state_full, rank: int, local_experts: int):
@@ -314,11 +328,16 @@ def scenario_checkpoint(p):
     train_step(b, 3)
     after_b = view_state(b)
 
+    # reloading into the same engine: global_steps goes back to 3, a value its step hook already saw
+    a.load_checkpoint(ckpt, tag="step3")
+    train_step(a, 3)
+    after_reload = view_state(a)
+
     plain = make_engine(make_model(seed=5, ep_size=2), base_config(), use_eb=False)
     plain_path, plain_client = plain.load_checkpoint(ckpt, tag="step3")  # a plain engine reads it too
     return {"saved": saved, "restored": restored, "after_a": after_a, "after_b": after_b,
-            "client": client, "loaded": load_path is not None, "plain_loaded": plain_path is not None,
-            "plain_client_keys": sorted(plain_client)}
+            "after_reload": after_reload, "client": client, "loaded": load_path is not None,
+            "plain_loaded": plain_path is not None, "plain_client_keys": sorted(plain_client)}
 
 
 def scenario_disagree(p):

@@ -1,4 +1,4 @@
-"""Control laws of aux_control against hand-derived cases."""
+"""The aux control laws (core/policies.py) against hand-derived cases, and their registry."""
 import pytest
 import torch
 

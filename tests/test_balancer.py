@@ -141,3 +141,69 @@ def test_bad_layer_layouts_are_refused():
         Balancer(config(), [ToyGate(), ToyGate()], 2, layers=[0, 0], num_layers=4)
     with pytest.raises(ValueError, match="the model has no MoE layers"):
         Balancer(config(), [], 2)
+
+
+def _trained(block, steps=3):
+    gates = [ToyGate(), ToyGate()]
+    balancer = Balancer(config(**block), gates, 2)
+    for _ in range(steps):
+        gates[0].forward(torch.tensor([0, 0, 0, 0, 0, 1]))
+        gates[1].forward(torch.tensor([0, 1, 2, 3]))
+        balancer.step()
+    return balancer
+
+
+@pytest.mark.parametrize("saved, resumed, weights, says", [
+    # another policy: its state is not this policy's; fixed means 1.0 everywhere, bias starts at zero
+    ({"aux": {"policy": "cross_layer", "smoothing": 1.0}}, {"aux": {"policy": "fixed"}}, [1.0, 1.0],
+     r"easybalance\.aux\.policy 'cross_layer' -> 'fixed'.*weights and bias start fresh"),
+    # the same policy with another aux_scale: the weights are what the new config defines
+    ({"aux": {"policy": "bias", "bias_rate": 0.1}}, {"aux": {"policy": "bias", "bias_rate": 0.1, "aux_scale": 0.2}},
+     [0.2, 0.2], r"easybalance\.aux\.aux_scale 1\.0 -> 0\.2.*aux weights set to aux_scale 0\.2"),
+])
+def test_resuming_under_another_config_re_derives_the_controls_and_says_so(saved, resumed, weights, says):
+    state = _trained(saved).state_dict()
+    gates = [ToyGate(), ToyGate()]
+    fresh = Balancer(config(**resumed), gates, 2)
+    with pytest.warns(UserWarning, match=says):
+        fresh.load_state_dict(state)
+    assert fresh.controller.weight_L.tolist() == weights and [g.aux_weight for g in gates] == weights
+    assert torch.equal(fresh.view.pressure_LG, state["view"]["pressure_LG"])   # the view itself is kept
+    if resumed["aux"]["policy"] == "bias":
+        assert torch.equal(fresh.controller.bias_LE, state["aux"]["bias_LE"]) and fresh.controller.bias_LE.abs().sum() > 0
+
+
+def test_resuming_cross_layer_weights_into_a_narrower_range_re_clips_them_with_mean_one():
+    state = _trained({"aux": {"policy": "cross_layer", "smoothing": 1.0, "weight_range": [0.1, 10.0]}}).state_dict()
+    assert float(state["aux"]["weight_L"].max()) > 1.2
+    fresh = Balancer(config(aux={"policy": "cross_layer", "weight_range": [0.9, 1.1]}), [ToyGate(), ToyGate()], 2)
+    with pytest.warns(UserWarning, match=r"weight_range \[0\.1, 10\.0\] -> \[0\.9, 1\.1\].*re-clipped"):
+        fresh.load_state_dict(state)
+    w = fresh.controller.weight_L
+    assert float(w.max()) <= 1.1 + 1e-12 and float(w.min()) >= 0.9 - 1e-12 and abs(float(w.mean()) - 1.0) < 1e-9
+
+
+def test_resuming_under_the_same_config_restores_exactly_and_stays_quiet():
+    trained = _trained({"aux": {"policy": "cross_layer", "smoothing": 1.0}})
+    fresh = Balancer(config(aux={"policy": "cross_layer", "smoothing": 1.0}, log={"dir": "elsewhere"}),
+                     [ToyGate(), ToyGate()], 2)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh.load_state_dict(trained.state_dict())
+    assert torch.equal(fresh.controller.weight_L, trained.controller.weight_L)
+
+
+def test_a_recorder_takes_token_weights_of_any_float_type():
+    recorder = TallyRecorder(E)
+    recorder.record(torch.tensor([1.0, 1, 0, 0]), torch.tensor([0, 1]), 2, torch.tensor(0), torch.tensor(0.5),
+                    token_w_R=torch.tensor([0.5, 1.5], dtype=torch.float32))
+    part = Tally.unpack(recorder.take()[None], E)
+    assert part.load_LE.tolist() == [[0.5, 1.5, 0.0, 0.0]] and part.kept_LE.tolist() == [[1.0, 1.0, 0.0, 0.0]]
+
+
+def test_device_metrics_are_of_the_device_load_the_view_took():
+    from eb_deepspeed.core import LoadView
+    view = LoadView(1, E, 2)
+    view.update(Tally.build([[4.0, 0, 0, 0]]), device_load_LG=torch.tensor([[2.0, 2.0]]))
+    assert view.metrics()["device_max_over_mean"] == [1.0] and view.metrics()["expert_max_over_mean"] == [4.0]

@@ -117,6 +117,10 @@ def test_checkpoint_round_trip_restores_the_view_and_controls_and_the_next_step_
         assert torch.equal(rank["saved"]["weight_L"], ranks[0]["saved"]["weight_L"])  # same on every rank
         assert torch.equal(rank["saved"]["bias_LE"], ranks[0]["saved"]["bias_LE"])
         assert rank["client"]["user_key"] == 42 and "easybalance" not in rank["client"]  # ours is taken out
+        # the same engine reloaded at a step its hook had already seen still updates on the next step
+        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally", "weight_L", "bias_LE"):
+            assert torch.equal(rank["after_reload"][key], rank["after_a"][key]), f"reload {key}"
+        assert rank["after_reload"]["steps"] == 4
         assert rank["plain_loaded"] and "easybalance" in rank["plain_client_keys"]
 
 
@@ -157,18 +161,21 @@ def test_sequence_length_weighting_makes_the_view_the_true_load_through_the_gate
         assert not torch.allclose(unweighted["pressure_LG"], unweighted["true_LG"], rtol=1e-3)
 
 
-def test_under_pipeline_parallelism_the_hook_fires_and_every_rank_holds_every_stages_layers(run_dist):
-    ranks = run_dist("pipeline", 2)
+@pytest.mark.parametrize("layout, stage_layers", [("both_stages", [[0, 1], [2, 3]]), ("second_stage", [[], [0, 1]])])
+def test_under_pipeline_parallelism_the_hook_fires_and_every_rank_holds_every_stages_layers(run_dist, layout,
+                                                                                           stage_layers):
+    ranks = run_dist("pipeline", 2, layout=layout)
+    L = sum(len(layers) for layers in stage_layers)
     assert [r["engine"] for r in ranks] == ["PipelineEngine"] * 2 and [r["stage"] for r in ranks] == [0, 1]
-    assert ranks[0]["layers"] == [0, 1] and ranks[1]["layers"] == [2, 3]
+    assert [r["layers"] for r in ranks] == stage_layers and [r["gate_layers"] for r in ranks] == stage_layers
     for rank in ranks:
         view = rank["view"]
-        assert rank["num_layers"] == 4 and rank["global_steps"] == 3
-        assert view["steps"] == 3 and view["updates_L"].tolist() == [3] * 4   # once per train_batch
+        assert rank["num_layers"] == L and rank["global_steps"] == 3
+        assert view["steps"] == 3 and view["updates_L"].tolist() == [3] * L   # once per train_batch
         # every layer's row was filled by its stage: 2 micro-batches x 2 sequences x 8 tokens
-        assert Tally.unpack(view["last_tally"], 4).tokens_L.tolist() == [32.0] * 4
+        assert Tally.unpack(view["last_tally"], 4).tokens_L.tolist() == [32.0] * L
         for key in ("pressure_LG", "heat_LE", "weight_L"):
             assert torch.equal(view[key], ranks[0]["view"][key]), key
         # the controller acted on the whole view; each stage's gates carry their own layers' weights
-        assert abs(float(view["weight_L"].mean()) - 1.0) < 1e-9 and not torch.equal(view["weight_L"], torch.ones(4, dtype=torch.float64))
+        assert abs(float(view["weight_L"].mean()) - 1.0) < 1e-9 and not torch.equal(view["weight_L"], torch.ones(L, dtype=torch.float64))
         assert rank["gate_weights"] == [float(view["weight_L"][i]) for i in rank["layers"]]

@@ -188,7 +188,11 @@ class Balancer:
                 "config": self.config.to_dict()}
 
     def load_state_dict(self, state: dict[str, object]) -> bool:
-        """Restore a saved state; returns False (and changes nothing) for a state of an older format."""
+        """Restore a saved state; returns False (and changes nothing) for a state of an older format.
+
+        A state saved under another config is restored as far as the current config allows, and one
+        warning says which options differ and what that changed (see `AuxController.load_state_dict`).
+        """
         version = int(state.get("version", 0))
         if version < self.VERSION:
             return False
@@ -196,6 +200,24 @@ class Balancer:
             raise ValueError(f"easybalance state format {version} is newer than this eb_deepspeed reads "
                              f"({self.VERSION}); upgrade eb_deepspeed")
         self.view.load_state_dict(state["view"])
-        self.controller.load_state_dict(state["aux"])
+        changed = self.controller.load_state_dict(state["aux"])
         self.apply_controls()
+        saved, now = dict(state.get("config", {})), self.config.to_dict()
+        saved.pop("log", None), now.pop("log", None)          # where records go is not balancer state
+        differ = _differences(saved, now, "easybalance")
+        if differ:
+            warnings.warn("easybalance: resumed under another config (" + "; ".join(differ) + ")"
+                          + (": " + "; ".join(changed) if changed else ""))
         return True
+
+
+def _differences(saved: dict, now: dict, path: str) -> list[str]:
+    """`path.key saved -> now` for every leaf that differs between two config dicts."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{path}.{key}")
+        elif a != b:
+            out.append(f"{path}.{key} {a!r} -> {b!r}")
+    return out

@@ -76,7 +76,7 @@ class InferenceConfig:
     """Serving (`easybalance.inference`): replicas, steering and re-planning."""
     replica_slots: int = 1          # extra physical expert slots per EP rank (0 = no replicas)
     topology: str = "pcie"          # sets `weights` and the hop cost
-    weights: CostWeights = field(default_factory=lambda: CostWeights(*TOPOLOGIES["pcie"].weights))
+    weights: CostWeights = field(default_factory=lambda: CostWeights(*TOPOLOGIES[InferenceConfig.topology].weights))
     decision_batch: int = 8         # tokens per steering decision (seed 000 §4.1)
     replan_threshold: float = 1.5   # re-plan when a layer's expected device max/mean passes this (seed 003: 1.5x)
     replan_interval: int = 50       # batches between two re-plans, at least
@@ -123,18 +123,19 @@ class EasyBalanceConfig:
                 raise ConfigError(f"{path}.{old}: moved to {path}.{new} (it only steers inference)")
         explicit = frozenset(block)
         _reject_unknown(block, path, [f.name for f in fields(cls) if f.name != "explicit"])
-        ema_alpha = _number(block.pop("ema_alpha", 0.3), f"{path}.ema_alpha")
+        d = cls()
+        ema_alpha = _number(block.pop("ema_alpha", d.ema_alpha), f"{path}.ema_alpha")
         if not 0.0 < ema_alpha <= 1.0:
             raise ConfigError(f"{path}.ema_alpha ({ema_alpha}) must be in (0, 1]")
         window = block.pop("window", "auto")
         window = None if window == "auto" else _int(window, f"{path}.window", minimum=0, hint=' or "auto"')
         cfg = cls(
-            enabled=_bool(block.pop("enabled", True), f"{path}.enabled"),
-            mode=_choice(block.pop("mode", "balance"), f"{path}.mode", MODES),
+            enabled=_bool(block.pop("enabled", True), f"{path}.enabled"),   # a block present means on
+            mode=_choice(block.pop("mode", d.mode), f"{path}.mode", MODES),
             ema_alpha=ema_alpha,
             window=window,
-            warmup_batches=_int(block.pop("warmup_batches", 4), f"{path}.warmup_batches", minimum=0),
-            seq_len_weighting=_bool(block.pop("seq_len_weighting", False), f"{path}.seq_len_weighting"),
+            warmup_batches=_int(block.pop("warmup_batches", d.warmup_batches), f"{path}.warmup_batches", minimum=0),
+            seq_len_weighting=_bool(block.pop("seq_len_weighting", d.seq_len_weighting), f"{path}.seq_len_weighting"),
             log=_log(block.pop("log", {}), f"{path}.log"),
             aux=_aux(block.pop("aux", {}), f"{path}.aux"),
             inference=_inference(block.pop("inference", {}), f"{path}.inference"),
@@ -272,7 +273,7 @@ def _log(block: Any, path: str) -> LogConfig:
     if not isinstance(d, str) or not d:
         raise ConfigError(f"{path}.dir ({d!r}) must be a non-empty string")
     return LogConfig(interval=_int(block.get("interval", LogConfig.interval), f"{path}.interval", minimum=1),
-                     dir=d, wandb=_bool(block.get("wandb", True), f"{path}.wandb"))
+                     dir=d, wandb=_bool(block.get("wandb", LogConfig.wandb), f"{path}.wandb"))
 
 
 def _aux(block: Any, path: str) -> AuxConfig:

@@ -110,6 +110,10 @@ class AuxPolicy:
         """One control step from the warm view; returns whether anything changed."""
         return False
 
+    def conform(self, ctl: "AuxController") -> list[str]:
+        """Make restored state obey the current config (after a resume); returns what changed."""
+        return []
+
 
 class FixedPolicy(AuxPolicy):
     name = "fixed"
@@ -126,6 +130,13 @@ class CrossLayerPolicy(AuxPolicy):
                                            w_min=lo, w_max=hi, smoothing=ctl.cfg.smoothing)
         return True
 
+    def conform(self, ctl) -> list[str]:
+        lo, hi = ctl.cfg.weight_range
+        if bool(((ctl.weight_L >= lo - 1e-12) & (ctl.weight_L <= hi + 1e-12)).all()):
+            return []
+        ctl.weight_L = clip_mean_one(ctl.weight_L.clamp_min(1e-12), lo, hi)
+        return [f"aux weights re-clipped to weight_range [{lo}, {hi}] (mean 1)"]
+
 
 class BiasPolicy(AuxPolicy):
     name = "bias"
@@ -135,6 +146,12 @@ class BiasPolicy(AuxPolicy):
 
     def initial_weight(self, cfg) -> float:
         return float(cfg.aux_scale)
+
+    def conform(self, ctl) -> list[str]:
+        if bool((ctl.weight_L == ctl.cfg.aux_scale).all()):
+            return []
+        ctl.weight_L = torch.full_like(ctl.weight_L, float(ctl.cfg.aux_scale))
+        return [f"aux weights set to aux_scale {ctl.cfg.aux_scale}"]
 
     def step(self, ctl, view) -> bool:
         ctl.bias_LE = bias_update(ctl.bias_LE, view.last.routed_LE, view.cross_layer_pressure(),
@@ -172,11 +189,18 @@ class AuxController:
         return {"policy": self.cfg.policy, "weight_L": self.weight_L.clone(), "bias_LE": self.bias_LE.clone(),
                 "updates": self.updates}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> list[str]:
+        """Restore the saved weights and bias, made to obey the current config; returns what that changed.
+
+        A checkpoint of another policy is not this policy's state: the controller starts fresh.
+        """
         if state["weight_L"].shape != self.weight_L.shape or state["bias_LE"].shape != self.bias_LE.shape:
             raise ValueError(f"checkpointed aux state has shapes {tuple(state['weight_L'].shape)} / "
                              f"{tuple(state['bias_LE'].shape)}, this model {tuple(self.weight_L.shape)} / "
                              f"{tuple(self.bias_LE.shape)}")
+        if state["policy"] != self.cfg.policy:
+            return [f"aux.policy was \"{state['policy']}\": weights and bias start fresh"]
         self.weight_L = state["weight_L"].to(torch.float64).clone()
         self.bias_LE = state["bias_LE"].to(torch.float64).clone()
         self.updates = int(state["updates"])
+        return self.policy.conform(self)

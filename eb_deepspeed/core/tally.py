@@ -167,8 +167,9 @@ class TallyRecorder:
             row.index_add_(0, kept_R, ones_R)
             row.index_add_(0, load_R, ones_R)
         else:
+            token_w_R = token_w_R.to(row.device, row.dtype)
             row.index_add_(0, kept_R, torch.ones_like(token_w_R))
-            row.index_add_(0, load_R, token_w_R.to(torch.float64))
+            row.index_add_(0, load_R, token_w_R)
         if isinstance(tokens, int):
             self._tokens += tokens
         else:

@@ -85,14 +85,15 @@ class LoadView:
         if tally.routed_LE.shape != (self.L, self.E):
             raise ValueError(f"tally is for (layers, experts) = {tuple(tally.routed_LE.shape)}, "
                              f"the view has {(self.L, self.E)}")
-        tally = Tally.unpack(tally.pack().detach().to("cpu", torch.float64), self.E)   # a private copy
+        packed_LW = tally.pack().detach().to("cpu", torch.float64)           # a private copy
+        tally = Tally.unpack(packed_LW, self.E)
         load_LG = self.device_load(tally.load_LE) if device_load_LG is None else \
             torch.as_tensor(device_load_LG, dtype=torch.float64).detach().cpu().clone()
         if load_LG.shape != (self.L, self.G):
             raise ValueError(f"device_load_LG must be [{self.L}, {self.G}], got {tuple(load_LG.shape)}")
-        packed = torch.cat([tally.pack(), load_LG], 1)
-        if not bool(torch.isfinite(packed).all()) or bool((packed < 0).any()):
-            raise ValueError("tallies must be finite and non-negative; a gate recorded a corrupt count")
+        for part in (packed_LW, load_LG):
+            if not bool(torch.isfinite(part).all()) or bool((part < 0).any()):
+                raise ValueError("tallies must be finite and non-negative; a gate recorded a corrupt count")
         valid_L = tally.valid_L()
         a = self.ema_alpha
         first_L1 = (self.updates_L == 0).unsqueeze(1)
@@ -121,10 +122,14 @@ class LoadView:
         return csum_LG[hi_L] - csum_LG[lo_L]
 
     def metrics(self) -> dict[str, object]:
-        """Metrics of the last step (raw counts) and of the EMA view, as Python numbers."""
+        """Metrics of the last step and of the EMA view, as Python numbers.
+
+        Device metrics are of the step's device load as the view took it (kept routes, weighted by
+        sequence length when that is on, or the device load given to `update`); expert metrics of
+        the routed demand.
+        """
         last = self.last
-        kept_device_LG = self.device_load(last.kept_LE)
-        out = M.summarize(kept_device_LG, last.routed_LE)
+        out = M.summarize(self.last_load_LG, last.routed_LE)
         routed_L = last.routed_LE.sum(1)
         dropped_L = last.dropped_L()
         out["token_drop_rate"] = M.token_drop_rate(dropped_L, routed_L, k=1)  # routed = tokens * k already

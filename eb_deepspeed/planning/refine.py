@@ -1,14 +1,22 @@
 """Step 3 of the planner: a steering-aware local search on the greedy placement.
 
 Shape legend: L layers, E logical experts, G devices, S slots per device, P physical slots (G * S),
-A layers still improving, K candidate moves per layer, Q partner slots (M partner devices x S).
+A layers still improving, K candidate moves per layer, M partner devices, Q partner slots (M * S),
+N rows of any of these (layers or candidates).
 
 Steps 1-2 of `placement.plan_placement` balance the *even* split of each expert over its replicas;
 at run time steering splits them freely, so what counts is the slowest device after steering. A
 cold expert with a copy on two hot devices can act as a bridge that steering uses to level them,
-and a load-ordered greedy never builds it. This search does, within a bounded number of rounds.
+and a load-ordered greedy never builds it. This search does, within a bounded number of rounds:
+
+    3a  steer the greedy placement            (flows.steer_flows)
+    3b  screen every legal move of each layer's slowest device by a cheap estimate   (_screen)
+    3c  apply the best K, steer them beside the current placement, keep the best     (_candidates, _confirm)
+    3d  settle both splits; a layer whose moves did not pay returns to the greedy plan (_settle)
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,9 +26,44 @@ from .slots import holds_mask
 __all__ = ["refine_for_steering"]
 
 
+@dataclass
+class _Search:
+    """What every sub-step of the search reads."""
+    load_LE: np.ndarray
+    G: int
+    S: int
+    node_G: np.ndarray
+    was_LGE: np.ndarray | None     # [L, G', E] devices of `previous` that held each expert, or None
+    iters: int
+    work: int
+
+    def __post_init__(self):
+        L, E = self.load_LE.shape
+        self.E, self.P = E, self.G * self.S
+        self.nodes = int(self.node_G.max()) + 1
+        self.node_P = self.node_G[np.arange(self.P) // self.S]
+        self.mean_L = self.load_LE.sum(1) / self.G
+        self.tol_L = 1e-6 * self.mean_L + 1e-12
+
+    def n_iter(self, rows: int, least: int) -> int:
+        """Water-filling rounds for steering `rows` placements at once: more where they are cheap."""
+        return int(np.clip((8 * self.work) // (rows * self.P), least, 100))
+
+    def steer(self, x_NP: np.ndarray, phy_NP: np.ndarray, rows_N: np.ndarray, least: int) -> np.ndarray:
+        return steer_flows(x_NP, phy_NP, self.load_LE[rows_N], self.S, self.n_iter(len(rows_N), least))
+
+    def score(self, x_NP: np.ndarray, phy_NP: np.ndarray, rows_N: np.ndarray, move_cost_L: np.ndarray):
+        """(slowest device + priced weight moves, sum of squared device loads), each [N]."""
+        y_NG = x_NP.reshape(len(x_NP), self.G, self.S).sum(2)
+        cost_N = np.zeros(len(x_NP))
+        if self.was_LGE is not None:
+            cost_N = (holds_mask(phy_NP, self.S, self.E) & ~self.was_LGE[rows_N]).sum((1, 2)) * move_cost_L[rows_N]
+        return y_NG.max(1) + cost_N, (y_NG ** 2).sum(1)
+
+
 def refine_for_steering(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, node_G: np.ndarray,
-            was_LGE: np.ndarray | None, stickiness: float, rounds: int, iters: int,
-            work: int, partners: int = 8) -> tuple[np.ndarray, np.ndarray]:
+                        was_LGE: np.ndarray | None, stickiness: float, rounds: int, iters: int,
+                        work: int, partners: int = 8) -> tuple[np.ndarray, np.ndarray]:
     """Steering-aware local search (step 3): improve each layer's slowest device after steering.
 
     phy_LP [L, P] is changed in place and returned with the steered tokens per slot x_LP [L, P].
@@ -41,133 +84,155 @@ def refine_for_steering(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int,
     returns to the greedy plan.
     """
     L, P = phy_LP.shape
-    E = load_LE.shape[1]
-    nodes = int(node_G.max()) + 1
-    dev_P = np.arange(P) // S
-    node_P = node_G[dev_P]
-
-    def n_iter(rows: int, least: int) -> int:       # water-filling rounds: more where they are cheap
-        return int(np.clip((8 * work) // (rows * P), least, 100))
-
-    x_LP = steer_flows(np.ones((L, P)), phy_LP, load_LE, S, n_iter(L, 4 * iters))
+    search = _Search(load_LE, G, S, node_G, was_LGE, iters, work)
+    move_cost_L = stickiness * search.mean_L / P              # moving every slot: stickiness x the mean load
+    # Step 3a: the greedy placement, steered.
+    x_LP = search.steer(np.ones((L, P)), phy_LP, np.arange(L), 4 * iters)
     phy0_LP, x0_LP = phy_LP.copy(), x_LP.copy()
-    mean_L = load_LE.sum(1) / G
-    tol_L = 1e-6 * mean_L + 1e-12
-    move_cost_L = stickiness * mean_L / P                     # moving every slot: stickiness x the mean load
-
-    def score(x, phy, rows):                                    # slowest device and sum of squares, [N]
-        y = x.reshape(len(x), G, S).sum(2)
-        cost = np.zeros(len(x))
-        if was_LGE is not None:                                 # weight moves against previous, priced
-            cost = (holds_mask(phy, S, E) & ~was_LGE[rows]).sum((1, 2)) * move_cost_L[rows]
-        return y.max(1) + cost, (y ** 2).sum(1)
-
     M = min(G - 1, partners)
     active = np.arange(L)
     for _ in range(rounds):
         if active.size == 0 or M < 1:
             break
-        A = active.size
-        ai = np.arange(A)[:, None]
-        phy, x = phy_LP[active], x_LP[active]
-        holds = holds_mask(phy, S, E)
-        y_AG = x.reshape(A, G, S).sum(2)
-        rank_AG = np.argsort(y_AG, 1, kind="stable")
-        g_A = rank_AG[:, -1]                                    # the slowest device
-        h_AM = rank_AG[:, :M]                                   # its partners: the M least loaded
-        y_g = y_AG[ai[:, 0], g_A][:, None, None]
-        other_A = y_AG[ai[:, 0], rank_AG[:, -2]] if G > 1 else np.zeros(A)
-        if M < G - 1:                                           # every partner is below the second slowest
-            other = other_A[:, None, None]
-        else:                                                   # all other devices are partners
-            third_A = y_AG[ai[:, 0], rank_AG[:, -3]] if G > 2 else np.zeros(A)
-            other = np.where(h_AM == rank_AG[:, -2:-1], third_A[:, None], other_A[:, None])
-            other = np.repeat(other, S, 1)[:, None, :]
-        p_AS = g_A[:, None] * S + np.arange(S)
-        q_AQ = (h_AM[:, :, None] * S + np.arange(S)).reshape(A, M * S)
-        h_AQ = q_AQ // S
-        a_AS = phy[ai, p_AS]                                    # experts on g* (-1: empty slot)
-        b_AQ = phy[ai, q_AQ]                                    # experts in the partner slots
-        xa = x[ai, p_AS][:, :, None]
-        xb = x[ai, q_AQ][:, None, :]
-        ac, bc = a_AS.clip(0)[:, :, None], b_AQ.clip(0)
-        cnt_AE = np.bincount((ai * (E + 1) + phy + 1).ravel(), minlength=A * (E + 1)).reshape(A, E + 1)[:, 1:]
-        cnt_AQ = cnt_AE[ai, bc]
-        base = (a_AS[:, :, None] >= 0) & ~holds[ai[:, :, None], h_AQ[:, None, :], ac]
-        b_ok_g = ((b_AQ < 0) | ~holds[ai, g_A[:, None], bc])[:, None, :]
-        b_spare = ((b_AQ >= 0) & (cnt_AQ >= 2))[:, None, :]
-        if nodes > 1:                                           # replicas per node of each expert
-            per_node = np.bincount(((ai * nodes + node_P) * (E + 1) + phy + 1).ravel(),
-                                   minlength=A * nodes * (E + 1)).reshape(A, nodes, E + 1)[:, :, 1:]
-            ng = node_G[g_A][:, None]
-            nq = node_G[h_AQ]
-            cross = (nq != ng)[:, None, :]
-            a_alone = (per_node[ai, ng, a_AS.clip(0)] == 1)[:, :, None]
-            a_there = per_node[ai[:, :, None], nq[:, None, :], ac] > 0
-            b_alone = ((b_AQ >= 0) & (per_node[ai, nq, bc] == 1))[:, None, :]
-            b_there = (per_node[ai, ng, bc] > 0)[:, None, :]
-            swap_ok = base & b_ok_g & ~(cross & ((a_alone & a_there) | (b_alone & b_there)))
-            a_full = (per_node[ai, :, a_AS.clip(0)] > 0).all(2)[:, :, None]   # a already on every node
-            repl_ok = base & b_spare & ~b_alone & (~a_there | a_full)
-        else:
-            swap_ok, repl_ok = base & b_ok_g, base & b_spare
-        y_h = y_AG[ai, h_AQ][:, None, :]
-        est_swap = np.maximum(np.maximum(y_g - xa + xb, y_h - xb + xa), other)
-        t = np.clip((y_g - y_h + xb) / 2, 0, xa)
-        est_repl = np.maximum(np.maximum(y_g - t, y_h - xb + t), other)
-        est = np.stack([np.where(swap_ok, est_swap, np.inf), np.where(repl_ok, est_repl, np.inf)], 1).reshape(A, -1)
-        n_legal = int((est < np.inf).sum(1).max())
+        phy_AP, x_AP = phy_LP[active], x_LP[active]
+        # Step 3b: screen.
+        est_AX, q_AQ, g_A = _screen(search, phy_AP, x_AP, M)
+        n_legal = int((est_AX < np.inf).sum(1).max())
         if n_legal == 0:
             break
-        K = int(np.clip(work // (A * P), 1, n_legal))
-        if K == 1:
-            pick_AK = est.argmin(1)[:, None]
-        else:
-            part = np.argpartition(est, K - 1, 1)[:, :K]
-            pick_AK = np.take_along_axis(part, np.argsort(np.take_along_axis(est, part, 1), 1, kind="stable"), 1)
-        legal_AK = np.take_along_axis(est, pick_AK, 1) < np.inf
-        Q = M * S
-        kind, s, qi = pick_AK // (S * Q), pick_AK // Q % S, pick_AK % Q
-        p = g_A[:, None] * S + s
-        q = np.take_along_axis(q_AQ, qi, 1)
-        # candidate rows [A, K, P]: apply each move; tokens follow their experts, a new copy starts empty
-        cphy = np.repeat(phy[:, None, :], K, 1)
-        cx = np.repeat(x[:, None, :], K, 1)
-        ak, bk = phy[ai, p], phy[ai, q]
-        xak, xbk = x[ai, p], x[ai, q]
-        rr, kk = np.broadcast_to(ai, (A, K)), np.broadcast_to(np.arange(K), (A, K))
-        swap = kind == 0
-        cphy[rr, kk, q] = ak
-        cphy[rr, kk, p] = np.where(swap, bk, ak)
-        cx[rr, kk, q] = np.where(swap, xak, 0.0)
-        cx[rr, kk, p] = np.where(swap, xbk, xak)
-        # candidates and the current placement (last A rows) get the same steering: a move never wins
-        # by extra iterations alone
-        rows = np.concatenate([np.repeat(active, K), active])
-        both = steer_flows(np.concatenate([cx.reshape(A * K, P), x]),
-                            np.concatenate([cphy.reshape(A * K, P), phy]), load_LE[rows], S, n_iter(len(rows), iters))
-        cx, x = both[:A * K], both[A * K:]
-        x_LP[active] = x
-        cmax, csq = score(cx, cphy.reshape(A * K, P), rows[:A * K])
-        cmax = np.where(legal_AK.ravel(), cmax, np.inf).reshape(A, K)
-        csq = np.where(legal_AK.ravel(), csq, np.inf).reshape(A, K)
-        best = cmax.min(1)
-        tol = tol_L[active]
-        pick = np.where(cmax <= best[:, None] + tol[:, None], csq, np.inf).argmin(1)
-        cur_max, cur_sq = score(x, phy, active)
-        tied = (best <= cur_max + tol) & (csq[ai[:, 0], pick] < cur_sq - tol * mean_L[active])
-        gain = (best < cur_max - tol) | tied
-        keep = np.flatnonzero(gain)
-        phy_LP[active[keep]] = cphy[keep, pick[keep]]
-        x_LP[active[keep]] = cx.reshape(A, K, P)[keep, pick[keep]]
-        active = active[keep]
-    # Settle both splits and return a layer to the greedy plan where its moves did not pay after all:
-    # moves are confirmed on splits a few rounds from settled, which can mislead on slow layers.
-    x_LP = steer_flows(x_LP, phy_LP, load_LE, S, n_iter(L, 4 * iters))
+        K = int(np.clip(work // (active.size * P), 1, n_legal))
+        # Step 3c: confirm the best K of each layer by steering them.
+        cphy_AKP, cx_AKP, legal_AK = _candidates(est_AX, phy_AP, x_AP, q_AQ, g_A, S, K)
+        active = _confirm(search, active, phy_LP, x_LP, cphy_AKP, cx_AKP, legal_AK, move_cost_L)
+    # Step 3d: settle.
+    return _settle(search, phy_LP, x_LP, phy0_LP, x0_LP)
+
+
+def _screen(search: _Search, phy_AP: np.ndarray, x_AP: np.ndarray, M: int):
+    """Every legal move of each layer's slowest device, with a cheap estimate of its slowest device.
+
+    Returns est_AX [A, 2 * S * Q] (inf where illegal; index kind * S * Q + s * Q + q: kind 0 swap /
+    1 replace, s the slot on g*, q the partner slot), q_AQ [A, Q] the partner slots, g_A [A] g*.
+    """
+    G, S, E = search.G, search.S, search.E
+    A = phy_AP.shape[0]
+    rows_A1 = np.arange(A)[:, None]
+    holds_AGE = holds_mask(phy_AP, S, E)
+    y_AG = x_AP.reshape(A, G, S).sum(2)
+    rank_AG = np.argsort(y_AG, 1, kind="stable")
+    g_A = rank_AG[:, -1]                                        # the slowest device
+    h_AM = rank_AG[:, :M]                                       # its partners: the M least loaded
+    y_g = y_AG[rows_A1[:, 0], g_A][:, None, None]
+    # what the layer's slowest device is at least after a move: the slowest device it does not touch
+    second_A = y_AG[rows_A1[:, 0], rank_AG[:, -2]] if G > 1 else np.zeros(A)
+    if M < G - 1:                                               # every partner is below the second slowest
+        untouched = second_A[:, None, None]
+    else:                                                       # all other devices are partners
+        third_A = y_AG[rows_A1[:, 0], rank_AG[:, -3]] if G > 2 else np.zeros(A)
+        untouched = np.where(h_AM == rank_AG[:, -2:-1], third_A[:, None], second_A[:, None])
+        untouched = np.repeat(untouched, S, 1)[:, None, :]
+    p_AS = g_A[:, None] * S + np.arange(S)                      # the slots of g*
+    q_AQ = (h_AM[:, :, None] * S + np.arange(S)).reshape(A, M * S)
+    h_AQ = q_AQ // S
+    a_AS = phy_AP[rows_A1, p_AS]                                # experts on g* (-1: empty slot)
+    b_AQ = phy_AP[rows_A1, q_AQ]                                # experts in the partner slots
+    x_a = x_AP[rows_A1, p_AS][:, :, None]                       # their tokens, [A, S, 1] and [A, 1, Q]
+    x_b = x_AP[rows_A1, q_AQ][:, None, :]
+    a_id, b_id = a_AS.clip(0)[:, :, None], b_AQ.clip(0)         # indexable ids (empty slots masked below)
+    count_AE = np.bincount((rows_A1 * (E + 1) + phy_AP + 1).ravel(), minlength=A * (E + 1)).reshape(A, E + 1)[:, 1:]
+    # legality: a may go to h (h does not hold a yet); b may come to g* (swap), or b keeps another replica (replace)
+    base = (a_AS[:, :, None] >= 0) & ~holds_AGE[rows_A1[:, :, None], h_AQ[:, None, :], a_id]
+    b_may_come = ((b_AQ < 0) | ~holds_AGE[rows_A1, g_A[:, None], b_id])[:, None, :]
+    b_spare = ((b_AQ >= 0) & (count_AE[rows_A1, b_id] >= 2))[:, None, :]
+    if search.nodes > 1:                                        # never take an expert off a node it alone covers
+        per_node = np.bincount(((rows_A1 * search.nodes + search.node_P) * (E + 1) + phy_AP + 1).ravel(),
+                               minlength=A * search.nodes * (E + 1)).reshape(A, search.nodes, E + 1)[:, :, 1:]
+        node_g = search.node_G[g_A][:, None]
+        node_q = search.node_G[h_AQ]
+        cross = (node_q != node_g)[:, None, :]
+        a_alone = (per_node[rows_A1, node_g, a_AS.clip(0)] == 1)[:, :, None]
+        a_there = per_node[rows_A1[:, :, None], node_q[:, None, :], a_id] > 0
+        b_alone = ((b_AQ >= 0) & (per_node[rows_A1, node_q, b_id] == 1))[:, None, :]
+        b_there = (per_node[rows_A1, node_g, b_id] > 0)[:, None, :]
+        swap_ok = base & b_may_come & ~(cross & ((a_alone & a_there) | (b_alone & b_there)))
+        a_everywhere = (per_node[rows_A1, :, a_AS.clip(0)] > 0).all(2)[:, :, None]
+        replace_ok = base & b_spare & ~b_alone & (~a_there | a_everywhere)
+    else:
+        swap_ok, replace_ok = base & b_may_come, base & b_spare
+    # estimates: tokens move with their experts; a new copy of a takes up to half the gap
+    y_h = y_AG[rows_A1, h_AQ][:, None, :]
+    est_swap = np.maximum(np.maximum(y_g - x_a + x_b, y_h - x_b + x_a), untouched)
+    shift = np.clip((y_g - y_h + x_b) / 2, 0, x_a)
+    est_replace = np.maximum(np.maximum(y_g - shift, y_h - x_b + shift), untouched)
+    est_AX = np.stack([np.where(swap_ok, est_swap, np.inf), np.where(replace_ok, est_replace, np.inf)],
+                      1).reshape(A, -1)
+    return est_AX, q_AQ, g_A
+
+
+def _candidates(est_AX, phy_AP, x_AP, q_AQ, g_A, S: int, K: int):
+    """The best K moves of each layer applied to copies: cphy_AKP, cx_AKP (tokens follow their experts,
+    a new copy starts empty) and legal_AK."""
+    A, P = phy_AP.shape
+    rows_A1 = np.arange(A)[:, None]
+    if K == 1:
+        pick_AK = est_AX.argmin(1)[:, None]
+    else:
+        part = np.argpartition(est_AX, K - 1, 1)[:, :K]
+        pick_AK = np.take_along_axis(part, np.argsort(np.take_along_axis(est_AX, part, 1), 1, kind="stable"), 1)
+    legal_AK = np.take_along_axis(est_AX, pick_AK, 1) < np.inf
+    Q = q_AQ.shape[1]
+    kind, s, qi = pick_AK // (S * Q), pick_AK // Q % S, pick_AK % Q
+    p = g_A[:, None] * S + s
+    q = np.take_along_axis(q_AQ, qi, 1)
+    cphy_AKP = np.repeat(phy_AP[:, None, :], K, 1)
+    cx_AKP = np.repeat(x_AP[:, None, :], K, 1)
+    a_AK, b_AK = phy_AP[rows_A1, p], phy_AP[rows_A1, q]
+    xa_AK, xb_AK = x_AP[rows_A1, p], x_AP[rows_A1, q]
+    rr, kk = np.broadcast_to(rows_A1, (A, K)), np.broadcast_to(np.arange(K), (A, K))
+    swap = kind == 0
+    cphy_AKP[rr, kk, q] = a_AK
+    cphy_AKP[rr, kk, p] = np.where(swap, b_AK, a_AK)
+    cx_AKP[rr, kk, q] = np.where(swap, xa_AK, 0.0)
+    cx_AKP[rr, kk, p] = np.where(swap, xb_AK, xa_AK)
+    return cphy_AKP, cx_AKP, legal_AK
+
+
+def _confirm(search: _Search, active, phy_LP, x_LP, cphy_AKP, cx_AKP, legal_AK, move_cost_L) -> np.ndarray:
+    """Steer the candidates beside the current placements (the same iterations for both, so a move never
+    wins by extra iterations alone); keep each layer's best move when it lowers the slowest device
+    (ties: the sum of squares). Updates phy_LP and x_LP in place; returns the layers still improving."""
+    A, K, P = cphy_AKP.shape
+    rows_A1 = np.arange(A)[:, None]
+    phy_AP = phy_LP[active]
+    rows = np.concatenate([np.repeat(active, K), active])
+    both = search.steer(np.concatenate([cx_AKP.reshape(A * K, P), x_LP[active]]),
+                        np.concatenate([cphy_AKP.reshape(A * K, P), phy_AP]), rows, search.iters)
+    cx, x_AP = both[:A * K], both[A * K:]
+    x_LP[active] = x_AP
+    cmax, csq = search.score(cx, cphy_AKP.reshape(A * K, P), rows[:A * K], move_cost_L)
+    cmax = np.where(legal_AK.ravel(), cmax, np.inf).reshape(A, K)
+    csq = np.where(legal_AK.ravel(), csq, np.inf).reshape(A, K)
+    best = cmax.min(1)
+    tol = search.tol_L[active]
+    pick = np.where(cmax <= best[:, None] + tol[:, None], csq, np.inf).argmin(1)
+    cur_max, cur_sq = search.score(x_AP, phy_AP, active, move_cost_L)
+    tied = (best <= cur_max + tol) & (csq[rows_A1[:, 0], pick] < cur_sq - tol * search.mean_L[active])
+    keep = np.flatnonzero((best < cur_max - tol) | tied)
+    phy_LP[active[keep]] = cphy_AKP[keep, pick[keep]]
+    x_LP[active[keep]] = cx.reshape(A, K, P)[keep, pick[keep]]
+    return active[keep]
+
+
+def _settle(search: _Search, phy_LP, x_LP, phy0_LP, x0_LP):
+    """Settle both splits and return a layer to the greedy plan where its moves did not pay after all:
+    moves are confirmed on splits a few rounds from settled, which can mislead on slow layers."""
+    L = phy_LP.shape[0]
+    x_LP = steer_flows(x_LP, phy_LP, search.load_LE, search.S, search.n_iter(L, 4 * search.iters))
     changed = np.flatnonzero((phy_LP != phy0_LP).any(1))
     if changed.size:
-        x0 = steer_flows(x0_LP[changed], phy0_LP[changed], load_LE[changed], S, n_iter(L, 4 * iters))
-        shape = (len(changed), G, S)
-        back = x_LP[changed].reshape(shape).sum(2).max(1) > x0.reshape(shape).sum(2).max(1) + tol_L[changed]
+        x0 = steer_flows(x0_LP[changed], phy0_LP[changed], search.load_LE[changed], search.S,
+                         search.n_iter(L, 4 * search.iters))
+        shape = (len(changed), search.G, search.S)
+        back = x_LP[changed].reshape(shape).sum(2).max(1) > x0.reshape(shape).sum(2).max(1) + search.tol_L[changed]
         phy_LP[changed[back]], x_LP[changed[back]] = phy0_LP[changed[back]], x0[back]
     return phy_LP, x_LP

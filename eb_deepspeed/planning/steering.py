@@ -29,7 +29,7 @@ __all__ = ["steer", "even_split", "reroute_near_ties", "device_loads"]
 
 
 def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tensor, *,
-          pressure_G: torch.Tensor | None = None, weights=(0.3, 0.5, 0.2), topology: str = "pcie",
+          pressure_G: torch.Tensor | None = None, weights=None, topology: str = "pcie",
           decision_batch: int = 8, rounds: int = 16, aggregation: float = 0.5,
           overshoot_guard: float = 2.0, weight_G: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens from each source rank to each replica of each expert. -> split_GER [G, E, R] (long)
@@ -37,7 +37,8 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tenso
     counts_GE: [G, E] tokens source rank s routes to logical expert e (this batch, this layer).
     devices_ER: [E, R] device of each replica, -1 padded (e.g. Placement.expert_devices()[layer]).
     node_G: [G] node of each rank. pressure_G: [G] the view's cross-layer pressure (None = none).
-    weights: (intra, cross, comm), e.g. `EasyBalanceConfig.inference.weights`; topology: a `TOPOLOGIES` key.
+    topology: a `TOPOLOGIES` key (hop cost); weights: (intra, cross, comm), e.g.
+    `EasyBalanceConfig.inference.weights`; None = the topology's preset.
     weight_G: [G] cost of one token from each source (sequence-length weighting); None = 1.
     Conserves tokens (split_GER.sum(2) == counts_GE) and uses only existing replicas.
     """
@@ -49,6 +50,8 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tenso
         raise ValueError(f"devices_ER has {devices_ER.shape[0]} experts, counts_GE {E}")
     if bool((devices_ER[:, 0] < 0).any()):
         raise ValueError("every expert needs at least one replica (devices_ER[:, 0] >= 0)")
+    if weights is None:
+        weights = TOPOLOGIES[topology].weights
     if hasattr(weights, "intra"):
         weights = (weights.intra, weights.cross, weights.comm)
     w_intra, w_cross, w_comm = (float(w) for w in weights)

@@ -16,7 +16,7 @@ import torch
 
 from ..core import metrics as M
 from ..core.tally import Tally
-from ..core.topology import hop_cost, TOPOLOGIES
+from ..core.topology import hop_cost
 from ..core.view import LoadView
 from ..planning.placement import Placement, index_maps, plan_placement, static_placement
 from ..planning.steering import even_split, steer
@@ -49,8 +49,11 @@ class SimConfig:
     ema_alpha: float = 0.3
     window: int = 5
     decision_batch: int = 8
-    weights: tuple = TOPOLOGIES["pcie"].weights
-    topology: str = "pcie"
+    weights: tuple | None = None     # (intra, cross, comm) of steering; None = model.topology's preset
+
+    @property
+    def cost_weights(self) -> tuple[float, float, float]:
+        return tuple(self.weights) if self.weights is not None else self.model.topology.weights
 
 
 def _greedy_eplb(load_LE: torch.Tensor, G: int, S: int) -> Placement:
@@ -115,7 +118,8 @@ def simulate(workload: Workload, strategy: str, cfg: SimConfig | None = None, pr
     N, L, G, E = counts.shape
     model = cfg.model
     node_G = model.node_of(G)
-    hop_GG = hop_cost(node_G, TOPOLOGIES[cfg.topology].node_hop)
+    topology = model.topology
+    hop_GG = hop_cost(node_G, topology.node_hop)
     weight_G = workload.weight_G
     S = E // G + cfg.extra_slots
     static = static_placement(L, E, G)
@@ -125,11 +129,11 @@ def simulate(workload: Workload, strategy: str, cfg: SimConfig | None = None, pr
     times, utils, bal_num, bal_den = [], [], 0.0, 0.0
     tokens_per_step = float(counts[0].sum()) / workload.k
     decision_batch = 1 if strategy == "per_token" else cfg.decision_batch
-    intra, cross, comm = cfg.weights
+    intra, cross, comm = cfg.cost_weights
     # Within a synchronised step a layer waits for its slowest device whatever its neighbours do, so
     # "placement_steering" folds the cross-layer weight into the intra-layer one; the cross-layer view
     # still acts through the planner. "placement_steering_cross" keeps the configured (seed) weights.
-    weights = cfg.weights if strategy == "placement_steering_cross" else (intra + cross, 0.0, comm)
+    weights = cfg.cost_weights if strategy == "placement_steering_cross" else (intra + cross, 0.0, comm)
     for n in range(N):
         c_LGE = counts[n]
         replan = n == cfg.warmup or (n > cfg.warmup and n % cfg.replan_every == 0)
@@ -156,7 +160,7 @@ def simulate(workload: Workload, strategy: str, cfg: SimConfig | None = None, pr
             decisions_G = torch.zeros(G, dtype=torch.float64)
             if strategy.startswith("placement_steering") and placement is not static:
                 cross_G = cross_LG[l] if cross_LG is not None else None
-                split = steer(c_GE, dev_ER, node_G, pressure_G=cross_G, weights=weights, topology=cfg.topology,
+                split = steer(c_GE, dev_ER, node_G, pressure_G=cross_G, weights=weights, topology=topology.name,
                               decision_batch=cfg.decision_batch, weight_G=weight_G)
                 decisions_G = c_GE.sum(1).to(torch.float64) / cfg.decision_batch
             else:
@@ -175,7 +179,7 @@ def simulate(workload: Workload, strategy: str, cfg: SimConfig | None = None, pr
                     p_G = view.pressure_LG[l]
                     predicted_G = p_G / p_G.sum().clamp_min(1e-12) * actual_G.sum()
                 cross_G = cross_LG[l] if cross_LG is not None else torch.ones(G)
-                moved_GG = _candidate_rebalance(actual_G, predicted_G, cfg.movable, cross_G, cfg.weights, hop_GG)
+                moved_GG = _candidate_rebalance(actual_G, predicted_G, cfg.movable, cross_G, cfg.cost_weights, hop_GG)
                 # moved tokens leave their device's queue and travel from their source to the new device:
                 # approximated as sent by the overloaded device's sources in proportion
                 src_share_GG = traffic_GG / traffic_GG.sum(0, keepdim=True).clamp_min(1e-12)  # [s, d_from]
@@ -214,7 +218,7 @@ def run_table(workload: Workload, cfg: SimConfig | None = None, strategies=STRAT
     base = rows["static"]["throughput_tokens_s"]
     for row in rows.values():
         row["relative_throughput"] = row["throughput_tokens_s"] / base
-    return {"workload": workload.name, "shape": list(workload.counts_NLGE.shape), "topology": cfg.topology,
+    return {"workload": workload.name, "shape": list(workload.counts_NLGE.shape), "topology": cfg.model.topology.name,
             "extra_slots_per_device": cfg.extra_slots, "rows": rows}
 
 

@@ -66,8 +66,7 @@ def _simulate(args) -> int:
     from .. import sim
     names = list(sim.WORKLOADS) if args.workload == "all" else [args.workload]
     cfg = sim.SimConfig(model=sim.ClusterModel(topology=sim.TOPOLOGIES[args.topology], window=args.window),
-                        extra_slots=args.extra_slots, topology=args.topology,
-                        weights=sim.TOPOLOGIES[args.topology].weights)
+                        extra_slots=args.extra_slots)
     workloads = []
     for name in names:
         if name == "trace":

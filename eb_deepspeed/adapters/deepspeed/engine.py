@@ -136,8 +136,9 @@ def _reduce_fn(engine):
                 packed_LW.zero_()
             dist.all_reduce(packed_LW)
         return reduce
-    from deepspeed.utils import groups
-    group = groups._get_data_parallel_group()
+    # the ranks that see different tokens of the same layers: data parallel (x expert parallel), and the
+    # sequence-parallel split too when that is on (DeepSpeed's own group for gradient reduction)
+    group = engine.seq_data_parallel_group
     if dist.get_world_size(group) == 1:
         return None
     return lambda packed_LW: dist.all_reduce(packed_LW, group=group)
@@ -157,6 +158,8 @@ class _StepHook:
     def __init__(self, engine, balancer: Balancer):
         self.engine, self.balancer = engine, balancer
         self.last_step: Optional[int] = None
+        self.last_skipped = 0
+        self.warned_missed = False
         self.handle = None
         optimizer = _innermost_torch_optimizer(getattr(engine, "optimizer", None))
         if optimizer is None:
@@ -169,7 +172,13 @@ class _StepHook:
         step = int(self.engine.global_steps)       # DeepSpeed increments it after the optimizer step
         if step == self.last_step:                  # ZeRO steps the optimizer once per parameter group
             return
-        self.last_step = step
+        skipped = int(getattr(self.engine, "skipped_steps", 0))
+        missed = 0 if self.last_step is None else step - self.last_step - 1 - (skipped - self.last_skipped)
+        if missed > 0 and not self.warned_missed:  # a DeepSpeed path that stepped another optimizer
+            self.warned_missed = True
+            warnings.warn(f"easybalance: {missed} optimizer step(s) before step {step} did not reach the step hook "
+                          "(an optimizer DeepSpeed steps outside the hooked one?); their routes count with this step")
+        self.last_step, self.last_skipped = step, skipped
         self.balancer.samples = int(self.engine.global_samples) + int(self.engine.train_batch_size())
         self.balancer.step()
 
@@ -229,6 +238,8 @@ def attach(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> Ba
                         rank_to_node=layout["rank_to_node"],
                         tally_device=get_accelerator().current_device_name())
     balancer.logger = _make_logger(config, engine)
+    for gate, layer in zip(gates, layout["layers"]):
+        gate.layer_index = layer                  # the model's layer, not the pipeline stage's
     hook = _StepHook(engine, balancer)
     _wrap_checkpointing(engine, balancer, hook)
     engine.easybalance = balancer

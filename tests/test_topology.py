@@ -1,0 +1,35 @@
+"""The one topology table: presets, hop cost, node map and topology resolution from hostnames."""
+import pytest
+import torch
+
+from eb_deepspeed.core.topology import TOPOLOGIES, hop_cost, node_map, resolve_topology
+
+pytestmark = pytest.mark.unit
+
+
+def test_ranks_on_the_same_host_share_a_node_numbered_in_order_of_first_appearance():
+    assert node_map(["b", "b", "a", "a"]) == [0, 0, 1, 1]
+    assert node_map(["n1", "n2", "n1", "n2"]) == [0, 1, 0, 1]
+    assert node_map(["solo"]) == [0]
+
+
+@pytest.mark.parametrize("name, explicit, nodes, resolved, warns", [
+    ("pcie", False, 1, "pcie", None),                      # one node: nothing to change
+    ("pcie", False, 2, "multi_node", "was the default"),    # not set, two nodes: follow the ranks
+    ("nvlink", True, 2, "nvlink", "should be >= 0.4"),      # set by the user: kept, with a warning
+    ("multi_node", True, 3, "multi_node", None),
+])
+def test_a_topology_follows_the_nodes_unless_the_user_set_it(name, explicit, nodes, resolved, warns):
+    got, warning = resolve_topology(name, explicit=explicit, num_nodes=nodes)
+    assert got == resolved
+    assert (warning is None) if warns is None else (warns in warning)
+
+
+def test_across_nodes_communication_weighs_at_least_0_4_as_the_seed_says():
+    assert TOPOLOGIES["multi_node"].weights[2] >= 0.4
+    assert all(abs(sum(t.weights) - 1.0) < 1e-12 for t in TOPOLOGIES.values())
+
+
+def test_hop_cost_uses_the_topologys_same_node_hop():
+    cost = hop_cost(torch.tensor([0, 0, 1]), TOPOLOGIES["nvlink"].node_hop)
+    assert cost.tolist() == [[0.0, 0.1, 1.0], [0.1, 0.0, 1.0], [1.0, 1.0, 0.0]]
