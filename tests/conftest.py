@@ -52,8 +52,10 @@ def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIM
     procs = []
     for rank in range(world_size):
         log = open(out_dir / f"rank{rank}.log", "w")
+        # a rank still running shortly before the timeout writes every thread's stack to its log
+        stacks = {**params, "stacks_after": max(10, int(timeout) - 20)}
         procs.append((subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "dist_worker.py"), scenario,
-                                        str(out_dir), json.dumps(params)], env=dist_env(world_size, rank, port),
+                                        str(out_dir), json.dumps(stacks)], env=dist_env(world_size, rank, port),
                                        stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path)), log))
     try:
         for proc, _ in procs:

@@ -137,3 +137,15 @@ def test_state_dict_round_trip_restores_the_view_exactly():
 def test_bad_shapes_are_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"num_experts \(6\) must be divisible by num_devices \(4\)"):
         LoadView(1, 6, 4)
+
+
+def test_a_tally_with_device_columns_feeds_the_pressure_and_survives_a_checkpoint():
+    view = LoadView(1, E, 2)
+    view.update(Tally.build([[4.0, 0, 0, 0]], device_LG=[[1.0, 3.0]]))   # a replica of expert 0 on device 1
+    assert view.pressure_LG.tolist() == [[1.0, 3.0]] and view.heat_LE.tolist() == [[4.0, 0.0, 0.0, 0.0]]
+    packed = Tally.build([[4.0, 0, 0, 0]], device_LG=[[1.0, 3.0]]).pack()
+    assert packed.shape == (1, 3 * (E + 1) + (2 + 1) + 4)
+    assert Tally.unpack(packed, E, 2).device_LG.tolist() == [[1.0, 3.0]]
+    restored = LoadView(1, E, 2)
+    restored.load_state_dict(view.state_dict())
+    assert restored.last.device_LG.tolist() == [[1.0, 3.0]] and restored.metrics() == view.metrics()

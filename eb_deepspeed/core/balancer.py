@@ -73,13 +73,16 @@ class Balancer:
     num_layers: layers of the whole model (default len(gates)). rank_to_node: node of each rank.
     expert_to_device_E: [E] EP rank holding each expert (default DeepSpeed's contiguous layout).
     num_experts: E, for a rank that holds no MoE layer itself (a pipeline stage without one).
+    device_tally: the gates also tally kept routes per EP rank (`Tally.device_LG`): gates of replicated
+    experts, whose routes are not where `expert_to_device_E` says; the view's pressure then comes from it.
     """
 
     def __init__(self, config: EasyBalanceConfig, gates: Sequence[BalancedGate], num_devices: int, *,
                  reduce: Optional[Callable[[torch.Tensor], Any]] = None, layers: Optional[Sequence[int]] = None,
                  num_layers: Optional[int] = None, rank_to_node: Optional[Sequence[int]] = None,
                  expert_to_device_E: Optional[torch.Tensor] = None, logger: Optional[BalanceLogger] = None,
-                 tally_device: torch.device | str = "cpu", num_experts: Optional[int] = None):
+                 tally_device: torch.device | str = "cpu", num_experts: Optional[int] = None,
+                 device_tally: bool = False):
         experts = sorted({g.num_experts for g in gates} | ({num_experts} if num_experts is not None else set()))
         if not experts:
             raise ValueError("easybalance is enabled but the model has no MoE layers")
@@ -95,6 +98,7 @@ class Balancer:
                 or not all(0 <= i < self.num_layers for i in self.layers):
             raise ValueError(f"layers ({self.layers}) must be {len(gates)} distinct indices in [0, {self.num_layers})")
         self.reduce = reduce
+        self.tally_devices = self.num_devices if device_tally else 0
         self.rank_to_node = list(rank_to_node or [0])
         self.view = LoadView(self.num_layers, self.num_experts, self.num_devices, ema_alpha=config.ema_alpha,
                              window=config.window_for(self.num_layers), warmup_batches=config.warmup_batches,
@@ -104,6 +108,7 @@ class Balancer:
         self.tally_device = torch.device(tally_device)
         self.samples = 0                  # the adapter's sample count, for log steps
         self._warned_nonfinite = False
+        self.extra_metrics: Optional[Callable[[], dict]] = None   # an adapter's own numbers for the record
         self.apply_controls()
 
     @property
@@ -125,7 +130,7 @@ class Balancer:
     # ------------------------------------------------------------------ per step
     def gather_tally(self) -> torch.Tensor:
         """Drain every local gate into one packed [L, W] tensor (rows of other ranks' layers are 0)."""
-        width = TallyLayout(self.num_experts).width
+        width = TallyLayout(self.num_experts, self.tally_devices).width
         packed_LW = torch.zeros(self.num_layers, width, dtype=torch.float64, device=self.tally_device)
         for layer, gate in zip(self.layers, self.gates):
             packed_LW[layer] = gate.take_tally(self.tally_device)
@@ -136,7 +141,7 @@ class Balancer:
         packed_LW = self.gather_tally()
         if self.reduce is not None:
             self.reduce(packed_LW)
-        tally = Tally.unpack(packed_LW.cpu(), self.num_experts)
+        tally = Tally.unpack(packed_LW.cpu(), self.num_experts, self.tally_devices)
         valid_L = self.view.update(tally)
         if self.config.mode == "balance" and self.controller.update(self.view):
             self.apply_controls()
@@ -176,6 +181,8 @@ class Balancer:
         out = {"step": self.view.steps, "samples": self.samples, "mode": self.config.mode,
                "policy": self.config.aux.policy}
         out.update(self.metrics())
+        if self.extra_metrics is not None:
+            out.update(self.extra_metrics())
         out[PRESSURE] = [[round(x, 3) for x in row] for row in self.view.pressure_LG.tolist()]
         out[EXPERT_COUNTS] = self.view.last.routed_LE.round().long().tolist()
         return out

@@ -28,9 +28,10 @@ from .policies import POLICIES
 from .topology import TOPOLOGIES
 
 __all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "InferenceConfig", "EasyBalanceConfig", "MODES",
-           "CONTEXTS"]
+           "CONTEXTS", "SPLITS"]
 
 MODES = ("observe", "balance")
+SPLITS = ("view", "exact")          # how serving splits an expert's routes over its replicas
 CONTEXTS = ("train", "inference")   # eb_deepspeed.initialize / eb_deepspeed.init_inference
 # Keys of earlier versions, and where they live now.
 MOVED = {"topology": "inference.topology", "weights": "inference.weights", "decision_batch": "inference.decision_batch"}
@@ -75,6 +76,7 @@ class AuxConfig:
 class InferenceConfig:
     """Serving (`easybalance.inference`): replicas, steering and re-planning."""
     replica_slots: int = 1          # extra physical expert slots per EP rank (0 = no replicas)
+    split: str = "view"             # "view": split table from the plan, no collective; "exact": steer each batch
     topology: str = "pcie"          # sets `weights` and the hop cost
     weights: CostWeights = field(default_factory=lambda: CostWeights(*TOPOLOGIES[InferenceConfig.topology].weights))
     decision_batch: int = 8         # tokens per steering decision (seed 000 §4.1)
@@ -190,7 +192,7 @@ class EasyBalanceConfig:
             "aux": {"policy": self.aux.policy, "weight_range": list(self.aux.weight_range),
                     "smoothing": self.aux.smoothing, "bias_rate": self.aux.bias_rate,
                     "device_weight": self.aux.device_weight, "aux_scale": self.aux.aux_scale},
-            "inference": {"replica_slots": inf.replica_slots, "topology": inf.topology,
+            "inference": {"replica_slots": inf.replica_slots, "split": inf.split, "topology": inf.topology,
                           "weights": {"intra": inf.weights.intra, "cross": inf.weights.cross, "comm": inf.weights.comm},
                           "decision_batch": inf.decision_batch, "replan_threshold": inf.replan_threshold,
                           "replan_interval": inf.replan_interval},
@@ -314,6 +316,7 @@ def _inference(block: Any, path: str) -> InferenceConfig:
         raise ConfigError(f"{path}.replan_threshold ({threshold}) must be >= 1 (a device max/mean)")
     return InferenceConfig(
         replica_slots=_int(block.get("replica_slots", d.replica_slots), f"{path}.replica_slots", minimum=0),
+        split=_choice(block.get("split", d.split), f"{path}.split", SPLITS),
         topology=topology,
         weights=_weights(block.get("weights", {}), f"{path}.weights", TOPOLOGIES[topology].weights),
         decision_batch=_int(block.get("decision_batch", d.decision_batch), f"{path}.decision_batch", minimum=1),

@@ -43,6 +43,8 @@ SCALARS: dict[str, str] = {
     "skipped_layers": "layers left out of the view this step",
     "ready": "view warmed up",
     "steps": "view updates",
+    "replans": "placements applied (serving)",
+    "weight_moves": "expert weights moved by re-plans (serving)",
 }
 
 PRESSURE = "pressure_LG"        # [L, G] EMA device pressure: the heatmap

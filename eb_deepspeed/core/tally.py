@@ -14,10 +14,13 @@ tensor, all-reduces it once, and reads it back by name with `Tally.unpack`:
     nonfinite_L  tokens whose router logits held NaN/Inf
     aux_L        sum of the layer's unweighted l_aux over forwards (and ranks)
     forwards_L   forward calls that recorded (aux / forwards is the mean l_aux)
+    device_LG    optional: kept routes (weighted) per EP rank, for gates that know where each route
+                 went (replicated experts); None when experts sit where the view's map says
 
 The packed layout is private to this file: `TallyLayout` gives every field its slice. Each
-per-expert field is preceded by one scratch slot, so recording a route of expert id `e` is an
-`index_add_` at `offset + e` with no mask: a dropped route (id -1) lands on the scratch slot.
+per-expert (and the per-device) field is preceded by one scratch slot, so recording a route of
+expert id `e` is an `index_add_` at `offset + e` with no mask: a dropped route (id -1) lands on the
+scratch slot.
 """
 from __future__ import annotations
 
@@ -33,26 +36,29 @@ PER_LAYER_FIELDS = ("tokens", "nonfinite", "aux", "forwards")
 
 
 class TallyLayout:
-    """Where each field lives in a packed row of width W = 3 (E + 1) + 4."""
+    """Where each field lives in a packed row of width W = 3 (E + 1) + 4, plus G + 1 with devices."""
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, num_devices: int = 0):
         self.num_experts = E = int(num_experts)
+        self.num_devices = G = int(num_devices)
         self.start: dict[str, int] = {}
         self.scratch: list[int] = []
         at = 0
-        for name in PER_EXPERT_FIELDS:
+        for name, width in [(n, E) for n in PER_EXPERT_FIELDS] + ([("device", G)] if G else []):
             self.scratch.append(at)
             self.start[name] = at + 1
-            at += E + 1
+            at += width + 1
         for name in PER_LAYER_FIELDS:
             self.start[name] = at
             at += 1
         self.width = at
 
     def span(self, name: str) -> slice | int:
-        """Slice of a per-expert field, or the index of a per-layer one."""
+        """Slice of a per-expert or the per-device field, or the index of a per-layer one."""
         if name in PER_EXPERT_FIELDS:
             return slice(self.start[name], self.start[name] + self.num_experts)
+        if name == "device":
+            return slice(self.start[name], self.start[name] + self.num_devices)
         return self.start[name]
 
 
@@ -66,14 +72,16 @@ class Tally:
     nonfinite_L: torch.Tensor
     aux_L: torch.Tensor
     forwards_L: torch.Tensor
+    device_LG: Optional[torch.Tensor] = None
 
     @classmethod
-    def zeros(cls, num_layers: int, num_experts: int) -> "Tally":
-        return cls.unpack(torch.zeros(num_layers, TallyLayout(num_experts).width, dtype=torch.float64), num_experts)
+    def zeros(cls, num_layers: int, num_experts: int, num_devices: int = 0) -> "Tally":
+        width = TallyLayout(num_experts, num_devices).width
+        return cls.unpack(torch.zeros(num_layers, width, dtype=torch.float64), num_experts, num_devices)
 
     @classmethod
     def build(cls, routed_LE, kept_LE=None, load_LE=None, tokens_L=None, nonfinite_L=None, aux_L=None,
-              forwards_L=None) -> "Tally":
+              forwards_L=None, device_LG=None) -> "Tally":
         """A tally from readable parts: kept defaults to routed, load to kept, tokens to routed / 2
         (top-2), forwards to 1, the rest to 0. For tests, simulators and adapters that count
         elsewhere."""
@@ -87,25 +95,28 @@ class Tally:
 
         kept_LE = routed_LE if kept_LE is None else torch.as_tensor(kept_LE, dtype=torch.float64).reshape(L, -1)
         load_LE = kept_LE if load_LE is None else torch.as_tensor(load_LE, dtype=torch.float64).reshape(L, -1)
+        device_LG = None if device_LG is None else torch.as_tensor(device_LG, dtype=torch.float64).reshape(L, -1).clone()
         return cls(routed_LE.clone(), kept_LE.clone(), load_LE.clone(), per_layer(tokens_L, routed_LE.sum(1) / 2),
-                   per_layer(nonfinite_L, 0.0), per_layer(aux_L, 0.0), per_layer(forwards_L, 1.0))
+                   per_layer(nonfinite_L, 0.0), per_layer(aux_L, 0.0), per_layer(forwards_L, 1.0), device_LG)
 
     @classmethod
-    def unpack(cls, packed_LW: torch.Tensor, num_experts: int) -> "Tally":
+    def unpack(cls, packed_LW: torch.Tensor, num_experts: int, num_devices: int = 0) -> "Tally":
         """Read a packed [L, W] tensor by name (views into it, no copies)."""
-        layout = TallyLayout(num_experts)
+        layout = TallyLayout(num_experts, num_devices)
         if packed_LW.dim() != 2 or packed_LW.shape[1] != layout.width:
-            raise ValueError(f"a packed tally must be [layers, {layout.width}] for {num_experts} experts, "
-                             f"got {tuple(packed_LW.shape)}")
-        return cls(**{f.name: packed_LW[:, layout.span(f.name.rsplit("_", 1)[0])] for f in fields(cls)})
+            raise ValueError(f"a packed tally must be [layers, {layout.width}] for {num_experts} experts"
+                             f"{f' and {num_devices} devices' if num_devices else ''}, got {tuple(packed_LW.shape)}")
+        return cls(**{f.name: packed_LW[:, layout.span(_field(f.name))] for f in fields(cls)
+                      if f.name != "device_LG" or num_devices})
 
     def pack(self) -> torch.Tensor:
         """One [L, W] float64 tensor (the scratch slots are 0): what goes through the all-reduce."""
         L, E = self.routed_LE.shape
-        layout = TallyLayout(E)
+        layout = TallyLayout(E, 0 if self.device_LG is None else self.device_LG.shape[1])
         out_LW = torch.zeros(L, layout.width, dtype=torch.float64, device=self.routed_LE.device)
         for f in fields(self):
-            out_LW[:, layout.span(f.name.rsplit("_", 1)[0])] = getattr(self, f.name)
+            if getattr(self, f.name) is not None:
+                out_LW[:, layout.span(_field(f.name))] = getattr(self, f.name)
         return out_LW
 
     @property
@@ -129,6 +140,11 @@ class Tally:
         return torch.where(self.forwards_L > 0, self.aux_L / self.forwards_L.clamp_min(1), 0.0)
 
 
+def _field(attribute: str) -> str:
+    """The layout's name of a Tally attribute: `routed_LE` -> `routed`."""
+    return attribute.rsplit("_", 1)[0]
+
+
 class TallyRecorder:
     """One layer's running tally, filled during forward and drained at the step boundary.
 
@@ -137,21 +153,23 @@ class TallyRecorder:
     Token and forward counts stay on the host (plain ints: no tensor op per forward for them).
     """
 
-    def __init__(self, num_experts: int):
-        self.layout = TallyLayout(num_experts)
+    def __init__(self, num_experts: int, num_devices: int = 0):
+        self.layout = TallyLayout(num_experts, num_devices)
         self._row_W: Optional[torch.Tensor] = None
         self._tokens = 0
         self._forwards = 0
         self._ones: Optional[torch.Tensor] = None   # reused source of index_add_ for unweighted routes
 
     def record(self, routed_E: torch.Tensor, route_expert_R: torch.Tensor, tokens, nonfinite: torch.Tensor,
-               l_aux: torch.Tensor, token_w_R: Optional[torch.Tensor] = None) -> None:
+               l_aux: torch.Tensor, token_w_R: Optional[torch.Tensor] = None,
+               route_device_R: Optional[torch.Tensor] = None) -> None:
         """Add one forward's routes (no host sync).
 
         routed_E: [E] route requests before the capacity limit; route_expert_R: [R] int64 expert id of
         each route, -1 where it was dropped; tokens: int or 0-dim tensor; nonfinite: 0-dim count of
         tokens with non-finite logits; l_aux: the unweighted aux loss; token_w_R: [R] load weight of
-        each route (sequence-length weighting), None = 1.
+        each route (sequence-length weighting), None = 1; route_device_R: [R] int64 EP rank that
+        processes each route, -1 where dropped (only with a layout that has devices).
         """
         lay = self.layout
         if self._row_W is None:
@@ -170,6 +188,8 @@ class TallyRecorder:
             token_w_R = token_w_R.to(row.device, row.dtype)
             row.index_add_(0, kept_R, torch.ones_like(token_w_R))
             row.index_add_(0, load_R, token_w_R)
+        if lay.num_devices:
+            row.index_add_(0, route_device_R + lay.start["device"], ones_R if token_w_R is None else token_w_R)
         if isinstance(tokens, int):
             self._tokens += tokens
         else:

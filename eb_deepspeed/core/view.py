@@ -79,14 +79,17 @@ class LoadView:
         updated (saw tokens, no non-finite logits).
 
         device_load_LG: [L, G] the step's load per device when experts are not where
-        `expert_to_device_E` says (replicated placements); None sums `tally.load_LE` onto them.
+        `expert_to_device_E` says (replicated placements); None takes the tally's own `device_LG`
+        when it has one, else sums `tally.load_LE` onto the devices.
         The first valid update of a layer sets its EMA directly (no pull towards the zero start).
         """
         if tally.routed_LE.shape != (self.L, self.E):
             raise ValueError(f"tally is for (layers, experts) = {tuple(tally.routed_LE.shape)}, "
                              f"the view has {(self.L, self.E)}")
         packed_LW = tally.pack().detach().to("cpu", torch.float64)           # a private copy
-        tally = Tally.unpack(packed_LW, self.E)
+        tally = Tally.unpack(packed_LW, self.E, 0 if tally.device_LG is None else self.G)
+        if device_load_LG is None:
+            device_load_LG = tally.device_LG
         load_LG = self.device_load(tally.load_LE) if device_load_LG is None else \
             torch.as_tensor(device_load_LG, dtype=torch.float64).detach().cpu().clone()
         if load_LG.shape != (self.L, self.G):
@@ -149,7 +152,8 @@ class LoadView:
         return {"shape": (self.L, self.E, self.G), "heat_LE": self.heat_LE.clone(),
                 "pressure_LG": self.pressure_LG.clone(), "updates_L": self.updates_L.clone(),
                 "steps": self.steps, "expert_to_device_E": self.expert_to_device_E.clone(),
-                "last_tally": self.last.pack(), "last_load_LG": self.last_load_LG.clone()}
+                "last_tally": self.last.pack(), "last_devices": 0 if self.last.device_LG is None else self.G,
+                "last_load_LG": self.last_load_LG.clone()}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         shape = tuple(state["shape"])
@@ -161,5 +165,5 @@ class LoadView:
         self.updates_L = state["updates_L"].to(torch.long).clone()
         self.steps = int(state["steps"])
         self.expert_to_device_E = state["expert_to_device_E"].to(torch.long).clone()
-        self.last = Tally.unpack(state["last_tally"].to(torch.float64).clone(), self.E)
+        self.last = Tally.unpack(state["last_tally"].to(torch.float64).clone(), self.E, int(state["last_devices"]))
         self.last_load_LG = state["last_load_LG"].to(torch.float64).clone()

@@ -1,6 +1,10 @@
-"""The DeepSpeed adapter: `CrossLayerGate` (a drop-in `TopKGate`) and `initialize` (a drop-in
-`deepspeed.initialize`). Importing it imports deepspeed."""
+"""The DeepSpeed adapter: `CrossLayerGate` (a drop-in `TopKGate`), `initialize` (a drop-in
+`deepspeed.initialize`), and serving: `init_inference` (a drop-in `deepspeed.init_inference`) with
+`ReplicaGate` on replicated layers. Importing it imports deepspeed."""
 from .engine import STATE_KEY, attach, find_moe_layers, initialize, swap_gates
 from .gate import CrossLayerGate, unbias_gate_output
+from .replicas import ReplicaGate, SlotTable
+from .serving import Serving, expected_slot_ratio, init_inference
 
-__all__ = ["initialize", "attach", "swap_gates", "find_moe_layers", "STATE_KEY", "CrossLayerGate", "unbias_gate_output"]
+__all__ = ["initialize", "init_inference", "attach", "swap_gates", "find_moe_layers", "STATE_KEY", "CrossLayerGate",
+           "unbias_gate_output", "ReplicaGate", "SlotTable", "Serving", "expected_slot_ratio"]

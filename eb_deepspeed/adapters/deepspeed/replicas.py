@@ -1,0 +1,214 @@
+"""`ReplicaGate`: DeepSpeed's routing on the E logical experts, each route put on a physical slot.
+
+Shape legend: T tokens, M model dim, E logical experts, K top-k, G EP ranks, S slots per rank,
+P physical slots (G * S; slot p lives on rank p // S), R replicas of one expert, C capacity.
+
+A replicated MoE layer is DeepSpeed's own `MOELayer` over P "experts" (its `Experts` holds S slots
+per rank, some of them copies of hot experts); only the gate changes. The gate
+
+  1. routes exactly as DeepSpeed's `TopKGate` does on the E logical logits (same logits, same
+     gating function, same random draws, same gate values), with no capacity limit;
+  2. splits each logical expert's routes over its replicas: by the split table the placement was
+     planned with (`split="view"`, no collective), or by steering this batch's counts from every
+     rank (`split="exact"`, one all-gather of [E] counts per layer), and gives each route its slot
+     and its position there (the route's logical position, minus its replica's start);
+  3. agrees on one capacity across the EP group (the most any rank sends to any slot; with
+     `drop_tokens`, at most DeepSpeed's ceil(T_max * k * capacity_factor / P), T_max the most tokens
+     on any rank), so unequal batches never abort the All-to-All;
+  4. returns DeepSpeed's sparse 7-tuple over the P slots, with the logical routed counts as
+     `exp_counts`, and tallies *logical* counts (plus kept routes per EP rank) for the view.
+
+Without drops every token meets the same experts with the same gate values as in the E-expert
+model, so the outputs are the same.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from deepspeed.moe import sharded_moe as dsm
+
+from ...core.config import SPLITS
+from ...core.tally import TallyRecorder
+from ...planning.steering import steer
+from .gate import CrossLayerGate
+
+__all__ = ["ReplicaGate", "SlotTable"]
+
+
+@dataclass
+class SlotTable:
+    """One layer's placement as its gate uses it (every rank holds the same table).
+
+    log2phy_ER: [E, R] physical slot of each replica (-1 padded); fraction_ER: [E, R] the share of
+    the expert's routes each replica takes in `split="view"` (0 on padding, rows sum to 1).
+    """
+    log2phy_ER: torch.Tensor
+    fraction_ER: torch.Tensor
+
+    @classmethod
+    def even(cls, log2phy_ER: torch.Tensor) -> "SlotTable":
+        valid_ER = log2phy_ER >= 0
+        return cls(log2phy_ER, valid_ER.double() / valid_ER.sum(1, keepdim=True).clamp_min(1))
+
+
+def _split_by_fraction(counts_E: torch.Tensor, fraction_ER: torch.Tensor) -> torch.Tensor:
+    """Routes per replica [E, R] from counts [E] and shares [E, R]: cumulative shares rounded, so the
+    parts sum to the count exactly."""
+    ends_ER = torch.round(fraction_ER.cumsum(1) * counts_E[:, None].double()).long()
+    ends_ER[:, -1] = counts_E
+    ends_ER = torch.minimum(ends_ER, counts_E[:, None])
+    return torch.diff(ends_ER, dim=1, prepend=torch.zeros_like(ends_ER[:, :1]))
+
+
+class ReplicaGate(CrossLayerGate):
+    """CrossLayerGate over physical slots: logical routing, replica split, one agreed capacity."""
+
+    def __init__(self, model_dim: int, num_experts: int, k: int, num_devices: int, slots_per_device: int, *,
+                 rank: int, table: SlotTable, split: str = "view", node_G: Optional[torch.Tensor] = None,
+                 steer_options: Optional[dict] = None, **gate_kwargs):
+        super().__init__(model_dim, num_experts, k, **gate_kwargs)
+        if split not in SPLITS:
+            raise ValueError(f"split ({split!r}) must be one of: {', '.join(SPLITS)}")
+        self.G, self.S = int(num_devices), int(slots_per_device)
+        self.P = self.G * self.S
+        self.rank = int(rank)
+        self.split = split
+        self.table = table
+        self.node_G = torch.zeros(self.G, dtype=torch.long) if node_G is None else torch.as_tensor(node_G)
+        self.steer_options = dict(steer_options or {})
+        self.pressure_G: Optional[torch.Tensor] = None    # the view's cross-layer pressure of this layer
+        self.tally = TallyRecorder(num_experts, self.G)
+        self.last_capacity = 0      # the capacity the EP group agreed on for the last batch
+
+    @classmethod
+    def from_gate(cls, gate, num_devices: int, slots_per_device: int, *, rank: int, table: SlotTable,
+                  split: str = "view", node_G=None, steer_options=None) -> "ReplicaGate":
+        """A replica gate sharing `gate`'s router weight (DeepSpeed's TopKGate or a CrossLayerGate)."""
+        num_experts, model_dim = gate.wg.weight.shape
+        with torch.random.fork_rng(devices=[]):     # the throw-away wg draws no number of the caller's
+            new = cls(model_dim, num_experts, gate.k, num_devices, slots_per_device, rank=rank, table=table,
+                      split=split, node_G=node_G, steer_options=steer_options,
+                      capacity_factor=gate.capacity_factor, eval_capacity_factor=gate.eval_capacity_factor,
+                      min_capacity=gate.min_capacity, noisy_gate_policy=gate.noisy_gate_policy,
+                      drop_tokens=gate.drop_tokens, use_rts=gate.use_rts, ep_group=gate.ep_group,
+                      top2_2nd_expert_sampling=getattr(gate, "top2_2nd_expert_sampling", True),
+                      layer_index=getattr(gate, "layer_index", 0))
+        new.wg = gate.wg
+        new.wall_clock_breakdown = gate.wall_clock_breakdown
+        new.eval()
+        return new
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
+                use_tutel: bool = False):  # type: ignore[override]
+        if self.training:
+            raise ValueError(f"layer {self.layer_index}: a replicated MoE layer serves only; call model.eval()")
+        if not sparse_routes or use_tutel:
+            raise ValueError(f"layer {self.layer_index}: a replicated MoE layer needs DeepSpeed's sparse routes "
+                             "(MOELayer in deepspeed >= 0.19.4, without Tutel)")
+        logits_TE = F.linear(input.float(), weight=self.wg.weight.float(), bias=None)
+        T, E, K = logits_TE.shape[0], self.num_experts, self.k
+        if T == 0:
+            l_aux = logits_TE.sum() * 0.0
+            expert_KT = torch.zeros(K, 0, dtype=torch.long, device=logits_TE.device)
+            position_KT = expert_KT.clone()
+            gates_KT = torch.zeros(K, 0, device=logits_TE.device)
+            counts_E = torch.zeros(E, dtype=torch.long, device=logits_TE.device)
+        else:
+            # 1. DeepSpeed's routing on the logical experts, no capacity limit (same draws as TopKGate)
+            l_aux, _, _, expert_KT, position_KT, gates_KT, counts_E = self._logical_routes(logits_TE, used_token)
+            expert_KT, position_KT = expert_KT.long(), position_KT.long()
+        # 2. replicas: routes per replica on this rank, and (exact split) on every rank
+        n_ER, slot_load_GP = self._split(counts_E.long())
+        # 3. one capacity for the EP group
+        capacity = self._capacity(slot_load_GP, n_ER, T)
+        slot_KT, location_KT, gates_KT = self._place(expert_KT, position_KT, gates_KT, n_ER, capacity)
+        if self.recording and T > 0:
+            self._record_routes(slot_KT, expert_KT, counts_E, T, used_token, l_aux, logits_TE)
+        if self.aux_weight != 1.0:
+            l_aux = l_aux * self.aux_weight
+        return (l_aux, torch.tensor(capacity), self.P, slot_KT.int(), location_KT.int(), gates_KT, counts_E)
+
+    recording = True   # serving tallies every forward (eval mode); set False to serve without the view
+
+    def _logical_routes(self, logits_TE, used_token):
+        if self.k == 1:
+            return dsm.top1gating(logits_TE, self.eval_capacity_factor, self.min_capacity, used_token, None, False,
+                                  self.use_rts, None, True, False)
+        if self.k == 2:
+            return dsm.top2gating(logits_TE, self.eval_capacity_factor, self.min_capacity, False, None,
+                                  self.top2_2nd_expert_sampling, True)
+        return dsm.topkgating(logits_TE, self.k, self.eval_capacity_factor, self.min_capacity, False, None,
+                              sparse_routes=True)
+
+    def _split(self, counts_E: torch.Tensor):
+        """n_ER [E, R]: this rank's routes per replica; slot_load_GP [G, P]: every rank's routes per slot
+        (exact split), or None (view split: each rank knows only its own)."""
+        table = self.table
+        if self.split == "view":
+            return _split_by_fraction(counts_E, table.fraction_ER.to(counts_E.device)), None
+        gathered = [torch.zeros_like(counts_E) for _ in range(self.G)]
+        if self.G > 1:
+            dsm.dist.all_gather(gathered, counts_E, group=self.ep_group)
+        else:
+            gathered = [counts_E]
+        counts_GE = torch.stack(gathered).cpu()         # steering runs on the host
+        devices_ER = torch.where(table.log2phy_ER >= 0, table.log2phy_ER // self.S, -1)
+        split_GER = steer(counts_GE, devices_ER, self.node_G, pressure_G=self.pressure_G, **self.steer_options)
+        slot_load_GP = torch.zeros(self.G, self.P + 1, dtype=torch.long)
+        slots_ER = torch.where(table.log2phy_ER >= 0, table.log2phy_ER, self.P)
+        slot_load_GP.index_add_(1, slots_ER.reshape(-1), split_GER.reshape(self.G, -1))
+        return split_GER[self.rank].to(counts_E.device), slot_load_GP[:, :self.P]
+
+    def _capacity(self, slot_load_GP, n_ER, T: int) -> int:
+        """The EP group's capacity: the most routes any rank sends to any slot, capped (with drops) at
+        DeepSpeed's rule on the most tokens on any rank."""
+        if slot_load_GP is not None:          # exact split: every rank's routes are known here
+            most, tokens = int(slot_load_GP.max()), int(slot_load_GP.sum(1).max()) // self.k
+        else:                                 # view split: one all-reduce, as DeepSpeed's own capacity
+            log2phy_ER = self.table.log2phy_ER.to(n_ER.device)
+            mine = torch.zeros(self.P + 1, dtype=torch.long, device=n_ER.device)
+            mine.index_add_(0, torch.where(log2phy_ER >= 0, log2phy_ER, self.P).reshape(-1), n_ER.reshape(-1))
+            agreed = torch.stack([mine[:self.P].max(), torch.tensor(T, device=n_ER.device)])
+            if self.G > 1:
+                dsm.dist.all_reduce(agreed, op=dsm.dist.ReduceOp.MAX, group=self.ep_group)
+            most, tokens = agreed.tolist()     # the one host sync (MOELayer needs the capacity as an int)
+        if not self.drop_tokens:
+            self.last_capacity = max(most, 1)
+        else:
+            limit = max(math.ceil(tokens * self.k * self.eval_capacity_factor / self.P), self.min_capacity)
+            self.last_capacity = max(min(most, limit), 1)
+        return self.last_capacity
+
+    def _place(self, expert_KT, position_KT, gates_KT, n_ER, capacity: int):
+        """Each route's slot and location there (-1: dropped by the capacity), gates renormalised over
+        a token's kept routes for k > 1, as DeepSpeed does."""
+        ends_ER = n_ER.cumsum(1).to(expert_KT.device)
+        e_KT = expert_KT.clamp_min(0)
+        replica_KT = (position_KT[..., None] >= ends_ER[e_KT]).sum(-1).clamp_max(ends_ER.shape[1] - 1)
+        start_KT = (ends_ER - n_ER.to(ends_ER.device))[e_KT, replica_KT]
+        slot_KT = self.table.log2phy_ER.to(expert_KT.device)[e_KT, replica_KT]
+        location_KT = position_KT - start_KT
+        kept_KT = (expert_KT >= 0) & (slot_KT >= 0) & (location_KT < capacity)
+        slot_KT = torch.where(kept_KT, slot_KT, -1)
+        location_KT = torch.where(kept_KT, location_KT, 0)
+        if not bool(kept_KT.all()):
+            gates_KT = gates_KT * kept_KT
+            if self.k > 1:
+                gates_KT = gates_KT / gates_KT.sum(0, keepdim=True).clamp_min(torch.finfo(gates_KT.dtype).eps)
+        return slot_KT, location_KT, gates_KT
+
+    def _record_routes(self, slot_KT, expert_KT, counts_E, T, used_token, l_aux, logits_TE) -> None:
+        with torch.no_grad():
+            nonfinite = (~torch.isfinite(logits_TE.sum(dim=1))).sum()
+        kept_R = slot_KT.reshape(-1) >= 0
+        route_expert_R = torch.where(kept_R, expert_KT.reshape(-1), -1)
+        route_device_R = torch.where(kept_R, slot_KT.reshape(-1) // self.S, -1)
+        token_w = self._token_weights(T)
+        token_w_R = None if token_w is None else token_w.expand(self.k, T).reshape(-1)
+        tokens = used_token.sum() if used_token is not None else T
+        self.tally.record(counts_E, route_expert_R, tokens, nonfinite, l_aux, token_w_R, route_device_R)
