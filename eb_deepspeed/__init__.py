@@ -19,11 +19,11 @@ from .sim.traces import load_trace
 
 __version__ = "0.1.0"
 
-__all__ = ["initialize", "init_inference", "CrossLayerGate", "swap_gates", "Balancer", "ConfigError", "CostWeights",
+__all__ = ["initialize", "init_inference", "load_moe_checkpoint", "CrossLayerGate", "swap_gates", "Balancer", "ConfigError", "CostWeights",
            "EasyBalanceConfig", "LogConfig", "LoadView", "sequence_length_weights", "metrics", "plan_placement",
            "steer", "load_trace", "__version__"]
 
-_DEEPSPEED_NAMES = ("initialize", "init_inference", "swap_gates", "CrossLayerGate")
+_DEEPSPEED_NAMES = ("initialize", "init_inference", "load_moe_checkpoint", "swap_gates", "CrossLayerGate")
 
 
 def __getattr__(name):

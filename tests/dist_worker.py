@@ -388,9 +388,20 @@ def _plain_eval_model(seed=0, **kw):
     return model.eval()
 
 
+def _skewed(model):
+    """Make every router send most first choices to expert 0 (hot-expert traffic): the MoE input gets a
+    constant offset (the layer norm's bias) that only expert 0's router row sees."""
+    with torch.no_grad():
+        for block in model.blocks:
+            block.ln2.bias.fill_(0.3)
+            block.moe.deepspeed_moe.gate.wg.weight[0] += 0.6
+    return model
+
+
 def _serve_block(p, **inference):
     return {"mode": "balance", "warmup_batches": 1, "log": {"dir": os.path.join(p["out"], "serve_log"), "interval": 1},
-            "inference": {"replica_slots": 1, "replan_interval": 1, "replan_threshold": 1.0, **inference}}
+            "inference": {"replica_slots": 1, "replan_interval": 1, "replan_threshold": 1.0, "view_interval": 1,
+                          **inference}}
 
 
 def _skewed_batch(b: int, rank: int, vocab: int = 24):
@@ -419,10 +430,10 @@ def scenario_serve_equivalence(p):
     """Replicated serving (P = E or P > E, re-plans forced) against DeepSpeed's exact eval forward."""
     rank = torch.distributed.get_rank()
     block = _serve_block(p, replica_slots=p["replica_slots"], split=p.get("split", "view"))
-    engine = eb_deepspeed.init_inference(make_model(drop_tokens=False, ep_size=2), config={"easybalance": block})
-    plain = _plain_eval_model(drop_tokens=False, ep_size=2)
+    engine = eb_deepspeed.init_inference(_skewed(make_model(drop_tokens=False, ep_size=2)), config={"easybalance": block})
+    plain = _skewed(_plain_eval_model(drop_tokens=False, ep_size=2))
     rows = _serve_and_compare(engine, plain, p["batches"], rank)
-    return {"rows": rows, "P": engine.serving.P, "moves": engine.serving.weight_moves,
+    return {"rows": rows, "S_max": engine.serving.S_max, "moves": engine.serving.weight_moves,
             "metrics": engine.easybalance.metrics(), "log": os.path.join(p["out"], "serve_log")}
 
 
@@ -451,9 +462,9 @@ def scenario_serve_move_fault(p):
     and the next re-plan goes through."""
     from eb_deepspeed.adapters.deepspeed import Serving
     rank = torch.distributed.get_rank()
-    engine = eb_deepspeed.init_inference(make_model(drop_tokens=False, ep_size=2),
+    engine = eb_deepspeed.init_inference(_skewed(make_model(drop_tokens=False, ep_size=2)),
                                          config={"easybalance": _serve_block(p)})
-    plain = _plain_eval_model(drop_tokens=False, ep_size=2)
+    plain = _skewed(_plain_eval_model(drop_tokens=False, ep_size=2))
     serving = engine.serving
     if rank == 1:
         original, calls = Serving._verify, [0]
@@ -473,7 +484,7 @@ def scenario_serve_checkpoint(p):
     saved back: the saved files hold the original tensors."""
     rank = torch.distributed.get_rank()
     ckpt, back = os.path.join(p["out"], "ckpt"), os.path.join(p["out"], "back")
-    trainer = make_engine(make_model(seed=3, ep_size=2, drop_tokens=False), base_config(), use_eb=False)
+    trainer = make_engine(_skewed(make_model(seed=3, ep_size=2, drop_tokens=False)), base_config(), use_eb=False)
     for step in range(2):
         train_step(trainer, step)
     trainer.save_checkpoint(ckpt, tag="t2")
@@ -527,7 +538,9 @@ def scenario_serve_empty(p):
             # which leave rank 0's outputs as they are (no drops)
             torch.manual_seed(b)
             expected = plain(x)[0]
-        out.append({"shape": tuple(got.shape), "equal": torch.equal(expected, got) if rank == 0 else True})
+        # the reference pads its slots to another capacity (rank 1 has tokens there): equal up to rounding
+        out.append({"shape": tuple(got.shape),
+                    "equal": bool(torch.allclose(expected, got, atol=1e-6, rtol=1e-5)) if rank == 0 else True})
     return {"rows": out, "steps": engine.easybalance.view.steps}
 
 

@@ -197,3 +197,19 @@ def test_replanning_from_previous_moves_few_weights_for_the_same_balance():
 def test_bad_inputs_are_refused_with_the_numbers(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_placement(**kwargs)
+
+
+def test_padded_dispatch_cost_prefers_replicas_only_where_they_cut_the_largest_slot_enough():
+    from eb_deepspeed.planning.placement import expected_padded_cost, expected_slot_ratio
+    home = static_placement(1, 4, 2)                                   # 4 slots, one per expert
+    replicated = plan_placement(torch.tensor([[80.0, 30, 25, 25]]), 2, 3)   # 6 slots
+    # a hot expert: 4 slots x 80 = 320 against 6 slots x its half, 40 = 240: replicas pay
+    skewed = torch.tensor([[80.0, 30, 25, 25]])
+    assert expected_padded_cost(skewed, home).tolist() == [320.0]
+    assert expected_padded_cost(skewed, replicated).tolist() == [240.0]
+    # balanced: 4 x 40 = 160; the same replicated plan pads 6 slots to the 40 of an unsplit expert
+    balanced = torch.tensor([[40.0, 40, 40, 40]])
+    assert expected_padded_cost(balanced, home).tolist() == [160.0]
+    assert expected_padded_cost(balanced, replicated).tolist() == [240.0]
+    # slot max/mean is capacity over ideal: 80 / (160 / 4) = 2 for the home layout
+    assert expected_slot_ratio(skewed, home).tolist() == [2.0]

@@ -75,6 +75,7 @@ class Balancer:
     num_experts: E, for a rank that holds no MoE layer itself (a pipeline stage without one).
     device_tally: the gates also tally kept routes per EP rank (`Tally.device_LG`): gates of replicated
     experts, whose routes are not where `expert_to_device_E` says; the view's pressure then comes from it.
+    train_controls: run the `aux` policy in `balance` mode (False when serving: there is no loss to weigh).
     """
 
     def __init__(self, config: EasyBalanceConfig, gates: Sequence[BalancedGate], num_devices: int, *,
@@ -82,7 +83,7 @@ class Balancer:
                  num_layers: Optional[int] = None, rank_to_node: Optional[Sequence[int]] = None,
                  expert_to_device_E: Optional[torch.Tensor] = None, logger: Optional[BalanceLogger] = None,
                  tally_device: torch.device | str = "cpu", num_experts: Optional[int] = None,
-                 device_tally: bool = False):
+                 device_tally: bool = False, train_controls: bool = True):
         experts = sorted({g.num_experts for g in gates} | ({num_experts} if num_experts is not None else set()))
         if not experts:
             raise ValueError("easybalance is enabled but the model has no MoE layers")
@@ -98,6 +99,7 @@ class Balancer:
                 or not all(0 <= i < self.num_layers for i in self.layers):
             raise ValueError(f"layers ({self.layers}) must be {len(gates)} distinct indices in [0, {self.num_layers})")
         self.reduce = reduce
+        self.train_controls = train_controls
         self.tally_devices = self.num_devices if device_tally else 0
         self.rank_to_node = list(rank_to_node or [0])
         self.view = LoadView(self.num_layers, self.num_experts, self.num_devices, ema_alpha=config.ema_alpha,
@@ -143,7 +145,7 @@ class Balancer:
             self.reduce(packed_LW)
         tally = Tally.unpack(packed_LW.cpu(), self.num_experts, self.tally_devices)
         valid_L = self.view.update(tally)
-        if self.config.mode == "balance" and self.controller.update(self.view):
+        if self.config.mode == "balance" and self.train_controls and self.controller.update(self.view):
             self.apply_controls()
         bad = [i for i, n in enumerate(tally.nonfinite_L.tolist()) if n > 0]
         if bad and not self._warned_nonfinite:
@@ -156,7 +158,7 @@ class Balancer:
 
     def apply_controls(self) -> None:
         """Hand the controller's weights (and bias) to the local gates; observe mode touches nothing."""
-        if self.config.mode != "balance":
+        if self.config.mode != "balance" or not self.train_controls:
             return
         for layer, gate in zip(self.layers, self.gates):
             gate.set_aux_weight(float(self.controller.weight_L[layer]))
@@ -166,7 +168,7 @@ class Balancer:
     # ------------------------------------------------------------------ reads
     def aux_weights(self) -> list[float]:
         """Per-layer aux weight in effect [L] (1.0 everywhere outside `balance` mode)."""
-        if self.config.mode != "balance":
+        if self.config.mode != "balance" or not self.train_controls:
             return [1.0] * self.num_layers
         return [float(w) for w in self.controller.weight_L]
 

@@ -80,8 +80,9 @@ class InferenceConfig:
     topology: str = "pcie"          # sets `weights` and the hop cost
     weights: CostWeights = field(default_factory=lambda: CostWeights(*TOPOLOGIES[InferenceConfig.topology].weights))
     decision_batch: int = 8         # tokens per steering decision (seed 000 §4.1)
-    replan_threshold: float = 1.5   # re-plan when a layer's expected device max/mean passes this (seed 003: 1.5x)
+    replan_threshold: float = 1.5   # consider a re-plan when a layer's expected slot max/mean passes this
     replan_interval: int = 50       # batches between two re-plans, at least
+    view_interval: int = 8          # batches between two view updates (one all-reduce each)
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
 
 
@@ -195,7 +196,7 @@ class EasyBalanceConfig:
             "inference": {"replica_slots": inf.replica_slots, "split": inf.split, "topology": inf.topology,
                           "weights": {"intra": inf.weights.intra, "cross": inf.weights.cross, "comm": inf.weights.comm},
                           "decision_batch": inf.decision_batch, "replan_threshold": inf.replan_threshold,
-                          "replan_interval": inf.replan_interval},
+                          "replan_interval": inf.replan_interval, "view_interval": inf.view_interval},
         }
 
 
@@ -322,4 +323,5 @@ def _inference(block: Any, path: str) -> InferenceConfig:
         decision_batch=_int(block.get("decision_batch", d.decision_batch), f"{path}.decision_batch", minimum=1),
         replan_threshold=threshold,
         replan_interval=_int(block.get("replan_interval", d.replan_interval), f"{path}.replan_interval", minimum=1),
+        view_interval=_int(block.get("view_interval", d.view_interval), f"{path}.view_interval", minimum=1),
         explicit=frozenset(block))

@@ -36,7 +36,8 @@ import torch
 from .refine import refine_for_steering
 from .slots import holds_mask
 
-__all__ = ["Placement", "plan_placement", "static_placement", "replica_counts", "assign_replicas", "index_maps"]
+__all__ = ["Placement", "plan_placement", "static_placement", "replica_counts", "assign_replicas", "index_maps",
+           "expected_padded_cost", "expected_slot_ratio"]
 
 
 @dataclass
@@ -300,3 +301,25 @@ def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Ten
     if previous is not None:
         plan.moves = int((plan.holds() & ~previous.holds()).sum())
     return plan
+
+
+def expected_slot_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
+    """[L] max / mean of the expected load per physical slot when each expert's routes split evenly
+    over its replicas (with padded dispatch, DeepSpeed's, every slot is padded to the largest: this is
+    capacity over ideal)."""
+    heat_LE = torch.as_tensor(heat_LE, dtype=torch.float64)
+    L, P = plan.phy2log.shape
+    mean_L = heat_LE.sum(1) / P
+    return torch.where(mean_L > 0, expected_padded_cost(heat_LE, plan) / P / mean_L.clamp_min(1e-300),
+                       torch.ones(L, dtype=torch.float64))
+
+
+def expected_padded_cost(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
+    """[L] slots x the expected largest slot load: what a padded dispatch (DeepSpeed's MOELayer pads every
+    slot to the capacity) computes and sends per layer, in routes, with each expert's routes split
+    evenly over its replicas. heat_LE: [L, E] expected routes."""
+    heat_LE = torch.as_tensor(heat_LE, dtype=torch.float64)
+    P = plan.phy2log.shape[1]
+    per_replica_LE = heat_LE / plan.logcnt.clamp_min(1)
+    slot_LP = torch.where(plan.phy2log >= 0, per_replica_LE.gather(1, plan.phy2log.clamp_min(0)), 0.0)
+    return P * slot_LP.amax(1)

@@ -5,6 +5,7 @@
     eb bench train [--json]           aux policies side by side on the example model (2 CPU ranks)
     eb bench plan [--json]            planner time (61 x 256 x 64) and steering vs an MoE layer forward
     eb bench optimum [--json]         planner vs a brute-force optimum on tiny inputs (30 loads x 7 shapes)
+    eb bench infer [--json]           replicated serving vs plain DeepSpeed on 2 and 4 gloo ranks
     eb simulate [--workload all] [--json]   seed 000's table + placement/steering rows, with targets
 """
 from __future__ import annotations
@@ -57,6 +58,16 @@ def _bench(args) -> int:
                         f"({r['refined_over_5pct']} of {r['seeds']} over 5 %); greedy only {r['greedy_only_worst']} "
                         f"({r['greedy_only_over_5pct']} over)" for r in result["rows"]))
         return 0
+    if args.what == "infer":
+        from .bench_infer import bench_infer
+        result = bench_infer(ranks=tuple(args.ranks), batches=args.batches, replica_slots=args.replica_slots,
+                             ckpt=args.ckpt)
+        print(json.dumps(result, indent=2) if args.json else "\n".join(
+            f"{r['row']:14s} {r['ranks']} ranks {r['split']:5s}: capacity/ideal {r['capacity_over_ideal_plain']} -> "
+            f"{r['capacity_over_ideal_ours']} (bound {r['capacity_over_ideal_bound']}), speed-up {r['speedup']}, "
+            f"drops {r['drop_rate_plain']} -> {r['drop_rate_ours']}, overhead {r['overhead_ratio']}, "
+            f"equal {r['outputs_equal']}" for r in result["rows"]) + "\ntargets: " + json.dumps(result["targets"]))
+        return 0
     raise AssertionError(args.what)
 
 
@@ -104,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_report)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
-    p.add_argument("what", choices=["gate", "train", "plan", "optimum"])
+    p.add_argument("what", choices=["gate", "train", "plan", "optimum", "infer"])
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=1024)
@@ -119,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bias-rate", type=float, default=None, help="train: easybalance.aux.bias_rate of the bias row")
     p.add_argument("--out", default="runs/bench_train", help="train: run directories")
     p.add_argument("--seeds", type=int, default=30, help="optimum: random loads per shape")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="infer: gloo ranks of each run")
+    p.add_argument("--batches", type=int, default=24, help="infer: measured batches per row")
+    p.add_argument("--replica-slots", type=int, default=1, help="infer: easybalance.inference.replica_slots")
+    p.add_argument("--ckpt", default="runs/main/ckpt", help="infer: the main job's checkpoint (trained routers)")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("simulate", help="cluster simulator: the seed's table plus placement + steering")

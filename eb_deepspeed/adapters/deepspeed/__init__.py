@@ -4,7 +4,7 @@
 from .engine import STATE_KEY, attach, find_moe_layers, initialize, swap_gates
 from .gate import CrossLayerGate, unbias_gate_output
 from .replicas import ReplicaGate, SlotTable
-from .serving import Serving, expected_slot_ratio, init_inference
+from .serving import Serving, init_inference, load_moe_checkpoint
 
 __all__ = ["initialize", "init_inference", "attach", "swap_gates", "find_moe_layers", "STATE_KEY", "CrossLayerGate",
-           "unbias_gate_output", "ReplicaGate", "SlotTable", "Serving", "expected_slot_ratio"]
+           "unbias_gate_output", "ReplicaGate", "SlotTable", "Serving", "load_moe_checkpoint"]

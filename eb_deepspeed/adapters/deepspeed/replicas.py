@@ -73,16 +73,23 @@ class ReplicaGate(CrossLayerGate):
         super().__init__(model_dim, num_experts, k, **gate_kwargs)
         if split not in SPLITS:
             raise ValueError(f"split ({split!r}) must be one of: {', '.join(SPLITS)}")
-        self.G, self.S = int(num_devices), int(slots_per_device)
-        self.P = self.G * self.S
+        self.G = int(num_devices)
         self.rank = int(rank)
         self.split = split
-        self.table = table
+        self.set_table(table, slots_per_device)
         self.node_G = torch.zeros(self.G, dtype=torch.long) if node_G is None else torch.as_tensor(node_G)
         self.steer_options = dict(steer_options or {})
         self.pressure_G: Optional[torch.Tensor] = None    # the view's cross-layer pressure of this layer
         self.tally = TallyRecorder(num_experts, self.G)
         self.last_capacity = 0      # the capacity the EP group agreed on for the last batch
+
+    def set_table(self, table: SlotTable, slots_per_device: int) -> None:
+        """Serve a new placement from the next forward on (slots per rank may change with it)."""
+        self.table, self.S = table, int(slots_per_device)
+        self.P = self.G * self.S
+        E, R = table.log2phy_ER.shape
+        # DeepSpeed's own layout (expert e in slot e, one replica each): without drops its gate is exact
+        self.home_layout = self.P == E and R == 1 and bool((table.log2phy_ER[:, 0] == torch.arange(E)).all())
 
     @classmethod
     def from_gate(cls, gate, num_devices: int, slots_per_device: int, *, rank: int, table: SlotTable,
@@ -112,6 +119,8 @@ class ReplicaGate(CrossLayerGate):
                              "(MOELayer in deepspeed >= 0.19.4, without Tutel)")
         logits_TE = F.linear(input.float(), weight=self.wg.weight.float(), bias=None)
         T, E, K = logits_TE.shape[0], self.num_experts, self.k
+        if self.home_layout and not self.drop_tokens:
+            return self._home_forward(logits_TE, used_token)
         if T == 0:
             l_aux = logits_TE.sum() * 0.0
             expert_KT = torch.zeros(K, 0, dtype=torch.long, device=logits_TE.device)
@@ -135,14 +144,33 @@ class ReplicaGate(CrossLayerGate):
 
     recording = True   # serving tallies every forward (eval mode); set False to serve without the view
 
-    def _logical_routes(self, logits_TE, used_token):
+    def _home_forward(self, logits_TE, used_token):
+        """DeepSpeed's layout without drops: DeepSpeed's own gating, which agrees on the capacity across
+        the EP group itself (one all-reduce; an empty batch joins the same one), plus the tally."""
+        if logits_TE.shape[0] == 0:
+            out = self._empty_output(logits_TE, sparse_routes=True)
+            self.last_capacity = int(out[1])
+            return out
+        out = self._logical_routes(logits_TE, used_token, ep_group=self.ep_group)
+        l_aux, capacity, _, expert_KT, _, _, counts_E = out
+        self.last_capacity = int(capacity)
+        if self.recording:
+            self._record_routes(expert_KT.long(), expert_KT.long(), counts_E, logits_TE.shape[0], used_token, l_aux,
+                                logits_TE)
+        if self.aux_weight != 1.0:
+            out = (l_aux * self.aux_weight, ) + tuple(out[1:])
+        return out
+
+    def _logical_routes(self, logits_TE, used_token, ep_group=None):
+        """DeepSpeed's gating on the logical experts without a capacity limit (with `ep_group`, the capacity
+        is agreed across it as DeepSpeed does)."""
         if self.k == 1:
             return dsm.top1gating(logits_TE, self.eval_capacity_factor, self.min_capacity, used_token, None, False,
-                                  self.use_rts, None, True, False)
+                                  self.use_rts, ep_group, True, False)
         if self.k == 2:
-            return dsm.top2gating(logits_TE, self.eval_capacity_factor, self.min_capacity, False, None,
+            return dsm.top2gating(logits_TE, self.eval_capacity_factor, self.min_capacity, False, ep_group,
                                   self.top2_2nd_expert_sampling, True)
-        return dsm.topkgating(logits_TE, self.k, self.eval_capacity_factor, self.min_capacity, False, None,
+        return dsm.topkgating(logits_TE, self.k, self.eval_capacity_factor, self.min_capacity, False, ep_group,
                               sparse_routes=True)
 
     def _split(self, counts_E: torch.Tensor):

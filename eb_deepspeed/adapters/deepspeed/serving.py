@@ -15,12 +15,14 @@ leaves the model in training mode; with unequal batches per rank that aborts the
 adapter calls it, then hands every layer its group, sets eval mode, and makes the EP ranks agree on
 one capacity (drop_tokens=True: DeepSpeed never agrees; this gate does, from the most tokens on any rank).
 
-With an enabled `easybalance` block each MoE layer gets `inference.replica_slots` extra slots per rank
-(`MOELayer` over P = E + R * G "experts", DeepSpeed's All-to-All untouched) and a `ReplicaGate`. The
-slots start as DeepSpeed's layout (home experts) plus empty extras. After every forward the serving
-side steps the balancer (one all-reduce of the [L, W] tally) and, once the view is warm, at most
-every `replan_interval` batches, re-plans when a layer's expected slot load max/mean (capacity over
-ideal, what sets DeepSpeed's padded compute and All-to-All bytes) passes `replan_threshold`.
+With an enabled `easybalance` block each MoE layer gets `inference.replica_slots` (R) extra expert
+modules per rank and a `ReplicaGate`; DeepSpeed's `MOELayer` then runs over P = G * S "experts" (its
+All-to-All untouched), S = H for DeepSpeed's own layout (where serving starts) or H + R with replicas.
+After every forward the serving side steps the balancer (one all-reduce of the [L, W] tally) and,
+once the view is warm, at most every `replan_interval` batches, when a layer's expected slot load
+max/mean passes `replan_threshold`, plans replicas for every slot and serves the cheaper of that
+plan and DeepSpeed's layout if it beats the current one: DeepSpeed pads every slot to the capacity,
+so extra slots pay only where they cut the largest slot load by more than they add slots.
 A re-plan moves weights in two phases: every rank fetches the new slots' weights into staging
 buffers (one `batch_isend_irecv`), the ranks agree that every fetch succeeded and that they all
 planned the same placement, then every rank copies and flips its tables before the next forward;
@@ -43,24 +45,17 @@ from ...core.config import EasyBalanceConfig, strip_block
 from ...core.record import NullLogger
 from ...core.topology import node_map, resolve_topology
 from ...observe.monitor import JsonlLogger
-from ...planning.placement import Placement, index_maps, plan_placement
+from ...planning.placement import Placement, expected_padded_cost, expected_slot_ratio, plan_placement, static_placement
 from .engine import find_moe_layers
 from .replicas import ReplicaGate, SlotTable
 
-__all__ = ["init_inference", "Serving", "expected_slot_ratio"]
+__all__ = ["init_inference", "Serving", "load_moe_checkpoint"]
 
 EXPERTS_PREFIX = ".deepspeed_moe.experts.deepspeed_experts."
-
-
-def expected_slot_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
-    """[L] max / mean of the expected load per physical slot when each expert's routes split evenly
-    over its replicas (DeepSpeed pads every slot to the largest, so this is capacity over ideal)."""
-    heat_LE = torch.as_tensor(heat_LE, dtype=torch.float64)
-    L, P = plan.phy2log.shape
-    per_replica_LE = heat_LE / plan.logcnt.clamp_min(1)
-    slot_LP = torch.where(plan.phy2log >= 0, per_replica_LE.gather(1, plan.phy2log.clamp_min(0)), 0.0)
-    mean_L = heat_LE.sum(1) / P
-    return torch.where(mean_L > 0, slot_LP.amax(1) / mean_L.clamp_min(1e-300), torch.ones(L, dtype=torch.float64))
+# A new placement must be expected to cut the padded cost by this much: the expectation is of the EMA
+# heat, while each batch's capacity is its own maximum (noise on every slot), and moving weights and
+# the replica split cost time too. Measured on the example model: a 3 % expected gain was a loss.
+MIN_GAIN = 0.10
 
 
 def _dist_ready() -> bool:
@@ -80,7 +75,12 @@ def _unflatten_into(module: torch.nn.Module, flat: torch.Tensor) -> None:
 
 
 class Serving:
-    """The serving side of one model: its replicated layers, placement, view, re-plans and checkpoints."""
+    """The serving side of one model: its replicated layers, placement, view, re-plans and checkpoints.
+
+    Every rank's MoE layer has `S_max` = H + R expert modules; a placement uses the first S of them
+    (S = H: DeepSpeed's own layout, no replicas; S = S_max: replicas in every slot), so a layer never
+    pays for slots it does not use: DeepSpeed pads every active slot to the capacity.
+    """
 
     def __init__(self, module: torch.nn.Module, config: Optional[EasyBalanceConfig]):
         self.module = module
@@ -95,16 +95,14 @@ class Serving:
         self.L, self.H = len(self.moes), self.E // self.G
         enabled = config is not None and config.enabled
         self.R = config.inference.replica_slots if enabled and config.mode == "balance" else 0
-        self.S = self.H + self.R
-        self.P = self.G * self.S
+        self.S_max = self.H + self.R
         self.ep_group = self.moes[0].deepspeed_moe.ep_group
         self.rank = dist.get_rank(self.ep_group) if _dist_ready() and self.G > 1 else 0
         self.ep_ranks = dist.get_process_group_ranks(self.ep_group) if _dist_ready() and self.G > 1 else [0]
         self.replans, self.weight_moves, self.failed_moves = 0, 0, 0
         self.batches, self.last_plan_batch = 0, None
-        home_P = torch.arange(self.P)
-        home_P = torch.where(home_P % self.S < self.H, home_P // self.S * self.H + home_P % self.S, -1)
-        self.placement = index_maps(home_P.expand(self.L, self.P).clone(), self.E, self.G, self.S)
+        self.home = static_placement(self.L, self.E, self.G)       # DeepSpeed's layout: S = H, no replicas
+        self.placement = self.home
         self.node_G = torch.zeros(self.G, dtype=torch.long)
         self.rank_to_node, self.topology = [0], "pcie"
         self.balancer: Optional[Balancer] = None
@@ -115,9 +113,18 @@ class Serving:
             self._replicate(layer, moe, record=enabled)
         if enabled:
             self.balancer = Balancer(config, self.gates, self.G, reduce=self._reduce_fn(), device_tally=True,
-                                     rank_to_node=self.rank_to_node,
+                                     train_controls=False, rank_to_node=self.rank_to_node,
                                      logger=JsonlLogger(config.log.dir) if dist_rank() == 0 else NullLogger())
             self.balancer.extra_metrics = lambda: {"replans": self.replans, "weight_moves": self.weight_moves}
+
+    @property
+    def S(self) -> int:
+        """Slots per rank of the placement serving now."""
+        return self.placement.slots_per_device
+
+    @property
+    def P(self) -> int:
+        return self.G * self.S
 
     # ------------------------------------------------------------------ set-up
     def _agree_at_start_up(self) -> None:
@@ -140,48 +147,52 @@ class Serving:
             warnings.warn(f"easybalance.inference.topology: {note}")
 
     def _replicate(self, layer: int, moe, record: bool) -> None:
-        """Give the layer S slots per rank (R empty extras after its home experts) and a ReplicaGate."""
+        """Give the layer S_max expert modules per rank (R empty ones after its home experts; the home
+        placement uses the first H) and a ReplicaGate."""
         experts = moe.deepspeed_moe.experts
         if self.R:
             extra = [copy.deepcopy(experts.deepspeed_experts[0]) for _ in range(self.R)]
             for slot in extra:
                 for p in slot.parameters():
-                    p.data.zero_()                      # an empty slot: no token reaches it
+                    p.data.zero_()                      # an empty slot until a placement fills it
                     p.allreduce, p.group_name = False, moe.expert_group_name
             experts.deepspeed_experts.extend(extra)
-            experts.num_local_experts = self.S
-            moe.deepspeed_moe.num_local_experts = self.S
         inf = self.config.inference if self.config is not None else None
         steer_options = {} if inf is None else {"weights": inf.weights.as_tuple(), "topology": self.topology,
                                                 "decision_batch": inf.decision_batch}
         gate = ReplicaGate.from_gate(moe.deepspeed_moe.gate, self.G, self.S, rank=self.rank,
-                                     table=self._table(layer), split="view" if inf is None else inf.split,
-                                     node_G=self.node_G, steer_options=steer_options)
+                                     table=SlotTable.even(self.placement.log2phy[layer]),
+                                     split="view" if inf is None else inf.split, node_G=self.node_G,
+                                     steer_options=steer_options)
         gate.layer_index = layer
         gate.recording = record
         moe.deepspeed_moe.gate = gate
         self.gates.append(gate)
-
-    def _table(self, layer: int) -> SlotTable:
-        return SlotTable.even(self.placement.log2phy[layer])
 
     def _reduce_fn(self):
         if not _dist_ready() or dist.get_world_size() == 1:
             return None
         return lambda packed_LW: dist.all_reduce(packed_LW)
 
-    def slot(self, layer: int, p: int) -> torch.nn.Module:
-        """The expert module of physical slot p (on this rank)."""
-        assert p // self.S == self.rank, f"slot {p} lives on EP rank {p // self.S}, not {self.rank}"
-        return self.moes[layer].deepspeed_moe.experts.deepspeed_experts[p % self.S]
+    def expert_module(self, layer: int, j: int) -> torch.nn.Module:
+        """This rank's j-th expert module of a layer (the module behind local slot j)."""
+        return self.moes[layer].deepspeed_moe.experts.deepspeed_experts[j]
+
+    def holds(self, plan: Placement, layer: int, rank: int, j: int) -> int:
+        """The logical expert in rank's local slot j under `plan` (-1: empty, or not a slot of the plan)."""
+        S = plan.slots_per_device
+        return int(plan.phy2log[layer, rank * S + j]) if j < S else -1
 
     # ------------------------------------------------------------------ per batch
     def after_batch(self) -> None:
-        """Step the balancer (one all-reduce), then re-plan if the view says so."""
+        """Every `view_interval` batches: step the balancer (one all-reduce of the tallies the gates
+        gathered since), then re-plan if the view says so."""
         if self.balancer is None:
             return
-        self.balancer.step()
         self.batches += 1
+        if self.batches % self.config.inference.view_interval:
+            return
+        self.balancer.step()
         cross_LG = self.balancer.view.cross_layer_pressure() if self.balancer.view.steps else None
         for layer, gate in enumerate(self.gates):
             gate.pressure_G = None if cross_LG is None else cross_LG[layer]
@@ -189,46 +200,59 @@ class Serving:
             self.maybe_replan()
 
     def maybe_replan(self) -> bool:
-        """Re-plan when the view is warm, the last plan is `replan_interval` batches old and a layer's
-        expected slot max/mean passes `replan_threshold`; returns whether a new placement serves."""
+        """Once the view is warm, at most every `replan_interval` batches, when a layer's expected slot
+        max/mean passes `replan_threshold`: plan replicas for every slot (from the current placement,
+        few moves), and serve the cheaper of that plan and DeepSpeed's own layout when it is expected to
+        cost `MIN_GAIN` less than the current placement. Cost: DeepSpeed pads every slot to the capacity,
+        so a layer costs its slots x its largest expected slot load (`expected_padded_cost`): extra
+        slots pay only where they cut the largest load more than they add slots. Returns whether a new
+        placement serves."""
         inf, view = self.config.inference, self.balancer.view
         if not view.ready:
             return False
         if self.last_plan_batch is not None and self.batches - self.last_plan_batch < inf.replan_interval:
             return False
         heat_LE = view.heat_LE
-        now = float(expected_slot_ratio(heat_LE, self.placement).max())
-        if now <= inf.replan_threshold:
+        if float(expected_slot_ratio(heat_LE, self.placement).max()) <= inf.replan_threshold:
             return False
         self.last_plan_batch = self.batches
-        plan = plan_placement(heat_LE, self.G, self.S, num_nodes=int(self.node_G.max()) + 1, previous=self.placement)
-        if float(expected_slot_ratio(heat_LE, plan).max()) >= now * (1 - 1e-9):
+        planned = plan_placement(heat_LE, self.G, self.S_max, num_nodes=int(self.node_G.max()) + 1,
+                                 previous=self.placement)
+        cost = {id(p): float(expected_padded_cost(heat_LE, p).sum()) for p in (planned, self.home, self.placement)}
+        best = min((planned, self.home), key=lambda p: cost[id(p)])
+        if best is self.placement or cost[id(best)] > (1 - MIN_GAIN) * cost[id(self.placement)]:
             return False
-        return self.apply(plan)
+        return self.apply(best)
 
     # ------------------------------------------------------------------ weight moves
-    def _moves(self, new_LP: torch.Tensor) -> list[tuple[int, int, int]]:
-        """(layer, destination slot, source slot) for every slot whose expert changes: the source is a
-        slot of the old placement holding that expert, on the destination's rank when there is one."""
-        old_LP = self.placement.phy2log
+    def _moves(self, plan: Placement) -> list[tuple[int, int, int, int, int]]:
+        """(layer, destination rank, its module, source rank, its module) for every slot of `plan` whose
+        module holds another expert now: the source is a slot of the serving placement that holds the
+        expert, on the destination's rank when there is one."""
+        old, S_old, S_new = self.placement, self.placement.slots_per_device, plan.slots_per_device
         moves = []
-        for layer, p in torch.nonzero((new_LP != old_LP) & (new_LP >= 0)).tolist():
-            holders = torch.nonzero(old_LP[layer] == new_LP[layer, p]).flatten().tolist()
-            local = [q for q in holders if q // self.S == p // self.S]
-            moves.append((layer, p, (local or holders)[0]))
+        for layer in range(self.L):
+            for p in range(self.G * S_new):
+                e, rank, j = int(plan.phy2log[layer, p]), p // S_new, p % S_new
+                if e < 0 or self.holds(old, layer, rank, j) == e:
+                    continue
+                holders = [(q // S_old, q % S_old) for q in torch.nonzero(old.phy2log[layer] == e).flatten().tolist()]
+                local = [h for h in holders if h[0] == rank]
+                src_rank, src_j = (local or holders)[0]
+                moves.append((layer, rank, j, src_rank, src_j))
         return moves
 
     def apply(self, plan: Placement) -> bool:
         """Move weights for `plan` and flip every rank to it, or keep the old placement everywhere."""
-        new_LP = plan.phy2log
-        if new_LP.shape != self.placement.phy2log.shape:
-            raise ValueError(f"a placement of {tuple(new_LP.shape)} slots for a model of "
-                             f"{tuple(self.placement.phy2log.shape)}")
-        key = int(hashlib.sha1(new_LP.numpy().tobytes()).hexdigest()[:15], 16)
-        moves = self._moves(new_LP)
+        if plan.phy2log.shape[0] != self.L or plan.num_experts != self.E or plan.num_devices != self.G \
+                or plan.slots_per_device > self.S_max:
+            raise ValueError(f"a placement of {tuple(plan.phy2log.shape)} slots ({plan.slots_per_device} per rank) "
+                             f"does not fit {self.L} layers x {self.G} ranks x at most {self.S_max} slots")
+        key = int(hashlib.sha1(plan.phy2log.numpy().tobytes()).hexdigest()[:15], 16)
+        moves = self._moves(plan)
         staging: dict[tuple[int, int], torch.Tensor] = {}
         ops, ok = [], True
-        try:   # phase 1a: staging buffers for our destination slots, the transfers to post
+        try:   # phase 1a: staging buffers for our destination modules, the transfers to post
             ops = self._prepare(moves, staging)
         except Exception as e:   # noqa: BLE001 - any failure must reach the agreement, not hang the peers
             ok = self._failed("preparing the weight moves", e)
@@ -246,34 +270,35 @@ class Serving:
             self.failed_moves += 1
             return False
         # phase 2: every rank got every weight: copy them in and flip the tables before the next forward
-        for (layer, p), flat in staging.items():
-            _unflatten_into(self.slot(layer, p), flat)
+        for (layer, j), flat in staging.items():
+            _unflatten_into(self.expert_module(layer, j), flat)
         self.placement = plan
-        for layer, gate in enumerate(self.gates):
-            gate.table = self._table(layer)
+        for layer, (moe, gate) in enumerate(zip(self.moes, self.gates)):
+            moe.deepspeed_moe.experts.num_local_experts = plan.slots_per_device
+            moe.deepspeed_moe.num_local_experts = plan.slots_per_device
+            gate.set_table(SlotTable.even(plan.log2phy[layer]), plan.slots_per_device)
         self.replans += 1
         self.weight_moves += len(moves)
         return True
 
     def _prepare(self, moves, staging) -> list:
         ops = []
-        for layer, p, q in moves:
-            dst, src = p // self.S, q // self.S
+        for layer, dst, dst_j, src, src_j in moves:
             if dst == self.rank:
-                staging[(layer, p)] = torch.empty_like(_flat(self.slot(layer, p)))
+                staging[(layer, dst_j)] = torch.empty_like(_flat(self.expert_module(layer, dst_j)))
                 if src == self.rank:
-                    staging[(layer, p)].copy_(_flat(self.slot(layer, q)))
+                    staging[(layer, dst_j)].copy_(_flat(self.expert_module(layer, src_j)))
                 else:
-                    ops.append(dist.P2POp(dist.irecv, staging[(layer, p)], self.ep_ranks[src]))
+                    ops.append(dist.P2POp(dist.irecv, staging[(layer, dst_j)], self.ep_ranks[src]))
             elif src == self.rank:
-                ops.append(dist.P2POp(dist.isend, _flat(self.slot(layer, q)), self.ep_ranks[dst]))
+                ops.append(dist.P2POp(dist.isend, _flat(self.expert_module(layer, src_j)), self.ep_ranks[dst]))
         return ops
 
     def _verify(self, staging) -> None:
         """What arrived must be finite (a weight move never loads garbage into a serving slot)."""
-        for (layer, p), flat in staging.items():
+        for (layer, j), flat in staging.items():
             if not bool(torch.isfinite(flat).all()):
-                raise ValueError(f"layer {layer} slot {p}: received non-finite expert weights")
+                raise ValueError(f"layer {layer} module {j}: received non-finite expert weights")
 
     def _failed(self, what: str, error: Exception) -> bool:
         warnings.warn(f"easybalance: {what} failed on rank {dist_rank()} ({type(error).__name__}: {error}); "
@@ -291,76 +316,50 @@ class Serving:
 
     # ------------------------------------------------------------------ checkpoints (DeepSpeed's file layout)
     def load_checkpoint(self, ckpt_dir: str, tag: Optional[str] = None) -> str:
-        """Load a DeepSpeed MoE checkpoint (a training engine's, or `save_checkpoint`'s): the non-expert
-        weights from `mp_rank_00_model_states.pt`, and every local slot from the file of the expert it
-        holds (`layer_{l}_expert_{e}_...`), so replicas are filled without communication."""
-        tag = _tag(ckpt_dir, tag)
-        folder = os.path.join(ckpt_dir, tag)
-        state = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"), map_location="cpu",
-                           weights_only=True)["module"]
-        names = self._moe_names()
-        for layer, name in enumerate(names):
-            for p in range(self.rank * self.S, (self.rank + 1) * self.S):
-                e = int(self.placement.phy2log[layer, p])
-                if e < 0:
-                    continue
-                expert = torch.load(os.path.join(folder, f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"),
-                                    map_location="cpu", weights_only=True)
-                prefix = f"{name}{EXPERTS_PREFIX}"
-                for key, value in expert.items():
-                    state[key.replace(f"{prefix}{e}.", f"{prefix}{p % self.S}.")] = value
-        empty = {k for k in self.module.state_dict() if k not in state}
-        unexpected = [k for k in state if k not in self.module.state_dict()]
-        if unexpected or any(not self._is_empty_slot_key(k) for k in empty):
-            raise ValueError(f"{folder}: checkpoint does not fit this model (missing "
-                             f"{sorted(k for k in empty if not self._is_empty_slot_key(k))[:4]}, unexpected "
-                             f"{unexpected[:4]})")
-        self.module.load_state_dict(state, strict=False)
-        return os.path.join(ckpt_dir, tag)
+        """Load a DeepSpeed MoE checkpoint (a training engine's, or `save_checkpoint`'s): every local slot
+        reads the file of the expert it holds, so replicas are filled without communication."""
+        return load_moe_checkpoint(self.module, ckpt_dir, tag,
+                                   holds=lambda layer, j: self.holds(self.placement, layer, self.rank, j))
 
     def logical_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """The home experts of this rank ({file name: expert state with global ids}) and, under the key
         "module", the non-expert weights: what DeepSpeed writes. A home expert that moved is fetched from
-        a slot that holds it (one batch_isend_irecv); a replica is never saved twice."""
-        names = self._moe_names()
-        wanted = []   # (layer, expert, holder slot)
-        for layer in range(self.L):
-            for e in range(self.E):
-                holders = torch.nonzero(self.placement.phy2log[layer] == e).flatten().tolist()
-                home = e // self.H
-                local = [q for q in holders if q // self.S == home]
-                wanted.append((layer, e, (local or holders)[0]))
+        a slot that holds it (one batch_isend_irecv); a replica is never saved twice. Collective."""
+        names, S = self._moe_names(), self.S
         flats: dict[tuple[int, int], torch.Tensor] = {}
         ops = []
-        for layer, e, q in wanted:
-            home, src = e // self.H, q // self.S
-            if home == self.rank:
-                flats[(layer, e)] = _flat(self.slot(layer, q)) if src == self.rank else \
-                    torch.empty_like(_flat(self.slot(layer, self.rank * self.S)))
-                if src != self.rank:
-                    ops.append(dist.P2POp(dist.irecv, flats[(layer, e)], self.ep_ranks[src]))
-            elif src == self.rank:
-                ops.append(dist.P2POp(dist.isend, _flat(self.slot(layer, q)), self.ep_ranks[home]))
+        for layer in range(self.L):
+            for e in range(self.E):
+                holders = [(q // S, q % S) for q in torch.nonzero(self.placement.phy2log[layer] == e).flatten().tolist()]
+                home = e // self.H
+                src, src_j = ([h for h in holders if h[0] == home] or holders)[0]
+                if home == self.rank:
+                    source = _flat(self.expert_module(layer, src_j if src == self.rank else 0))
+                    flats[(layer, e)] = source if src == self.rank else torch.empty_like(source)
+                    if src != self.rank:
+                        ops.append(dist.P2POp(dist.irecv, flats[(layer, e)], self.ep_ranks[src]))
+                elif src == self.rank:
+                    ops.append(dist.P2POp(dist.isend, _flat(self.expert_module(layer, src_j)), self.ep_ranks[home]))
         if ops:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
         out: dict[str, dict[str, torch.Tensor]] = {}
         for (layer, e), flat in flats.items():
-            shapes = [(n, p.shape) for n, p in self.slot(layer, self.rank * self.S).named_parameters()]
+            shapes = [(n, p.shape) for n, p in self.expert_module(layer, 0).named_parameters()]
             parts = torch.split(flat, [s.numel() for _, s in shapes])
             out[f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"] = {
-                f"{names[layer]}{EXPERTS_PREFIX}{e}.{n}": part.view(shape).clone() for (n, shape), part in zip(shapes, parts)}
+                f"{names[layer]}{EXPERTS_PREFIX}{e}.{n}": part.view(shape).clone()
+                for (n, shape), part in zip(shapes, parts)}
         out["module"] = {k: v.clone() for k, v in self.module.state_dict().items() if EXPERTS_PREFIX not in k}
         return out
 
     def save_checkpoint(self, ckpt_dir: str, tag: str = "served") -> str:
-        """Write DeepSpeed's MoE checkpoint layout with the logical experts (every rank its home experts;
-        EP rank 0 of data-parallel replica 0 the non-expert weights and `latest`). Collective."""
+        """Write DeepSpeed's MoE checkpoint layout with the logical experts (every rank of the first EP group
+        its home experts; global rank 0 the non-expert weights and `latest`). Collective."""
         state = self.logical_state_dict()
         folder = os.path.join(ckpt_dir, tag)
         os.makedirs(folder, exist_ok=True)
-        writer = 0 in self.ep_ranks            # the first EP group writes (every EP group holds the same)
-        if writer:
+        if 0 in self.ep_ranks:                 # the first EP group writes (every EP group holds the same)
             for name, tensors in state.items():
                 if name != "module":
                     torch.save(tensors, os.path.join(folder, name))
@@ -376,13 +375,47 @@ class Serving:
     def _moe_names(self) -> list[str]:
         return [name for name, _ in find_moe_layers(self.module)]
 
-    def _is_empty_slot_key(self, key: str) -> bool:
-        for layer, name in enumerate(self._moe_names()):
-            prefix = f"{name}{EXPERTS_PREFIX}"
-            if key.startswith(prefix):
-                local = int(key[len(prefix):].split(".", 1)[0])
-                return int(self.placement.phy2log[layer, self.rank * self.S + local]) < 0
-        return False
+
+
+def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[str] = None, holds=None) -> str:
+    """Load DeepSpeed's MoE checkpoint layout into `module` on this rank: the non-expert weights from
+    `mp_rank_00_model_states.pt`, and each local expert module j of MoE layer l from the file of the
+    expert it holds, `layer_{l}_expert_{e}_mp_rank_00_model_states.pt` (read with weights_only=True).
+
+    holds(l, j) -> logical expert in local module j (-1: none); default DeepSpeed's layout, expert
+    EP-rank * local experts + j. Works for a plain DeepSpeed model whose layers have their EP groups.
+    """
+    tag = _tag(ckpt_dir, tag)
+    folder = os.path.join(ckpt_dir, tag)
+    moes = find_moe_layers(module)
+    if holds is None:
+        def holds(layer, j):
+            moe = moes[layer][1]
+            group = moe.deepspeed_moe.ep_group
+            ep_rank = dist.get_rank(group) if _dist_ready() and moe.ep_size > 1 else 0
+            return ep_rank * moe.num_local_experts + j if j < moe.num_local_experts else -1
+    state = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"), map_location="cpu",
+                       weights_only=True)["module"]
+    empty = set()
+    for layer, (name, moe) in enumerate(moes):
+        prefix = f"{name}{EXPERTS_PREFIX}"
+        for j in range(len(moe.deepspeed_moe.experts.deepspeed_experts)):
+            e = holds(layer, j)
+            if e < 0:
+                empty.add(f"{prefix}{j}.")
+                continue
+            expert = torch.load(os.path.join(folder, f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"),
+                                map_location="cpu", weights_only=True)
+            for key, value in expert.items():
+                state[key.replace(f"{prefix}{e}.", f"{prefix}{j}.")] = value
+    wanted = module.state_dict()
+    missing = sorted(k for k in wanted if k not in state and not any(k.startswith(p) for p in empty))
+    unexpected = sorted(k for k in state if k not in wanted)
+    if missing or unexpected:
+        raise ValueError(f"{folder}: checkpoint does not fit this model (missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]})")
+    module.load_state_dict(state, strict=False)
+    return folder
 
 
 def dist_rank() -> int:
@@ -425,7 +458,8 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     engine = deepspeed.init_inference(model, config=ds_config, **kwargs)
     module = engine.module
     for _, moe in find_moe_layers(module):
-        moe.set_deepspeed_parallelism()       # the groups deepspeed.init_inference never hands over
+        if moe.deepspeed_moe.ep_group is None:
+            moe.set_deepspeed_parallelism()   # the groups deepspeed.init_inference never hands over
     module.eval()
     serving = Serving(module, eb_config if eb_config.enabled else None)
     engine.serving = serving
