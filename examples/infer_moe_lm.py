@@ -137,6 +137,7 @@ def main(argv=None):
         "device_max_over_mean": M.max_over_mean(view.pressure_LG).tolist(),
     }
     if rank == 0:
+        balancer.flush_log()            # the log ends on the last view update
         balancer.logger.close()
         if not args.no_report:
             from eb_deepspeed.observe.report import render_report

@@ -175,6 +175,7 @@ def main(argv=None):
                                          if tail and key in tail[0]}}
         if balancer is not None:
             summary["balance"] = {k: v for k, v in balancer.metrics().items() if not isinstance(v, list)}
+            balancer.flush_log()        # the log ends on the last step
             balancer.logger.close()
             if not args.no_report:
                 from eb_deepspeed.observe.report import render_report

@@ -102,7 +102,8 @@ def test_the_import_graph_has_no_cycle():
 
 
 def test_the_public_surface_of_the_design_is_importable_from_the_top_level():
-    names = ["initialize", "EasyBalanceConfig", "ConfigError", "metrics", "plan_placement", "steer", "load_trace"]
+    names = ["initialize", "init_inference", "EasyBalanceConfig", "ConfigError", "metrics", "plan_placement", "steer",
+             "load_trace"]
     for name in names:
         assert getattr(importlib.import_module("eb_deepspeed"), name) is not None, name
     assert set(names) <= set(eb_deepspeed.__all__)

@@ -28,16 +28,21 @@ def wandb_history(run_file) -> dict[int, dict]:
     return rows
 
 
-def deepspeed_launch(run_dir, *extra, timeout=420):
+def launcher(script, *args, timeout=420):
+    """The real `deepspeed` launcher with 2 CPU ranks."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", WANDB_MODE="offline", TORCH_EXTENSIONS_DIR=EXT_DIR,
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-           os.path.join(ROOT, "examples", "train_moe_lm.py"), "--deepspeed_config",
-           os.path.join(ROOT, "configs", "train_cpu_2rank.json"), "--run-dir", str(run_dir), "--layers", "2",
-           "--max-bytes", "300000", "--eval-every", "3", "--eval-batches", "1", *extra]
+           os.path.join(ROOT, "examples", script), *args]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def deepspeed_launch(run_dir, *extra):
+    return launcher("train_moe_lm.py", "--deepspeed_config", os.path.join(ROOT, "configs", "train_cpu_2rank.json"),
+                    "--run-dir", str(run_dir), "--layers", "2", "--max-bytes", "300000", "--eval-every", "3",
+                    "--eval-batches", "1", *extra)
 
 
 def test_the_main_job_trains_logs_plots_checkpoints_and_resumes(tmp_path):
@@ -78,3 +83,21 @@ def test_the_main_job_trains_logs_plots_checkpoints_and_resumes(tmp_path):
     records = [json.loads(line) for line in (run / "balance" / "balance.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [5, 10, 15]  # the resumed view continues the step count
     assert json.loads((run / "summary.json").read_text())["steps"] == 15
+
+
+def test_the_served_model_gives_the_trained_models_outputs_and_logs_its_balance(tmp_path):
+    """examples/infer_moe_lm.py on a checkpoint the main job wrote: plain DeepSpeed and eb_deepspeed's
+    replicated serving side by side."""
+    run = tmp_path / "run"
+    deepspeed_launch(run, "--steps", "6", "--no-report")
+    infer = tmp_path / "infer"
+    launcher("infer_moe_lm.py", "--config", os.path.join(ROOT, "configs", "infer_cpu_2rank.json"), "--ckpt",
+             str(run / "ckpt"), "--run-dir", str(infer), "--layers", "2", "--batches", "12", "--batch", "4")
+    summary = json.loads((infer / "summary.json").read_text())
+    assert summary["outputs_identical"] and summary["ranks"] == 2
+    assert summary["val_loss"]["eb"] == summary["val_loss"]["plain"] < 5.545     # trained: below a uniform guess
+    assert summary["tokens_per_s"]["plain"] > 0 and summary["tokens_per_s"]["eb"] > 0
+    assert 0 <= summary["drop_rate_cf1"]["plain"] < 1 and 0 <= summary["drop_rate_cf1"]["eb"] < 1
+    records = [json.loads(line) for line in (infer / "balance" / "balance.jsonl").read_text().splitlines()]
+    assert records and records[-1]["mode"] == "balance" and len(records[-1]["pressure_LG"]) == 2
+    assert "replans" in records[-1] and all(os.path.exists(p) for p in summary["plots"])

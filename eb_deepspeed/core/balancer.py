@@ -111,6 +111,7 @@ class Balancer:
         self.samples = 0                  # the adapter's sample count, for log steps
         self._warned_nonfinite = False
         self.extra_metrics: Optional[Callable[[], dict]] = None   # an adapter's own numbers for the record
+        self._logged_step = 0
         self.apply_controls()
 
     @property
@@ -153,8 +154,15 @@ class Balancer:
             warnings.warn(f"easybalance: non-finite router logits in MoE layers {bad} at step {self.view.steps}; "
                           "those layers were left out of the load view for that step (warned once)")
         if self.view.steps % self.config.log.interval == 0:
-            self.logger.log(self.record(), self.samples or self.view.steps)
+            self.flush_log()
         return valid_L
+
+    def flush_log(self) -> None:
+        """Log the current record unless this step's is logged already (call at the end of a run, so the
+        log ends on its last step)."""
+        if self.view.steps and self.view.steps != self._logged_step:
+            self._logged_step = self.view.steps
+            self.logger.log(self.record(), self.samples or self.view.steps)
 
     def apply_controls(self) -> None:
         """Hand the controller's weights (and bias) to the local gates; observe mode touches nothing."""

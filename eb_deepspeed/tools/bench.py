@@ -24,18 +24,25 @@ from ..planning.oracle import brute_force_optimum, steered_max_load
 __all__ = ["bench_gate", "bench_train", "bench_plan", "bench_optimum", "free_port", "pareto_loads", "TRAIN_ROWS"]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _time_gate(gate, x_TM: torch.Tensor, seed: int) -> float:
     torch.manual_seed(seed)  # same Gumbel / RTS draws for both gates
     x_TM.grad = None
     gate.wg.weight.grad = None
+    _sync(x_TM.device)
     t0 = time.perf_counter()
     l_aux, _, _, _, _, gates_KT, _ = gate(x_TM, None, True, False)
     (l_aux + gates_KT.sum()).backward()
+    _sync(x_TM.device)
     return time.perf_counter() - t0
 
 
 def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int = 2, repeats: int = 30,
-               warmup: int = 3, progress: bool = False) -> dict[str, object]:
+               warmup: int = 3, progress: bool = False, device: str = "cpu") -> dict[str, object]:
     """Time CrossLayerGate against TopKGate on the same weights and inputs, interleaved.
 
     Each repeat times both gates back to back (alternating which goes first); the ratio is
@@ -48,9 +55,9 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
     rows = []
     for num_experts in experts:
         torch.manual_seed(0)
-        ds_gate = TopKGate(hidden, num_experts, k=k, capacity_factor=1.0, min_capacity=4).train()
+        ds_gate = TopKGate(hidden, num_experts, k=k, capacity_factor=1.0, min_capacity=4).to(device).train()
         eb_gate = CrossLayerGate.from_topk_gate(ds_gate, layer_index=0).train()
-        x_TM = torch.randn(tokens, hidden, requires_grad=True)
+        x_TM = torch.randn(tokens, hidden, device=device, requires_grad=True)
         times = {"deepspeed": [], "easybalance": []}
         for rep in range(warmup + repeats):
             order = [("deepspeed", ds_gate), ("easybalance", eb_gate)]
@@ -60,7 +67,7 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
                 dt = _time_gate(gate, x_TM, seed=rep)
                 if rep >= warmup:
                     times[name].append(dt)
-            eb_gate.take_tally(torch.device("cpu"))  # the step boundary drains it
+            eb_gate.take_tally(device)  # the step boundary drains it
         ds_med, eb_med = statistics.median(times["deepspeed"]), statistics.median(times["easybalance"])
         rows.append({"tokens": tokens, "hidden": hidden, "experts": num_experts, "k": k,
                      "deepspeed_ms": round(ds_med * 1e3, 3), "easybalance_ms": round(eb_med * 1e3, 3),
@@ -69,7 +76,8 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
             print(f"  E={num_experts}: TopKGate {ds_med * 1e3:.2f} ms, CrossLayerGate {eb_med * 1e3:.2f} ms, "
                   f"ratio {eb_med / ds_med:.3f}", flush=True)
     ratio = statistics.geometric_mean([r["ratio"] for r in rows])
-    return {"benchmark": "gate", "mode": "forward+backward, sparse routes", "threads": torch.get_num_threads(),
+    return {"benchmark": "gate", "mode": "forward+backward, sparse routes", "device": str(device),
+            "threads": torch.get_num_threads(),
             "repeats": repeats, "rows": rows, "ratio": round(ratio, 4), "target": 1.05,
             "targets": {"gate_ratio_le_1.05": bool(ratio <= 1.05)}}
 
@@ -184,12 +192,8 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
     (`steer_experts` experts of hidden -> 4 * hidden -> hidden, ep_size 1) on the same `tokens`
     in this process, side by side (target: steering <= 2 % of the layer).
     """
-    from deepspeed.moe.experts import Experts
-    from deepspeed.moe.sharded_moe import MOELayer, TopKGate
-
     from ..planning.flows import steered_load
     from ..planning.placement import plan_placement
-    from ..planning.steering import steer
 
     g = torch.Generator().manual_seed(0)
     load_LE = torch.rand(layers, experts, generator=g).pow(-1 / 1.2)
@@ -205,28 +209,9 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
         greedy_ms.append((time.perf_counter() - t0) * 1e3)
     greedy_steered_LG = steered_load(greedy, load_LE, iters=16)
 
-    E, G = steer_experts, steer_devices
-    heat_E = torch.rand(1, E, generator=g).pow(-1 / 1.2)
-    small = plan_placement(heat_E, G, 2 * E // G, num_nodes=1)
-    probs_E = heat_E[0] / heat_E.sum()
-    counts_GE = torch.distributions.Multinomial(tokens * k, probs_E).sample((G, )).long()
-    steer_ms = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        steer(counts_GE, small.expert_devices()[0], torch.zeros(G, dtype=torch.long), pressure_G=torch.rand(G))
-        steer_ms.append((time.perf_counter() - t0) * 1e3)
-
-    torch.manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden))
-    layer = MOELayer(TopKGate(hidden, E, k=k, min_capacity=4), Experts(mlp, E, "ep_size_1"), "ep_size_1", 1, E).eval()
-    x = torch.randn(1, tokens, hidden)
-    layer_ms = []
-    with torch.no_grad():
-        for _ in range(max(2, repeats // 2)):
-            t0 = time.perf_counter()
-            layer(x, None)
-            layer_ms.append((time.perf_counter() - t0) * 1e3)
-    plan_med, steer_med, layer_med = (statistics.median(v) for v in (plan_ms, steer_ms, layer_ms))
+    steering = bench_steering(tokens=tokens, hidden=hidden, experts=steer_experts, devices=steer_devices, k=k,
+                              repeats=repeats)
+    plan_med = statistics.median(plan_ms)
     return {"benchmark": "plan", "threads": torch.get_num_threads(),
             "planner": {"layers": layers, "experts": experts, "devices": devices, "slots_per_device": slots,
                         "nodes": nodes, "median_ms": round(plan_med, 2), "target_ms": 100,
@@ -234,10 +219,50 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
                         "balancedness_steered": round(_balancedness(plan.steered_load_LG), 4),
                         "greedy_only_median_ms": round(statistics.median(greedy_ms), 2),
                         "greedy_only_balancedness_steered": round(_balancedness(greedy_steered_LG), 4)},
-            "steering": {"ranks": G, "experts": E, "tokens_per_rank": tokens, "k": k, "median_ms": round(steer_med, 3),
-                         "moe_layer_forward_ms": round(layer_med, 2), "ratio": round(steer_med / layer_med, 5),
-                         "target_ratio": 0.02},
-            "targets": {"planner_ms_le_100": bool(plan_med <= 100), "steering_ratio_le_0.02": bool(steer_med / layer_med <= 0.02)}}
+            "steering": steering,
+            "targets": {"planner_ms_le_100": bool(plan_med <= 100),
+                        "steering_ratio_le_0.02": bool(steering["ratio"] <= 0.02)}}
+
+
+def bench_steering(tokens: int = 4096, hidden: int = 1024, experts: int = 64, devices: int = 8, k: int = 2,
+                   repeats: int = 5, device: str = "cpu") -> dict[str, object]:
+    """steer() for one layer (`devices` source ranks x `experts` experts, `tokens` per rank, top-k, two slots
+    per expert on average; on the host) against the forward of a DeepSpeed MoE layer (`experts` experts of
+    hidden -> 4 * hidden -> hidden, ep_size 1, on `device`) on the same tokens, side by side."""
+    from deepspeed.moe.experts import Experts
+    from deepspeed.moe.sharded_moe import MOELayer, TopKGate
+
+    from ..planning.placement import plan_placement
+    from ..planning.steering import steer
+
+    g = torch.Generator().manual_seed(1)
+    E, G = experts, devices
+    heat_E = torch.rand(1, E, generator=g).pow(-1 / 1.2)
+    small = plan_placement(heat_E, G, 2 * E // G, num_nodes=1)
+    counts_GE = torch.distributions.Multinomial(tokens * k, heat_E[0] / heat_E.sum()).sample((G, )).long()
+    steer_ms = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        steer(counts_GE, small.expert_devices()[0], torch.zeros(G, dtype=torch.long), pressure_G=torch.rand(G))
+        steer_ms.append((time.perf_counter() - t0) * 1e3)
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden))
+    layer = MOELayer(TopKGate(hidden, E, k=k, min_capacity=4), Experts(mlp, E, "ep_size_1"), "ep_size_1", 1, E)
+    layer = layer.to(device).eval()
+    x = torch.randn(1, tokens, hidden, device=device)
+    layer_ms = []
+    with torch.no_grad():
+        for rep in range(max(2, repeats // 2) + 1):
+            _sync(x.device)
+            t0 = time.perf_counter()
+            layer(x, None)
+            _sync(x.device)
+            if rep:                                        # the first call warms up (kernels, allocator)
+                layer_ms.append((time.perf_counter() - t0) * 1e3)
+    steer_med, layer_med = statistics.median(steer_ms), statistics.median(layer_ms)
+    return {"ranks": G, "experts": E, "tokens_per_rank": tokens, "k": k, "device": str(device),
+            "median_ms": round(steer_med, 3), "moe_layer_forward_ms": round(layer_med, 2),
+            "ratio": round(steer_med / layer_med, 5), "target_ratio": 0.02}
 
 
 def pareto_loads(L: int, E: int, seed: int = 0) -> torch.Tensor:

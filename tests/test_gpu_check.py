@@ -1,0 +1,34 @@
+"""launch/gpu_check.sh: the one accelerator check, run on this CPU (the same code), and on CUDA when there is one."""
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def run(*args):
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "gpu_check.sh"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_gpu_check_runs_on_cpu_and_writes_one_json_with_its_targets():
+    result = run("--cpu", "--quick")
+    assert result["device"] == "cpu" and result["quick"]
+    assert set(result["targets"]) == {"gate_ratio_le_1.05", "steering_ratio_le_0.02", "bf16_parity"}
+    assert result["bf16"]["same_routes"] and result["bf16"]["same_gate_values"]   # bf16 parity holds on CPU too
+    assert result["gate"]["ratio"] > 0 and result["steering"]["ratio"] > 0
+    with open(os.path.join(ROOT, "runs", "gpu_check_cpu.json")) as f:
+        assert json.load(f) == result
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (this machine has none)")
+def test_the_gpu_check_meets_its_targets_on_a_cuda_gpu():
+    result = run()
+    assert result["device"] == "cuda" and all(result["targets"].values()), result
