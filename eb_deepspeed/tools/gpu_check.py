@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -73,6 +74,7 @@ def main(argv=None) -> int:
     result = gpu_check(args.device, args.quick)
     text = json.dumps(result)
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text + "\n")
     print(text)
