@@ -404,37 +404,72 @@ def _serve_block(p, **inference):
                           **inference}}
 
 
-def _skewed_batch(b: int, rank: int, vocab: int = 24):
-    """Unequal batches per rank (2 + rank sequences) from a small vocabulary: skewed routing."""
+def _skewed_batch(b: int, rank: int, vocab: int = 24, equal: bool = False):
+    """Unequal batches per rank (2 + rank sequences; 2 each with `equal`) from a small vocabulary."""
     g = torch.Generator().manual_seed(100 * b + rank)
-    return torch.randint(0, vocab, (2 + rank, SMALL["seq_len"]), generator=g)
+    return torch.randint(0, vocab, (2 if equal else 2 + rank, SMALL["seq_len"]), generator=g)
 
 
-def _serve_and_compare(engine, plain, batches: int, rank: int, vocab: int = 24):
+def _serve_and_compare(engine, plain, batches: int, rank: int, vocab: int = 24, start: int = 0, equal: bool = False):
     rows = []
-    for b in range(batches):
-        x = _skewed_batch(b, rank, vocab)
+    for b in range(start, start + batches):
+        x = _skewed_batch(b, rank, vocab, equal)
+        serving = engine.serving
+        served_by = serving.placement.phy2log.clone()            # the placement that serves this batch
+        replicated = not serving.gates[0].home_layout
         with torch.no_grad():
             torch.manual_seed(b)
             expected = plain(x)[0]
             torch.manual_seed(b)
             got = engine(x)[0]
-        serving = engine.serving
         rows.append({"equal": torch.equal(expected, got), "maxdiff": float((expected - got).abs().max()),
-                     "replans": serving.replans, "phy2log": serving.placement.phy2log.clone(),
+                     "replans": serving.replans, "phy2log": served_by, "replicated": replicated,
                      "capacity": [g.last_capacity for g in serving.gates]})
     return rows
 
 
 def scenario_serve_equivalence(p):
-    """Replicated serving (P = E or P > E, re-plans forced) against DeepSpeed's exact eval forward."""
+    """Replicated serving (P = E or P > E, re-plans forced) against DeepSpeed's exact eval forward, then back
+    to DeepSpeed's layout (fewer slots per rank) and on."""
     rank = torch.distributed.get_rank()
-    block = _serve_block(p, replica_slots=p["replica_slots"], split=p.get("split", "view"))
-    engine = eb_deepspeed.init_inference(_skewed(make_model(drop_tokens=False, ep_size=2)), config={"easybalance": block})
-    plain = _skewed(_plain_eval_model(drop_tokens=False, ep_size=2))
-    rows = _serve_and_compare(engine, plain, p["batches"], rank)
-    return {"rows": rows, "S_max": engine.serving.S_max, "moves": engine.serving.weight_moves,
+    block = _serve_block(p, replica_slots=p["replica_slots"], split=p.get("split", "view"),
+                         view_interval=p.get("view_interval", 1))
+    kw = dict(drop_tokens=False, ep_size=p.get("ep", 2), k=p.get("k", 2))
+    engine = eb_deepspeed.init_inference(_skewed(make_model(**kw)), config={"easybalance": block})
+    plain = _skewed(_plain_eval_model(**kw))
+    equal = p.get("equal_batches", False)
+    rows = _serve_and_compare(engine, plain, p["batches"], rank, equal=equal)
+    returned = engine.serving.apply(engine.serving.home)          # back to DeepSpeed's layout
+    rows += _serve_and_compare(engine, plain, 2, rank, start=p["batches"], equal=equal)
+    return {"rows": rows, "S_max": engine.serving.S_max, "moves": engine.serving.weight_moves, "returned": returned,
             "metrics": engine.easybalance.metrics(), "log": os.path.join(p["out"], "serve_log")}
+
+
+def scenario_serve_drops(p):
+    """drop_tokens=True with replicas, unequal batches: one capacity everywhere, no slot past it, every
+    token's kept gates summing to 1."""
+    from eb_deepspeed.planning import plan_placement
+    rank = torch.distributed.get_rank()
+    engine = eb_deepspeed.init_inference(_skewed(make_model(drop_tokens=True, ep_size=2, capacity_factor=0.5)),
+                                         config={"easybalance": _serve_block(p)})
+    serving = engine.serving
+    serving.apply(plan_placement(torch.tensor([[9.0, 1, 1, 1]] * 2), 2, serving.S_max, previous=serving.placement))
+    seen = []
+    gate = serving.gates[0]
+    gate.register_forward_hook(lambda m, a, o: seen.append(o))
+    for b in range(3):
+        with torch.no_grad():
+            engine(_skewed_batch(b, rank))
+    out = []
+    for l_aux, capacity, P, slot_KT, location_KT, gates_KT, counts_E in seen:
+        kept = slot_KT >= 0
+        pairs = slot_KT[kept].long() * 10_000 + location_KT[kept].long()
+        token_kept = kept.any(0)
+        out.append({"capacity": int(capacity), "P": P, "dropped": int((~kept).sum()), "routes": kept.numel(),
+                    "max_location": int(location_KT[kept].max()) if bool(kept.any()) else -1,
+                    "unique": pairs.numel() == pairs.unique().numel(),
+                    "gate_sums": gates_KT.sum(0)[token_kept].tolist(), "replicated": not gate.home_layout})
+    return {"rows": out}
 
 
 def scenario_serve_no_block(p):
@@ -494,6 +529,12 @@ def scenario_serve_checkpoint(p):
     plain = _plain_eval_model(seed=99, drop_tokens=False, ep_size=2)
     plain.load_state_dict({k: v for k, v in trainer.module.state_dict().items()})
     rows = _serve_and_compare(engine, plain, 3, rank)
+    engine.serving.load_checkpoint(ckpt)       # now the replicas read their experts' files
+    rows += _serve_and_compare(engine, plain, 1, rank, start=3)
+    loaded_plain = _plain_eval_model(seed=123, drop_tokens=False, ep_size=2)
+    eb_deepspeed.load_moe_checkpoint(loaded_plain, ckpt)
+    plain_matches = all(torch.equal(a, b) for a, b in zip(loaded_plain.state_dict().values(),
+                                                          trainer.module.state_dict().values()))
     engine.serving.save_checkpoint(back, tag="served")
     torch.distributed.barrier()
     original, saved = {}, {}
@@ -503,7 +544,7 @@ def scenario_serve_checkpoint(p):
                 data = torch.load(os.path.join(folder, name), map_location="cpu", weights_only=True)
                 into[name] = data["module"] if name.startswith("mp_rank") else data
     return {"rows": rows, "original": original, "saved": saved, "replans": engine.serving.replans,
-            "latest": open(os.path.join(back, "latest")).read()}
+            "latest": open(os.path.join(back, "latest")).read(), "plain_matches": plain_matches}
 
 
 class _OneMoE(torch.nn.Module):
@@ -521,8 +562,12 @@ class _OneMoE(torch.nn.Module):
 def scenario_serve_empty(p):
     """Rank 1 serves an empty batch while rank 0 serves tokens: no hang, rank 0's output is right."""
     from eb_deepspeed.adapters.deepspeed import find_moe_layers
+    from eb_deepspeed.planning import plan_placement
     rank = torch.distributed.get_rank()
-    engine = eb_deepspeed.init_inference(_OneMoE(), config={"easybalance": _serve_block(p, split=p["split"])})
+    engine = eb_deepspeed.init_inference(_OneMoE(), config={"easybalance": _serve_block(
+        p, split=p["split"], replan_interval=1000)})
+    serving = engine.serving    # replicas serving from the start: the gate's general path, not DeepSpeed's own
+    serving.apply(plan_placement(torch.tensor([[9.0, 1, 1, 1]]), 2, serving.S_max, previous=serving.placement))
     plain = _OneMoE()
     for _, moe in find_moe_layers(plain):
         moe.set_deepspeed_parallelism()
@@ -541,7 +586,7 @@ def scenario_serve_empty(p):
         # the reference pads its slots to another capacity (rank 1 has tokens there): equal up to rounding
         out.append({"shape": tuple(got.shape),
                     "equal": bool(torch.allclose(expected, got, atol=1e-6, rtol=1e-5)) if rank == 0 else True})
-    return {"rows": out, "steps": engine.easybalance.view.steps}
+    return {"rows": out, "steps": engine.easybalance.view.steps, "replicated": not serving.gates[0].home_layout}
 
 
 def main():

@@ -8,28 +8,56 @@ import torch
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("world_size, replica_slots, split", [(2, 0, "view"), (2, 1, "view"), (2, 1, "exact"),
-                                                              (4, 1, "view")])
+CASES = [  # (ranks, EP size, replica slots, split, top-k, equal batches, view interval)
+    (2, 2, 0, "view", 2, False, 1), (2, 2, 1, "view", 2, False, 1), (2, 2, 1, "exact", 2, False, 1),
+    (4, 2, 1, "view", 2, False, 1),   # EP 2 x DP 2
+    (4, 4, 1, "view", 2, False, 1),   # EP 4: one home expert per rank
+    (2, 2, 1, "view", 1, True, 1),    # top-1 (plain DeepSpeed's top-1 needs equal batches: it clips the capacity)
+    (2, 2, 1, "view", 3, False, 2),   # top-3 (the gate's own path even in DeepSpeed's layout), view every 2 batches
+]
+
+
+@pytest.mark.parametrize("world_size, ep, replica_slots, split, k, equal_batches, view_interval", CASES)
 def test_replicated_serving_gives_deepspeeds_outputs_through_re_plans_with_unequal_batches(
-        run_dist, world_size, replica_slots, split):
-    ranks = run_dist("serve_equivalence", world_size, replica_slots=replica_slots, split=split, batches=4)
+        run_dist, world_size, ep, replica_slots, split, k, equal_batches, view_interval):
+    batches = 4
+    ranks = run_dist("serve_equivalence", world_size, replica_slots=replica_slots, split=split, batches=batches, ep=ep,
+                     k=k, equal_batches=equal_batches, view_interval=view_interval)
+    G = ep
     for rank in ranks:
-        assert rank["S_max"] == 2 + replica_slots
+        assert rank["S_max"] == 4 // G + replica_slots
         assert all(row["equal"] for row in rank["rows"]), [row["maxdiff"] for row in rank["rows"]]
-    if replica_slots:   # re-plans happened, and every rank flipped to the same placement at the same batch
-        assert ranks[0]["rows"][-1]["replans"] >= 1 and ranks[0]["moves"] > 0
-        for b in range(4):
+        assert rank["metrics"]["steps"] == (batches + 2) // view_interval
+    rows = ranks[0]["rows"]
+    # with top-3 over 4 experts one expert takes at most a third of the routes: replicas never pay there
+    if replica_slots and k < 3:   # replicas served some batches; every rank flipped to the same placement together
+        assert any(row["replicated"] for row in rows[:batches]) and ranks[0]["moves"] > 0
+        for b in range(batches + 2):
             assert len({r["rows"][b]["replans"] for r in ranks}) == 1
-            assert all(torch.equal(r["rows"][b]["phy2log"], ranks[0]["rows"][b]["phy2log"]) for r in ranks)
-        placement = ranks[0]["rows"][-1]["phy2log"]
-        assert placement.shape == (2, 2 * (2 + replica_slots))    # the replicated plan serves
+            assert all(torch.equal(r["rows"][b]["phy2log"], rows[b]["phy2log"]) for r in ranks)
+        placement = rows[batches - 1]["phy2log"]     # served by replicas (planned after an earlier batch)
+        assert placement.shape == (2, G * (4 // G + replica_slots))
         for layer in placement:   # every expert keeps a live replica; no rank holds an expert twice
             assert set(layer.tolist()) >= {0, 1, 2, 3}
-            for dev in layer.view(2, -1):
+            for dev in layer.view(G, -1):
                 live = [e for e in dev.tolist() if e >= 0]
                 assert len(live) == len(set(live))
+        # back to DeepSpeed's layout (fewer slots per rank): weights moved back, outputs still DeepSpeed's
+        assert ranks[0]["returned"] and not rows[batches]["replicated"]
+        assert torch.equal(rows[batches]["phy2log"], torch.arange(4).expand(2, 4))
     assert os.path.exists(os.path.join(ranks[0]["log"], "balance.jsonl"))
-    assert ranks[0]["metrics"]["steps"] == 4
+
+
+def test_replicas_with_drops_agree_on_one_capacity_and_keep_every_kept_token_whole(run_dist):
+    ranks = run_dist("serve_drops", 2)
+    for b in range(3):
+        assert len({r["rows"][b]["capacity"] for r in ranks}) == 1      # one capacity, unequal batches
+    for rank in ranks:
+        for row in rank["rows"]:
+            assert row["replicated"] and row["P"] == 6
+            assert row["max_location"] < row["capacity"] and row["unique"]
+            assert all(abs(s - 1.0) < 1e-5 for s in row["gate_sums"])
+    assert sum(row["dropped"] for r in ranks for row in r["rows"]) > 0   # capacity factor 0.5 does drop
 
 
 def test_init_inference_without_a_block_is_deepspeeds_forward_made_correct(run_dist):
@@ -56,6 +84,8 @@ def test_a_plain_deepspeed_checkpoint_loads_into_replicas_and_saves_back_to_the_
     ranks = run_dist("serve_checkpoint", 2)
     for rank in ranks:
         assert rank["replans"] >= 1 and all(row["equal"] for row in rank["rows"])
+        assert rank["rows"][-1]["replicated"]          # the reload filled replica slots from the files
+        assert rank["plain_matches"]                   # load_moe_checkpoint on a plain model: the trained tensors
         assert rank["latest"] == "served"
         original, saved = rank["original"], rank["saved"]
         assert set(saved) == set(original) and len(saved) == 1 + 2 * 4   # module + 2 layers x 4 experts, once each
@@ -68,6 +98,7 @@ def test_a_plain_deepspeed_checkpoint_loads_into_replicas_and_saves_back_to_the_
 @pytest.mark.parametrize("split", ["view", "exact"])
 def test_an_empty_batch_on_one_rank_serves_without_a_hang(run_dist, split):
     ranks = run_dist("serve_empty", 2, split=split)
+    assert ranks[0]["replicated"] and ranks[1]["replicated"]   # the gate's own path, not DeepSpeed's
     assert [row["shape"] for row in ranks[1]["rows"]] == [(1, 0, 16)] * 3
     assert all(row["equal"] for row in ranks[0]["rows"])
     assert ranks[0]["steps"] == ranks[1]["steps"] == 3

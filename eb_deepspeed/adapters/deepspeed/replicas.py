@@ -81,12 +81,13 @@ class ReplicaGate(CrossLayerGate):
         self.steer_options = dict(steer_options or {})
         self.pressure_G: Optional[torch.Tensor] = None    # the view's cross-layer pressure of this layer
         self.tally = TallyRecorder(num_experts, self.G)
-        self.last_capacity = 0      # the capacity the EP group agreed on for the last batch
+        self._capacity_value = 0    # the capacity the EP group agreed on for the last batch (`last_capacity`)
 
     def set_table(self, table: SlotTable, slots_per_device: int) -> None:
         """Serve a new placement from the next forward on (slots per rank may change with it)."""
         self.table, self.S = table, int(slots_per_device)
         self.P = self.G * self.S
+        self._table_device = None
         E, R = table.log2phy_ER.shape
         # DeepSpeed's own layout (expert e in slot e, one replica each): without drops its gate is exact
         self.home_layout = self.P == E and R == 1 and bool((table.log2phy_ER[:, 0] == torch.arange(E)).all())
@@ -119,8 +120,10 @@ class ReplicaGate(CrossLayerGate):
                              "(MOELayer in deepspeed >= 0.19.4, without Tutel)")
         logits_TE = F.linear(input.float(), weight=self.wg.weight.float(), bias=None)
         T, E, K = logits_TE.shape[0], self.num_experts, self.k
-        if self.home_layout and not self.drop_tokens:
-            return self._home_forward(logits_TE, used_token)
+        # counted before gating: top-2 gating adds its Gumbel noise to the logits in place
+        nonfinite = self._nonfinite(logits_TE) if self.recording and T > 0 else None
+        if self.home_layout and not self.drop_tokens and self.k == 2:
+            return self._home_forward(logits_TE, used_token, nonfinite)
         if T == 0:
             l_aux = logits_TE.sum() * 0.0
             expert_KT = torch.zeros(K, 0, dtype=torch.long, device=logits_TE.device)
@@ -137,48 +140,62 @@ class ReplicaGate(CrossLayerGate):
         capacity = self._capacity(slot_load_GP, n_ER, T)
         slot_KT, location_KT, gates_KT = self._place(expert_KT, position_KT, gates_KT, n_ER, capacity)
         if self.recording and T > 0:
-            self._record_routes(slot_KT, expert_KT, counts_E, T, used_token, l_aux, logits_TE)
+            self._record_routes(slot_KT, expert_KT, counts_E, T, used_token, l_aux, nonfinite)
         if self.aux_weight != 1.0:
             l_aux = l_aux * self.aux_weight
-        return (l_aux, torch.tensor(capacity), self.P, slot_KT.int(), location_KT.int(), gates_KT, counts_E)
+        return (l_aux, capacity, self.P, slot_KT.int(), location_KT.int(), gates_KT, counts_E)
 
     recording = True   # serving tallies every forward (eval mode); set False to serve without the view
 
-    def _home_forward(self, logits_TE, used_token):
-        """DeepSpeed's layout without drops: DeepSpeed's own gating, which agrees on the capacity across
-        the EP group itself (one all-reduce; an empty batch joins the same one), plus the tally."""
+    def _home_forward(self, logits_TE, used_token, nonfinite):
+        """DeepSpeed's layout without drops, top-2: DeepSpeed's own gating, which agrees on the capacity
+        across the EP group itself (one all-reduce; an empty batch joins the same one), plus the tally.
+        (Not for top-1: DeepSpeed's top1gating clips the agreed capacity to the rank's own token count,
+        which breaks the All-to-All on unequal batches.)"""
         if logits_TE.shape[0] == 0:
             out = self._empty_output(logits_TE, sparse_routes=True)
-            self.last_capacity = int(out[1])
+            self._capacity_value = out[1]
             return out
         out = self._logical_routes(logits_TE, used_token, ep_group=self.ep_group)
         l_aux, capacity, _, expert_KT, _, _, counts_E = out
-        self.last_capacity = int(capacity)
+        self._capacity_value = capacity
         if self.recording:
             self._record_routes(expert_KT.long(), expert_KT.long(), counts_E, logits_TE.shape[0], used_token, l_aux,
-                                logits_TE)
+                                nonfinite)
         if self.aux_weight != 1.0:
             out = (l_aux * self.aux_weight, ) + tuple(out[1:])
         return out
 
     def _logical_routes(self, logits_TE, used_token, ep_group=None):
         """DeepSpeed's gating on the logical experts without a capacity limit (with `ep_group`, the capacity
-        is agreed across it as DeepSpeed does)."""
+        is agreed across it as DeepSpeed does; without, its capacity is not used, so min_capacity 0: a
+        rank with fewer tokens than min_capacity must not assert while its peers wait in a collective)."""
+        min_capacity = self.min_capacity if ep_group is not None else 0
         if self.k == 1:
-            return dsm.top1gating(logits_TE, self.eval_capacity_factor, self.min_capacity, used_token, None, False,
+            return dsm.top1gating(logits_TE, self.eval_capacity_factor, min_capacity, used_token, None, False,
                                   self.use_rts, ep_group, True, False)
         if self.k == 2:
-            return dsm.top2gating(logits_TE, self.eval_capacity_factor, self.min_capacity, False, ep_group,
+            return dsm.top2gating(logits_TE, self.eval_capacity_factor, min_capacity, False, ep_group,
                                   self.top2_2nd_expert_sampling, True)
-        return dsm.topkgating(logits_TE, self.k, self.eval_capacity_factor, self.min_capacity, False, ep_group,
+        return dsm.topkgating(logits_TE, self.k, self.eval_capacity_factor, min_capacity, False, ep_group,
                               sparse_routes=True)
+
+    @staticmethod
+    def _nonfinite(logits_TE) -> torch.Tensor:
+        with torch.no_grad():
+            return (~torch.isfinite(logits_TE.sum(dim=1))).sum()
+
+    @property
+    def last_capacity(self) -> int:
+        """The capacity the EP group agreed on for the last batch (read lazily: a host sync)."""
+        return int(self._capacity_value)
 
     def _split(self, counts_E: torch.Tensor):
         """n_ER [E, R]: this rank's routes per replica; slot_load_GP [G, P]: every rank's routes per slot
         (exact split), or None (view split: each rank knows only its own)."""
         table = self.table
         if self.split == "view":
-            return _split_by_fraction(counts_E, table.fraction_ER.to(counts_E.device)), None
+            return _split_by_fraction(counts_E, self._on(counts_E.device).fraction_ER), None
         gathered = [torch.zeros_like(counts_E) for _ in range(self.G)]
         if self.G > 1:
             dsm.dist.all_gather(gathered, counts_E, group=self.ep_group)
@@ -198,19 +215,20 @@ class ReplicaGate(CrossLayerGate):
         if slot_load_GP is not None:          # exact split: every rank's routes are known here
             most, tokens = int(slot_load_GP.max()), int(slot_load_GP.sum(1).max()) // self.k
         else:                                 # view split: one all-reduce, as DeepSpeed's own capacity
-            log2phy_ER = self.table.log2phy_ER.to(n_ER.device)
+            log2phy_ER = self._on(n_ER.device).log2phy_ER
             mine = torch.zeros(self.P + 1, dtype=torch.long, device=n_ER.device)
             mine.index_add_(0, torch.where(log2phy_ER >= 0, log2phy_ER, self.P).reshape(-1), n_ER.reshape(-1))
-            agreed = torch.stack([mine[:self.P].max(), torch.tensor(T, device=n_ER.device)])
+            agreed = torch.stack([mine[:self.P].max(), mine.new_full((), T)])
             if self.G > 1:
                 dsm.dist.all_reduce(agreed, op=dsm.dist.ReduceOp.MAX, group=self.ep_group)
             most, tokens = agreed.tolist()     # the one host sync (MOELayer needs the capacity as an int)
         if not self.drop_tokens:
-            self.last_capacity = max(most, 1)
+            capacity = max(most, 1)
         else:
             limit = max(math.ceil(tokens * self.k * self.eval_capacity_factor / self.P), self.min_capacity)
-            self.last_capacity = max(min(most, limit), 1)
-        return self.last_capacity
+            capacity = max(min(most, limit), 1)
+        self._capacity_value = capacity
+        return capacity
 
     def _place(self, expert_KT, position_KT, gates_KT, n_ER, capacity: int):
         """Each route's slot and location there (-1: dropped by the capacity), gates renormalised over
@@ -219,20 +237,27 @@ class ReplicaGate(CrossLayerGate):
         e_KT = expert_KT.clamp_min(0)
         replica_KT = (position_KT[..., None] >= ends_ER[e_KT]).sum(-1).clamp_max(ends_ER.shape[1] - 1)
         start_KT = (ends_ER - n_ER.to(ends_ER.device))[e_KT, replica_KT]
-        slot_KT = self.table.log2phy_ER.to(expert_KT.device)[e_KT, replica_KT]
+        slot_KT = self._on(expert_KT.device).log2phy_ER[e_KT, replica_KT]
         location_KT = position_KT - start_KT
         kept_KT = (expert_KT >= 0) & (slot_KT >= 0) & (location_KT < capacity)
         slot_KT = torch.where(kept_KT, slot_KT, -1)
         location_KT = torch.where(kept_KT, location_KT, 0)
-        if not bool(kept_KT.all()):
-            gates_KT = gates_KT * kept_KT
+        if self.drop_tokens:   # a dropped route's gate is 0; a token's kept routes share its weight (k > 1)
+            kept_gates_KT = gates_KT * kept_KT
             if self.k > 1:
-                gates_KT = gates_KT / gates_KT.sum(0, keepdim=True).clamp_min(torch.finfo(gates_KT.dtype).eps)
+                kept_gates_KT = kept_gates_KT / kept_gates_KT.sum(0, keepdim=True).clamp_min(
+                    torch.finfo(gates_KT.dtype).eps)
+            # tokens whose routes were all kept keep DeepSpeed's values bit for bit (no sync to ask)
+            gates_KT = torch.where(kept_KT.all(0, keepdim=True), gates_KT, kept_gates_KT)
         return slot_KT, location_KT, gates_KT
 
-    def _record_routes(self, slot_KT, expert_KT, counts_E, T, used_token, l_aux, logits_TE) -> None:
-        with torch.no_grad():
-            nonfinite = (~torch.isfinite(logits_TE.sum(dim=1))).sum()
+    def _on(self, device) -> SlotTable:
+        """The table's tensors on `device`, copied once per table (no host-to-device copy per forward)."""
+        if self._table_device is None or self._table_device[0] != device:
+            self._table_device = (device, SlotTable(self.table.log2phy_ER.to(device), self.table.fraction_ER.to(device)))
+        return self._table_device[1]
+
+    def _record_routes(self, slot_KT, expert_KT, counts_E, T, used_token, l_aux, nonfinite) -> None:
         kept_R = slot_KT.reshape(-1) >= 0
         route_expert_R = torch.where(kept_R, expert_KT.reshape(-1), -1)
         route_device_R = torch.where(kept_R, slot_KT.reshape(-1) // self.S, -1)

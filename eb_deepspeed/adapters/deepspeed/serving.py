@@ -25,8 +25,9 @@ plan and DeepSpeed's layout if it beats the current one: DeepSpeed pads every sl
 so extra slots pay only where they cut the largest slot load by more than they add slots.
 A re-plan moves weights in two phases: every rank fetches the new slots' weights into staging
 buffers (one `batch_isend_irecv`), the ranks agree that every fetch succeeded and that they all
-planned the same placement, then every rank copies and flips its tables before the next forward;
-a failure anywhere keeps the old placement on every rank.
+planned the same placement, then every rank copies and flips its tables before the next forward.
+A failure while preparing the moves or checking what arrived keeps the old placement on every rank;
+a rank dying inside the transfers ends the job as any failed collective does.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from ...core.balancer import Balancer, check_agreement
 from ...core.config import EasyBalanceConfig, strip_block
@@ -49,7 +51,7 @@ from ...planning.placement import Placement, expected_padded_cost, expected_slot
 from .engine import find_moe_layers
 from .replicas import ReplicaGate, SlotTable
 
-__all__ = ["init_inference", "Serving", "load_moe_checkpoint"]
+__all__ = ["init_inference", "Serving", "load_moe_checkpoint", "choose_placement"]
 
 EXPERTS_PREFIX = ".deepspeed_moe.experts.deepspeed_experts."
 # A new placement must be expected to cut the padded cost by this much: the expectation is of the EMA
@@ -63,15 +65,16 @@ def _dist_ready() -> bool:
 
 
 def _flat(module: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    """An expert's whole state (parameters and persistent buffers, state_dict order) as one vector."""
+    return torch.cat([t.detach().reshape(-1) for t in module.state_dict().values()])
 
 
 def _unflatten_into(module: torch.nn.Module, flat: torch.Tensor) -> None:
     at = 0
     with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(flat[at:at + p.numel()].view_as(p))
-            at += p.numel()
+        for t in module.state_dict().values():     # views of the module's own tensors
+            t.copy_(flat[at:at + t.numel()].view_as(t))
+            at += t.numel()
 
 
 class Serving:
@@ -98,7 +101,10 @@ class Serving:
         self.S_max = self.H + self.R
         self.ep_group = self.moes[0].deepspeed_moe.ep_group
         self.rank = dist.get_rank(self.ep_group) if _dist_ready() and self.G > 1 else 0
-        self.ep_ranks = dist.get_process_group_ranks(self.ep_group) if _dist_ready() and self.G > 1 else [0]
+        # global ranks of this rank's EP group (ep_size 1: the rank itself)
+        self.ep_ranks = dist.get_process_group_ranks(self.ep_group) if _dist_ready() and self.G > 1 else [dist_rank()]
+        # collectives on the accelerator (NCCL takes no host tensors)
+        self.device = torch.device(get_accelerator().current_device_name())
         self.replans, self.weight_moves, self.failed_moves = 0, 0, 0
         self.batches, self.last_plan_batch = 0, None
         self.home = static_placement(self.L, self.E, self.G)       # DeepSpeed's layout: S = H, no replicas
@@ -113,7 +119,7 @@ class Serving:
             self._replicate(layer, moe, record=enabled)
         if enabled:
             self.balancer = Balancer(config, self.gates, self.G, reduce=self._reduce_fn(), device_tally=True,
-                                     train_controls=False, rank_to_node=self.rank_to_node,
+                                     train_controls=False, rank_to_node=self.rank_to_node, tally_device=self.device,
                                      logger=JsonlLogger(config.log.dir) if dist_rank() == 0 else NullLogger())
             self.balancer.extra_metrics = lambda: {"replans": self.replans, "weight_moves": self.weight_moves}
 
@@ -200,29 +206,22 @@ class Serving:
             self.maybe_replan()
 
     def maybe_replan(self) -> bool:
-        """Once the view is warm, at most every `replan_interval` batches, when a layer's expected slot
-        max/mean passes `replan_threshold`: plan replicas for every slot (from the current placement,
-        few moves), and serve the cheaper of that plan and DeepSpeed's own layout when it is expected to
-        cost `MIN_GAIN` less than the current placement. Cost: DeepSpeed pads every slot to the capacity,
-        so a layer costs its slots x its largest expected slot load (`expected_padded_cost`): extra
-        slots pay only where they cut the largest load more than they add slots. Returns whether a new
+        """Once the view is warm, at most every `replan_interval` batches, choose a placement
+        (`choose_placement`) and move to it if it differs from the serving one; returns whether a new
         placement serves."""
         inf, view = self.config.inference, self.balancer.view
         if not view.ready:
             return False
         if self.last_plan_batch is not None and self.batches - self.last_plan_batch < inf.replan_interval:
             return False
-        heat_LE = view.heat_LE
-        if float(expected_slot_ratio(heat_LE, self.placement).max()) <= inf.replan_threshold:
+        num_nodes = int(self.node_G.max()) + 1
+        choice = choose_placement(
+            view.heat_LE, self.placement, self.home, inf.replan_threshold,
+            plan=lambda heat: plan_placement(heat, self.G, self.S_max, num_nodes=num_nodes, previous=self.placement))
+        if choice is None:
             return False
         self.last_plan_batch = self.batches
-        planned = plan_placement(heat_LE, self.G, self.S_max, num_nodes=int(self.node_G.max()) + 1,
-                                 previous=self.placement)
-        cost = {id(p): float(expected_padded_cost(heat_LE, p).sum()) for p in (planned, self.home, self.placement)}
-        best = min((planned, self.home), key=lambda p: cost[id(p)])
-        if best is self.placement or cost[id(best)] > (1 - MIN_GAIN) * cost[id(self.placement)]:
-            return False
-        return self.apply(best)
+        return choice is not self.placement and self.apply(choice)
 
     # ------------------------------------------------------------------ weight moves
     def _moves(self, plan: Placement) -> list[tuple[int, int, int, int, int]]:
@@ -307,7 +306,7 @@ class Serving:
 
     def _agree(self, ok: bool, key: int) -> bool:
         """Every rank succeeded, and every rank planned the same placement (the view is identical)."""
-        flags = torch.tensor([int(ok), key, -key], dtype=torch.long)
+        flags = torch.tensor([int(ok), key, -key], dtype=torch.long, device=self.device)
         if _dist_ready() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         if int(flags[1]) != -int(flags[2]):
@@ -345,7 +344,7 @@ class Serving:
                 request.wait()
         out: dict[str, dict[str, torch.Tensor]] = {}
         for (layer, e), flat in flats.items():
-            shapes = [(n, p.shape) for n, p in self.expert_module(layer, 0).named_parameters()]
+            shapes = [(n, t.shape) for n, t in self.expert_module(layer, 0).state_dict().items()]
             parts = torch.split(flat, [s.numel() for _, s in shapes])
             out[f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"] = {
                 f"{names[layer]}{EXPERTS_PREFIX}{e}.{n}": part.view(shape).clone()
@@ -416,6 +415,29 @@ def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[st
                          f"unexpected {unexpected[:4]})")
     module.load_state_dict(state, strict=False)
     return folder
+
+
+def choose_placement(heat_LE: torch.Tensor, current: Placement, home: Placement, threshold: float,
+                     plan) -> Optional[Placement]:
+    """The placement to serve next, or None when the view gives no reason to plan (pure).
+
+    Plan (`plan(heat_LE)`: replicas for every slot) when a layer's expected slot max/mean under the
+    current placement passes `threshold`, or when DeepSpeed's layout (`home`) would cost `MIN_GAIN`
+    less than the current one (replicas traffic no longer needs). Cost: DeepSpeed pads every slot to the
+    capacity, so a layer costs its slots x its largest expected slot load (`expected_padded_cost`), and
+    extra slots pay only where they cut that load by more than they add slots. Of the plan and the home
+    layout the cheaper is chosen; it replaces the current placement when it costs `MIN_GAIN` less, else
+    the current one is returned (planned, nothing to move).
+    """
+    def cost(p: Placement) -> float:
+        return float(expected_padded_cost(heat_LE, p).sum())
+
+    skewed = float(expected_slot_ratio(heat_LE, current).max()) > threshold
+    unneeded = current is not home and cost(home) < (1 - MIN_GAIN) * cost(current)
+    if not (skewed or unneeded):
+        return None
+    best = min((plan(heat_LE), home), key=cost)
+    return best if cost(best) < (1 - MIN_GAIN) * cost(current) else current
 
 
 def dist_rank() -> int:
