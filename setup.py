@@ -22,7 +22,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=7", "matplotlib"],
+        "test": ["pytest>=7", "matplotlib", "hypothesis"],
         "wandb": ["wandb"],
         "plots": ["matplotlib"],
         "megatron": ["megatron-core"],

@@ -108,14 +108,14 @@ class EasyBalanceConfig:
         """
         if ds_config is None:
             return cls()
-        if isinstance(ds_config, (str, os.PathLike)):
-            with open(ds_config, encoding="utf-8") as f:
-                ds_config = json.load(f)
+        ds_config = _read_json(ds_config)
         if not isinstance(ds_config, Mapping):
             raise ConfigError(f"ds_config must be a dict or a path to a JSON file, got {type(ds_config).__name__}")
-        block = ds_config.get("easybalance")
-        if block is None:
+        if "easybalance" not in ds_config:
             return cls()
+        block = ds_config["easybalance"]
+        if block is None:   # a template that left the block empty, not a way to switch it off
+            raise ConfigError('easybalance (null) must be a JSON object; use {"enabled": false} to switch it off')
         return cls.from_block(block)
 
     @classmethod
@@ -204,22 +204,38 @@ def strip_block(ds_config: Mapping[str, Any] | str | os.PathLike | None) -> dict
     """A copy of the DeepSpeed config without the `easybalance` block (the user's dict is untouched)."""
     if ds_config is None:
         return None
-    if isinstance(ds_config, (str, os.PathLike)):
-        with open(ds_config, encoding="utf-8") as f:
-            ds_config = json.load(f)
-    out = copy.deepcopy(dict(ds_config))
+    out = copy.deepcopy(dict(_read_json(ds_config)))
     out.pop("easybalance", None)
     return out
 
 
 # ---------------------------------------------------------------------- typed readers
+INT_MAX = 2 ** 31 - 1     # the largest integer any option takes (counts, intervals, windows)
+
+
+def _read_json(ds_config):
+    """A dict as it is; a path read as JSON, with a ConfigError naming the file when that fails."""
+    if not isinstance(ds_config, (str, os.PathLike)):
+        return ds_config
+    try:
+        with open(ds_config, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise ConfigError(f"{ds_config}: cannot read the DeepSpeed config ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{ds_config}: not a JSON DeepSpeed config ({e})") from None
+
+
 def _mapping(value: Any, path: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{path} must be a JSON object, got {type(value).__name__} ({value!r})")
+        raise ConfigError(f"{path} must be a JSON object, got {type(value).__name__} ({_short(value)})")
     return value
 
 
 def _reject_unknown(block: Mapping[str, Any], path: str, valid: list[str]) -> None:
+    odd = [k for k in block if not isinstance(k, str)]
+    if odd:
+        raise ConfigError(f"{path}: keys must be strings, got {odd!r}; valid keys: {', '.join(sorted(valid))}")
     unknown = sorted(set(block) - set(valid))
     if unknown:
         where = ", ".join(f"{path}.{k}" for k in unknown)
@@ -228,27 +244,41 @@ def _reject_unknown(block: Mapping[str, Any], path: str, valid: list[str]) -> No
 
 def _bool(value: Any, path: str) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{path} ({value!r}) must be true or false")
+        raise ConfigError(f"{path} ({_short(value)}) must be true or false")
     return value
 
 
 def _number(value: Any, path: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{path} ({value!r}) must be a finite number")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path} ({_short(value)}) must be a finite number")
+    try:
+        number = float(value)
+    except OverflowError:          # an integer of hundreds of digits
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{path} ({_short(value)}) must be a finite number")
+    return number
 
 
 def _int(value: Any, path: str, minimum: int, hint: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{path} ({value!r}) must be an integer >= {minimum}{hint}")
+        raise ConfigError(f"{path} ({_short(value)}) must be an integer >= {minimum}{hint}")
     if value < minimum:
-        raise ConfigError(f"{path} ({value}) must be >= {minimum}{hint}")
+        raise ConfigError(f"{path} ({_short(value)}) must be >= {minimum}{hint}")
+    if value > INT_MAX:
+        raise ConfigError(f"{path} ({_short(value)}) must be <= {INT_MAX}")
     return value
+
+
+def _short(value: Any) -> str:
+    """repr of a value for a message, cut to 60 characters (a hostile value can be huge)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _choice(value: Any, path: str, valid) -> str:
     if not isinstance(value, str) or value not in valid:
-        raise ConfigError(f"{path} ({value!r}) must be one of: {', '.join(valid)}")
+        raise ConfigError(f"{path} ({_short(value)}) must be one of: {', '.join(valid)}")
     return value
 
 
@@ -273,8 +303,8 @@ def _log(block: Any, path: str) -> LogConfig:
     block = dict(_mapping(block, path))
     _reject_unknown(block, path, ["interval", "dir", "wandb"])
     d = block.get("dir", LogConfig.dir)
-    if not isinstance(d, str) or not d:
-        raise ConfigError(f"{path}.dir ({d!r}) must be a non-empty string")
+    if not isinstance(d, str) or not d or "\x00" in d:
+        raise ConfigError(f"{path}.dir ({_short(d)}) must be a non-empty string")
     return LogConfig(interval=_int(block.get("interval", LogConfig.interval), f"{path}.interval", minimum=1),
                      dir=d, wandb=_bool(block.get("wandb", LogConfig.wandb), f"{path}.wandb"))
 
@@ -286,7 +316,7 @@ def _aux(block: Any, path: str) -> AuxConfig:
     policy = _choice(block.get("policy", d.policy), f"{path}.policy", tuple(POLICIES))
     rng = block.get("weight_range", list(d.weight_range))
     if not isinstance(rng, (list, tuple)) or len(rng) != 2:
-        raise ConfigError(f"{path}.weight_range ({rng!r}) must be [min, max] with min <= 1 <= max")
+        raise ConfigError(f"{path}.weight_range ({_short(rng)}) must be [min, max] with min <= 1 <= max")
     lo, hi = _number(rng[0], f"{path}.weight_range[0]"), _number(rng[1], f"{path}.weight_range[1]")
     if not 0.0 <= lo <= 1.0 <= hi:
         raise ConfigError(f"{path}.weight_range ([{lo}, {hi}]) must be [min, max] with 0 <= min <= 1 <= max "

@@ -30,7 +30,7 @@ def sequence_length_weights(lengths_B: torch.Tensor, seq_len: int) -> torch.Tens
     lengths_B = torch.as_tensor(lengths_B, dtype=torch.float64).reshape(-1)
     if lengths_B.numel() == 0:
         return lengths_B.new_zeros(0)
-    if bool((lengths_B < 0).any()) or bool((lengths_B > seq_len).any()):
+    if not bool(torch.isfinite(lengths_B).all()) or bool((lengths_B < 0).any()) or bool((lengths_B > seq_len).any()):
         raise ValueError(f"sequence lengths must be in [0, {seq_len}], got min {float(lengths_B.min())} "
                          f"max {float(lengths_B.max())}")
     mean = float(lengths_B.mean())
