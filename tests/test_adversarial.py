@@ -100,3 +100,114 @@ def test_the_user_config_is_not_mutated_by_any_failure():
     with pytest.raises(ConfigError):
         EasyBalanceConfig.from_ds_config(block)
     assert json.dumps(block) == before
+
+
+# ---- the planner and steering: bad values are refused, huge ones still give legal placements ----
+
+from eb_deepspeed import plan_placement, steer  # noqa: E402
+from eb_deepspeed.planning.placement import Placement, static_placement  # noqa: E402
+
+
+def assert_legal(plan, E):
+    assert bool((plan.logcnt >= 1).all()), "an expert without a replica"
+    assert bool((plan.holds().sum(1) == plan.logcnt).all()), "two replicas of one expert on a device"
+    assert bool(((plan.phy2log >= -1) & (plan.phy2log < E)).all())
+
+
+@pytest.mark.parametrize("stickiness", [float("nan"), float("inf"), -float("inf"), 1e30, -0.1, "0.1", None])
+def test_plan_placement_refuses_a_stickiness_that_is_not_a_bounded_fraction(stickiness):
+    load = torch.rand(3, 8) + 0.1
+    prev = plan_placement(load, 4, 3)
+    with pytest.raises(ValueError, match="stickiness"):
+        plan_placement(load, 4, 3, previous=prev, stickiness=stickiness)
+
+
+@pytest.mark.parametrize("peak", [1e-300, 1e-9, 1e15, 1e30, 1e300])
+def test_plan_placement_is_legal_and_scale_free_for_loads_of_any_size(peak):
+    g = torch.Generator().manual_seed(3)
+    load = torch.rand(4, 8, generator=g, dtype=torch.float64) ** 3 + 0.01
+    ref = plan_placement(load, 4, 3)
+    prev = plan_placement(load.flip(1), 4, 3)
+    plan = plan_placement(load * peak, 4, 3, previous=prev, stickiness=0.1)
+    assert_legal(plan, 8)
+    # the same problem in other units: as good a placement (ties may break differently), loads reported in
+    # the caller's units
+    scaled = plan_placement(load * peak, 4, 3)
+    assert torch.allclose(scaled.steered_load_LG.amax(1) / peak, ref.steered_load_LG.amax(1), rtol=1e-9)
+    assert torch.allclose(scaled.device_load_LG.sum(1) / peak, ref.device_load_LG.sum(1), rtol=1e-9)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(load=torch.zeros(0, 8)), "at least one"),
+    (dict(load=torch.zeros(3, 0)), "at least one"),
+    (dict(load=torch.ones(3, 8, dtype=torch.complex64)), "real"),
+    (dict(load=torch.full((3, 8), float("nan"))), "finite"),
+    (dict(load=-torch.ones(3, 8)), "non-negative"),
+    (dict(num_nodes=2.0), "num_nodes.*integer"),
+    (dict(num_devices=4.0), "num_devices.*integer"),
+    (dict(num_nodes=3), "num_nodes"),
+    (dict(slots_per_device=10 ** 7), "more than the planner takes"),
+    (dict(load=torch.ones(5000, 8), slots_per_device=1000), "more than the planner takes"),
+])
+def test_plan_placement_refuses_bad_shapes_and_sizes_with_a_clear_error(kwargs, message):
+    args = dict(load=torch.rand(3, 8), num_devices=4, slots_per_device=3)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        plan_placement(args.pop("load"), args.pop("num_devices"), args.pop("slots_per_device"), **args)
+
+
+def test_plan_placement_refuses_a_malformed_previous_placement():
+    load = torch.rand(3, 8)
+    good = plan_placement(load, 4, 3)
+    wrong_layers = plan_placement(torch.rand(2, 8), 4, 3)
+    bad_ids = Placement(good.phy2log.clone(), good.log2phy, good.logcnt, 4, 3, 8)
+    bad_ids.phy2log[0, 0] = 99
+    for prev in (wrong_layers, bad_ids, "a plan", static_placement(3, 8, 2)):
+        with pytest.raises(ValueError, match="previous"):
+            plan_placement(load, 4, 3, previous=prev)
+    assert_legal(plan_placement(load, 4, 3, previous=good), 8)
+
+
+def steer_args():
+    counts = torch.tensor([[10, 0, 30], [5, 7, 0]])
+    devices = torch.tensor([[0, 1], [1, -1], [0, 1]])
+    return counts, devices, torch.zeros(2, dtype=torch.long)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c, d, n: (c * -1, d, n), "non-negative"),
+    (lambda c, d, n: (torch.where(c == 10, float("nan"), c.double()), d, n), "whole numbers"),
+    (lambda c, d, n: (c + 0.5, d, n), "whole numbers"),
+    (lambda c, d, n: (c, torch.tensor([[0, 1], [-1, 1], [0, 1]]), n), "at least one replica"),
+    (lambda c, d, n: (c, torch.tensor([[0, -1, 1], [1, -1, -1], [0, 1, -1]]), n), "mid-row"),
+    (lambda c, d, n: (c, torch.tensor([[0, 2], [1, -1], [0, 1]]), n), "outside"),
+    (lambda c, d, n: (c, torch.tensor([[0, -2], [1, -1], [0, 1]]), n), "outside"),
+    (lambda c, d, n: (c, d[:2], n), "experts"),
+    (lambda c, d, n: (c, d, n[:1]), "node_G"),
+    (lambda c, d, n: (c[0], d, n), "dimension"),
+    (lambda c, d, n: (c.to(torch.complex64), d, n), "integers"),
+])
+def test_steer_refuses_counts_and_maps_that_would_lose_or_invent_tokens(change, message):
+    counts, devices, nodes = change(*steer_args())
+    with pytest.raises(ValueError, match=message):
+        steer(counts, devices, nodes)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pressure_G=torch.tensor([1.0, float("nan")])), "pressure_G"),
+    (dict(pressure_G=torch.ones(3)), "pressure_G"),
+    (dict(weight_G=torch.tensor([1.0, -1.0])), "weight_G"),
+    (dict(weights=(0.3, float("inf"), 0.1)), "weights"),
+    (dict(topology="carrier-pigeon"), "topology"),
+    (dict(decision_batch=0), "decision_batch"),
+])
+def test_steer_refuses_bad_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        steer(*steer_args(), **kwargs)
+
+
+def test_steer_conserves_huge_counts():
+    counts, devices, nodes = steer_args()
+    counts = counts * (2 ** 40)
+    split = steer(counts, devices, nodes, pressure_G=torch.tensor([1.0, 0.0]))
+    assert torch.equal(split.sum(2), counts) and bool((split >= 0).all())

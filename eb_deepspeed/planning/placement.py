@@ -28,6 +28,7 @@ Costs are measured by `eb bench plan` (docs/benchmarks.md).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,11 @@ import torch
 
 from .refine import refine_for_steering
 from .slots import holds_mask
+
+# Sizes the planner takes: its work grows with layers x slots (the refinement copies candidates of them).
+MAX_SLOTS = 1 << 16
+MAX_LAYER_SLOTS = 1 << 24
+MAX_STICKINESS = 1e3
 
 __all__ = ["Placement", "plan_placement", "static_placement", "replica_counts", "assign_replicas", "index_maps",
            "expected_padded_cost", "expected_slot_ratio"]
@@ -232,12 +238,18 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     Raises ValueError on bad shapes or values; never returns a placement that leaves an expert out
     or puts two replicas of one expert on one device.
     """
-    load_LE = torch.as_tensor(load_LE, dtype=torch.float64)
-    if load_LE.dim() != 2:
-        raise ValueError(f"load_LE must be [layers, experts], got shape {tuple(load_LE.shape)}")
+    load_LE = torch.as_tensor(load_LE)
+    if load_LE.is_complex() or load_LE.dtype == torch.bool:
+        raise ValueError(f"load_LE must hold real numbers, got {load_LE.dtype}")
+    load_LE = load_LE.to(torch.float64)
+    if load_LE.dim() != 2 or 0 in load_LE.shape:
+        raise ValueError(f"load_LE must be [layers, experts] with at least one of each, got shape {tuple(load_LE.shape)}")
     if not bool(torch.isfinite(load_LE).all()) or bool((load_LE < 0).any()):
         raise ValueError("load_LE must be finite and non-negative")
     L, E = load_LE.shape
+    for name, value in (("num_devices", num_devices), ("slots_per_device", slots_per_device), ("num_nodes", num_nodes)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name} ({value!r}) must be an integer")
     G, S = int(num_devices), int(slots_per_device)
     P = G * S
     if G < 1 or S < 1:
@@ -245,6 +257,9 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     if P < E:
         raise ValueError(f"num_devices * slots_per_device ({G} * {S} = {P}) must be >= num_experts ({E}): "
                          "every expert needs a slot")
+    if P > MAX_SLOTS or L * P > MAX_LAYER_SLOTS:
+        raise ValueError(f"{L} layers x {P} slots is more than the planner takes ({MAX_SLOTS} slots per layer, "
+                         f"{MAX_LAYER_SLOTS} in all)")
     if num_nodes < 1 or G % num_nodes:
         raise ValueError(f"num_nodes ({num_nodes}) must divide num_devices ({G})")
     if slot_budget is not None and not L * E <= slot_budget <= L * P:
@@ -253,9 +268,23 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     if (refine_rounds is not None and refine_rounds < 0) or refine_iters < 1 or refine_work < 1:
         raise ValueError(f"refine_rounds ({refine_rounds}) must be >= 0 or None, refine_iters ({refine_iters}) "
                          f"and refine_work ({refine_work}) >= 1")
-    if previous is not None and (previous.phy2log.shape[0] != L or previous.num_devices != G
-                                 or previous.num_experts != E):
-        raise ValueError("previous placement must have the same layers, experts and devices")
+    if not (isinstance(stickiness, (int, float)) and 0.0 <= float(stickiness) <= MAX_STICKINESS):
+        raise ValueError(f"stickiness ({stickiness!r}) must be a number in [0, {MAX_STICKINESS}] (a fraction of the "
+                         "mean device load)")
+    if previous is not None:
+        _check_previous(previous, L, E, G)
+    # The penalties below are absolute (a forbidden device costs 1e30): plan in units where the largest
+    # load is 1 when loads are far from that, and report the loads in the caller's units.
+    peak = float(load_LE.max())
+    scale = 2.0 ** math.frexp(peak)[1] if peak > 0 and not 1e-6 <= peak <= 1e12 else 1.0   # exact division
+    if scale != 1.0:
+        plan = plan_placement(load_LE / scale, G, S, num_nodes=num_nodes, previous=previous, slot_budget=slot_budget,
+                              stickiness=stickiness, refine_rounds=refine_rounds, refine_iters=refine_iters,
+                              refine_work=refine_work)
+        for name in ("device_load_LG", "steered_load_LG"):
+            if getattr(plan, name) is not None:
+                setattr(plan, name, getattr(plan, name) * scale)
+        return plan
 
     # Step 1: replica counts.
     cnt_LE = replica_counts(load_LE, P, G, slot_budget)
@@ -273,7 +302,28 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     plan = index_maps(torch.from_numpy(phy), E, G, S, load_LE, previous)
     if x_LP is not None:
         plan.steered_load_LG = torch.from_numpy(x_LP.reshape(L, G, S).sum(2))
+    _assert_legal(plan)
     return plan
+
+
+def _check_previous(previous, L: int, E: int, G: int) -> None:
+    """A `previous` placement of this model's layers, experts and devices, with legal index maps."""
+    if not isinstance(previous, Placement):
+        raise ValueError(f"previous must be a Placement, got {type(previous).__name__}")
+    phy = previous.phy2log
+    if phy.dim() != 2 or phy.shape[0] != L or previous.num_devices != G or previous.num_experts != E \
+            or phy.shape[1] != G * previous.slots_per_device:
+        raise ValueError(f"previous placement must have the same layers, experts and devices ({L}, {E}, {G}), got "
+                         f"phy2log {tuple(phy.shape)} for {previous.num_devices} devices x "
+                         f"{previous.slots_per_device} slots and {previous.num_experts} experts")
+    if bool((phy < -1).any()) or bool((phy >= E).any()):
+        raise ValueError(f"previous placement holds expert ids outside [-1, {E})")
+
+
+def _assert_legal(plan: Placement) -> None:
+    """The placement's own invariants (internal: a failure here is a planner bug, not a user error)."""
+    assert bool((plan.logcnt >= 1).all()), "an expert was left without a replica"
+    assert bool((plan.holds().sum(1) == plan.logcnt).all()), "a device holds two replicas of one expert"
 
 
 def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Tensor | None = None,

@@ -42,19 +42,36 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tenso
     weight_G: [G] cost of one token from each source (sequence-length weighting); None = 1.
     Conserves tokens (split_GER.sum(2) == counts_GE) and uses only existing replicas.
     """
-    counts_GE = torch.as_tensor(counts_GE, dtype=torch.long)
-    devices_ER = torch.as_tensor(devices_ER, dtype=torch.long)
+    counts_GE, devices_ER = _integers("counts_GE", counts_GE, 2), _integers("devices_ER", devices_ER, 2)
     G, E = counts_GE.shape
     R = devices_ER.shape[1]
-    if devices_ER.shape[0] != E:
-        raise ValueError(f"devices_ER has {devices_ER.shape[0]} experts, counts_GE {E}")
+    if bool((counts_GE < 0).any()):
+        raise ValueError("counts_GE must be non-negative token counts")
+    if devices_ER.shape[0] != E or R < 1:
+        raise ValueError(f"devices_ER must be [experts, replicas] for counts_GE's {E} experts, got {tuple(devices_ER.shape)}")
     if bool((devices_ER[:, 0] < 0).any()):
         raise ValueError("every expert needs at least one replica (devices_ER[:, 0] >= 0)")
+    if bool((devices_ER < -1).any()) or bool((devices_ER >= G).any()):
+        raise ValueError(f"devices_ER holds device ids outside [0, {G}) (-1 pads)")
+    if R > 1 and bool(((devices_ER[:, :-1] < 0) & (devices_ER[:, 1:] >= 0)).any()):
+        raise ValueError("devices_ER pads with -1 only after an expert's replicas (a -1 mid-row would lose tokens)")
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology ({topology!r}) must be one of {sorted(TOPOLOGIES)}")
+    node_G = _integers("node_G", node_G, 1)
+    pressure_G = None if pressure_G is None else _reals("pressure_G", pressure_G, G)
+    weight_G = None if weight_G is None else _reals("weight_G", weight_G, G)
+    if node_G.shape[0] != G:
+        raise ValueError(f"node_G has {node_G.shape[0]} ranks, counts_GE {G}")
     if weights is None:
         weights = TOPOLOGIES[topology].weights
     if hasattr(weights, "intra"):
         weights = (weights.intra, weights.cross, weights.comm)
     w_intra, w_cross, w_comm = (float(w) for w in weights)
+    if not all(np.isfinite(w) and w >= 0 for w in (w_intra, w_cross, w_comm)):
+        raise ValueError(f"weights {tuple(weights)} must be finite and non-negative")
+    if not (decision_batch >= 1 and rounds >= 0 and np.isfinite(aggregation) and overshoot_guard > 0):
+        raise ValueError(f"decision_batch ({decision_batch}) must be >= 1, rounds ({rounds}) >= 0, aggregation "
+                         f"({aggregation}) finite and overshoot_guard ({overshoot_guard}) > 0")
     valid_ER = devices_ER >= 0
     dev_ER = devices_ER.clamp_min(0)
     hop_GG = hop_cost(node_G, TOPOLOGIES[topology].node_hop)
@@ -123,6 +140,30 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tenso
         if not moved_any:
             break
     return torch.from_numpy(split)
+
+
+def _integers(name: str, value, dims: int) -> torch.Tensor:
+    """`value` as a long tensor of `dims` dimensions; floats only when they hold whole finite numbers."""
+    t = torch.as_tensor(value)
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimension(s), got shape {tuple(t.shape)}")
+    if t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, got {t.dtype}")
+    if t.is_floating_point():
+        if not bool(torch.isfinite(t).all()) or bool((t != t.round()).any()) or bool((t.abs() >= 2.0 ** 62).any()):
+            raise ValueError(f"{name} must hold whole numbers (no NaN, inf or fractions)")
+    return t.to(torch.long)
+
+
+def _reals(name: str, value, n: int) -> torch.Tensor:
+    """`value` as a float64 [n] tensor of finite non-negative numbers."""
+    t = torch.as_tensor(value)
+    if t.is_complex() or t.shape != (n,):
+        raise ValueError(f"{name} must be a real [{n}] tensor, got {t.dtype} {tuple(t.shape)}")
+    t = t.to(torch.float64)
+    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+        raise ValueError(f"{name} must be finite and non-negative")
+    return t
 
 
 def even_split(counts_GE: torch.Tensor, devices_ER: torch.Tensor) -> torch.Tensor:
