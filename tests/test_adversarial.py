@@ -211,3 +211,117 @@ def test_steer_conserves_huge_counts():
     counts = counts * (2 ** 40)
     split = steer(counts, devices, nodes, pressure_G=torch.tensor([1.0, 0.0]))
     assert torch.equal(split.sum(2), counts) and bool((split >= 0).all())
+
+
+# ---- importers: one validation path, bounded work, a ValueError naming the file ----
+
+from eb_deepspeed import sim  # noqa: E402
+from eb_deepspeed.tools.cli import main as eb_main  # noqa: E402
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"expert_load_pass": torch.ones(1, 4), "physical_to_logical_map": torch.tensor([[0, 1, 10 ** 9, 2]])},
+     r"ids outside \[-1, 4\)"),                                   # would allocate 10^9 experts
+    ({"expert_load_pass": torch.ones(1, 4), "physical_to_logical_map": torch.tensor([[0, 1, -2, 2]])},
+     r"ids outside \[-1, 4\)"),                                   # would silently drop that slot's counts
+    ({"expert_load_pass": torch.ones(1, 4), "physical_to_logical_map": torch.tensor([[0.0, 1.0, float("nan"), 2.0]])},
+     "whole expert ids"),
+    ({"expert_load_pass": torch.ones(1, 4), "physical_to_logical_map": torch.full((1, 4), -1)}, "no expert"),
+    ({"expert_load_pass": torch.ones(0, 4), "physical_to_logical_map": torch.zeros(0, 4)}, "empty"),
+    ({"logical_count": torch.full((2, 3), 1e30)}, "counts above"),
+    ({"logical_count": torch.ones(2, 3, dtype=torch.complex64)}, "real token counts"),
+    ({"logical_count": torch.ones(2, 3, dtype=torch.bool)}, "real token counts"),
+])
+def test_hostile_trace_files_are_refused_before_any_large_allocation(tmp_path, content, message):
+    torch.save(content, tmp_path / "t.pt")
+    with pytest.raises(ValueError, match=message):
+        sim.load_trace(str(tmp_path / "t.pt"))
+
+
+@pytest.mark.parametrize("lines, message", [
+    (["7"], r"balance.jsonl:1: a balance record is a JSON object with an integer 'step', got int"),
+    (['{"step": 1}', "null"], r"balance.jsonl:2: .* got NoneType"),
+    (['{"step": "one"}'], r"balance.jsonl:1: .*integer 'step'"),
+    (["[" * 100000 + "]" * 100000], r"balance.jsonl:1: not a JSON record"),
+    (['{"step": 1, "expert_counts_LE": [[1e30, 1]]}'], "counts above"),
+    (['{"step": 1, "expert_counts_LE": [[1, 2]]}', '{"step": 2, "expert_counts_LE": [[1, 2, 3]]}'], "one shape"),
+])
+def test_hostile_balance_logs_are_refused_with_the_line(tmp_path, lines, message):
+    (tmp_path / "balance.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=message):
+        sim.load_trace(str(tmp_path))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--workload", "trace"], "--trace FILE goes with --workload trace"),
+    (["simulate", "--trace", "x.pt"], "--trace FILE goes with --workload trace"),
+    (["simulate", "--steps", "0"], "--steps: 0 must be >= 1"),
+    (["simulate", "--devices", "-2"], "--devices: -2 must be >= 1"),
+    (["bench", "plan", "--experts", "16", "0"], "--experts: 0 must be >= 1"),
+])
+def test_cli_arguments_out_of_range_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        eb_main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+# ---- the balance log: bounded on disk and in memory, survives a kill, no repeated steps ----
+
+from eb_deepspeed.observe.monitor import JsonlLogger  # noqa: E402
+from eb_deepspeed.observe.report import read_log, render_report  # noqa: E402
+
+
+def record(step, **extra):
+    return {"step": step, "device_max_over_mean": [1.0 + step / 1000], "device_util_std": 0.1,
+            "expert_counts_LE": [[step] * 64] * 8, "pressure_LG": [[float(step), 1.0]], **extra}
+
+
+def test_the_log_rotates_past_max_mb_and_readers_see_both_parts(tmp_path):
+    log = JsonlLogger(str(tmp_path), max_mb=0.01)          # ~10 KiB; a record is ~1.6 KiB
+    for step in range(1, 31):
+        log.log(record(step), step)
+    log.close()
+    main, old = tmp_path / "balance.jsonl", tmp_path / "balance.jsonl.1"
+    assert main.stat().st_size <= 0.01 * 2 ** 20 and old.stat().st_size <= 0.01 * 2 ** 20
+    steps = [r["step"] for r in read_log(str(tmp_path))]
+    assert steps == list(range(steps[0], 31)) and 1 < steps[0] < 25    # oldest records rotated out, no gaps
+
+
+def test_a_killed_writer_loses_only_its_partial_record(tmp_path):
+    path = tmp_path / "balance.jsonl"
+    path.write_text("".join(json.dumps(record(s)) + "\n" for s in (1, 2)) + json.dumps(record(3))[:40])
+    with pytest.warns(UserWarning, match="partial last record"):
+        assert [r["step"] for r in read_log(str(tmp_path))] == [1, 2]
+    with pytest.warns(UserWarning, match="partial record"):
+        log = JsonlLogger(str(tmp_path))                    # the resumed run cuts the fragment off
+    log.log(record(3, run_start=2), 3)
+    log.close()
+    assert [r["step"] for r in read_log(str(tmp_path))] == [1, 2, 3]
+    path.write_text(path.read_text() + "{broken\n" + json.dumps(record(4)) + "\n")
+    with pytest.raises(ValueError, match=r"balance.jsonl:4: not a JSON record"):   # mid-file: not a kill
+        read_log(str(tmp_path))
+
+
+def test_a_resumed_run_supersedes_the_steps_logged_after_its_checkpoint(tmp_path):
+    log = JsonlLogger(str(tmp_path))
+    for step in (10, 20, 30, 40):                              # killed after 40; checkpoint at 20
+        log.log(record(step, **({"run_start": 0} if step == 10 else {})), step)
+    for step in (30, 40, 50):
+        log.log(record(step, **({"run_start": 20} if step == 30 else {})), step)
+    log.close()
+    records = read_log(str(tmp_path))
+    assert [r["step"] for r in records] == [10, 20, 30, 40, 50]
+    assert records[2].get("run_start") == 20                 # the resumed run's 30, not the lost one
+
+
+def test_eb_report_streams_a_long_log_into_a_bounded_number_of_points(tmp_path):
+    with open(tmp_path / "balance.jsonl", "w") as f:
+        for step in range(1, 10001):
+            f.write(json.dumps(record(step)) + "\n")
+    records = read_log(str(tmp_path), keys=("device_max_over_mean", ), max_records=500)
+    steps = [r["step"] for r in records]
+    assert 250 <= len(records) <= 501 and steps == sorted(steps) and steps[-1] == 10000
+    assert set(records[0]) == {"step", "device_max_over_mean"} and "pressure_LG" in records[-1]
+    gaps = {b - a for a, b in zip(steps[:-2], steps[1:-1])}
+    assert len(gaps) == 1                                      # evenly spaced
+    assert len(render_report(str(tmp_path))) >= 2

@@ -113,9 +113,35 @@ def test_every_record_key_is_in_the_one_table():
     balancer.step()
     record = balancer.record()
     table = set(R.META) | set(R.PER_LAYER) | set(R.SCALARS) | set(R.MATRICES)
-    assert set(record) == table - {"replans", "weight_moves"}          # serving adds those two
+    assert set(record) == table - {"replans", "weight_moves", "run_start"}   # serving adds two, a run's first log one
     balancer.extra_metrics = lambda: {"replans": 2, "weight_moves": 5}
-    assert set(balancer.record()) == table
+    assert set(balancer.record()) == table - {"run_start"}
+
+
+class ListLogger(R.BalanceLogger):
+    def __init__(self):
+        self.records = []
+
+    def log(self, record, step):
+        self.records.append(record)
+
+
+def test_a_runs_first_record_says_where_the_run_started_fresh_or_resumed():
+    gates, logger = [ToyGate()], ListLogger()
+    balancer = Balancer(config(mode="observe"), gates, 2, logger=logger)
+    for _ in range(3):
+        gates[0].forward(torch.tensor([0, 1, 2, 3]))
+        balancer.step()
+        balancer.flush_log()
+    assert [r.get("run_start") for r in logger.records] == [0, None, None]
+    state = balancer.state_dict()
+    resumed, logger = Balancer(config(mode="observe"), gates, 2, logger=ListLogger()), None
+    resumed.load_state_dict(state)
+    resumed.flush_log()                         # nothing new to log at the checkpoint's own step
+    gates[0].forward(torch.tensor([0, 1]))
+    resumed.step()
+    resumed.flush_log()
+    assert [(r["step"], r.get("run_start")) for r in resumed.logger.records] == [(4, 3)]
 
 
 def test_a_state_of_an_older_format_is_refused_without_changing_anything():

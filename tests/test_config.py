@@ -66,7 +66,7 @@ def test_the_users_dict_is_never_changed():
     ({"topology": "nvlink"}, r"easybalance\.topology: moved to easybalance\.inference\.topology"),
     ({"weights": {"comm": 0.1}}, r"easybalance\.weights: moved to easybalance\.inference\.weights"),
     ({"decision_batch": 4}, r"easybalance\.decision_batch: moved to easybalance\.inference\.decision_batch"),
-    ({"log": {"every": 2}}, r"easybalance\.log\.every: unknown key; valid keys: dir, interval, wandb"),
+    ({"log": {"every": 2}}, r"easybalance\.log\.every: unknown key; valid keys: dir, interval, max_mb, wandb"),
     ({"mode": "fast"}, r"easybalance\.mode \('fast'\) must be one of: observe, balance"),
     ({"inference": {"topology": "infiniband"}},
      r"easybalance\.inference\.topology \('infiniband'\) must be one of: pcie, nvlink, multi_node"),

@@ -103,7 +103,7 @@ def test_our_own_balance_log_is_a_trace(tmp_path):
     ({"logical_count": -torch.ones(2, 2)}, r"'logical_count' must be finite and non-negative"),
     ({"expert_load_pass": torch.ones(2, 4)}, r"'physical_to_logical_map' is missing"),
     ({"expert_load_pass": torch.ones(2, 4), "physical_to_logical_map": torch.zeros(2, 3)},
-     r"physical_to_logical_map must be \(2, 4\)"),
+     r"physical_to_logical_map must be a tensor of shape \(2, 4\)"),
 ])
 def test_malformed_trace_files_give_clear_errors(tmp_path, content, message):
     path = tmp_path / "bad.pt"
@@ -118,8 +118,8 @@ def test_malformed_trace_files_give_clear_errors(tmp_path, content, message):
 @pytest.mark.parametrize("counts, message", [
     ([[1, float("nan")], [0, 1]], r"expert_counts_LE must be finite and non-negative"),
     ([[1, -3], [0, 1]], r"expert_counts_LE must be finite and non-negative"),
-    ([[1, 2], [0]], r"expert_counts_LE must be a \[layers, experts\] list of numbers in every record"),
-    ([1, 2], r"expert_counts_LE must be \[layers, experts\] in every record, got \(2,\)"),
+    ([[1, 2], [0]], r"expert_counts_LE of step 1 must be a \[layers, experts\] list of numbers"),
+    ([1, 2], r"expert_counts_LE must be \[layers, experts\] of one shape in every record, got \(2,\)"),
 ])
 def test_a_balance_log_with_bad_counts_is_refused_like_the_other_importers(tmp_path, counts, message):
     # one validation path for every importer: our own log gets the same checks as a .pt dump

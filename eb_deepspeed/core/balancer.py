@@ -112,6 +112,7 @@ class Balancer:
         self._warned_nonfinite = False
         self.extra_metrics: Optional[Callable[[], dict]] = None   # an adapter's own numbers for the record
         self._logged_step = 0
+        self._run_start: Optional[int] = 0    # put on the next record: where this run's log starts
         self.apply_controls()
 
     @property
@@ -162,7 +163,10 @@ class Balancer:
         log ends on its last step)."""
         if self.view.steps and self.view.steps != self._logged_step:
             self._logged_step = self.view.steps
-            self.logger.log(self.record(), self.samples or self.view.steps)
+            record = self.record()
+            if self._run_start is not None:
+                record["run_start"], self._run_start = self._run_start, None
+            self.logger.log(record, self.samples or self.view.steps)
 
     def apply_controls(self) -> None:
         """Hand the controller's weights (and bias) to the local gates; observe mode touches nothing."""
@@ -217,6 +221,7 @@ class Balancer:
             raise ValueError(f"easybalance state format {version} is newer than this eb_deepspeed reads "
                              f"({self.VERSION}); upgrade eb_deepspeed")
         self.view.load_state_dict(state["view"])
+        self._run_start = self._logged_step = self.view.steps
         changed = self.controller.load_state_dict(state["aux"])
         self.apply_controls()
         saved, now = dict(state.get("config", {})), self.config.to_dict()

@@ -58,6 +58,7 @@ class LogConfig:
     interval: int = 10              # boundaries between two log records
     dir: str = "easybalance_log"    # JSONL log (rank 0); `eb report DIR` renders it
     wandb: bool = True              # also send to W&B when DeepSpeed's own `wandb` block is enabled
+    max_mb: float = 256.0           # balance.jsonl rotates to balance.jsonl.1 past this size (disk: <= 2x)
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,8 @@ class EasyBalanceConfig:
             "enabled": self.enabled, "mode": self.mode, "ema_alpha": self.ema_alpha,
             "window": "auto" if self.window is None else self.window, "warmup_batches": self.warmup_batches,
             "seq_len_weighting": self.seq_len_weighting,
-            "log": {"interval": self.log.interval, "dir": self.log.dir, "wandb": self.log.wandb},
+            "log": {"interval": self.log.interval, "dir": self.log.dir, "wandb": self.log.wandb,
+                    "max_mb": self.log.max_mb},
             "aux": {"policy": self.aux.policy, "weight_range": list(self.aux.weight_range),
                     "smoothing": self.aux.smoothing, "bias_rate": self.aux.bias_rate,
                     "device_weight": self.aux.device_weight, "aux_scale": self.aux.aux_scale},
@@ -301,12 +303,15 @@ def _weights(block: Any, path: str, preset: tuple[float, float, float]) -> CostW
 
 def _log(block: Any, path: str) -> LogConfig:
     block = dict(_mapping(block, path))
-    _reject_unknown(block, path, ["interval", "dir", "wandb"])
+    _reject_unknown(block, path, ["interval", "dir", "wandb", "max_mb"])
     d = block.get("dir", LogConfig.dir)
     if not isinstance(d, str) or not d or "\x00" in d:
         raise ConfigError(f"{path}.dir ({_short(d)}) must be a non-empty string")
+    max_mb = _number(block.get("max_mb", LogConfig.max_mb), f"{path}.max_mb")
+    if not 0.001 <= max_mb <= 1e6:
+        raise ConfigError(f"{path}.max_mb ({_short(max_mb)}) must be in [0.001, 1e6] (MiB)")
     return LogConfig(interval=_int(block.get("interval", LogConfig.interval), f"{path}.interval", minimum=1),
-                     dir=d, wandb=_bool(block.get("wandb", LogConfig.wandb), f"{path}.wandb"))
+                     dir=d, wandb=_bool(block.get("wandb", LogConfig.wandb), f"{path}.wandb"), max_mb=max_mb)
 
 
 def _aux(block: Any, path: str) -> AuxConfig:

@@ -15,8 +15,9 @@ from typing import Any
 
 __all__ = ["META", "PER_LAYER", "SCALARS", "MATRICES", "PRESSURE", "EXPERT_COUNTS", "BalanceLogger", "NullLogger"]
 
-# Identification of a record.
-META = ("step", "samples", "mode", "policy")
+# Identification of a record. `run_start` is on a run's first record only: the step the run started
+# from (0, or the step of the checkpoint it resumed); readers drop older records past it (superseded).
+META = ("step", "samples", "mode", "policy", "run_start")
 
 # Per-layer curves: key -> plot title (one PNG each in `eb report`, one W&B key per layer).
 PER_LAYER: dict[str, str] = {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any, Iterable
 
 from ..core import record as R
@@ -39,19 +40,59 @@ class MultiLogger(BalanceLogger):
 
 
 class JsonlLogger(BalanceLogger):
-    """Appends one JSON object per record to DIR/balance.jsonl (append: a resumed run continues it)."""
+    """Appends one JSON object per record to DIR/balance.jsonl (append: a resumed run continues it).
 
-    def __init__(self, directory: str):
+    Bounded: past `max_mb` MiB (`easybalance.log.max_mb`) the file rotates to balance.jsonl.1 (replacing an older one), so the log
+    holds at most about 2 x max_mb on disk and readers see the newest records. A partial last line
+    left by a killed run is cut off (with a warning) before anything is appended.
+    """
+
+    def __init__(self, directory: str, max_mb: float = 256.0):
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, JSONL_NAME)
+        self.max_bytes = int(max_mb * 2 ** 20)
+        _cut_partial_line(self.path)
         self._file = open(self.path, "a", encoding="utf-8")
+        self._size = self._file.tell()
 
     def log(self, record: dict[str, Any], step: int) -> None:
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        if self._size and self._size + len(line) > self.max_bytes:
+            self._file.close()
+            os.replace(self.path, self.path + ".1")
+            self._file = open(self.path, "a", encoding="utf-8")
+            self._size = 0
+        self._file.write(line)
         self._file.flush()
+        self._size += len(line)
 
     def close(self) -> None:
         self._file.close()
+
+
+def _cut_partial_line(path: str) -> None:
+    """Truncate `path` after its last newline (a record cut short by a killed writer)."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        end = size
+        while end > 0:                       # back to the last newline, a block at a time
+            start = max(0, end - 65536)
+            f.seek(start)
+            block = f.read(end - start)
+            cut = block.rfind(b"\n")
+            if cut >= 0:
+                end = start + cut + 1
+                break
+            end = start
+        f.truncate(end)
+    warnings.warn(f"easybalance: {path} ended in a partial record (a killed run); cut it off ({size - end} bytes)")
 
 
 def flatten_record(record: dict[str, Any], prefix: str = "easybalance") -> dict[str, float]:

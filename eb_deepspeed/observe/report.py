@@ -9,38 +9,95 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+import warnings
+from typing import Any, Iterator, Optional, Sequence
 
 from ..core import record as R
 
-__all__ = ["read_log", "render_report", "heatmap_figure", "curve_figure", "CURVES", "SUMMARY", "JSONL_NAME"]
+__all__ = ["read_log", "iter_log", "log_path", "render_report", "heatmap_figure", "curve_figure", "CURVES", "SUMMARY", "JSONL_NAME"]
 
 JSONL_NAME = "balance.jsonl"     # the log file in a run's balance directory (written by monitor.JsonlLogger)
 
 # Per-layer curves drawn, one PNG each (file name: the key, but `layer_token_drop_rate` -> token_drop_rate.png).
 CURVES = ("device_max_over_mean", "expert_max_over_mean", "max_vio", "layer_token_drop_rate", "aux_weight", "aux_loss")
 FILE_NAMES = {"layer_token_drop_rate": "token_drop_rate.png"}
+MAX_POINTS = 2000   # records drawn per curve: a longer log is thinned evenly while it is read
 # Scalars of the summary figure.
 SUMMARY = ("device_util_std", "token_drop_rate", "device_max_over_mean_p90")
 
 
-def read_log(run_dir: str) -> list[dict[str, Any]]:
-    """Records of `run_dir/balance.jsonl` (or of a .jsonl path), in order. Bad lines raise ValueError."""
-    path = run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, JSONL_NAME)
+def log_path(run_dir: str) -> str:
+    """The balance log of a run directory (or the .jsonl path itself)."""
+    return run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, JSONL_NAME)
+
+
+def iter_log(run_dir: str) -> Iterator[dict[str, Any]]:
+    """Stream the records of a balance log, oldest first (the rotated balance.jsonl.1, then balance.jsonl).
+
+    A malformed line raises ValueError naming the file and line; a last line cut short (a killed or
+    still-running writer) is skipped with a warning. Holds one line in memory at a time.
+    """
+    path = log_path(run_dir)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no balance log at {path}; is easybalance.log.dir pointing here?")
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not a JSON record ({e.msg})") from None
-    if not records:
-        raise ValueError(f"{path} holds no records yet")
-    return records
+    for part in (path + ".1", path):
+        if os.path.exists(part):
+            yield from _records_of(part)
+
+
+def _records_of(path: str) -> Iterator[dict[str, Any]]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        line, lineno = f.readline(), 1
+        while line:
+            following = f.readline()
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except (json.JSONDecodeError, RecursionError) as e:
+                    if not following and not line.endswith("\n"):
+                        warnings.warn(f"{path}:{lineno}: skipped a partial last record (a killed or running writer)")
+                        return
+                    raise ValueError(f"{path}:{lineno}: not a JSON record "
+                                     f"({getattr(e, 'msg', 'nested too deeply')})") from None
+                if not isinstance(record, dict) or isinstance(record.get("step"), bool) \
+                        or not isinstance(record.get("step"), int):
+                    raise ValueError(f"{path}:{lineno}: a balance record is a JSON object with an integer 'step', "
+                                     f"got {type(record).__name__}")
+                yield record
+            line, lineno = following, lineno + 1
+
+
+def read_log(run_dir: str, keys: Optional[Sequence[str]] = None,
+             max_records: Optional[int] = None) -> list[dict[str, Any]]:
+    """Records of `run_dir/balance.jsonl` (or of a .jsonl path), in step order. Bad lines raise ValueError.
+
+    A resumed run's first record carries `run_start`: older records past that step were superseded by
+    the resumed run and are dropped, so no step repeats. keys: keep only these keys (and `step`) of
+    every record but the last, which is kept whole. max_records: keep about that many, evenly spaced
+    (and always the last): memory stays bounded however long the log.
+    """
+    kept: list[dict[str, Any]] = []
+    stride, seen, last = 1, 0, None
+    for record in iter_log(run_dir):
+        start = record.get("run_start")
+        if not isinstance(start, int) and last is not None and record["step"] <= last["step"]:
+            start = record["step"] - 1          # a resume logged without a marker (older logs)
+        if isinstance(start, int) and not isinstance(start, bool):
+            while kept and kept[-1]["step"] > start:
+                kept.pop()
+            if last is not None and last["step"] > start:
+                last = None
+        if last is not None and (seen - 1) % stride == 0:
+            kept.append(last if keys is None else {k: last[k] for k in ("step", *keys) if k in last})
+        last, seen = record, seen + 1
+        if max_records is not None and len(kept) > max_records:
+            stride *= 2
+            kept = kept[::2]
+    if last is None:
+        raise ValueError(f"{log_path(run_dir)} holds no records yet")
+    if kept and kept[-1]["step"] >= last["step"]:
+        kept.pop()
+    return kept + [last]
 
 
 def _plt():
@@ -54,12 +111,13 @@ def heatmap_figure(pressure_LG, title: str = "device pressure"):
     plt = _plt()
     L = len(pressure_LG)
     G = len(pressure_LG[0]) if L else 0
-    fig, ax = plt.subplots(figsize=(max(4, 1 + 0.6 * G), max(3, 1 + 0.35 * L)))
+    # bounded size (a 64-rank, 61-layer view would otherwise draw a 40-inch figure): at most 16 x 12 inches
+    fig, ax = plt.subplots(figsize=(min(16, max(4, 1 + 0.6 * G)), min(12, max(3, 1 + 0.35 * L))))
     im = ax.imshow(pressure_LG, aspect="auto", cmap="magma", interpolation="nearest")
     ax.set_xlabel("EP rank (device)")
     ax.set_ylabel("MoE layer")
-    ax.set_xticks(range(G))
-    ax.set_yticks(range(L))
+    ax.set_xticks(range(0, G, max(1, G // 16)))
+    ax.set_yticks(range(0, L, max(1, L // 24)))
     ax.set_title(title)
     fig.colorbar(im, ax=ax, label="tokens / step (EMA)")
     fig.tight_layout()
@@ -88,7 +146,7 @@ def curve_figure(records: list[dict[str, Any]], key: str, title: str):
 
 def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
     """Write the PNGs; returns their paths."""
-    records = read_log(run_dir)
+    records = read_log(run_dir, keys=(*CURVES, *SUMMARY), max_records=MAX_POINTS)
     base = os.path.dirname(run_dir) if run_dir.endswith(".jsonl") else run_dir
     out_dir = out_dir or os.path.join(base, "plots")
     os.makedirs(out_dir, exist_ok=True)

@@ -56,10 +56,7 @@ def load_trace(path: str) -> torch.Tensor:
             t_NLP = tensor(key)
             if "physical_to_logical_map" not in data:
                 raise ValueError(f"{path}: '{key}' counts physical experts; 'physical_to_logical_map' is missing")
-            p2l = data["physical_to_logical_map"]
-            if not isinstance(p2l, torch.Tensor) or tuple(p2l.shape) != tuple(t_NLP.shape[1:]):
-                raise ValueError(f"{path}: physical_to_logical_map must be {tuple(t_NLP.shape[1:])} to match '{key}'")
-            p2l_LP = p2l.long()
+            p2l_LP = _expert_map(data["physical_to_logical_map"], tuple(t_NLP.shape[1:]), f"{path}: physical_to_logical_map")
             E = int(p2l_LP.max()) + 1
             out = torch.zeros(t_NLP.shape[0], t_NLP.shape[1], E + 1, dtype=torch.float64)
             out.scatter_add_(2, (p2l_LP + 1).clamp_min(0).expand_as(t_NLP), t_NLP)
@@ -68,26 +65,57 @@ def load_trace(path: str) -> torch.Tensor:
                      f"expert_load_window / expert_load_pass (vLLM); keys present: {sorted(data)}")
 
 
+def _expert_map(p2l, shape: tuple, what: str) -> torch.Tensor:
+    """A physical -> logical expert map [L, P]: whole numbers in [-1, P) (-1 = empty slot), every layer
+    with an expert (a logical expert needs a physical slot, so ids stay below P: no huge allocation)."""
+    if not isinstance(p2l, torch.Tensor) or tuple(p2l.shape) != shape:
+        raise ValueError(f"{what} must be a tensor of shape {shape}, got "
+                         f"{type(p2l).__name__}{tuple(p2l.shape) if isinstance(p2l, torch.Tensor) else ''}")
+    if p2l.is_complex() or p2l.dtype == torch.bool:
+        raise ValueError(f"{what} must hold expert ids (integers), got {p2l.dtype}")
+    if p2l.is_floating_point() and (not bool(torch.isfinite(p2l).all()) or bool((p2l != p2l.round()).any())):
+        raise ValueError(f"{what} must hold whole expert ids (no NaN, inf or fractions)")
+    P = shape[1]
+    if bool((p2l < -1).any()) or bool((p2l >= P).any()):
+        raise ValueError(f"{what} holds ids outside [-1, {P}) (-1 = empty slot; a model has at most as many "
+                         f"logical experts as physical slots)")
+    p2l_LP = p2l.long()
+    if bool((p2l_LP.amax(1) < 0).any()):
+        raise ValueError(f"{what} has a layer with no expert")
+    return p2l_LP
+
+
 def _from_balance_log(path: str) -> torch.Tensor:
     from ..observe.report import read_log
-    rows = [r[EXPERT_COUNTS] for r in read_log(path) if EXPERT_COUNTS in r]
+    rows = []
+    for r in read_log(path, keys=(EXPERT_COUNTS, )):
+        if EXPERT_COUNTS not in r:
+            continue
+        try:
+            rows.append(torch.tensor(r[EXPERT_COUNTS], dtype=torch.float64))
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:   # ragged lists, strings, nulls
+            raise ValueError(f"{path}: {EXPERT_COUNTS} of step {r['step']} must be a [layers, experts] list of "
+                             f"numbers ({e})") from None
+        if rows[-1].dim() != 2 or rows[-1].shape != rows[0].shape:
+            raise ValueError(f"{path}: {EXPERT_COUNTS} must be [layers, experts] of one shape in every record, got "
+                             f"{tuple(rows[-1].shape)} at step {r['step']} (first {tuple(rows[0].shape)})")
     if not rows:
         raise ValueError(f"{path}: no record holds {EXPERT_COUNTS}")
-    try:
-        t = torch.tensor(rows, dtype=torch.float64)
-    except (TypeError, ValueError) as e:   # ragged lists, strings, nulls
-        raise ValueError(f"{path}: {EXPERT_COUNTS} must be a [layers, experts] list of numbers in every record "
-                         f"({e})") from None
-    if t.dim() != 3:
-        raise ValueError(f"{path}: {EXPERT_COUNTS} must be [layers, experts] in every record, got {tuple(t.shape[1:])}")
-    return _checked(t, f"{path}: {EXPERT_COUNTS}")
+    return _checked(torch.stack(rows), f"{path}: {EXPERT_COUNTS}")
+
+
+MAX_COUNT = 2.0 ** 53     # tokens an expert gets in one step: exact in float64, and far beyond any real batch
 
 
 def _checked(t: torch.Tensor, what: str) -> torch.Tensor:
-    """The one validation path of every importer: float64, finite, non-negative, not empty."""
+    """The one validation path of every importer: real, float64, finite, non-negative, bounded, not empty."""
+    if t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{what} must hold real token counts, got {t.dtype}")
     t = t.to(torch.float64)
     if t.numel() == 0:
         raise ValueError(f"{what} is empty")
     if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
         raise ValueError(f"{what} must be finite and non-negative")
+    if bool((t > MAX_COUNT).any()):
+        raise ValueError(f"{what} holds counts above {MAX_COUNT:.0f} tokens")
     return t

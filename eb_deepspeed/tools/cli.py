@@ -102,6 +102,19 @@ def _simulate(args) -> int:
     return 0
 
 
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        return value
+    parse.__name__ = "integer"         # argparse names the type in its message
+    return parse
+
+
+counting, non_negative = _at_least(1), _at_least(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..core.topology import TOPOLOGIES
     from ..sim.workloads import WORKLOADS
@@ -117,22 +130,22 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="side-by-side benchmarks")
     p.add_argument("what", choices=["gate", "train", "plan", "optimum", "infer"])
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--experts", type=int, nargs="+", default=[16, 64])
-    p.add_argument("--k", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=30, help="gate: timed repeats")
-    p.add_argument("--steps", type=int, default=200, help="train: optimizer steps per row")
+    p.add_argument("--tokens", type=counting, default=4096)
+    p.add_argument("--hidden", type=counting, default=1024)
+    p.add_argument("--experts", type=counting, nargs="+", default=[16, 64])
+    p.add_argument("--k", type=counting, default=2)
+    p.add_argument("--repeats", type=counting, default=30, help="gate: timed repeats")
+    p.add_argument("--steps", type=counting, default=200, help="train: optimizer steps per row")
     p.add_argument("--coeff", type=float, default=0.01, help="train: aux-loss coefficient of the balanced rows")
     p.add_argument("--capacity-factor", type=float, default=1.0, help="train: capacity factor of every row")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--layers", type=int, default=4, help="train: MoE layers of the example model")
+    p.add_argument("--layers", type=counting, default=4, help="train: MoE layers of the example model")
     p.add_argument("--bias-rate", type=float, default=None, help="train: easybalance.aux.bias_rate of the bias row")
     p.add_argument("--out", default="runs/bench_train", help="train: run directories")
-    p.add_argument("--seeds", type=int, default=30, help="optimum: random loads per shape")
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="infer: gloo ranks of each run")
-    p.add_argument("--batches", type=int, default=24, help="infer: measured batches per row")
-    p.add_argument("--replica-slots", type=int, default=1, help="infer: easybalance.inference.replica_slots")
+    p.add_argument("--seeds", type=counting, default=30, help="optimum: random loads per shape")
+    p.add_argument("--ranks", type=counting, nargs="+", default=[2, 4], help="infer: gloo ranks of each run")
+    p.add_argument("--batches", type=counting, default=24, help="infer: measured batches per row")
+    p.add_argument("--replica-slots", type=non_negative, default=1, help="infer: easybalance.inference.replica_slots")
     p.add_argument("--ckpt", default="runs/main/ckpt", help="infer: the main job's checkpoint (trained routers)")
     p.set_defaults(func=_bench)
 
@@ -140,17 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="skewed_correlated", choices=["all", "trace", *WORKLOADS])
     p.add_argument("--trace", help="with --workload trace: SGLang / vLLM expert-load file or balance.jsonl")
     p.add_argument("--topology", default="pcie", choices=list(TOPOLOGIES))
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--extra-slots", type=int, default=2, help="replica slots per device beyond experts / devices")
-    p.add_argument("--window", type=int, default=1, help="1 = synchronised per layer; w > 1 = bounded run-ahead")
+    p.add_argument("--layers", type=counting, default=32)
+    p.add_argument("--experts", type=counting, default=64)
+    p.add_argument("--devices", type=counting, default=8)
+    p.add_argument("--steps", type=counting, default=40)
+    p.add_argument("--extra-slots", type=non_negative, default=2, help="replica slots per device beyond experts / devices")
+    p.add_argument("--window", type=counting, default=1, help="1 = synchronised per layer; w > 1 = bounded run-ahead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_simulate)
 
     args = parser.parse_args(argv)
+    if args.command == "simulate" and (args.workload == "trace") != (args.trace is not None):
+        parser.error("--trace FILE goes with --workload trace (and only with it)")
     return args.func(args)
 
 

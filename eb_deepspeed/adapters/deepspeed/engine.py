@@ -222,7 +222,7 @@ def _wrap_checkpointing(engine, balancer: Balancer, hook: _StepHook) -> None:
 def _make_logger(cfg: EasyBalanceConfig, engine) -> BalanceLogger:
     if _dist_ready() and dist.get_rank() != 0:
         return NullLogger()
-    loggers: list[BalanceLogger] = [JsonlLogger(cfg.log.dir)]
+    loggers: list[BalanceLogger] = [JsonlLogger(cfg.log.dir, cfg.log.max_mb)]
     monitor = getattr(engine, "monitor", None)
     if cfg.log.wandb and monitor is not None and getattr(monitor, "enabled", False):
         loggers.append(DeepSpeedMonitorLogger(monitor))

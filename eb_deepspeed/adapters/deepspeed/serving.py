@@ -120,7 +120,7 @@ class Serving:
         if enabled:
             self.balancer = Balancer(config, self.gates, self.G, reduce=self._reduce_fn(), device_tally=True,
                                      train_controls=False, rank_to_node=self.rank_to_node, tally_device=self.device,
-                                     logger=JsonlLogger(config.log.dir) if dist_rank() == 0 else NullLogger())
+                                     logger=JsonlLogger(config.log.dir, config.log.max_mb) if dist_rank() == 0 else NullLogger())
             self.balancer.extra_metrics = lambda: {"replans": self.replans, "weight_moves": self.weight_moves}
 
     @property
