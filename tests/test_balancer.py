@@ -152,8 +152,35 @@ def test_a_state_of_an_older_format_is_refused_without_changing_anything():
     before = balancer.state_dict()
     assert balancer.load_state_dict({"version": 1, "view": {}, "aux": {}}) is False
     assert torch.equal(balancer.view.pressure_LG, before["view"]["pressure_LG"])
-    with pytest.raises(ValueError, match="easybalance state format 3 is newer than this eb_deepspeed reads \\(2\\)"):
+    with pytest.raises(ValueError, match="balancer state format 3 is newer than this eb_deepspeed reads \\(2\\)"):
         balancer.load_state_dict({"version": 3})
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: s["view"].update(shape=(1, 4, 1)), r"load view is \(layers, experts, devices\) = \(1, 4, 1\)"),
+    (lambda s: s["view"].update(heat_LE=torch.zeros(1, 3)), r"heat_LE has shape \(1, 3\), this model \(1, 4\)"),
+    (lambda s: s["view"]["pressure_LG"].fill_(float("nan")), r"pressure_LG holds NaN or inf"),
+    (lambda s: s["view"].pop("last_load_LG"), r"last_load_LG is not a real tensor"),
+    (lambda s: s["view"].update(steps=-1), r"steps is -1"),
+    (lambda s: s["aux"].update(bias_LE=torch.zeros(2, 4)), r"aux bias_LE has shape \(2, 4\), this model \(1, 4\)"),
+    (lambda s: s.update(aux=None), r"aux state is not a dict"),
+    (lambda s: s.update(version="2"), r"version '2' is not an integer"),
+])
+def test_a_state_that_does_not_fit_is_refused_before_anything_changes(damage, message):
+    gates = [ToyGate()]
+    balancer = Balancer(config(), gates, 2)
+    gates[0].forward(torch.tensor([0, 1, 1, 3]))
+    balancer.step()
+    state = balancer.state_dict()
+    damage(state)
+    other = Balancer(config(), [ToyGate()], 2)
+    before = other.state_dict()
+    assert other.state_problem(state) is not None
+    with pytest.raises(ValueError, match=message):
+        other.load_state_dict(state)
+    after = other.state_dict()
+    assert all(torch.equal(after["view"][k], before["view"][k]) for k in ("heat_LE", "pressure_LG", "last_tally"))
+    assert after["view"]["steps"] == before["view"]["steps"] and torch.equal(after["aux"]["weight_L"], before["aux"]["weight_L"])
 
 
 def test_when_one_rank_disagrees_every_rank_raises():

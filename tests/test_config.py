@@ -57,7 +57,7 @@ def test_the_users_dict_is_never_changed():
 
 
 @pytest.mark.parametrize("block, message", [
-    ({"ema_alfa": 0.3}, r"easybalance\.ema_alfa: unknown key; valid keys: aux, ema_alpha, enabled, inference, log"),
+    ({"ema_alfa": 0.3}, r"easybalance\.ema_alfa: unknown key; valid keys: aux, checkpoint, ema_alpha, enabled, inference, log"),
     ({"inference": {"weights": {"crosss": 0.5}}},
      r"easybalance\.inference\.weights\.crosss: unknown key; valid keys: comm, cross, intra"),
     ({"inference": {"replicas": 1}}, r"easybalance\.inference\.replicas: unknown key; valid keys: decision_batch, "

@@ -124,6 +124,17 @@ def test_checkpoint_round_trip_restores_the_view_and_controls_and_the_next_step_
         assert rank["plain_loaded"] and "easybalance" in rank["plain_client_keys"]
 
 
+def test_a_checkpoint_of_another_ep_size_stops_before_loading_or_loads_the_model_only_when_asked(run_dist):
+    for rank in run_dist("checkpoint_mismatch", 2):
+        assert rank["error"] is not None and "Nothing was loaded" in rank["error"]
+        assert "(layers, experts, devices) = (2, 4, 2), this model has (2, 4, 1)" in rank["error"]
+        assert '"checkpoint": "ignore_mismatch"' in rank["error"]
+        assert rank["untouched"] and rank["view_kept"]          # not one parameter or view entry overwritten
+        assert rank["loaded"] and rank["shared_compared"] > 0   # ignore_mismatch: the model's weights are the saved ones
+        assert len(rank["warned"]) == 1 and "(2, 4, 2)" in rank["warned"][0]
+        assert rank["steps_after_load"] == 0 and rank["steps_after_train"] == 1
+
+
 def test_a_rank_with_another_config_makes_every_rank_raise_instead_of_hanging(run_dist):
     for rank in run_dist("disagree", 2):
         assert rank["error"] is not None

@@ -208,24 +208,40 @@ class Balancer:
         return {"version": self.VERSION, "view": self.view.state_dict(), "aux": self.controller.state_dict(),
                 "config": self.config.to_dict()}
 
+    def state_problem(self, state: object) -> Optional[str]:
+        """Why a saved state cannot be restored into this balancer (None: it can, or it is of an older
+        format, which `load_state_dict` skips). Checks everything before anything is changed."""
+        if not isinstance(state, dict):
+            return f"the balancer state is a {type(state).__name__}, not a dict"
+        version = state.get("version", 0)
+        if not isinstance(version, int):
+            return f"the balancer state's version {version!r} is not an integer"
+        if version < self.VERSION:
+            return None
+        if version != self.VERSION:
+            return (f"the balancer state format {version} is newer than this eb_deepspeed reads ({self.VERSION}); "
+                    "upgrade eb_deepspeed")
+        return self.view.state_problem(state.get("view")) or self.controller.state_problem(state.get("aux"))
+
     def load_state_dict(self, state: dict[str, object]) -> bool:
         """Restore a saved state; returns False (and changes nothing) for a state of an older format.
 
-        A state saved under another config is restored as far as the current config allows, and one
-        warning says which options differ and what that changed (see `AuxController.load_state_dict`).
+        A state that does not fit (`state_problem`) raises ValueError and changes nothing. A state saved
+        under another config is restored as far as the current config allows, and one warning says
+        which options differ and what that changed (see `AuxController.load_state_dict`).
         """
-        version = int(state.get("version", 0))
-        if version < self.VERSION:
+        problem = self.state_problem(state)
+        if problem is not None:
+            raise ValueError(problem)
+        if state.get("version", 0) < self.VERSION:
             return False
-        if version != self.VERSION:
-            raise ValueError(f"easybalance state format {version} is newer than this eb_deepspeed reads "
-                             f"({self.VERSION}); upgrade eb_deepspeed")
         self.view.load_state_dict(state["view"])
         self._run_start = self._logged_step = self.view.steps
         changed = self.controller.load_state_dict(state["aux"])
         self.apply_controls()
         saved, now = dict(state.get("config", {})), self.config.to_dict()
-        saved.pop("log", None), now.pop("log", None)          # where records go is not balancer state
+        for key in ("log", "checkpoint"):                     # where records go, how to load: not balancer state
+            saved.pop(key, None), now.pop(key, None)
         differ = _differences(saved, now, "easybalance")
         if differ:
             warnings.warn("easybalance: resumed under another config (" + "; ".join(differ) + ")"

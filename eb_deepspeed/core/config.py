@@ -28,11 +28,12 @@ from .policies import POLICIES
 from .topology import TOPOLOGIES
 
 __all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "InferenceConfig", "EasyBalanceConfig", "MODES",
-           "CONTEXTS", "SPLITS"]
+           "CONTEXTS", "SPLITS", "CHECKPOINT_MODES"]
 
 MODES = ("observe", "balance")
 SPLITS = ("view", "exact")          # how serving splits an expert's routes over its replicas
 CONTEXTS = ("train", "inference")   # eb_deepspeed.initialize / eb_deepspeed.init_inference
+CHECKPOINT_MODES = ("strict", "ignore_mismatch")   # easybalance.checkpoint: a saved state that does not fit
 # Keys of earlier versions, and where they live now.
 MOVED = {"topology": "inference.topology", "weights": "inference.weights", "decision_batch": "inference.decision_batch"}
 
@@ -95,6 +96,7 @@ class EasyBalanceConfig:
     window: int | None = None       # None = "auto": 5 layers, growing to 8 for deep models
     warmup_batches: int = 4
     seq_len_weighting: bool = False
+    checkpoint: str = "strict"      # a saved balancer state that does not fit: "strict" error, or "ignore_mismatch"
     log: LogConfig = field(default_factory=LogConfig)
     aux: AuxConfig = field(default_factory=AuxConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
@@ -140,6 +142,7 @@ class EasyBalanceConfig:
             window=window,
             warmup_batches=_int(block.pop("warmup_batches", d.warmup_batches), f"{path}.warmup_batches", minimum=0),
             seq_len_weighting=_bool(block.pop("seq_len_weighting", d.seq_len_weighting), f"{path}.seq_len_weighting"),
+            checkpoint=_choice(block.pop("checkpoint", d.checkpoint), f"{path}.checkpoint", CHECKPOINT_MODES),
             log=_log(block.pop("log", {}), f"{path}.log"),
             aux=_aux(block.pop("aux", {}), f"{path}.aux"),
             inference=_inference(block.pop("inference", {}), f"{path}.inference"),
@@ -189,7 +192,7 @@ class EasyBalanceConfig:
         return {
             "enabled": self.enabled, "mode": self.mode, "ema_alpha": self.ema_alpha,
             "window": "auto" if self.window is None else self.window, "warmup_batches": self.warmup_batches,
-            "seq_len_weighting": self.seq_len_weighting,
+            "seq_len_weighting": self.seq_len_weighting, "checkpoint": self.checkpoint,
             "log": {"interval": self.log.interval, "dir": self.log.dir, "wandb": self.log.wandb,
                     "max_mb": self.log.max_mb},
             "aux": {"policy": self.aux.policy, "weight_range": list(self.aux.weight_range),

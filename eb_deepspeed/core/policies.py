@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import metrics as M
+from .tally import tensor_problem
 
 __all__ = ["POLICIES", "AuxPolicy", "cross_layer_scores", "cross_layer_weights", "clip_mean_one", "bias_update",
            "AuxController"]
@@ -189,15 +190,21 @@ class AuxController:
         return {"policy": self.cfg.policy, "weight_L": self.weight_L.clone(), "bias_LE": self.bias_LE.clone(),
                 "updates": self.updates}
 
+    def state_problem(self, state: object) -> str | None:
+        """Why `state` cannot be this controller's (None: it can)."""
+        if not isinstance(state, dict) or not isinstance(state.get("policy"), str) \
+                or not isinstance(state.get("updates"), int):
+            return "the aux state is not a dict with a policy and an update count"
+        return tensor_problem(state, "aux", {"weight_L": tuple(self.weight_L.shape), "bias_LE": tuple(self.bias_LE.shape)})
+
     def load_state_dict(self, state: dict[str, object]) -> list[str]:
         """Restore the saved weights and bias, made to obey the current config; returns what that changed.
 
         A checkpoint of another policy is not this policy's state: the controller starts fresh.
         """
-        if state["weight_L"].shape != self.weight_L.shape or state["bias_LE"].shape != self.bias_LE.shape:
-            raise ValueError(f"checkpointed aux state has shapes {tuple(state['weight_L'].shape)} / "
-                             f"{tuple(state['bias_LE'].shape)}, this model {tuple(self.weight_L.shape)} / "
-                             f"{tuple(self.bias_LE.shape)}")
+        problem = self.state_problem(state)
+        if problem is not None:
+            raise ValueError(problem)
         if state["policy"] != self.cfg.policy:
             return [f"aux.policy was \"{state['policy']}\": weights and bias start fresh"]
         self.weight_L = state["weight_L"].to(torch.float64).clone()

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Tally", "TallyLayout", "TallyRecorder", "PER_EXPERT_FIELDS", "PER_LAYER_FIELDS"]
+__all__ = ["Tally", "TallyLayout", "TallyRecorder", "PER_EXPERT_FIELDS", "PER_LAYER_FIELDS", "tensor_problem"]
 
 PER_EXPERT_FIELDS = ("routed", "kept", "load")
 PER_LAYER_FIELDS = ("tokens", "nonfinite", "aux", "forwards")
@@ -213,3 +213,16 @@ class TallyRecorder:
         out[lay.start["forwards"]] += self._forwards
         self._tokens, self._forwards = 0, 0
         return out
+
+
+def tensor_problem(state: dict, what: str, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """Why the tensors of a checkpointed `state` do not fit `shapes` (missing, wrong shape, non-finite)."""
+    for key, shape in shapes.items():
+        t = state.get(key)
+        if not isinstance(t, torch.Tensor) or t.is_complex():
+            return f"the {what} state's {key} is not a real tensor"
+        if tuple(t.shape) != shape:
+            return f"the checkpointed {what} {key} has shape {tuple(t.shape)}, this model {shape}"
+        if not bool(torch.isfinite(t).all()):
+            return f"the checkpointed {what} {key} holds NaN or inf"
+    return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import metrics as M
-from .tally import Tally
+from .tally import Tally, TallyLayout, tensor_problem
 
 __all__ = ["LoadView", "sequence_length_weights"]
 
@@ -155,11 +155,31 @@ class LoadView:
                 "last_tally": self.last.pack(), "last_devices": 0 if self.last.device_LG is None else self.G,
                 "last_load_LG": self.last_load_LG.clone()}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        shape = tuple(state["shape"])
+    def state_problem(self, state: object) -> str | None:
+        """Why `state` cannot be this view's (None: it can). Checks everything `load_state_dict` reads."""
+        if not isinstance(state, dict) or "shape" not in state:
+            return "the load view state is not a dict with a shape"
+        try:
+            shape = tuple(int(x) for x in state["shape"])
+        except (TypeError, ValueError):
+            return f"the load view's shape {state['shape']!r} is not (layers, experts, devices)"
         if shape != (self.L, self.E, self.G):
-            raise ValueError(f"checkpointed load view is (layers, experts, devices) = {shape}, "
-                             f"this model has {(self.L, self.E, self.G)}")
+            return (f"the checkpointed load view is (layers, experts, devices) = {shape}, this model has "
+                    f"{(self.L, self.E, self.G)}")
+        devices = state.get("last_devices")
+        if devices not in (0, self.G):
+            return f"the load view's last_devices is {devices!r}, expected 0 or {self.G}"
+        if not isinstance(state.get("steps"), int) or state["steps"] < 0:
+            return f"the load view's steps is {state.get('steps')!r}, expected an integer >= 0"
+        width = TallyLayout(self.E, devices).width
+        return tensor_problem(state, "load view", {
+            "heat_LE": (self.L, self.E), "pressure_LG": (self.L, self.G), "updates_L": (self.L, ),
+            "expert_to_device_E": (self.E, ), "last_tally": (self.L, width), "last_load_LG": (self.L, self.G)})
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        problem = self.state_problem(state)
+        if problem is not None:
+            raise ValueError(problem)
         self.heat_LE = state["heat_LE"].to(torch.float64).clone()
         self.pressure_LG = state["pressure_LG"].to(torch.float64).clone()
         self.updates_L = state["updates_L"].to(torch.long).clone()

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
+import pickle
 import socket
 import warnings
 from typing import Any, Optional
@@ -191,10 +193,14 @@ def _wrap_checkpointing(engine, balancer: Balancer, hook: _StepHook) -> None:
     """Save the balancer state in DeepSpeed's client_state; restore it on load.
 
     Stored in client_state rather than in module buffers so that model state dicts stay exactly
-    DeepSpeed's (checkpoints load both ways between plain DeepSpeed and eb_deepspeed).
+    DeepSpeed's (checkpoints load both ways between plain DeepSpeed and eb_deepspeed). Before DeepSpeed
+    loads anything, the saved balancer state is read and checked against this model: one that does
+    not fit (another EP size, expert or layer count) stops the load with the model untouched, or,
+    with `easybalance.checkpoint: "ignore_mismatch"`, is dropped with a warning after the model loads.
     """
     original_save, original_load = engine.save_checkpoint, engine.load_checkpoint
-    save_sig = inspect.signature(original_save)
+    save_sig, load_sig = inspect.signature(original_save), inspect.signature(original_load)
+    mode = balancer.config.checkpoint
 
     def save_checkpoint(*args, **kwargs):
         bound = save_sig.bind(*args, **kwargs)
@@ -204,19 +210,60 @@ def _wrap_checkpointing(engine, balancer: Balancer, hook: _StepHook) -> None:
         return original_save(*bound.args, **bound.kwargs)
 
     def load_checkpoint(*args, **kwargs):
+        bound = load_sig.bind(*args, **kwargs)
+        path, state = _saved_state(engine, bound.arguments["load_dir"], bound.arguments.get("tag"))
+        problem = None if state is None else balancer.state_problem(state)
+        if problem is not None and mode == "strict":
+            raise ValueError(f"easybalance: {path}: {problem}. Nothing was loaded. To load the model and drop this "
+                             'balancer state, set "easybalance": {"checkpoint": "ignore_mismatch"}')
         load_path, client_state = original_load(*args, **kwargs)
-        if load_path is not None and client_state is not None:
-            hook.reset()
-            state = client_state.pop(STATE_KEY, None)
-            if state is None:
-                warnings.warn(f"easybalance: checkpoint {load_path} holds no balancer state; the load view starts cold")
-            elif not balancer.load_state_dict(state):
-                warnings.warn(f"easybalance: checkpoint {load_path} holds balancer state of an older format "
-                              f"({state.get('version')}); the load view starts cold")
+        if load_path is None or client_state is None:
+            return load_path, client_state
+        hook.reset()
+        state = client_state.pop(STATE_KEY, None)
+        problem = None if state is None else balancer.state_problem(state)
+        if state is None:
+            warnings.warn(f"easybalance: checkpoint {load_path} holds no balancer state; the load view starts cold")
+        elif problem is not None and mode == "ignore_mismatch":
+            warnings.warn(f"easybalance: {load_path}: {problem}; easybalance.checkpoint is \"ignore_mismatch\": the "
+                          "model was loaded, the balancer keeps its own state")
+        elif problem is not None:      # the file could not be read ahead (an unusual layout): DeepSpeed loaded it
+            raise ValueError(f"easybalance: {load_path}: {problem}. The model was loaded, the balancer state was not; "
+                             'set "easybalance": {"checkpoint": "ignore_mismatch"} to go on without it')
+        elif not balancer.load_state_dict(state):
+            warnings.warn(f"easybalance: checkpoint {load_path} holds balancer state of an older format "
+                          f"({state.get('version')}); the load view starts cold")
         return load_path, client_state
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+
+
+def _saved_state(engine, load_dir: str, tag: Optional[str]) -> tuple[Optional[str], Any]:
+    """(file, balancer state) of the checkpoint DeepSpeed is about to load, read without loading it
+    (memory-mapped, weights only); (None, None) when the file cannot be found or read ahead."""
+    if tag is None:
+        latest = os.path.join(load_dir, "latest_universal" if _universal(engine) else "latest")
+        if not os.path.isfile(latest):
+            return None, None
+        with open(latest) as f:
+            tag = f.read().strip()
+    try:
+        path = engine._get_ckpt_name(load_dir, tag)
+    except (AttributeError, TypeError, RuntimeError):     # a DeepSpeed without it, or no process group yet
+        return None, None
+    if not os.path.isfile(path):
+        return None, None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError):   # DeepSpeed will say what is wrong
+        return None, None
+    return path, saved.get(STATE_KEY) if isinstance(saved, dict) else None
+
+
+def _universal(engine) -> bool:
+    check = getattr(engine, "load_universal_checkpoint", None)
+    return bool(check()) if callable(check) else False
 
 
 def _make_logger(cfg: EasyBalanceConfig, engine) -> BalanceLogger:
