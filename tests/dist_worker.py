@@ -378,6 +378,32 @@ def scenario_checkpoint_mismatch(p):
             "shared_compared": len(saved)}
 
 
+def scenario_skipped_steps(p):
+    """Steps DeepSpeed skips (an inf gradient under torch_autocast's fp16 scaler) and a batch the user
+    skips (`discard_tally`) leave the view exactly as a run that never saw those batches."""
+    block = {"mode": "observe", "warmup_batches": 0, "log": {"dir": os.path.join(p["out"], "log")}}
+    cfg = base_config(torch_autocast={"enabled": True, "dtype": "torch.float16"}, easybalance=block)
+    engine = make_engine(make_model(seed=0, ep_size=2), copy.deepcopy(cfg))
+    reference = make_engine(make_model(seed=0, ep_size=2), copy.deepcopy(cfg))
+    train_step(engine, 0)                                    # the scaler's first steps may skip too: both alike
+    train_step(reference, 0)
+    before = (engine.global_steps, engine.easybalance.view.steps)
+    x, y = batch(1)                                          # overflows: the scaler skips the optimizer step
+    logits, l_aux = engine(x)
+    engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) * 1e38)
+    engine.step()
+    after = (engine.global_steps, engine.easybalance.view.steps)
+    engine.torch_autocast_z0_gradscaler.update(reference.torch_autocast_z0_gradscaler.get_scale())
+    engine(batch(5)[0])                                      # the user skips this batch (a NaN loss, say)
+    engine.easybalance.discard_tally(last_forward_only=True)
+    for step in (2, 3, 4):
+        train_step(engine, step)
+        train_step(reference, step)
+    return {"before": before, "after": after, "view": view_state(engine), "reference": view_state(reference),
+            "params_equal": all(torch.equal(a, b) for a, b in zip(engine.module.parameters(),
+                                                                  reference.module.parameters()))}
+
+
 def scenario_disagree(p):
     """Rank 1 has another config: every rank raises the same clear error at start-up."""
     rank = torch.distributed.get_rank()

@@ -23,6 +23,9 @@ class ToyGate:
         self.recorder.record(routed_E, experts_T, experts_T.numel(), torch.tensor(0), torch.tensor(1.0),
                              None if self.weights_T is None else self.weights_T)
 
+    def discard_tally(self, last_forward_only=False):
+        self.recorder.discard(last_forward_only)
+
     def take_tally(self, device="cpu"):
         return self.recorder.take(device)
 
@@ -263,3 +266,25 @@ def test_device_metrics_are_of_the_device_load_the_view_took():
     view = LoadView(1, E, 2)
     view.update(Tally.build([[4.0, 0, 0, 0]]), device_load_LG=torch.tensor([[2.0, 2.0]]))
     assert view.metrics()["device_max_over_mean"] == [1.0] and view.metrics()["expert_max_over_mean"] == [4.0]
+
+
+def test_a_skipped_batch_can_be_discarded_whole_or_just_its_last_forward():
+    gates = [ToyGate()]
+    balancer = Balancer(config(mode="observe"), gates, 2)
+    reference = Balancer(config(mode="observe"), [ToyGate()], 2)
+    gates[0].forward(torch.tensor([0, 0, 0, 1]))             # a micro-batch that reaches the step
+    gates[0].forward(torch.tensor([3, 3, 3, 3, 3, 3]))       # a skipped micro-batch (NaN loss, no backward)
+    balancer.discard_tally(last_forward_only=True)
+    balancer.discard_tally(last_forward_only=True)           # nothing more to forget: only one forward is undone
+    balancer.step()
+    reference.gates[0].forward(torch.tensor([0, 0, 0, 1]))
+    reference.step()
+    assert torch.equal(balancer.view.last.pack(), reference.view.last.pack())
+    gates[0].forward(torch.tensor([2, 2]))                    # a whole skipped step
+    balancer.discard_tally()
+    gates[0].forward(torch.tensor([0, 1]))
+    balancer.step()
+    reference.gates[0].forward(torch.tensor([0, 1]))
+    reference.step()
+    assert torch.equal(balancer.view.last.pack(), reference.view.last.pack())
+    assert torch.equal(balancer.view.heat_LE, reference.view.heat_LE)

@@ -135,6 +135,16 @@ def test_a_checkpoint_of_another_ep_size_stops_before_loading_or_loads_the_model
         assert rank["steps_after_load"] == 0 and rank["steps_after_train"] == 1
 
 
+def test_steps_deepspeed_skips_and_batches_the_user_skips_leave_no_counts_behind(run_dist):
+    for rank in run_dist("skipped_steps", 2):
+        (g0, v0), (g1, v1) = rank["before"], rank["after"]
+        assert g1 == g0 + 1 and v1 == v0                     # DeepSpeed counted the step, the optimizer skipped it
+        assert rank["params_equal"]                          # so both runs hold the same weights
+        for key in ("last_tally", "heat_LE", "pressure_LG", "updates_L"):
+            assert torch.equal(rank["view"][key], rank["reference"][key]), key
+        assert rank["view"]["steps"] == rank["reference"]["steps"] >= 2
+
+
 def test_a_rank_with_another_config_makes_every_rank_raise_instead_of_hanging(run_dist):
     for rank in run_dist("disagree", 2):
         assert rank["error"] is not None

@@ -38,6 +38,9 @@ class BalancedGate(Protocol):
     def take_tally(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """This layer's packed tally row [W] since the last call (see `TallyRecorder.take`)."""
 
+    def discard_tally(self, last_forward_only: bool = False) -> None:
+        """Forget the routes tallied since the last `take_tally` (or only the last forward's)."""
+
     def set_aux_weight(self, weight: float) -> None:
         """Multiply the layer's l_aux by `weight` from the next forward on."""
 
@@ -139,6 +142,16 @@ class Balancer:
         for layer, gate in zip(self.layers, self.gates):
             packed_LW[layer] = gate.take_tally(self.tally_device)
         return packed_LW
+
+    def discard_tally(self, last_forward_only: bool = False) -> None:
+        """Forget the routes counted since the last step, on this rank: call it when a batch is skipped
+        (no optimizer step), so that the view holds only the micro-batches that reach a step boundary.
+
+        last_forward_only: forget only the last forward's routes (one skipped micro-batch under gradient
+        accumulation; the step's other micro-batches stay counted). Local: no communication.
+        """
+        for gate in self.gates:
+            gate.discard_tally(last_forward_only)
 
     def step(self) -> torch.Tensor:
         """Tally -> one reduce -> view -> control -> apply -> log. Returns valid_L [L] bool."""

@@ -159,6 +159,7 @@ class TallyRecorder:
         self._tokens = 0
         self._forwards = 0
         self._ones: Optional[torch.Tensor] = None   # reused source of index_add_ for unweighted routes
+        self._undo: Optional[tuple] = None          # (row, tokens, forwards) before the last record
 
     def record(self, routed_E: torch.Tensor, route_expert_R: torch.Tensor, tokens, nonfinite: torch.Tensor,
                l_aux: torch.Tensor, token_w_R: Optional[torch.Tensor] = None,
@@ -172,6 +173,7 @@ class TallyRecorder:
         processes each route, -1 where dropped (only with a layout that has devices).
         """
         lay = self.layout
+        self._undo = (None if self._row_W is None else self._row_W.clone(), self._tokens, self._forwards)
         if self._row_W is None:
             self._row_W = torch.zeros(lay.width, dtype=torch.float64, device=routed_E.device)
         row = self._row_W
@@ -199,8 +201,18 @@ class TallyRecorder:
         row[at:at + 2] += torch.stack((nonfinite.to(row.dtype), l_aux.detach().to(row.dtype)))
         self._forwards += 1
 
+    def discard(self, last_forward_only: bool = False) -> None:
+        """Forget what was recorded since the last `take` (or only the last forward's routes; a second
+        call then forgets nothing more)."""
+        if not last_forward_only:
+            self._row_W, self._tokens, self._forwards = None, 0, 0
+        elif self._undo is not None:
+            self._row_W, self._tokens, self._forwards = self._undo
+        self._undo = None
+
     def take(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """This layer's packed row [W] (float64, on `device`), reset to zero."""
+        self._undo = None
         lay = self.layout
         if self._row_W is None:
             out = torch.zeros(lay.width, dtype=torch.float64, device=device)

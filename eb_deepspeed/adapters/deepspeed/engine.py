@@ -12,8 +12,10 @@ The balancing loop itself is `core.Balancer`; this file only connects it to a De
   (a public door), run once per value of `engine.global_steps`: DeepSpeed steps that optimizer
   once per gradient-accumulation boundary, or once per parameter group under ZeRO, through
   `_take_model_step` in both `DeepSpeedEngine.step` and `PipelineEngine.train_batch`. A step that
-  DeepSpeed skips (fp16 overflow) does not step the optimizer; its routes are counted with the next
-  step's.
+  DeepSpeed skips (fp16 overflow, an inf gradient under the torch_autocast scaler) does not step
+  the optimizer; a forward pre-hook sees `global_steps` move past it and drops its routes, so the
+  view holds only batches that reached a step. A batch the user skips (no `engine.step()`) is
+  dropped with `engine.easybalance.discard_tally()`.
 * the **reduce** is one all-reduce per step of the stacked [L, W] tally: over DeepSpeed's
   data-parallel group (every EP x DP rank) for a plain engine; over every rank for a pipeline,
   where each stage fills the rows of its own layers (one rank per tensor-parallel slice), so every
@@ -155,14 +157,18 @@ def _innermost_torch_optimizer(optimizer) -> Optional[torch.optim.Optimizer]:
 
 
 class _StepHook:
-    """Runs `balancer.step()` once per optimizer step of `engine` (see the module doc)."""
+    """Runs `balancer.step()` once per optimizer step of `engine` (see the module doc), and drops the
+    routes of a step DeepSpeed skipped (its optimizer never stepped) before the next one counts."""
 
     def __init__(self, engine, balancer: Balancer):
         self.engine, self.balancer = engine, balancer
         self.last_step: Optional[int] = None
         self.last_skipped = 0
         self.warned_missed = False
+        self.open_step: Optional[int] = None    # global_steps of the forwards tallied since the last step
+        self.discarded_steps = 0
         self.handle = None
+        engine.module.register_forward_pre_hook(self.before_forward)
         optimizer = _innermost_torch_optimizer(getattr(engine, "optimizer", None))
         if optimizer is None:
             warnings.warn("easybalance: the engine has no torch optimizer to hook; call engine.easybalance.step() "
@@ -175,18 +181,33 @@ class _StepHook:
         if step == self.last_step:                  # ZeRO steps the optimizer once per parameter group
             return
         skipped = int(getattr(self.engine, "skipped_steps", 0))
-        missed = 0 if self.last_step is None else step - self.last_step - 1 - (skipped - self.last_skipped)
+        accounted = max(skipped - self.last_skipped, self.discarded_steps)   # skipped steps, routes dropped
+        missed = 0 if self.last_step is None else step - self.last_step - 1 - accounted
         if missed > 0 and not self.warned_missed:  # a DeepSpeed path that stepped another optimizer
             self.warned_missed = True
             warnings.warn(f"easybalance: {missed} optimizer step(s) before step {step} did not reach the step hook "
                           "(an optimizer DeepSpeed steps outside the hooked one?); their routes count with this step")
-        self.last_step, self.last_skipped = step, skipped
+        self.last_step, self.last_skipped, self.discarded_steps = step, skipped, 0
         self.balancer.samples = int(self.engine.global_samples) + int(self.engine.train_batch_size())
         self.balancer.step()
+        self.open_step = None
+
+    def before_forward(self, module, args) -> None:
+        """A training forward after a boundary that never reached the optimizer (DeepSpeed skipped the
+        step: fp16 overflow, an inf gradient under torch_autocast's scaler): that step's routes go."""
+        if not module.training:
+            return
+        step = int(self.engine.global_steps)
+        if self.open_step is not None and step != self.open_step:
+            self.balancer.discard_tally()
+            self.discarded_steps += step - self.open_step
+        self.open_step = step
 
     def reset(self) -> None:
-        """After a checkpoint load `global_steps` may repeat a value already seen."""
-        self.last_step = None
+        """After a checkpoint load `global_steps` may repeat a value already seen, and routes tallied
+        before the load belong to the history it replaced."""
+        self.last_step, self.open_step = None, None
+        self.balancer.discard_tally()
 
 
 def _wrap_checkpointing(engine, balancer: Balancer, hook: _StepHook) -> None:

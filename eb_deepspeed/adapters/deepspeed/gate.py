@@ -121,6 +121,9 @@ class CrossLayerGate(TopKGate):
         """This layer's packed tally row [W] (float64, on `device`), reset to zero."""
         return self.tally.take(device)
 
+    def discard_tally(self, last_forward_only: bool = False) -> None:
+        self.tally.discard(last_forward_only)
+
     def set_aux_weight(self, weight: float) -> None:
         self.aux_weight = float(weight)
 
