@@ -55,6 +55,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _mean_of(values):
+    """Mean of the numbers among `values`; a step whose router logits were all non-finite has None."""
+    numbers = [v for v in values if v is not None]
+    return sum(numbers) / len(numbers) if numbers else None
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("WANDB_MODE", "offline")  # never needs a W&B account; `wandb sync` uploads later
@@ -157,8 +163,8 @@ def main(argv=None):
             row.update(evaluate())
         history.append(row)
         if progress is not None:
-            progress.set_postfix({k: f"{v:.3f}" for k, v in row.items() if k in ("lm_loss", "aux_loss", "val_loss",
-                                                                               "token_drop_rate")}, refresh=False)
+            progress.set_postfix({k: f"{v:.3f}" for k, v in row.items() if v is not None and k in (
+                "lm_loss", "aux_loss", "val_loss", "token_drop_rate")}, refresh=False)
             progress.update(1)
     if progress is not None:
         progress.close()
@@ -170,7 +176,7 @@ def main(argv=None):
         summary = {"steps": args.steps, "world_size": world, "seconds": round(elapsed, 2),
                    "seconds_per_step": sum(step_times[2:]) / max(1, len(step_times[2:])),
                    "final": history[-1] if history else None,
-                   "train_second_half": {key: sum(r[key] for r in tail) / len(tail) for key in
+                   "train_second_half": {key: _mean_of(r.get(key) for r in tail) for key in
                                          ("lm_loss", "token_drop_rate", "device_max_over_mean_p90")
                                          if tail and key in tail[0]}}
         if balancer is not None:

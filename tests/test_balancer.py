@@ -288,3 +288,67 @@ def test_a_skipped_batch_can_be_discarded_whole_or_just_its_last_forward():
     reference.step()
     assert torch.equal(balancer.view.last.pack(), reference.view.last.pack())
     assert torch.equal(balancer.view.heat_LE, reference.view.heat_LE)
+
+
+def nan_forward(gate, tokens=8):
+    """What a gate records when its logits were NaN: every token on expert 0 (argmax of NaN), all counted
+    non-finite."""
+    experts_T = torch.zeros(tokens, dtype=torch.long)
+    gate.recorder.record(torch.bincount(experts_T, minlength=E).double(), experts_T, tokens,
+                         torch.tensor(tokens), torch.tensor(float("nan")))
+
+
+@pytest.mark.parametrize("policy", ["cross_layer", "bias"])
+def test_non_finite_logits_freeze_the_layers_controls_and_keep_garbage_out_of_the_record(policy, tmp_path):
+    import json
+
+    from eb_deepspeed.observe.monitor import JsonlLogger, flatten_record
+    from eb_deepspeed.observe.report import render_report
+    gates = [ToyGate(), ToyGate()]
+    balancer = Balancer(config(aux={"policy": policy}, log={"interval": 10}), gates, 2,
+                        logger=JsonlLogger(str(tmp_path)))
+    for _ in range(3):
+        gates[0].forward(torch.tensor([0, 0, 0, 1, 2, 3]))
+        gates[1].forward(torch.tensor([3, 3, 2, 1]))
+        balancer.step()
+    assert balancer.controller.updates == 3
+    before = balancer.controller.state_dict()
+    pressure = balancer.view.pressure_LG.clone()
+    with pytest.warns(UserWarning, match=r"non-finite router logits in MoE layers \[1\] at 1 step"):
+        gates[0].forward(torch.tensor([0, 0, 0, 1, 2, 3]))
+        nan_forward(gates[1])
+        balancer.step()
+    after = balancer.controller.state_dict()
+    assert torch.equal(balancer.view.pressure_LG[1], pressure[1])
+    assert torch.equal(after["bias_LE"][1], before["bias_LE"][1])     # the NaN layer's controls hold
+    if policy == "cross_layer":                                        # weights share a mean: all hold
+        assert torch.equal(after["weight_L"], before["weight_L"])
+    else:                                                              # the healthy layer's bias moved on
+        assert not torch.equal(after["bias_LE"][0], before["bias_LE"][0])
+    record = balancer.record()
+    assert record["nonfinite_layer_ids"] == [1] and "expert_counts_LE" not in record
+    assert record["device_max_over_mean"][1] is None and record["device_max_over_mean"][0] is not None
+    assert record["aux_loss"][1] is None and record["device_util_std"] is not None
+    flat = flatten_record(record)
+    assert "easybalance/layer_01/device_max_over_mean" not in flat and "easybalance/layer_00/max_vio" in flat
+    balancer.flush_log()
+    balancer.logger.close()
+    line = (tmp_path / "balance.jsonl").read_text().splitlines()[-1]
+    assert "NaN" not in line and json.loads(line)["max_vio"][1] is None
+    assert len(render_report(str(tmp_path))) >= 2                    # plots draw a gap
+
+
+def test_the_non_finite_warning_repeats_once_per_log_interval_while_it_lasts():
+    import warnings
+    gates = [ToyGate()]
+    balancer = Balancer(config(mode="observe", log={"interval": 10}), gates, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(25):
+            nan_forward(gates[0])
+            balancer.step()
+    messages = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+    assert len(messages) == 3                                         # steps 1, 11, 21
+    assert "at 1 step(s) up to step 1" in messages[0] and "at 10 step(s) up to step 11" in messages[1]
+    record = balancer.record()
+    assert record["device_util_std"] is None and record["device_max_over_mean"] == [None]

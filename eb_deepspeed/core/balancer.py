@@ -112,7 +112,8 @@ class Balancer:
         self.logger: BalanceLogger = logger or NullLogger()
         self.tally_device = torch.device(tally_device)
         self.samples = 0                  # the adapter's sample count, for log steps
-        self._warned_nonfinite = False
+        self._nonfinite_warned_at: Optional[int] = None     # view step of the last non-finite warning
+        self._nonfinite_steps, self._nonfinite_layers = 0, set()
         self.extra_metrics: Optional[Callable[[], dict]] = None   # an adapter's own numbers for the record
         self._logged_step = 0
         self._run_start: Optional[int] = 0    # put on the next record: where this run's log starts
@@ -160,16 +161,27 @@ class Balancer:
             self.reduce(packed_LW)
         tally = Tally.unpack(packed_LW.cpu(), self.num_experts, self.tally_devices)
         valid_L = self.view.update(tally)
-        if self.config.mode == "balance" and self.train_controls and self.controller.update(self.view):
+        if self.config.mode == "balance" and self.train_controls and self.controller.update(self.view, valid_L):
             self.apply_controls()
-        bad = [i for i, n in enumerate(tally.nonfinite_L.tolist()) if n > 0]
-        if bad and not self._warned_nonfinite:
-            self._warned_nonfinite = True
-            warnings.warn(f"easybalance: non-finite router logits in MoE layers {bad} at step {self.view.steps}; "
-                          "those layers were left out of the load view for that step (warned once)")
+        self._warn_nonfinite([i for i, n in enumerate(tally.nonfinite_L.tolist()) if n > 0])
         if self.view.steps % self.config.log.interval == 0:
             self.flush_log()
         return valid_L
+
+    def _warn_nonfinite(self, bad: list[int]) -> None:
+        """One warning at the first step with non-finite router logits, then at most one per log interval
+        while they go on, saying how many steps they hit."""
+        if not bad:
+            return
+        self._nonfinite_steps += 1
+        self._nonfinite_layers.update(bad)
+        if self._nonfinite_warned_at is not None and self.view.steps - self._nonfinite_warned_at < self.config.log.interval:
+            return
+        warnings.warn(f"easybalance: non-finite router logits in MoE layers {sorted(self._nonfinite_layers)} at "
+                      f"{self._nonfinite_steps} step(s) up to step {self.view.steps}; those layers were left out of the "
+                      "load view and their controls held for those steps (repeated at most once per log interval)")
+        self._nonfinite_warned_at, self._nonfinite_steps = self.view.steps, 0
+        self._nonfinite_layers.clear()
 
     def flush_log(self) -> None:
         """Log the current record unless this step's is logged already (call at the end of a run, so the
@@ -211,7 +223,8 @@ class Balancer:
         if self.extra_metrics is not None:
             out.update(self.extra_metrics())
         out[PRESSURE] = [[round(x, 3) for x in row] for row in self.view.pressure_LG.tolist()]
-        out[EXPERT_COUNTS] = self.view.last.routed_LE.round().long().tolist()
+        if not out["nonfinite_layer_ids"]:      # a trace replays real demand, never NaN-routed counts
+            out[EXPERT_COUNTS] = self.view.last.routed_LE.round().long().tolist()
         return out
 
     # ------------------------------------------------------------------ checkpoint

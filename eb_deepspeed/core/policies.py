@@ -107,8 +107,9 @@ class AuxPolicy:
     def initial_weight(self, cfg) -> float:
         return 1.0
 
-    def step(self, ctl: "AuxController", view) -> bool:
-        """One control step from the warm view; returns whether anything changed."""
+    def step(self, ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
+        """One control step from the warm view; returns whether anything changed. valid_L [L]: the
+        layers the view took this step (the others' routes were non-finite or absent)."""
         return False
 
     def conform(self, ctl: "AuxController") -> list[str]:
@@ -125,7 +126,9 @@ class CrossLayerPolicy(AuxPolicy):
     options = ("weight_range", "smoothing")
     uses_view = True
 
-    def step(self, ctl, view) -> bool:
+    def step(self, ctl, view, valid_L) -> bool:
+        if not bool(valid_L.all()):   # weights share one mean: hold them all while a layer's view is frozen
+            return False
         lo, hi = ctl.cfg.weight_range
         ctl.weight_L = cross_layer_weights(view.pressure_LG, view.cross_layer_pressure(), view.heat_LE, ctl.weight_L,
                                            w_min=lo, w_max=hi, smoothing=ctl.cfg.smoothing)
@@ -154,8 +157,9 @@ class BiasPolicy(AuxPolicy):
         ctl.weight_L = torch.full_like(ctl.weight_L, float(ctl.cfg.aux_scale))
         return [f"aux weights set to aux_scale {ctl.cfg.aux_scale}"]
 
-    def step(self, ctl, view) -> bool:
-        ctl.bias_LE = bias_update(ctl.bias_LE, view.last.routed_LE, view.cross_layer_pressure(),
+    def step(self, ctl, view, valid_L) -> bool:
+        counts_LE = torch.where(valid_L[:, None], view.last.routed_LE, 0.0)   # a layer with no counts holds its bias
+        ctl.bias_LE = bias_update(ctl.bias_LE, counts_LE, view.cross_layer_pressure(),
                                   view.expert_to_device_E, rate=ctl.cfg.bias_rate,
                                   device_weight=ctl.cfg.device_weight)
         return True
@@ -178,11 +182,18 @@ class AuxController:
     def uses_bias(self) -> bool:
         return self.policy.uses_bias
 
-    def update(self, view) -> bool:
-        """One control step from the (reduced, identical) view; returns whether anything changed."""
+    def update(self, view, valid_L: torch.Tensor | None = None) -> bool:
+        """One control step from the (reduced, identical) view; returns whether anything changed.
+
+        valid_L [L]: the layers the view took this step (`LoadView.update`'s answer; None = all). Controls
+        of the others hold, as their view does: nothing is learned from non-finite routes.
+        """
         if not self.policy.uses_view or not view.ready:
             return False
-        changed = self.policy.step(self, view)
+        valid_L = torch.ones(view.L, dtype=torch.bool) if valid_L is None else valid_L.to(torch.bool)
+        if not bool(valid_L.any()):
+            return False
+        changed = self.policy.step(self, view, valid_L)
         self.updates += int(changed)
         return changed
 

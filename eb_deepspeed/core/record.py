@@ -17,7 +17,9 @@ __all__ = ["META", "PER_LAYER", "SCALARS", "MATRICES", "PRESSURE", "EXPERT_COUNT
 
 # Identification of a record. `run_start` is on a run's first record only: the step the run started
 # from (0, or the step of the checkpoint it resumed); readers drop older records past it (superseded).
-META = ("step", "samples", "mode", "policy", "run_start")
+# `nonfinite_layer_ids`: layers whose router logits were non-finite this step; their per-layer
+# numbers are null, the aggregates leave them out, and the record holds no expert counts.
+META = ("step", "samples", "mode", "policy", "run_start", "nonfinite_layer_ids")
 
 # Per-layer curves: key -> plot title (one PNG each in `eb report`, one W&B key per layer).
 PER_LAYER: dict[str, str] = {

@@ -129,19 +129,36 @@ class LoadView:
 
         Device metrics are of the step's device load as the view took it (kept routes, weighted by
         sequence length when that is on, or the device load given to `update`); expert metrics of
-        the routed demand.
+        the routed demand. A layer with non-finite router logits this step routed garbage: its
+        per-layer numbers are None (JSON null) and the aggregates leave it out
+        (`nonfinite_layer_ids` lists them).
         """
         last = self.last
-        out = M.summarize(self.last_load_LG, last.routed_LE)
+        bad_L = last.nonfinite_L > 0
+        good_L = ~bad_L
+        if bool(good_L.any()):
+            out = M.summarize(self.last_load_LG[good_L], last.routed_LE[good_L])
+        else:                                   # nothing this step to aggregate
+            out = {key: [] for key in ("device_max_over_mean", "expert_max_over_mean", "max_vio", "device_cv")}
+            out.update(dict.fromkeys(("device_balancedness", "expert_balancedness", "device_util_std",
+                                      "device_max_over_mean_p90"), None))
         routed_L = last.routed_LE.sum(1)
         dropped_L = last.dropped_L()
-        out["token_drop_rate"] = M.token_drop_rate(dropped_L, routed_L, k=1)  # routed = tokens * k already
-        out["layer_token_drop_rate"] = torch.where(routed_L > 0, dropped_L / routed_L.clamp_min(1), 0.0).tolist()
+        out["token_drop_rate"] = (M.token_drop_rate(dropped_L[good_L], routed_L[good_L], k=1)   # routed = tokens * k
+                                  if bool(good_L.any()) else None)
+        out["layer_token_drop_rate"] = torch.where(routed_L > 0, dropped_L / routed_L.clamp_min(1), 0.0)[good_L].tolist()
+        out["aux_loss"] = last.mean_aux_L()[good_L].tolist()
+        bad = bad_L.nonzero().flatten().tolist()
+        if bad:                                 # per-layer lists get None where a layer was left out
+            for key in ("device_max_over_mean", "expert_max_over_mean", "max_vio", "device_cv",
+                        "layer_token_drop_rate", "aux_loss"):
+                values = iter(out[key])
+                out[key] = [None if bad_L[i] else next(values) for i in range(self.L)]
         out["ema_device_max_over_mean"] = M.max_over_mean(self.pressure_LG).tolist()
         out["ema_device_util_std"] = M.device_util_std(self.pressure_LG)
-        out["aux_loss"] = last.mean_aux_L().tolist()
         out["tokens"] = float(last.tokens_L.max())
         out["nonfinite_tokens"] = float(last.nonfinite_L.sum())
+        out["nonfinite_layer_ids"] = bad
         out["skipped_layers"] = int(self.L - int(last.valid_L().sum()))
         out["ready"] = self.ready
         out["steps"] = self.steps

@@ -99,11 +99,12 @@ def flatten_record(record: dict[str, Any], prefix: str = "easybalance") -> dict[
     """Namespaced scalar keys: `easybalance/device_util_std`, `easybalance/layer_03/max_vio`."""
     out: dict[str, float] = {}
     for key in R.SCALARS:
-        if key in record:
+        if record.get(key) is not None:        # None: left out this step (non-finite router logits)
             out[f"{prefix}/{key}"] = float(record[key])
     for key in R.PER_LAYER:
         for layer, value in enumerate(record.get(key, ()) or ()):
-            out[f"{prefix}/layer_{layer:02d}/{key}"] = float(value)
+            if value is not None:
+                out[f"{prefix}/layer_{layer:02d}/{key}"] = float(value)
     return out
 
 

@@ -100,6 +100,11 @@ def read_log(run_dir: str, keys: Optional[Sequence[str]] = None,
     return kept + [last]
 
 
+def _number(value) -> float:
+    """A logged value as a float; null (a layer left out that step) and anything else odd -> a gap."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
+
+
 def _plt():
     import matplotlib
     matplotlib.use("Agg")
@@ -134,7 +139,7 @@ def curve_figure(records: list[dict[str, Any]], key: str, title: str):
     fig, ax = plt.subplots(figsize=(7, 4))
     num_layers = max(len(r) for r in rows if r)
     for layer in range(num_layers):
-        pts = [(s, r[layer]) for s, r in zip(steps, rows) if r and layer < len(r)]
+        pts = [(s, _number(r[layer])) for s, r in zip(steps, rows) if r and layer < len(r)]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"layer {layer}")
     ax.set_xlabel("optimizer step")
     ax.set_title(title)
@@ -164,7 +169,7 @@ def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
 
     fig, axes = plt.subplots(1, len(SUMMARY), figsize=(4 * len(SUMMARY), 3.5))
     for ax, key in zip(axes, SUMMARY):
-        ax.plot(steps, [r.get(key, float("nan")) for r in records])
+        ax.plot(steps, [_number(r.get(key)) for r in records])
         ax.set_title(R.SCALARS[key], fontsize="medium")
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
