@@ -45,7 +45,11 @@ def dist_env(world_size: int, rank: int, port: int) -> dict[str, str]:
     return env
 
 
-def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIMEOUT, **params) -> list[dict]:
+def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIMEOUT,
+           exit_codes: dict[int, int] | None = None, **params) -> list[dict | None]:
+    """Run `scenario` on `world_size` gloo ranks; each rank's result, or None for a rank that `exit_codes` says
+    ends with that code (and writes nothing)."""
+    exit_codes = exit_codes or {}
     out_dir = tmp_path / f"{scenario}_{world_size}"
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -70,7 +74,11 @@ def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIM
     results = []
     for rank, (proc, _) in enumerate(procs):
         text = (out_dir / f"rank{rank}.log").read_text()
-        assert proc.returncode == 0, f"rank {rank} of {scenario} exited {proc.returncode}:\n{text[-4000:]}"
+        expected = exit_codes.get(rank, 0)
+        assert proc.returncode == expected, f"rank {rank} of {scenario} exited {proc.returncode}:\n{text[-4000:]}"
+        if expected != 0:
+            results.append(None)
+            continue
         results.append(torch.load(out_dir / f"rank{rank}.pt", weights_only=False))
     return results
 

@@ -11,6 +11,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -439,6 +440,27 @@ def scenario_nonfinite(p):
     return {"before": before, "after": view_state(engine),
             "warned": any("non-finite router logits" in str(w.message) for w in caught),
             "nonfinite": engine.easybalance.metrics()["nonfinite_tokens"]}
+
+
+def scenario_killed_rank(p):
+    """Rank 1 dies mid-training (os._exit, as a kill would): rank 0 gets an error from its next collective
+    within seconds instead of waiting out a timeout, and says how long it took."""
+    rank = torch.distributed.get_rank()
+    engine = make_engine(make_model(ep_size=2), base_config(easybalance={"log": {"dir": os.path.join(p["out"], "log")}}))
+    for step in range(2):
+        train_step(engine, step)
+    torch.distributed.barrier()
+    if rank == 1:
+        os._exit(3)
+    start, error = time.perf_counter(), None
+    try:
+        for step in range(2, 6):
+            train_step(engine, step)
+    except Exception as e:          # noqa: BLE001 -- any error is the point; what matters is that it came
+        error = f"{type(e).__name__}: {e}"
+    result = {"error": error, "seconds": time.perf_counter() - start, "steps": engine.easybalance.view.steps}
+    torch.save(result, os.path.join(p["out"], "rank0.pt"))
+    os._exit(0)                     # no barrier: the peer is gone
 
 
 # ---------------------------------------------------------------------- serving

@@ -151,6 +151,13 @@ def test_a_rank_with_another_config_makes_every_rank_raise_instead_of_hanging(ru
         assert "disagrees with rank" in rank["error"] and "ema_alpha" in rank["error"]
 
 
+def test_a_killed_rank_ends_its_peers_job_in_seconds_and_the_view_keeps_its_last_good_step(run_dist):
+    rank0, rank1 = run_dist("killed_rank", 2, exit_codes={1: 3})
+    assert rank1 is None and rank0["error"] is not None
+    assert rank0["seconds"] < 120        # gloo's own timeout is 30 minutes: the error came from the dead peer
+    assert rank0["steps"] == 2           # the step in progress never reached the view
+
+
 def test_nonfinite_router_logits_on_one_rank_leave_every_view_finite_and_unchanged(run_dist):
     ranks = run_dist("nonfinite", 2)
     for rank in ranks:

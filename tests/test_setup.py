@@ -1,0 +1,29 @@
+"""launch/setup_cpu.sh builds DeepSpeed's shm comm op once into this checkout's venv and reuses it: a second
+checkout (or a second launch) never rebuilds another checkout's copy (issue 10, item 11)."""
+import os
+import subprocess
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def source_setup() -> str:
+    """TORCH_EXTENSIONS_DIR as launch/setup_cpu.sh leaves it, starting from an environment without one."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "EB_VENV")}
+    proc = subprocess.run(["bash", "-c", 'source launch/setup_cpu.sh >/dev/null && echo "$TORCH_EXTENSIONS_DIR"'],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_the_shm_op_is_built_once_into_this_checkout_and_reused():
+    ext_dir = source_setup()
+    assert ext_dir == os.path.join(ROOT, ".venv", "torch_extensions")   # keyed per checkout, not a shared cache
+    built = [os.path.join(d, f) for d, _, files in os.walk(ext_dir) for f in files if f.endswith(".so")]
+    assert built, f"no compiled op under {ext_dir}"
+    before = {path: os.stat(path).st_mtime_ns for path in built}
+    assert source_setup() == ext_dir
+    assert {path: os.stat(path).st_mtime_ns for path in built} == before   # loaded, not rebuilt
