@@ -77,6 +77,9 @@ def view_state(engine) -> dict:
             "updates_L": eb.view.updates_L.clone(), "steps": eb.view.steps,
             "last_tally": eb.view.state_dict()["last_tally"], "aux_weight": eb.aux_weights(),
             "weight_L": eb.controller.weight_L.clone(), "bias_LE": eb.controller.bias_LE.clone(),
+            "layer_w_L": eb.controller.layer_w_L.clone(), "log_w_L": eb.controller.log_w_L.clone(),
+            "device_loss_weight": eb.device_loss_weights(),
+            "gate_device_loss": [g.device_loss_weight for g in gates],
             "gate_bias": [None if g.selection_bias_E is None else g.selection_bias_E.clone() for g in gates]}
 
 
@@ -225,7 +228,8 @@ def scenario_pipeline(p):
     specs = ([LayerSpec(_PipeEmbed, hidden)] + dense + [LayerSpec(_PipeMoE, hidden) for _ in range(moe_layers)]
              + [LayerSpec(_PipeHead, hidden)])
     net = PipelineModule(specs, num_stages=2, loss_fn=loss_fn, partition_method="uniform")
-    block = {"mode": "balance", "warmup_batches": 1, "aux": {"policy": "cross_layer", "smoothing": 1.0},
+    # the bias policy: it acts on expert counts, which these ep_size-1 layers have (no device imbalance to weigh)
+    block = {"mode": "balance", "warmup_batches": 1, "aux": {"policy": "bias", "bias_rate": 0.1},
              "log": {"dir": os.path.join(p["out"], "log"), "interval": 1}}
     engine = make_engine(net, base_config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
                                           easybalance=block))
@@ -242,7 +246,7 @@ def scenario_pipeline(p):
     eb = engine.easybalance
     return {"engine": type(engine).__name__, "stage": engine.stage_id, "global_steps": engine.global_steps,
             "view": view_state(engine), "layers": eb.layers, "num_layers": eb.num_layers,
-            "gate_weights": [g.aux_weight for g in eb.gates], "gate_layers": [g.layer_index for g in eb.gates]}
+            "gate_bias": [g.selection_bias_E.double() for g in eb.gates], "gate_layers": [g.layer_index for g in eb.gates]}
 
 
 def _load_global_experts(model_ep, state_full, rank: int, local_experts: int):
@@ -301,7 +305,7 @@ def scenario_view(p):
             engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.1 * sum(l_aux))
             engine.step()
             counts.append(calls[0])
-            controls.append((eb.controller.weight_L.clone(), eb.controller.bias_LE.clone()))
+            controls.append((eb.controller.layer_w_L.clone(), eb.controller.bias_LE.clone()))
     return {"view": view_state(engine), "counts": counts, "controls": controls, "rank_to_node": eb.rank_to_node,
             "metrics": eb.metrics(), "optimizer": type(engine.optimizer).__name__}
 

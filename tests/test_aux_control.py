@@ -3,23 +3,21 @@ import pytest
 import torch
 
 from eb_deepspeed import EasyBalanceConfig, LoadView
-from eb_deepspeed.core.policies import (POLICIES, AuxController, bias_update, clip_mean_one, cross_layer_scores,
-                                        cross_layer_weights)
+from eb_deepspeed.core.policies import (POLICIES, AuxController, bias_update, clip_mean_one, device_scores,
+                                        integral_weights)
 from eb_deepspeed.core.tally import Tally
 
 pytestmark = pytest.mark.unit
 
 
-def test_cross_layer_scores_weigh_excess_load_by_how_hot_the_device_is_across_the_window():
+def test_device_scores_weigh_excess_load_by_how_hot_the_device_is_across_the_window():
     # layer 0: devices [3, 1] -> per-device / mean = [1.5, 0.5], excess [0.5, 0]
-    # window pressure [6, 2] -> hot [1.5, 0.5]; device score 0.5 * 1.5 = 0.75
-    # experts [2, 1, 1, 0] -> MaxVio = 2 / 1 - 1 = 1
+    # window pressure [6, 2] -> hot [1.5, 0.5]; score 0.5 * 1.5 = 0.75
     pressure = torch.tensor([[3.0, 1.0]])
-    cross = torch.tensor([[6.0, 2.0]])
-    heat = torch.tensor([[2.0, 1.0, 1.0, 0.0]])
-    assert cross_layer_scores(pressure, cross, heat).tolist() == [pytest.approx(1.75)]
+    assert device_scores(pressure, torch.tensor([[6.0, 2.0]])).tolist() == [pytest.approx(0.75)]
     # the same excess on a device that is *cold* across the window counts less: hot [0.5, 1.5]
-    assert cross_layer_scores(pressure, torch.tensor([[2.0, 6.0]]), heat).tolist() == [pytest.approx(1.25)]
+    assert device_scores(pressure, torch.tensor([[2.0, 6.0]])).tolist() == [pytest.approx(0.25)]
+    assert device_scores(torch.tensor([[2.0, 2.0]]), torch.tensor([[6.0, 2.0]])).tolist() == [0.0]
 
 
 def test_clip_mean_one_keeps_mean_one_and_the_range():
@@ -30,15 +28,38 @@ def test_clip_mean_one_keeps_mean_one_and_the_range():
     assert clip_mean_one(torch.tensor([5.0, 5.0]), 0.5, 2.0).tolist() == pytest.approx([1.0, 1.0])
 
 
-def test_cross_layer_weights_push_the_stalling_layer_and_relax_the_balanced_one():
-    pressure = torch.tensor([[3.0, 1.0], [2.0, 2.0]])  # layer 0 imbalanced, layer 1 balanced
-    cross = pressure.sum(0, keepdim=True).expand(2, 2)  # window covers both: [5, 3]
-    heat = torch.tensor([[3.0, 1.0], [2.0, 2.0]])
-    prev = torch.ones(2, dtype=torch.float64)
-    target = cross_layer_weights(pressure, cross, heat, prev, w_min=0.25, w_max=4.0, smoothing=1.0)
-    assert target[0] > 1.0 > target[1] and target.mean().item() == pytest.approx(1.0)
-    half = cross_layer_weights(pressure, cross, heat, prev, w_min=0.25, w_max=4.0, smoothing=0.5)
-    assert half.tolist() == pytest.approx(((prev + target) / 2).tolist())  # smoothed: half way
+def test_integral_weights_accumulate_persistent_skew_relative_to_the_other_layers():
+    log_w = torch.zeros(2, dtype=torch.float64)
+    score = torch.tensor([0.3, 0.1])          # mean 0.2 -> errors [+0.5, -0.5]
+    step = integral_weights(log_w, score, gain=0.1, w_min=0.25, w_max=4.0, mean_one=True, target=0.05)
+    w = step.exp()
+    assert w[0] > 1.0 > w[1] and w.mean().item() == pytest.approx(1.0)
+    assert (w[0] / w[1]).item() == pytest.approx(torch.tensor(0.1).exp().item(), rel=1e-6)   # e^{0.05} / e^{-0.05}
+    for _ in range(200):                      # persistent: keeps growing until the range stops it
+        step = integral_weights(step, score, gain=0.1, w_min=0.25, w_max=4.0, mean_one=True, target=0.05)
+    assert step.exp().tolist() == pytest.approx([1.75, 0.25])    # the floor binds; mean 1 holds
+    # no wind-up: one step the other way moves it back at once
+    back = integral_weights(step, score.flip(0), gain=0.1, w_min=0.25, w_max=4.0, mean_one=True, target=0.05)
+    assert back.exp()[0] < 1.75
+
+
+def test_integral_weights_let_alternating_noise_cancel():
+    log_w = torch.zeros(2, dtype=torch.float64)
+    for i in range(100):                      # the same skew flips between layers every step: noise, not skew
+        score = torch.tensor([0.3, 0.1]) if i % 2 == 0 else torch.tensor([0.1, 0.3])
+        log_w = integral_weights(log_w, score, gain=0.1, w_min=0.25, w_max=4.0, mean_one=True, target=0.05)
+    assert log_w.exp().tolist() == pytest.approx([1.0, 1.0], abs=1e-9)
+
+
+def test_integral_weights_against_an_absolute_target_push_and_relax_without_mean_one():
+    log_w = torch.zeros(2, dtype=torch.float64)
+    # layer 0 at 3x the target (error clipped to +1), layer 1 balanced (error -1)
+    step = integral_weights(log_w, torch.tensor([0.15, 0.0]), gain=0.1, w_min=0.25, w_max=4.0, mean_one=False,
+                            target=0.05)
+    assert step.tolist() == pytest.approx([0.1, -0.1])
+    both_bad = integral_weights(log_w, torch.tensor([0.15, 0.10]), gain=0.1, w_min=0.25, w_max=4.0,
+                                mean_one=False, target=0.05)
+    assert bool((both_bad > 0).all())          # more push everywhere: the total is not held
 
 
 def test_bias_update_is_a_sign_step_re_centred_with_a_device_term():
@@ -64,13 +85,39 @@ def _view(steps, routed_LE, warmup=2):
 
 def test_the_controller_waits_for_warm_up_and_fixed_never_moves():
     routed = [[6.0, 2.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]]
-    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "cross_layer", "smoothing": 1.0}}})
+    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "cross_layer", "smoothing": 1.0,
+                                                                    "device_scale": 0.5}}})
     ctl = AuxController(2, 4, cfg.aux)
-    assert ctl.update(_view(1, routed)) is False and ctl.weight_L.tolist() == [1.0, 1.0]
+    assert ctl.update(_view(1, routed)) is False and ctl.layer_w_L.tolist() == [1.0, 1.0]
     assert ctl.update(_view(2, routed)) is True
-    assert ctl.weight_L[0] > 1.0 > ctl.weight_L[1]
+    # layer 0's devices are [8, 0], layer 1's [4, 4]: layer 0's device loss gets more weight, l_aux stays 1
+    assert ctl.layer_w_L[0] > 1.0 > ctl.layer_w_L[1] and ctl.weight_L.tolist() == [1.0, 1.0]
+    assert ctl.device_loss_weights().tolist() == pytest.approx((0.5 * ctl.layer_w_L).tolist())
     fixed = AuxController(2, 4, EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "fixed"}}}).aux)
     assert fixed.update(_view(5, routed)) is False and fixed.weight_L.tolist() == [1.0, 1.0]
+    assert fixed.device_loss_weights().tolist() == [0.0, 0.0]
+
+
+def test_bias_cross_layer_moves_the_bias_and_the_device_loss_weights_together():
+    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "bias_cross_layer", "aux_scale": 0.1,
+                                                                    "smoothing": 1.0}}})
+    ctl = AuxController(2, 4, cfg.aux)
+    ctl.update(_view(3, [[6.0, 2.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]]))
+    assert ctl.bias_LE[0, 0] < 0 < ctl.bias_LE[0, 3] and ctl.weight_L.tolist() == [0.1, 0.1]
+    assert ctl.layer_w_L[0] > 1.0 > ctl.layer_w_L[1]
+    restored = AuxController(2, 4, cfg.aux)
+    assert restored.load_state_dict(ctl.state_dict()) == []
+    for key in ("bias_LE", "layer_w_L", "log_w_L", "weight_L"):
+        assert torch.equal(getattr(restored, key), getattr(ctl, key)), key
+
+
+def test_a_state_saved_before_the_device_loss_restores_with_fresh_device_weights():
+    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "cross_layer"}}})
+    old = {"policy": "cross_layer", "weight_L": torch.tensor([1.5, 0.5], dtype=torch.float64),
+           "bias_LE": torch.zeros(2, 4, dtype=torch.float64), "updates": 7}
+    ctl = AuxController(2, 4, cfg.aux)
+    assert ctl.load_state_dict(old) == ["aux weights set to 1.0"]   # the old law weighed l_aux; this one does not
+    assert ctl.weight_L.tolist() == [1.0, 1.0] and ctl.layer_w_L.tolist() == [1.0, 1.0] and ctl.updates == 7
 
 
 def test_the_bias_policy_keeps_aux_scale_weights_and_moves_the_bias():
@@ -89,12 +136,19 @@ def test_the_bias_policy_keeps_aux_scale_weights_and_moves_the_bias():
 
 
 @pytest.mark.parametrize("aux, message", [
-    ({"policy": "sometimes"}, r"easybalance\.aux\.policy \('sometimes'\) must be one of: fixed, cross_layer, bias"),
-    ({"weight_range": [1.5, 2.0]}, r"easybalance\.aux\.weight_range \(\[1\.5, 2\.0\]\) must be \[min, max\] with 0 <= min <= 1 <= max"),
+    ({"policy": "sometimes"}, r"easybalance\.aux\.policy \('sometimes'\) must be one of: fixed, cross_layer, bias, "
+                              r"bias_cross_layer"),
+    ({"weight_range": [1.5, 2.0]}, r"easybalance\.aux\.weight_range \(\[1\.5, 2\.0\]\) must be \[min, max\] with 0 < min <= 1 <= max"),
+    ({"weight_range": [0, 2.0]}, r"easybalance\.aux\.weight_range \(\[0\.0, 2\.0\]\) must be \[min, max\] with 0 < min"),
+    ({"gain": 0}, r"easybalance\.aux\.gain \(0\.0\) must be in \(0, 10\]"),
+    ({"mean_one": "yes"}, r"easybalance\.aux\.mean_one"),
+    ({"target": -1}, r"easybalance\.aux\.target \(-1\.0\) must be in \(0, 100\]"),
+    ({"device_scale": float("inf")}, r"easybalance\.aux\.device_scale"),
     ({"weight_range": 2}, r"easybalance\.aux\.weight_range \(2\) must be \[min, max\]"),
     ({"smoothing": 0}, r"easybalance\.aux\.smoothing \(0\.0\) must be in \(0, 1\]"),
     ({"bias_rate": -1e-3}, r"easybalance\.aux\.bias_rate \(-0\.001\) must be in \(0, 1\]"),
-    ({"rate": 1}, r"easybalance\.aux\.rate: unknown key; valid keys: aux_scale, bias_rate, device_weight, policy"),
+    ({"rate": 1}, r"easybalance\.aux\.rate: unknown key; valid keys: aux_scale, bias_rate, device_scale, device_weight, gain, "
+                     r"mean_one, policy, smoothing, target, weight_range"),
 ])
 def test_bad_aux_options_name_their_path(aux, message):
     from eb_deepspeed import ConfigError
@@ -115,4 +169,4 @@ def test_the_config_takes_its_policy_choices_and_options_from_the_registry():
         block["aux"]["weight_range"] = list(block["aux"]["weight_range"])
         cfg = EasyBalanceConfig.from_ds_config({"easybalance": block})
         assert cfg.ignored_options("train") == [f"easybalance.aux.{o}" for o in every if o not in policy.options]
-    assert tuple(POLICIES) == ("fixed", "cross_layer", "bias")
+    assert tuple(POLICIES) == ("fixed", "cross_layer", "bias", "bias_cross_layer")

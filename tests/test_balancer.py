@@ -16,7 +16,7 @@ class ToyGate:
     def __init__(self):
         self.num_experts = E
         self.recorder = TallyRecorder(E)
-        self.aux_weight, self.bias_E, self.weights_T = 1.0, None, None
+        self.aux_weight, self.bias_E, self.weights_T, self.device_loss = 1.0, None, None, 0.0
 
     def forward(self, experts_T: torch.Tensor) -> None:
         routed_E = torch.bincount(experts_T, minlength=E).double()
@@ -34,6 +34,9 @@ class ToyGate:
 
     def set_selection_bias(self, bias_E):
         self.bias_E = bias_E
+
+    def set_device_loss(self, weight, expert_to_device_E):
+        self.device_loss = weight
 
     def set_token_weights(self, weights_T):
         self.weights_T = weights_T
@@ -81,9 +84,10 @@ def test_a_rank_holding_some_layers_fills_their_rows_and_controls_only_its_gates
     gates[1].forward(torch.tensor([0, 2, 3, 1]))
     balancer.step()
     assert balancer.view.updates_L.tolist() == [1] * 4
-    weight_L = balancer.controller.weight_L
-    assert abs(float(weight_L.mean()) - 1.0) < 1e-9 and weight_L[2] > weight_L[3]
-    assert [g.aux_weight for g in gates] == [float(weight_L[2]), float(weight_L[3])]
+    layer_w_L = balancer.controller.layer_w_L
+    assert abs(float(layer_w_L.mean()) - 1.0) < 1e-9 and layer_w_L[2] > layer_w_L[3]
+    assert [g.device_loss for g in gates] == [float(layer_w_L[2]), float(layer_w_L[3])]   # device_scale 1
+    assert [g.aux_weight for g in gates] == [1.0, 1.0]
 
 
 def test_the_bias_policy_hands_each_gate_its_layers_bias_and_observe_hands_nothing():
@@ -233,13 +237,16 @@ def test_resuming_under_another_config_re_derives_the_controls_and_says_so(saved
 
 
 def test_resuming_cross_layer_weights_into_a_narrower_range_re_clips_them_with_mean_one():
-    state = _trained({"aux": {"policy": "cross_layer", "smoothing": 1.0, "weight_range": [0.1, 10.0]}}).state_dict()
-    assert float(state["aux"]["weight_L"].max()) > 1.2
-    fresh = Balancer(config(aux={"policy": "cross_layer", "weight_range": [0.9, 1.1]}), [ToyGate(), ToyGate()], 2)
+    state = _trained({"aux": {"policy": "cross_layer", "smoothing": 1.0, "gain": 1.0,
+                              "weight_range": [0.1, 10.0]}}).state_dict()
+    assert float(state["aux"]["layer_w_L"].max()) > 1.2
+    gates = [ToyGate(), ToyGate()]
+    fresh = Balancer(config(aux={"policy": "cross_layer", "weight_range": [0.9, 1.1]}), gates, 2)
     with pytest.warns(UserWarning, match=r"weight_range \[0\.1, 10\.0\] -> \[0\.9, 1\.1\].*re-clipped"):
         fresh.load_state_dict(state)
-    w = fresh.controller.weight_L
-    assert float(w.max()) <= 1.1 + 1e-12 and float(w.min()) >= 0.9 - 1e-12 and abs(float(w.mean()) - 1.0) < 1e-9
+    for w in (fresh.controller.layer_w_L, fresh.controller.log_w_L.exp()):
+        assert float(w.max()) <= 1.1 + 1e-9 and float(w.min()) >= 0.9 - 1e-9 and abs(float(w.mean()) - 1.0) < 1e-9
+    assert [g.device_loss for g in gates] == fresh.controller.layer_w_L.tolist()
 
 
 def test_resuming_under_the_same_config_restores_exactly_and_stays_quiet():
@@ -250,7 +257,8 @@ def test_resuming_under_the_same_config_restores_exactly_and_stays_quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fresh.load_state_dict(trained.state_dict())
-    assert torch.equal(fresh.controller.weight_L, trained.controller.weight_L)
+    for key in ("weight_L", "layer_w_L", "log_w_L"):
+        assert torch.equal(getattr(fresh.controller, key), getattr(trained.controller, key)), key
 
 
 def test_a_recorder_takes_token_weights_of_any_float_type():
@@ -322,7 +330,7 @@ def test_non_finite_logits_freeze_the_layers_controls_and_keep_garbage_out_of_th
     assert torch.equal(balancer.view.pressure_LG[1], pressure[1])
     assert torch.equal(after["bias_LE"][1], before["bias_LE"][1])     # the NaN layer's controls hold
     if policy == "cross_layer":                                        # weights share a mean: all hold
-        assert torch.equal(after["weight_L"], before["weight_L"])
+        assert torch.equal(after["layer_w_L"], before["layer_w_L"]) and torch.equal(after["log_w_L"], before["log_w_L"])
     else:                                                              # the healthy layer's bias moved on
         assert not torch.equal(after["bias_LE"][0], before["bias_LE"][0])
     record = balancer.record()
@@ -330,7 +338,7 @@ def test_non_finite_logits_freeze_the_layers_controls_and_keep_garbage_out_of_th
     assert record["device_max_over_mean"][1] is None and record["device_max_over_mean"][0] is not None
     assert record["aux_loss"][1] is None and record["device_util_std"] is not None
     flat = flatten_record(record)
-    assert "easybalance/layer_01/device_max_over_mean" not in flat and "easybalance/layer_00/max_vio" in flat
+    assert "easybalance_layer_01/device_max_over_mean" not in flat and "easybalance_layer_00/max_vio" in flat
     balancer.flush_log()
     balancer.logger.close()
     line = (tmp_path / "balance.jsonl").read_text().splitlines()[-1]

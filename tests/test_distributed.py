@@ -86,15 +86,18 @@ def test_controls_change_only_at_accumulation_boundaries_and_are_identical_on_ev
                if not (torch.equal(controls[m][0], controls[m - 1][0]) and torch.equal(controls[m][1], controls[m - 1][1]))]
     # micro-step m (0-based) ends a boundary when (m + 1) % accum == 0; warm-up 1 -> every boundary acts
     assert changed == [m for m in range(1, steps * accum) if (m + 1) % accum == 0]
-    weight_L, bias_LE = controls[-1]
+    layer_w_L, bias_LE = controls[-1]     # the per-layer device-loss weights (cross_layer), the bias (bias)
     if policy == "cross_layer":
-        assert abs(float(weight_L.mean()) - 1.0) < 1e-9 and not torch.equal(weight_L, torch.ones(2, dtype=weight_L.dtype))
+        assert abs(float(layer_w_L.mean()) - 1.0) < 1e-9 and not torch.equal(layer_w_L, torch.ones(2, dtype=layer_w_L.dtype))
     else:
         assert bias_LE.abs().sum() > 0 and bias_LE.sum(1).abs().max() < 1e-9
     for rank in ranks[1:]:
         for (w, b), (w0, b0) in zip(rank["controls"], controls):
             assert torch.equal(w, w0) and torch.equal(b, b0)
-    assert ranks[1]["view"]["aux_weight"] == ranks[0]["view"]["aux_weight"] == [float(x) for x in weight_L]
+    view = ranks[0]["view"]
+    assert ranks[1]["view"]["device_loss_weight"] == view["device_loss_weight"]
+    assert view["device_loss_weight"] == ([float(x) for x in layer_w_L] if policy == "cross_layer" else [0.0, 0.0])
+    assert view["gate_device_loss"] == view["device_loss_weight"]     # what the gates use
 
 
 @pytest.mark.parametrize("policy", ["cross_layer", "bias"])
@@ -102,14 +105,15 @@ def test_checkpoint_round_trip_restores_the_view_and_controls_and_the_next_step_
     ranks = run_dist("checkpoint", 2, policy=policy)
     for rank in ranks:
         assert rank["loaded"]
-        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally", "weight_L", "bias_LE"):
+        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally", "weight_L", "bias_LE", "layer_w_L", "log_w_L"):
             assert torch.equal(rank["restored"][key], rank["saved"][key]), key
             assert torch.equal(rank["after_b"][key], rank["after_a"][key]), f"next step {key}"
         assert rank["restored"]["steps"] == rank["saved"]["steps"] == 3
         assert rank["restored"]["aux_weight"] == rank["saved"]["aux_weight"]
+        assert rank["restored"]["gate_device_loss"] == rank["saved"]["gate_device_loss"]
         if policy == "cross_layer":  # the controller acted before the save: weights are not all 1
-            assert rank["saved"]["aux_weight"] != [1.0, 1.0]
-            assert abs(sum(rank["saved"]["aux_weight"]) / 2 - 1.0) < 1e-9
+            assert rank["saved"]["device_loss_weight"] != [1.0, 1.0]
+            assert abs(sum(rank["saved"]["device_loss_weight"]) / 2 - 1.0) < 1e-9
         else:
             assert rank["saved"]["bias_LE"].abs().sum() > 0 and rank["saved"]["aux_weight"] == [1.0, 1.0]
             assert all(torch.equal(g.double(), b.float().double()) for g, b in
@@ -202,8 +206,11 @@ def test_under_pipeline_parallelism_the_hook_fires_and_every_rank_holds_every_st
         assert view["steps"] == 3 and view["updates_L"].tolist() == [3] * L   # once per train_batch
         # every layer's row was filled by its stage: 2 micro-batches x 2 sequences x 8 tokens
         assert Tally.unpack(view["last_tally"], 4).tokens_L.tolist() == [32.0] * L
-        for key in ("pressure_LG", "heat_LE", "weight_L"):
+        for key in ("pressure_LG", "heat_LE", "bias_LE"):
             assert torch.equal(view[key], ranks[0]["view"][key]), key
-        # the controller acted on the whole view; each stage's gates carry their own layers' weights
-        assert abs(float(view["weight_L"].mean()) - 1.0) < 1e-9 and not torch.equal(view["weight_L"], torch.ones(L, dtype=torch.float64))
-        assert rank["gate_weights"] == [float(view["weight_L"][i]) for i in rank["layers"]]
+        # the controller acted on the whole view; each stage's gates carry their own layers' bias
+        bias_LE = view["bias_LE"]
+        assert bool((bias_LE.abs().sum(1) > 0).all())
+        assert len(rank["gate_bias"]) == len(rank["layers"])
+        for gate_bias, layer in zip(rank["gate_bias"], rank["layers"]):
+            assert torch.equal(gate_bias, bias_LE[layer].float().double())

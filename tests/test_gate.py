@@ -114,6 +114,45 @@ def test_aux_weight_scales_l_aux_and_its_gradient():
     assert torch.allclose(l_eb, 2.5 * l_ds) and torch.allclose(eb.wg.weight.grad, 2.5 * g_ds)
 
 
+def test_the_device_loss_is_one_when_devices_are_balanced_and_hand_derived_otherwise():
+    from eb_deepspeed.adapters.deepspeed.gate import device_balance_loss
+    e2d = torch.tensor([0, 0, 1, 1])
+    # uniform router, 2 tokens x top-1 spread one per device: f' = [1, 1], P' = [1/2, 1/2] -> 1
+    logits = torch.zeros(2, 4)
+    assert device_balance_loss(logits, torch.tensor([1, 0, 1, 0]), e2d, 2, 1).item() == pytest.approx(1.0)
+    # both routes on device 0: f = [4, 0, 0, 0] * ... f_e = routed_e * E / (k T) = [4, 0, 0, 0]; f' = [2, 0];
+    # P' = [1/2, 1/2] -> 1.0; with the router leaning to device 0 (P' = [0.8, 0.2]) -> 1.6
+    assert device_balance_loss(logits, torch.tensor([2, 0, 0, 0]), e2d, 2, 1).item() == pytest.approx(1.0)
+    lean = torch.log(torch.tensor([[0.4, 0.4, 0.1, 0.1]])).expand(2, 4)
+    assert device_balance_loss(lean, torch.tensor([2, 0, 0, 0]), e2d, 2, 1).item() == pytest.approx(1.6)
+
+
+def test_the_device_loss_weight_adds_the_device_loss_and_pushes_probability_off_the_hot_device():
+    from eb_deepspeed.adapters.deepspeed.gate import device_balance_loss
+    ds, eb = pair(2, min_capacity=2)
+    x = torch.randn(32, M)
+    plain = call(eb, x, 0, True)
+    assert_same(plain, call(ds, x, 0, True))            # weight 0: DeepSpeed's output, nothing computed
+    e2d = torch.arange(E) // (E // 2)
+    eb.set_device_loss(0.7, e2d)
+    out = call(eb, x, 0, True)
+    logits = torch.nn.functional.linear(x, eb.wg.weight)
+    extra = device_balance_loss(logits, out[6], e2d, 2, 2)
+    assert torch.allclose(out[0], plain[0] + 0.7 * extra)
+    assert_same(out[1:], plain[1:])                     # routing untouched
+    eb.wg.weight.grad = None
+    (out[0] - plain[0].detach()).backward()             # the device term's gradient alone
+    routed_G = torch.zeros(2).index_add_(0, e2d, out[6].float())
+    hot = int(routed_G.argmax())
+    with torch.no_grad():                               # a small step down the gradient
+        eb.wg.weight -= 0.5 * eb.wg.weight.grad
+    probs_after = torch.softmax(torch.nn.functional.linear(x, eb.wg.weight), 1).mean(0)
+    probs_before = torch.softmax(logits, 1).mean(0)
+    assert probs_after[e2d == hot].sum() < probs_before[e2d == hot].sum()
+    eb.eval()
+    assert_same(call(eb, x, 0, True), call(ds.eval(), x, 0, True))   # never in eval: no loss to weigh
+
+
 def test_nonfinite_logits_are_counted_and_keep_the_layer_out_of_the_view():
     _, eb = pair(2, min_capacity=2)
     x = torch.randn(32, M)

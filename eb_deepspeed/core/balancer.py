@@ -47,6 +47,10 @@ class BalancedGate(Protocol):
     def set_selection_bias(self, bias_E: Optional[torch.Tensor]) -> None:
         """Add `bias_E` [E] to the selection scores only (None: route as the framework does)."""
 
+    def set_device_loss(self, weight: float, expert_to_device_E: torch.Tensor) -> None:
+        """Add `weight` x the device-level balance loss (experts on EP ranks `expert_to_device_E` [E])
+        to the layer's l_aux from the next forward on; only called by policies that use it."""
+
     def set_token_weights(self, weights_T: Optional[torch.Tensor]) -> None:
         """Load weight of each token of the next forward [T] (None: every token counts 1)."""
 
@@ -201,6 +205,10 @@ class Balancer:
             gate.set_aux_weight(float(self.controller.weight_L[layer]))
             if self.controller.uses_bias:
                 gate.set_selection_bias(self.controller.bias_LE[layer])
+        if self.controller.uses_device_loss:
+            device_L = self.controller.device_loss_weights()
+            for layer, gate in zip(self.layers, self.gates):
+                gate.set_device_loss(float(device_L[layer]), self.view.expert_to_device_E)
 
     # ------------------------------------------------------------------ reads
     def aux_weights(self) -> list[float]:
@@ -209,10 +217,17 @@ class Balancer:
             return [1.0] * self.num_layers
         return [float(w) for w in self.controller.weight_L]
 
+    def device_loss_weights(self) -> list[float]:
+        """Per-layer weight of the device-level balance loss in effect [L] (0.0 where there is none)."""
+        if self.config.mode != "balance" or not self.train_controls:
+            return [0.0] * self.num_layers
+        return [float(w) for w in self.controller.device_loss_weights()]
+
     def metrics(self) -> dict[str, object]:
-        """The view's metrics plus the per-layer aux weights (see `LoadView.metrics`)."""
+        """The view's metrics plus the per-layer aux and device-loss weights (see `LoadView.metrics`)."""
         out = self.view.metrics()
         out["aux_weight"] = self.aux_weights()
+        out["device_loss_weight"] = self.device_loss_weights()
         return out
 
     def record(self) -> dict[str, object]:

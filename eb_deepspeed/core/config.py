@@ -66,8 +66,12 @@ class LogConfig:
 class AuxConfig:
     """Training control (`easybalance.aux`): per-layer aux-loss weights or a selection bias."""
     policy: str = "cross_layer"
-    weight_range: tuple[float, float] = (0.5, 2.0)   # cross_layer: clip of w_l (mean 1 kept)
-    smoothing: float = 0.3                           # cross_layer: fraction of the way to the target per step
+    weight_range: tuple[float, float] = (0.25, 4.0)  # cross_layer: clip of the per-layer device-loss weights
+    smoothing: float = 0.3                           # cross_layer: fraction of the way to the integrator per step
+    gain: float = 0.02                               # cross_layer: integral gain on the log-weights (measured: docs/training.md)
+    mean_one: bool = True                            # cross_layer: keep the weights at mean 1 (same total push)
+    target: float = 0.05                             # cross_layer, mean_one false: device score aimed at
+    device_scale: float = 1.0                        # cross_layer: device-loss weight at w_l = 1 (x l_aux's)
     bias_rate: float = 1e-3                          # bias: sign-update rate u
     device_weight: float = 0.5                       # bias: weight of the device (window pressure) term
     aux_scale: float = 1.0                           # bias: weight of every layer's l_aux
@@ -196,7 +200,8 @@ class EasyBalanceConfig:
             "log": {"interval": self.log.interval, "dir": self.log.dir, "wandb": self.log.wandb,
                     "max_mb": self.log.max_mb},
             "aux": {"policy": self.aux.policy, "weight_range": list(self.aux.weight_range),
-                    "smoothing": self.aux.smoothing, "bias_rate": self.aux.bias_rate,
+                    "smoothing": self.aux.smoothing, "gain": self.aux.gain, "mean_one": self.aux.mean_one,
+                    "target": self.aux.target, "device_scale": self.aux.device_scale, "bias_rate": self.aux.bias_rate,
                     "device_weight": self.aux.device_weight, "aux_scale": self.aux.aux_scale},
             "inference": {"replica_slots": inf.replica_slots, "split": inf.split, "topology": inf.topology,
                           "weights": {"intra": inf.weights.intra, "cross": inf.weights.cross, "comm": inf.weights.comm},
@@ -326,12 +331,22 @@ def _aux(block: Any, path: str) -> AuxConfig:
     if not isinstance(rng, (list, tuple)) or len(rng) != 2:
         raise ConfigError(f"{path}.weight_range ({_short(rng)}) must be [min, max] with min <= 1 <= max")
     lo, hi = _number(rng[0], f"{path}.weight_range[0]"), _number(rng[1], f"{path}.weight_range[1]")
-    if not 0.0 <= lo <= 1.0 <= hi:
-        raise ConfigError(f"{path}.weight_range ([{lo}, {hi}]) must be [min, max] with 0 <= min <= 1 <= max "
-                          "(the weights keep mean 1)")
+    if not 0.0 < lo <= 1.0 <= hi <= 1e6:
+        raise ConfigError(f"{path}.weight_range ([{lo}, {hi}]) must be [min, max] with 0 < min <= 1 <= max <= 1e6 "
+                          "(weights start at 1)")
     smoothing = _number(block.get("smoothing", d.smoothing), f"{path}.smoothing")
     if not 0.0 < smoothing <= 1.0:
         raise ConfigError(f"{path}.smoothing ({smoothing}) must be in (0, 1]")
+    gain = _number(block.get("gain", d.gain), f"{path}.gain")
+    if not 0.0 < gain <= 10.0:
+        raise ConfigError(f"{path}.gain ({gain}) must be in (0, 10]")
+    mean_one = _bool(block.get("mean_one", d.mean_one), f"{path}.mean_one")
+    target = _number(block.get("target", d.target), f"{path}.target")
+    if not 0.0 < target <= 100.0:
+        raise ConfigError(f"{path}.target ({target}) must be in (0, 100] (device max/mean - 1, weighed by heat)")
+    device_scale = _number(block.get("device_scale", d.device_scale), f"{path}.device_scale")
+    if not 0.0 <= device_scale <= 1e6:
+        raise ConfigError(f"{path}.device_scale ({device_scale}) must be in [0, 1e6]")
     rate = _number(block.get("bias_rate", d.bias_rate), f"{path}.bias_rate")
     if not 0.0 < rate <= 1.0:
         raise ConfigError(f"{path}.bias_rate ({rate}) must be in (0, 1]")
@@ -341,7 +356,8 @@ def _aux(block: Any, path: str) -> AuxConfig:
     aux_scale = _number(block.get("aux_scale", d.aux_scale), f"{path}.aux_scale")
     if aux_scale < 0:
         raise ConfigError(f"{path}.aux_scale ({aux_scale}) must be >= 0")
-    return AuxConfig(policy=policy, weight_range=(lo, hi), smoothing=smoothing, bias_rate=rate,
+    return AuxConfig(policy=policy, weight_range=(lo, hi), smoothing=smoothing, gain=gain, mean_one=mean_one,
+                     target=target, device_scale=device_scale, bias_rate=rate,
                      device_weight=device_weight, aux_scale=aux_scale, explicit=frozenset(block))
 
 

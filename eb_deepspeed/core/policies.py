@@ -3,16 +3,20 @@
 Shape legend: L MoE layers, E experts per layer, G EP ranks (devices).
 
 Seed 000 §6: feed the cross-layer load view into training and adjust each layer's auxiliary-loss
-weight, instead of one fixed coefficient for all layers. Three policies (`easybalance.aux.policy`):
+weight, instead of one fixed coefficient for all layers. Four policies (`easybalance.aux.policy`):
 
-  fixed        every weight 1.0: DeepSpeed's behaviour, the baseline.
-  cross_layer  w_l from the view: layers whose imbalance lands on devices that are hot across the
-               window get more weight, balanced layers less; mean 1 over layers (the user's
-               coefficient keeps its meaning), clipped to `weight_range`, smoothed over steps.
-  bias         aux-loss-free balancing (Wang et al. 2024, DeepSeek-V3): a per-expert bias added to
-               the selection scores only (never to the gate values), moved by `bias_rate` towards
-               balance with a sign update and re-centred to mean 0, made device-aware by the view;
-               every layer's l_aux keeps weight `aux_scale` (a small aux loss can stay on).
+  fixed             every weight 1.0, no device loss: DeepSpeed's behaviour, the baseline.
+  cross_layer       each layer's l_aux keeps weight 1 and gets a device-level balance loss (DeepSeek-V2's,
+                    computed in the gate) weighted per layer from the view: up where the layer's device
+                    imbalance, weighed by how hot those devices are across the window, stays high; down
+                    where it stays low. Integral action on the log-weight (persistent skew accumulates,
+                    step noise averages out), clipped to `weight_range`, optionally kept at mean 1
+                    (`mean_one`: the same total device push, placed better), smoothed over steps.
+  bias              aux-loss-free balancing (Wang et al. 2024, DeepSeek-V3): a per-expert bias added to
+                    the selection scores only (never to the gate values), moved by `bias_rate` towards
+                    balance with a sign update and re-centred to mean 0, made device-aware by the view;
+                    every layer's l_aux keeps weight `aux_scale` (a small aux loss can stay on).
+  bias_cross_layer  both: the bias selects, the per-layer device loss takes the residual.
 
 `POLICIES` is the registry: each entry names the `aux.*` options it reads (the config takes its
 choices and its "ignored option" warnings from it) and holds its control step.
@@ -23,26 +27,23 @@ from __future__ import annotations
 
 import torch
 
-from . import metrics as M
 from .tally import tensor_problem
 
-__all__ = ["POLICIES", "AuxPolicy", "cross_layer_scores", "cross_layer_weights", "clip_mean_one", "bias_update",
+__all__ = ["POLICIES", "AuxPolicy", "device_scores", "integral_weights", "clip_mean_one", "bias_update",
            "AuxController"]
 
-_SCORE_FLOOR = 0.05  # a perfectly balanced layer still scores this much, so its weight never hits 0 alone
+_ERROR_CLIP = 1.0   # one step moves a log-weight by at most gain x this (a single outlier step cannot jump it)
 
 
-def cross_layer_scores(pressure_LG: torch.Tensor, cross_LG: torch.Tensor, heat_LE: torch.Tensor) -> torch.Tensor:
-    """How much each layer stalls the cluster. [L, G], [L, G], [L, E] -> [L]
+def device_scores(pressure_LG: torch.Tensor, cross_LG: torch.Tensor) -> torch.Tensor:
+    """How much each layer's device imbalance stalls the cluster. [L, G], [L, G] -> [L]
 
     1. excess_lg = max(0, P_lg / mean_g P_lg - 1): load above the layer's mean on each device;
     2. hot_lg = C_lg / mean_g C_lg: how hot that device is across the window around l (1 = average);
-    3. device score = sum_g excess_lg * hot_lg: imbalance that lands on already-hot devices counts more;
-    4. plus the layer's MaxVio at expert granularity (what the aux loss itself acts on).
+    3. score_l = sum_g excess_lg * hot_lg: imbalance that lands on already-hot devices counts more.
     """
     excess_LG = (_over_row_mean(pressure_LG) - 1.0).clamp_min(0.0)
-    hot_LG = _over_row_mean(cross_LG)
-    return (excess_LG * hot_LG).sum(1) + M.max_vio(heat_LE)
+    return (excess_LG * _over_row_mean(cross_LG)).sum(1)
 
 
 def _over_row_mean(x_LX: torch.Tensor) -> torch.Tensor:
@@ -67,15 +68,26 @@ def clip_mean_one(raw_L: torch.Tensor, w_min: float, w_max: float, iters: int = 
     return (raw_L * (lo + hi) / 2).clamp(w_min, w_max)
 
 
-def cross_layer_weights(pressure_LG: torch.Tensor, cross_LG: torch.Tensor, heat_LE: torch.Tensor,
-                        prev_w_L: torch.Tensor, *, w_min: float, w_max: float, smoothing: float) -> torch.Tensor:
-    """Next per-layer aux weights [L]: scores -> mean-1 clipped target -> moved `smoothing` of the way.
+def integral_weights(log_w_L: torch.Tensor, score_L: torch.Tensor, *, gain: float, w_min: float, w_max: float,
+                     mean_one: bool, target: float) -> torch.Tensor:
+    """One integral step of the per-layer log-weights [L]; returns the new log-weights.
 
-    A convex mix of two mean-1 vectors in [w_min, w_max] is again mean 1 and in range, so the
-    smoothed weights keep both properties without re-normalising.
+    error_l = score_l / reference - 1, clipped to [-1, 1]: reference is the mean score over layers
+    (`mean_one`: push where a layer is worse than the others) or the absolute `target` (push where
+    it is worse than the target, relax where it is better). log w_l += gain * error_l; the weights
+    exp(log w) are clipped to [w_min, w_max] (and rescaled to mean 1 under `mean_one`), and the
+    log-weights follow the clipped weights (no wind-up past a limit). A layer that stays worse
+    keeps accumulating; zero-mean step noise adds up only as a random walk (see docs/training.md
+    for the measurement behind the default gain).
     """
-    target_L = clip_mean_one(cross_layer_scores(pressure_LG, cross_LG, heat_LE) + _SCORE_FLOOR, w_min, w_max)
-    return (1.0 - smoothing) * prev_w_L.to(torch.float64) + smoothing * target_L
+    reference = float(score_L.mean()) if mean_one else float(target)
+    if reference <= 0:                       # nothing imbalanced anywhere: hold
+        return log_w_L.clone()
+    error_L = (score_L.to(torch.float64) / reference - 1.0).clamp(-_ERROR_CLIP, _ERROR_CLIP)
+    w_L = (log_w_L.to(torch.float64) + gain * error_L).exp().clamp(w_min, w_max)
+    if mean_one:
+        w_L = clip_mean_one(w_L, w_min, w_max)
+    return w_L.log()
 
 
 def bias_update(bias_LE: torch.Tensor, counts_LE: torch.Tensor, cross_LG: torch.Tensor,
@@ -103,6 +115,7 @@ class AuxPolicy:
     options: tuple[str, ...] = ()
     uses_bias = False          # hands a selection bias to the gates
     uses_view = False          # acts on the view (so `window` and `warmup_batches` matter)
+    uses_device_loss = False   # hands each gate a device-level balance loss weight
 
     def initial_weight(self, cfg) -> float:
         return 1.0
@@ -117,29 +130,51 @@ class AuxPolicy:
         return []
 
 
+def conform_aux(ctl: "AuxController", weight: float, from_aux_scale: bool) -> list[str]:
+    """Every layer's l_aux weight set to what the policy defines (after a resume); what that changed."""
+    if bool((ctl.weight_L == weight).all()):
+        return []
+    ctl.weight_L = torch.full_like(ctl.weight_L, float(weight))
+    return [f"aux weights set to {'aux_scale ' if from_aux_scale else ''}{weight}"]
+
+
 class FixedPolicy(AuxPolicy):
     name = "fixed"
 
 
 class CrossLayerPolicy(AuxPolicy):
     name = "cross_layer"
-    options = ("weight_range", "smoothing")
+    options = ("weight_range", "smoothing", "gain", "mean_one", "target", "device_scale")
     uses_view = True
+    uses_device_loss = True
 
     def step(self, ctl, view, valid_L) -> bool:
-        if not bool(valid_L.all()):   # weights share one mean: hold them all while a layer's view is frozen
+        if not bool(valid_L.all()):   # the weights are relative to each other: hold them all while a layer is out
             return False
-        lo, hi = ctl.cfg.weight_range
-        ctl.weight_L = cross_layer_weights(view.pressure_LG, view.cross_layer_pressure(), view.heat_LE, ctl.weight_L,
-                                           w_min=lo, w_max=hi, smoothing=ctl.cfg.smoothing)
+        cfg = ctl.cfg
+        lo, hi = cfg.weight_range
+        ctl.log_w_L = integral_weights(ctl.log_w_L, device_scores(view.pressure_LG, view.cross_layer_pressure()),
+                                       gain=cfg.gain, w_min=lo, w_max=hi, mean_one=cfg.mean_one, target=cfg.target)
+        # a convex mix of two in-range (mean-1) vectors is again in range (mean 1): no re-normalising
+        ctl.layer_w_L = (1.0 - cfg.smoothing) * ctl.layer_w_L + cfg.smoothing * ctl.log_w_L.exp()
         return True
 
     def conform(self, ctl) -> list[str]:
         lo, hi = ctl.cfg.weight_range
-        if bool(((ctl.weight_L >= lo - 1e-12) & (ctl.weight_L <= hi + 1e-12)).all()):
-            return []
-        ctl.weight_L = clip_mean_one(ctl.weight_L.clamp_min(1e-12), lo, hi)
-        return [f"aux weights re-clipped to weight_range [{lo}, {hi}] (mean 1)"]
+        mean_one = ctl.cfg.mean_one
+        out = []
+        for name in ("layer_w_L", "log_w_L"):
+            w_L = getattr(ctl, name).exp() if name == "log_w_L" else getattr(ctl, name)
+            fits = bool(((w_L >= lo - 1e-9) & (w_L <= hi + 1e-9)).all()) and \
+                (not mean_one or abs(float(w_L.mean()) - 1.0) <= 1e-6)
+            if not fits:
+                w_L = w_L.clamp(max(lo, 1e-12), hi)
+                w_L = clip_mean_one(w_L, lo, hi) if mean_one else w_L
+                setattr(ctl, name, w_L.log() if name == "log_w_L" else w_L)
+                if not out:
+                    out.append(f"device-loss weights re-clipped to weight_range [{lo}, {hi}]"
+                               + (" with mean 1" if mean_one else ""))
+        return out + conform_aux(ctl, self.initial_weight(ctl.cfg), self.uses_bias)
 
 
 class BiasPolicy(AuxPolicy):
@@ -152,10 +187,7 @@ class BiasPolicy(AuxPolicy):
         return float(cfg.aux_scale)
 
     def conform(self, ctl) -> list[str]:
-        if bool((ctl.weight_L == ctl.cfg.aux_scale).all()):
-            return []
-        ctl.weight_L = torch.full_like(ctl.weight_L, float(ctl.cfg.aux_scale))
-        return [f"aux weights set to aux_scale {ctl.cfg.aux_scale}"]
+        return conform_aux(ctl, self.initial_weight(ctl.cfg), True)
 
     def step(self, ctl, view, valid_L) -> bool:
         counts_LE = torch.where(valid_L[:, None], view.last.routed_LE, 0.0)   # a layer with no counts holds its bias
@@ -165,22 +197,58 @@ class BiasPolicy(AuxPolicy):
         return True
 
 
-POLICIES: dict[str, AuxPolicy] = {p.name: p for p in (FixedPolicy(), CrossLayerPolicy(), BiasPolicy())}
+class BiasCrossLayerPolicy(CrossLayerPolicy):
+    """The bias selects; the per-layer device loss (weights from the view) takes the residual."""
+    name = "bias_cross_layer"
+    options = BiasPolicy.options + CrossLayerPolicy.options
+    uses_bias = True
+
+    def initial_weight(self, cfg) -> float:
+        return float(cfg.aux_scale)
+
+    def step(self, ctl, view, valid_L) -> bool:
+        BiasPolicy.step(self, ctl, view, valid_L)
+        CrossLayerPolicy.step(self, ctl, view, valid_L)
+        return True
+
+
+POLICIES: dict[str, AuxPolicy] = {p.name: p for p in (FixedPolicy(), CrossLayerPolicy(), BiasPolicy(),
+                                                       BiasCrossLayerPolicy())}
+
+
+_SINCE_DEVICE_LOSS = ("layer_w_L", "log_w_L")     # state keys that older checkpoints lack
 
 
 class AuxController:
-    """Holds the per-layer weights [L] and bias [L, E]; `update(view)` applies the configured policy."""
+    """Holds the controls; `update(view)` applies the configured policy.
+
+    weight_L [L]: each layer's l_aux weight. bias_LE [L, E]: the selection bias. layer_w_L [L]: the
+    per-layer device-loss weights (smoothed; the gate's device-loss weight is device_scale x this);
+    log_w_L [L]: their integrator (log of the unsmoothed weights).
+    """
 
     def __init__(self, num_layers: int, num_experts: int, aux_config):
         self.cfg = aux_config
         self.policy = POLICIES[aux_config.policy]
         self.weight_L = torch.full((num_layers, ), self.policy.initial_weight(aux_config), dtype=torch.float64)
         self.bias_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.layer_w_L = torch.ones(num_layers, dtype=torch.float64)
+        self.log_w_L = torch.zeros(num_layers, dtype=torch.float64)
         self.updates = 0
 
     @property
     def uses_bias(self) -> bool:
         return self.policy.uses_bias
+
+    @property
+    def uses_device_loss(self) -> bool:
+        return self.policy.uses_device_loss
+
+    def device_loss_weights(self) -> torch.Tensor:
+        """Weight of each layer's device-level balance loss [L] (zeros when the policy has none)."""
+        if not self.policy.uses_device_loss:
+            return torch.zeros_like(self.layer_w_L)
+        return self.cfg.device_scale * self.layer_w_L
 
     def update(self, view, valid_L: torch.Tensor | None = None) -> bool:
         """One control step from the (reduced, identical) view; returns whether anything changed.
@@ -199,14 +267,16 @@ class AuxController:
 
     def state_dict(self) -> dict[str, object]:
         return {"policy": self.cfg.policy, "weight_L": self.weight_L.clone(), "bias_LE": self.bias_LE.clone(),
-                "updates": self.updates}
+                "layer_w_L": self.layer_w_L.clone(), "log_w_L": self.log_w_L.clone(), "updates": self.updates}
 
     def state_problem(self, state: object) -> str | None:
         """Why `state` cannot be this controller's (None: it can)."""
         if not isinstance(state, dict) or not isinstance(state.get("policy"), str) \
                 or not isinstance(state.get("updates"), int):
             return "the aux state is not a dict with a policy and an update count"
-        return tensor_problem(state, "aux", {"weight_L": tuple(self.weight_L.shape), "bias_LE": tuple(self.bias_LE.shape)})
+        shapes = {"weight_L": tuple(self.weight_L.shape), "bias_LE": tuple(self.bias_LE.shape)}
+        shapes.update({key: tuple(self.layer_w_L.shape) for key in _SINCE_DEVICE_LOSS if key in state})
+        return tensor_problem(state, "aux", shapes)
 
     def load_state_dict(self, state: dict[str, object]) -> list[str]:
         """Restore the saved weights and bias, made to obey the current config; returns what that changed.
@@ -220,5 +290,8 @@ class AuxController:
             return [f"aux.policy was \"{state['policy']}\": weights and bias start fresh"]
         self.weight_L = state["weight_L"].to(torch.float64).clone()
         self.bias_LE = state["bias_LE"].to(torch.float64).clone()
+        for key in _SINCE_DEVICE_LOSS:            # absent from states saved before the device loss: start fresh
+            if key in state:
+                setattr(self, key, state[key].to(torch.float64).clone())
         self.updates = int(state["updates"])
         return self.policy.conform(self)

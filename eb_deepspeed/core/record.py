@@ -29,6 +29,7 @@ PER_LAYER: dict[str, str] = {
     "device_cv": "device load CV per layer",
     "layer_token_drop_rate": "token drop rate per layer",
     "aux_weight": "aux-loss weight per layer",
+    "device_loss_weight": "device-level balance loss weight per layer",
     "aux_loss": "aux loss per layer (unweighted l_aux)",
     "ema_device_max_over_mean": "device max/mean per layer (EMA view)",
 }

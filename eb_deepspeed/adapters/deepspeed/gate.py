@@ -13,7 +13,9 @@ sampling) and both return forms behave exactly as DeepSpeed's (the sparse 7-tupl
     tokens, non-finite tokens) without any host sync or collective; the balancer drains it once
     per step. A forward that activation checkpointing re-runs during backward is not counted
     again (`_recomputing`);
-  * multiplies `l_aux` by its layer's weight `aux_weight` (1.0 unless a controller sets it),
+  * multiplies `l_aux` by its layer's weight `aux_weight` (1.0 unless a controller sets it) and,
+    when a controller sets `device_loss_weight` > 0, adds that times the device-level balance loss
+    (`device_balance_loss`, DeepSeek-V2's, from the layer's expert -> EP rank map; no collective),
     so user code that sums `l_aux` keeps working unchanged;
   * returns a well-formed empty result for an empty batch (DeepSpeed's gate asserts).
 
@@ -32,7 +34,29 @@ from deepspeed.moe.sharded_moe import TopKGate
 
 from ...core.tally import TallyRecorder
 
-__all__ = ["CrossLayerGate", "unbias_gate_output"]
+__all__ = ["CrossLayerGate", "unbias_gate_output", "device_balance_loss"]
+
+
+def device_balance_loss(logits_TE: torch.Tensor, routed_E: torch.Tensor, expert_to_device_E: torch.Tensor,
+                        num_devices: int, k: int) -> torch.Tensor:
+    """DeepSeek-V2's device-level balance loss of one forward (1.0 when devices are balanced).
+
+    f_e = routed_e * E / (k * T): expert e's share of the routes (1 = its fair share); P_e = mean over
+    tokens of softmax(logits)_e. Per device g: f'_g = mean of f_e over its experts, P'_g = sum of P_e
+    over its experts; loss = sum_g f'_g * P'_g. The gradient flows through P (the router's
+    probabilities) and pushes probability mass off the devices that get more routes than their share,
+    whichever of their experts the routes went to: the expert-level l_aux does not see that.
+    Local to the rank (no collective), like DeepSpeed's l_aux.
+    """
+    T, E = logits_TE.shape
+    probs_E = F.softmax(logits_TE, dim=1).mean(0)
+    share_E = routed_E.to(probs_E.dtype) * (E / (k * T))
+    experts_G = torch.bincount(expert_to_device_E, minlength=num_devices).clamp_min(1).to(probs_E.dtype)
+    share_G = torch.zeros(num_devices, dtype=probs_E.dtype, device=probs_E.device).index_add_(
+        0, expert_to_device_E, share_E) / experts_G
+    probs_G = torch.zeros(num_devices, dtype=probs_E.dtype, device=probs_E.device).index_add_(
+        0, expert_to_device_E, probs_E)
+    return (share_G * probs_G).sum()
 
 
 def unbias_gate_output(gate_output, logits_TE: torch.Tensor, selection_TE: torch.Tensor, k: int,
@@ -91,6 +115,9 @@ class CrossLayerGate(TopKGate):
         # A Python float, not a tensor: multiplying by 1.0 leaves l_aux bit-identical to DeepSpeed's,
         # and the controller changes it only at step boundaries.
         self.aux_weight = 1.0
+        # Weight of the device-level balance loss added to l_aux (0: not computed), and the EP rank of each expert.
+        self.device_loss_weight = 0.0
+        self.expert_to_device_E: Optional[torch.Tensor] = None
         # Per-expert selection bias [E] of the `bias` policy (selection scores only); None = DeepSpeed's routing.
         self.selection_bias_E: Optional[torch.Tensor] = None
         # Per-token load weights for the next forward ([T]) under sequence-length weighting; None counts 1.
@@ -127,6 +154,12 @@ class CrossLayerGate(TopKGate):
     def set_aux_weight(self, weight: float) -> None:
         self.aux_weight = float(weight)
 
+    def set_device_loss(self, weight: float, expert_to_device_E: torch.Tensor) -> None:
+        """Add `weight` x the device-level balance loss to l_aux from the next forward on (0: off)."""
+        self.device_loss_weight = float(weight)
+        self.expert_to_device_E = expert_to_device_E.to(self.wg.weight.device, torch.long)
+        self.num_devices = int(expert_to_device_E.max()) + 1
+
     def set_selection_bias(self, bias_E: Optional[torch.Tensor]) -> None:
         self.selection_bias_E = None if bias_E is None else bias_E.to(self.wg.weight.device, torch.float32)
 
@@ -147,7 +180,7 @@ class CrossLayerGate(TopKGate):
         T = logits_TE.shape[0]
 
         if T == 0:
-            gate_output = self._empty_output(logits_TE, sparse_routes)
+            gate_output = self._empty_output(logits_TE, sparse_routes)   # its l_aux is 0 under any weight
         else:
             # Counted before gating: top2gating adds Gumbel noise to the logits in place.
             # A row sum is non-finite iff the row holds a NaN/Inf (one reduction instead of a [T, E] mask).
@@ -161,6 +194,9 @@ class CrossLayerGate(TopKGate):
             # restores the unbiased gate values and l_aux. (Softmax is monotone: top-k of logits + b is
             # top-k of softmax(logits + b).)
             selection_TE = logits_TE if self.selection_bias_E is None else logits_TE + self.selection_bias_E
+            device_loss = self.device_loss_weight > 0 and self.training
+            if device_loss:     # before gating: top2gating adds Gumbel noise to selection_TE in place
+                clean_TE = logits_TE.clone() if selection_TE is logits_TE and self.k == 2 else logits_TE
             if self.k == 1:
                 gate_output = dsm.top1gating(selection_TE, capacity_factor, self.min_capacity, used_token,
                                              self.noisy_gate_policy if self.training else None, self.drop_tokens,
@@ -178,8 +214,13 @@ class CrossLayerGate(TopKGate):
             if recording:
                 self._record_output(gate_output, sparse_routes, T, used_token, nonfinite)
 
-        if self.aux_weight != 1.0:
-            gate_output = (gate_output[0] * self.aux_weight, ) + tuple(gate_output[1:])
+            if device_loss:
+                routed_E = gate_output[6] if sparse_routes else gate_output[3]
+                extra = self.device_loss_weight * device_balance_loss(clean_TE, routed_E, self.expert_to_device_E,
+                                                                      self.num_devices, self.k)
+                gate_output = (gate_output[0] * self.aux_weight + extra, ) + tuple(gate_output[1:])
+            elif self.aux_weight != 1.0:
+                gate_output = (gate_output[0] * self.aux_weight, ) + tuple(gate_output[1:])
 
         if self.wall_clock_breakdown:
             self.timers(dsm.TOPK_GATE_TIMER).stop()
