@@ -93,16 +93,21 @@ class Block(nn.Module):
 
 
 class MoELM(nn.Module):
-    """Embeddings -> `layers` x (attention + DeepSpeed MoE FFN) -> byte logits."""
+    """Embeddings -> `layers` x (attention + DeepSpeed MoE FFN) -> byte logits.
+
+    k: top-k of every layer, or a sequence repeated over the layers (`(1, 2)`: top-1 and top-2 layers
+    alternate, so layers differ in how skewed they route: the `deep8` preset of train_moe_lm.py).
+    """
 
     def __init__(self, layers: int = 4, hidden: int = 64, heads: int = 4, experts: int = 8, ep_size: int = 1,
-                 k: int = 2, seq_len: int = 128, capacity_factor: float = 1.0, min_capacity: int = 4,
+                 k: int | tuple[int, ...] = 2, seq_len: int = 128, capacity_factor: float = 1.0, min_capacity: int = 4,
                  drop_tokens: bool = True, use_rts: bool = True):
         super().__init__()
+        ks = (k, ) if isinstance(k, int) else tuple(k)
         self.tok = nn.Embedding(256, hidden)
         self.pos = nn.Embedding(seq_len, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads, experts, ep_size, k, capacity_factor, min_capacity,
-                                          drop_tokens, use_rts) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(hidden, heads, experts, ep_size, ks[i % len(ks)], capacity_factor,
+                                          min_capacity, drop_tokens, use_rts) for i in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, 256, bias=False)
 

@@ -33,7 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--ep-size", type=int, default=2)
-    p.add_argument("--k", type=int, default=2)
+    p.add_argument("--k", type=_top_ks, default=(2, ),
+                   help="top-k of every MoE layer, or a comma list repeated over the layers (1,2: top-1 and top-2 "
+                        "layers alternate, so layers route with different skew)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--capacity-factor", type=float, default=1.0)
     p.add_argument("--coeff", type=float, default=0.01, help="aux-loss coefficient (summed over layers)")
@@ -43,6 +45,10 @@ def parse_args(argv=None):
     p.add_argument("--aux-smoothing", type=float, default=None, help="override easybalance.aux.smoothing")
     p.add_argument("--aux-weight-range", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help="override easybalance.aux.weight_range")
+    p.add_argument("--aux-gain", type=float, default=None, help="override easybalance.aux.gain")
+    p.add_argument("--aux-mean-one", choices=["true", "false"], default=None, help="override easybalance.aux.mean_one")
+    p.add_argument("--aux-target", type=float, default=None, help="override easybalance.aux.target")
+    p.add_argument("--aux-device-scale", type=float, default=None, help="override easybalance.aux.device_scale")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="training text to read")
@@ -53,6 +59,16 @@ def parse_args(argv=None):
     p.add_argument("--no-report", action="store_true", help="skip rendering the PNGs at the end")
     deepspeed.add_config_arguments(p)
     return p.parse_args(argv)
+
+
+def _top_ks(text: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected k or k1,k2,... (whole numbers), got {text!r}") from None
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"every k must be >= 1, got {text!r}")
+    return ks
 
 
 def _mean_of(values):
@@ -77,8 +93,10 @@ def main(argv=None):
     block.setdefault("log", {})["dir"] = os.path.join(args.run_dir, "balance")
     if args.aux_policy is not None:
         block.setdefault("aux", {})["policy"] = args.aux_policy
+    mean_one = None if args.aux_mean_one is None else args.aux_mean_one == "true"
     for key, value in (("bias_rate", args.bias_rate), ("smoothing", args.aux_smoothing),
-                       ("weight_range", args.aux_weight_range)):
+                       ("weight_range", args.aux_weight_range), ("gain", args.aux_gain), ("mean_one", mean_one),
+                       ("target", args.aux_target), ("device_scale", args.aux_device_scale)):
         if value is not None:
             block.setdefault("aux", {})[key] = value
 
@@ -111,7 +129,9 @@ def main(argv=None):
         from eb_deepspeed import metrics as M
         engine.eval()
         g = torch.Generator().manual_seed(args.seed + 7 + 1000 * rank)  # same windows every evaluation
-        capacity = M.deepspeed_capacity(micro_batch * args.seq_len, args.experts, args.k, args.capacity_factor, 4)
+        capacity_L1 = torch.tensor([[M.deepspeed_capacity(micro_batch * args.seq_len, args.experts,
+                                                          args.k[layer % len(args.k)], args.capacity_factor, 4)]
+                                    for layer in range(args.layers)], dtype=torch.float64)
         # sums: loss, max_vio per layer, device max/mean per layer, dropped routes, routes, batches
         sums = torch.zeros(3 * args.layers + 3, dtype=torch.float64)
         L = args.layers
@@ -125,7 +145,7 @@ def main(argv=None):
                                                                    y.to(engine.device).flatten()))
                 sums[1:1 + L] += M.max_vio(counts_LE)
                 sums[1 + L:1 + 2 * L] += M.max_over_mean(device_LG)
-                sums[1 + 2 * L:1 + 3 * L] += M.dropped_routes(counts_LE, capacity)
+                sums[1 + 2 * L:1 + 3 * L] += M.dropped_routes(counts_LE, capacity_L1)
                 sums[1 + 3 * L] += counts_LE.sum()
                 sums[2 + 3 * L] += 1
         torch.distributed.all_reduce(sums)
@@ -177,7 +197,8 @@ def main(argv=None):
                    "seconds_per_step": sum(step_times[2:]) / max(1, len(step_times[2:])),
                    "final": history[-1] if history else None,
                    "train_second_half": {key: _mean_of(r.get(key) for r in tail) for key in
-                                         ("lm_loss", "token_drop_rate", "device_max_over_mean_p90")
+                                         ("lm_loss", "token_drop_rate", "device_max_over_mean_p90",
+                                          "device_util_std")
                                          if tail and key in tail[0]}}
         if balancer is not None:
             summary["balance"] = {k: v for k, v in balancer.metrics().items() if not isinstance(v, list)}

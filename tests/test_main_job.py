@@ -75,7 +75,7 @@ def test_the_main_job_trains_logs_plots_checkpoints_and_resumes(tmp_path):
     for record in records:   # every logged number reached W&B under its namespaced key, at the record's step
         row = history[record["samples"]]
         flat = flatten_record(record)
-        assert "easybalance/layer_01/device_max_over_mean" in flat and "easybalance/token_drop_rate" in flat
+        assert "easybalance_layer_01/device_max_over_mean" in flat and "easybalance/token_drop_rate" in flat
         assert {key: row.get(key) for key in flat} == flat
     assert (run / "ckpt" / "latest").read_text().strip()
 

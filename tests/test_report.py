@@ -14,7 +14,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def records():
     return [{"step": s, "device_max_over_mean": [1.0 + s / 100, 1.5], "max_vio": [0.1 * s, 0.2],
-             "aux_weight": [1.2, 0.8], "aux_loss": [1.01, 1.02], "layer_token_drop_rate": [0.1, 0.0],
+             "aux_weight": [1.2, 0.8], "device_loss_weight": [1.5, 0.5], "aux_loss": [1.01, 1.02],
+             "layer_token_drop_rate": [0.1, 0.0],
              "expert_max_over_mean": [1.3, 1.1], "device_util_std": 0.05 * s, "token_drop_rate": 0.05,
              "device_max_over_mean_p90": 1.4, "pressure_LG": [[10.0, 5.0], [7.0, 8.0]]} for s in (5, 10, 15)]
 
@@ -30,8 +31,8 @@ def test_the_jsonl_logger_appends_one_record_per_line(tmp_path):
 
 def test_flattened_keys_are_namespaced_per_layer():
     flat = flatten_record(records()[0])
-    assert flat["easybalance/layer_00/device_max_over_mean"] == 1.05
-    assert flat["easybalance/layer_01/aux_weight"] == 0.8
+    assert flat["easybalance_layer_00/device_max_over_mean"] == 1.05
+    assert flat["easybalance_layer_01/aux_weight"] == 0.8
     assert flat["easybalance/device_util_std"] == 0.25
     assert "easybalance/pressure_LG" not in flat
 

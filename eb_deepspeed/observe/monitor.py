@@ -6,9 +6,10 @@ A record is a dict of Python numbers and per-layer lists (`Balancer.record()`; k
   * `JsonlLogger` appends it to `DIR/balance.jsonl` — always on, rank 0 only; `eb report DIR`
     renders it to PNGs (see `report.py`), so nothing needs a W&B account.
   * `DeepSpeedMonitorLogger` sends it through DeepSpeed's own monitor (`engine.monitor`), so
-    it lands in W&B (and TensorBoard/CSV) whenever the user's ds_config enables them, keys
-    namespaced `easybalance/layer_03/device_max_over_mean`; the layers x devices pressure
-    heatmap goes to W&B as an image.
+    it lands in W&B (and TensorBoard/CSV) whenever the user's ds_config enables them: scalars as
+    `easybalance/token_drop_rate`, per-layer numbers as `easybalance_layer_03/device_max_over_mean`
+    (W&B makes one panel section per layer: its weights next to its imbalance); the layers x devices
+    pressure heatmap goes to W&B as an image at every logged step (W&B's step slider animates it).
   * `NullLogger` is the no-op twin, so the step hook never asks "is logging on?".
 """
 from __future__ import annotations
@@ -96,7 +97,8 @@ def _cut_partial_line(path: str) -> None:
 
 
 def flatten_record(record: dict[str, Any], prefix: str = "easybalance") -> dict[str, float]:
-    """Namespaced scalar keys: `easybalance/device_util_std`, `easybalance/layer_03/max_vio`."""
+    """Namespaced scalar keys: `easybalance/device_util_std`, and per layer `easybalance_layer_03/max_vio`
+    (W&B sections panels by the part before the first "/": one section per layer)."""
     out: dict[str, float] = {}
     for key in R.SCALARS:
         if record.get(key) is not None:        # None: left out this step (non-finite router logits)
@@ -104,7 +106,7 @@ def flatten_record(record: dict[str, Any], prefix: str = "easybalance") -> dict[
     for key in R.PER_LAYER:
         for layer, value in enumerate(record.get(key, ()) or ()):
             if value is not None:
-                out[f"{prefix}/layer_{layer:02d}/{key}"] = float(value)
+                out[f"{prefix}_layer_{layer:02d}/{key}"] = float(value)
     return out
 
 

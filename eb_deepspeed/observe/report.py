@@ -1,6 +1,7 @@
 """`eb report RUN_DIR`: balance curves and the layers x devices heatmap as PNGs, from the JSONL log.
 
     eb report easybalance_log            # writes easybalance_log/plots/*.png
+    eb report --compare RUN_A RUN_B ...  # one PNG overlaying the runs' summary curves (after a sweep)
 
 No W&B needed: the JSONL log is always written (rank 0) by the step hook.
 Shape legend: L layers, G EP ranks.
@@ -14,12 +15,14 @@ from typing import Any, Iterator, Optional, Sequence
 
 from ..core import record as R
 
-__all__ = ["read_log", "iter_log", "log_path", "render_report", "heatmap_figure", "curve_figure", "CURVES", "SUMMARY", "JSONL_NAME"]
+__all__ = ["read_log", "iter_log", "log_path", "render_report", "render_compare", "heatmap_figure", "curve_figure",
+           "CURVES", "SUMMARY", "JSONL_NAME"]
 
 JSONL_NAME = "balance.jsonl"     # the log file in a run's balance directory (written by monitor.JsonlLogger)
 
 # Per-layer curves drawn, one PNG each (file name: the key, but `layer_token_drop_rate` -> token_drop_rate.png).
-CURVES = ("device_max_over_mean", "expert_max_over_mean", "max_vio", "layer_token_drop_rate", "aux_weight", "aux_loss")
+CURVES = ("device_max_over_mean", "expert_max_over_mean", "max_vio", "layer_token_drop_rate", "aux_weight",
+          "device_loss_weight", "aux_loss")
 FILE_NAMES = {"layer_token_drop_rate": "token_drop_rate.png"}
 MAX_POINTS = 2000   # records drawn per curve: a longer log is thinned evenly while it is read
 # Scalars of the summary figure.
@@ -185,3 +188,51 @@ def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
         fig.savefig(written[-1], dpi=90)
         plt.close(fig)
     return written
+
+
+def _smoothed(values: list[float], span: int) -> list[float]:
+    """Trailing mean over `span` points, skipping gaps (NaN)."""
+    out = []
+    for i in range(len(values)):
+        window = [v for v in values[max(0, i - span + 1):i + 1] if v == v]
+        out.append(sum(window) / len(window) if window else float("nan"))
+    return out
+
+
+def _balance_dir(run_dir: str) -> str:
+    """A run directory of the example (holding balance/) or the balance directory itself."""
+    nested = os.path.join(run_dir, "balance")
+    return nested if not run_dir.endswith(".jsonl") and os.path.exists(log_path(nested)) else run_dir
+
+
+def render_compare(run_dirs: Sequence[str], out_path: str, smooth: int = 5) -> str:
+    """One PNG: each summary metric against the step, one line per run (raw faint, a trailing mean of
+    `smooth` records solid), labelled with the run's directory name and policy. Returns the path."""
+    if len(run_dirs) < 2:
+        raise ValueError("eb report --compare needs at least two runs")
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(SUMMARY), figsize=(5 * len(SUMMARY), 4))
+    for index, run_dir in enumerate(run_dirs):
+        records = read_log(_balance_dir(run_dir), keys=SUMMARY, max_records=MAX_POINTS)
+        last = records[-1]
+        label = f"{os.path.basename(os.path.normpath(run_dir))} ({last.get('mode', '?')}, {last.get('policy', '?')})"
+        steps = [r["step"] for r in records]
+        color = f"C{index % 10}"
+        for ax, key in zip(axes, SUMMARY):
+            values = [_number(r.get(key)) for r in records]
+            ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(steps, _smoothed(values, smooth), color=color, label=label)
+    for ax, key in zip(axes, SUMMARY):
+        ax.set_title(R.SCALARS[key], fontsize="medium")
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        if "max_over_mean" in key:
+            ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)   # 1 = balanced
+    axes[0].legend(fontsize="small")
+    fig.suptitle(f"{len(run_dirs)} runs: faint = logged values, solid = trailing mean of {smooth} records",
+                 fontsize="medium")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    fig.savefig(out_path, dpi=90)
+    plt.close(fig)
+    return out_path

@@ -1,8 +1,11 @@
 """The `eb` command.
 
     eb report RUN_DIR [--out DIR]     PNG balance curves + heatmap from RUN_DIR/balance.jsonl
+    eb report --compare RUN_A RUN_B ... [--out FILE]   the runs' summary curves overlaid in one PNG
     eb bench gate [--json]            CrossLayerGate vs DeepSpeed's TopKGate overhead
     eb bench train [--json]           aux policies side by side on the example model (2 CPU ranks)
+    eb bench train --sweep [--quick]  policies x coefficients x seeds, mean +- std, Pareto plot
+    eb bench noise --run DIR          persistent skew vs step noise of a run's view: the cross_layer gain rule
     eb bench plan [--json]            planner time (61 x 256 x 64) and steering vs an MoE layer forward
     eb bench optimum [--json]         planner vs a brute-force optimum on tiny inputs (30 loads x 7 shapes)
     eb bench infer [--json]           replicated serving vs plain DeepSpeed on 2 and 4 gloo ranks
@@ -18,8 +21,11 @@ __all__ = ["main"]
 
 
 def _report(args) -> int:
-    from ..observe.report import render_report
-    for path in render_report(args.run_dir, args.out):
+    from ..observe.report import render_compare, render_report
+    if args.compare:
+        print(render_compare(args.run_dir, args.out or "eb_compare.png"))
+        return 0
+    for path in render_report(args.run_dir[0], args.out):
         print(path)
     return 0
 
@@ -35,6 +41,19 @@ def _bench(args) -> int:
             print(f"CrossLayerGate / TopKGate (forward+backward): ratio {result['ratio']:.3f} "
                   f"(target <= {result['target']})")
         return 0
+    if args.what == "train" and args.sweep:
+        from .bench_sweep import bench_train_sweep, format_sweep_table
+        result = bench_train_sweep(quick=args.quick, out_dir=args.out if args.out != "runs/bench_train" else
+                                   "runs/bench_sweep", bias_rate=args.bias_rate or 0.03, progress=True,
+                                   coefficients=tuple(args.coeffs) if args.coeffs else None,
+                                   policies=tuple(args.policies) if args.policies else None,
+                                   seeds=tuple(range(1, args.sweep_seeds + 1)) if args.sweep_seeds else None,
+                                   steps=args.steps if args.steps_given else None,
+                                   layers=args.layers if args.layers_given else None)
+        print(format_sweep_table(result), file=sys.stderr if args.json else sys.stdout)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        return 0
     if args.what == "train":
         from .bench import bench_train, format_train_table
         result = bench_train(steps=args.steps, coeff=args.coeff, capacity_factor=args.capacity_factor,
@@ -42,6 +61,15 @@ def _bench(args) -> int:
         print(format_train_table(result), file=sys.stderr if args.json else sys.stdout)
         if args.json:
             print(json.dumps(result, indent=2))
+        return 0
+    if args.what == "noise":
+        from .bench_sweep import score_noise
+        if not args.run:
+            raise SystemExit("eb bench noise needs --run RUN_DIR (a balance log written with log.interval 1)")
+        result = score_noise(args.run)
+        print(json.dumps(result, indent=2) if args.json else
+              f"gain rule: {result['gain_rule']} (median over layers), {result['gain_rule_stalling']} (layers "
+              f"persistently worse than the others); steps to tell skew from noise: {result['steps_to_tell_apart']}")
         return 0
     if args.what == "plan":
         from .bench import bench_plan
@@ -118,28 +146,42 @@ counting, non_negative = _at_least(1), _at_least(0)
 def main(argv: list[str] | None = None) -> int:
     from ..core.topology import TOPOLOGIES
     from ..sim.workloads import WORKLOADS
+    from .bench_sweep import SWEEP_POLICIES
 
     parser = argparse.ArgumentParser(prog="eb", description="eb_deepspeed tools")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("report", help="render balance curves and the heatmap from a run's JSONL log")
-    p.add_argument("run_dir", help="directory holding balance.jsonl (easybalance.log.dir), or the .jsonl file")
-    p.add_argument("--out", default=None, help="output directory (default RUN_DIR/plots)")
+    p.add_argument("run_dir", nargs="+",
+                   help="directory holding balance.jsonl (easybalance.log.dir), or the .jsonl file; with --compare, "
+                        "two or more (an example run directory holding balance/ works too)")
+    p.add_argument("--compare", action="store_true", help="overlay the runs' summary curves in one PNG")
+    p.add_argument("--out", default=None,
+                   help="output directory (default RUN_DIR/plots); with --compare the PNG file (eb_compare.png)")
     p.set_defaults(func=_report)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
-    p.add_argument("what", choices=["gate", "train", "plan", "optimum", "infer"])
+    p.add_argument("what", choices=["gate", "train", "noise", "plan", "optimum", "infer"])
+    p.add_argument("--run", default=None, help="noise: a balance log written every step (log.interval 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--tokens", type=counting, default=4096)
     p.add_argument("--hidden", type=counting, default=1024)
     p.add_argument("--experts", type=counting, nargs="+", default=[16, 64])
     p.add_argument("--k", type=counting, default=2)
     p.add_argument("--repeats", type=counting, default=30, help="gate: timed repeats")
-    p.add_argument("--steps", type=counting, default=200, help="train: optimizer steps per row")
+    p.add_argument("--steps", type=counting, default=None, help="train: optimizer steps per row (200)")
     p.add_argument("--coeff", type=float, default=0.01, help="train: aux-loss coefficient of the balanced rows")
     p.add_argument("--capacity-factor", type=float, default=1.0, help="train: capacity factor of every row")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--layers", type=counting, default=4, help="train: MoE layers of the example model")
+    p.add_argument("--layers", type=counting, default=None,
+                   help="train: MoE layers of the example model (4; the sweep: 8, top-1 and top-2 alternating)")
+    p.add_argument("--sweep", action="store_true",
+                   help="train: policies x coefficients x seeds with a Pareto plot (~45 min; docs/benchmarks.md)")
+    p.add_argument("--quick", action="store_true", help="train --sweep: the small version the tests run")
+    p.add_argument("--coeffs", type=float, nargs="+", default=None, help="train --sweep: aux coefficients")
+    p.add_argument("--sweep-seeds", type=counting, default=None, help="train --sweep: seeds 1..N")
+    p.add_argument("--policies", nargs="+", default=None, choices=[name for name, _, _ in SWEEP_POLICIES],
+                   help="train --sweep: rows (default all)")
     p.add_argument("--bias-rate", type=float, default=None, help="train: easybalance.aux.bias_rate of the bias row")
     p.add_argument("--out", default="runs/bench_train", help="train: run directories")
     p.add_argument("--seeds", type=counting, default=30, help="optimum: random loads per shape")
@@ -164,6 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_simulate)
 
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        args.steps_given, args.layers_given = args.steps is not None, args.layers is not None
+        args.steps, args.layers = args.steps or 200, args.layers or 4
+        if args.quick and not args.sweep:
+            parser.error("--quick goes with bench train --sweep")
+    if args.command == "report" and not args.compare and len(args.run_dir) != 1:
+        parser.error("eb report takes one RUN_DIR (or --compare RUN_A RUN_B ...)")
+    if args.command == "report" and args.compare and len(args.run_dir) < 2:
+        parser.error("eb report --compare needs two or more RUN_DIRs")
     if args.command == "simulate" and (args.workload == "trace") != (args.trace is not None):
         parser.error("--trace FILE goes with --workload trace (and only with it)")
     return args.func(args)

@@ -1,0 +1,104 @@
+"""`eb bench train --sweep`, `eb bench noise` and `eb report --compare`: statistics and verdicts from
+hand-made runs (unit), and the quick sweep itself under the real deepspeed launcher (slow)."""
+import json
+import statistics
+
+import pytest
+
+from eb_deepspeed.tools.bench_sweep import SWEEP_METRICS, score_noise, sweep_stats, sweep_targets
+from eb_deepspeed.tools.cli import main as eb_main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run(policy, coeff, seed, drop, p90, loss=2.0):
+    values = {m: 0.5 for m in SWEEP_METRICS}
+    values.update(token_drop_rate=drop, device_max_over_mean_p90=p90, val_loss=loss)
+    return {"policy": policy, "coeff": coeff, "seed": seed, **values}
+
+
+@pytest.mark.unit
+def test_sweep_rows_are_the_mean_and_sample_std_over_seeds():
+    runs = [run("fixed", 0.01, s, d, 1.1) for s, d in ((1, 0.10), (2, 0.12), (3, 0.14))]
+    (row, ) = sweep_stats(runs)
+    assert row["seeds"] == 3 and row["token_drop_rate"]["mean"] == pytest.approx(0.12)
+    assert row["token_drop_rate"]["std"] == pytest.approx(statistics.stdev([0.10, 0.12, 0.14]))
+    assert row["device_max_over_mean_p90"] == {"mean": pytest.approx(1.1), "std": pytest.approx(0.0)}
+
+
+@pytest.mark.unit
+def test_dominating_needs_both_cuts_beyond_the_seed_spread_at_two_of_three_coefficients():
+    runs = []
+    for c in (0.003, 0.01, 0.03):
+        for s, jitter in ((1, -0.002), (2, 0.0), (3, 0.002)):
+            runs.append(run("fixed", c, s, 0.10 + jitter, 1.10 + jitter))
+            # cross_layer: 30 % fewer drops and p90 excess at two coefficients, the same at the third
+            good = c != 0.03
+            runs.append(run("cross_layer", c, s, (0.07 if good else 0.10) + jitter, (1.07 if good else 1.10) + jitter))
+            runs.append(run("bias", c, s, 0.08 + jitter, 1.08 + jitter))
+            runs.append(run("bias_cross_layer", c, s, 0.08 + jitter, 1.08 + jitter))   # no better than bias
+    verdicts, targets = sweep_targets(sweep_stats(runs))
+    assert targets == {"cross_layer_dominates_fixed": True, "bias_cross_layer_beats_bias_on_p90": False}
+    assert verdicts["0.01"]["cross_layer_vs_fixed"]["drop_rate_cut"] == pytest.approx(0.3, abs=1e-4)
+    assert verdicts["0.03"]["cross_layer_vs_fixed"]["dominates"] is False
+    # the same means with a seed spread wider than the gap: not beyond the spread, not a win
+    wide = [dict(r, token_drop_rate=r["token_drop_rate"] + (0.05 * (r["seed"] - 2))) for r in runs]
+    assert sweep_targets(sweep_stats(wide))[1]["cross_layer_dominates_fixed"] is False
+    # a val loss 1 % worse loses the win
+    worse = [dict(r, val_loss=2.02) if r["policy"] == "cross_layer" else r for r in runs]
+    assert sweep_targets(sweep_stats(worse))[1]["cross_layer_dominates_fixed"] is False
+
+
+def _write_log(path, scores_by_step):
+    """A balance log whose pressure rows give the wanted device imbalance per layer (2 devices)."""
+    with open(path / "balance.jsonl", "w") as f:
+        for step, excess_L in enumerate(scores_by_step, 1):
+            f.write(json.dumps({"step": step, "pressure_LG": [[1.0 + e, 1.0 - e] for e in excess_L]}) + "\n")
+
+
+@pytest.mark.unit
+def test_the_noise_measurement_tells_persistent_skew_from_noise(tmp_path):
+    import random
+    rng = random.Random(0)
+    # layer 0 persistently worse (0.2 +- noise), layers 1, 2 noise around 0.05
+    steps = [[0.2 + rng.gauss(0, 0.02), abs(0.05 + rng.gauss(0, 0.03)), abs(0.05 + rng.gauss(0, 0.03))]
+             for _ in range(200)]
+    _write_log(tmp_path, steps)
+    out = score_noise(str(tmp_path))
+    assert out["records"] == 150 and out["mean_error"][0] > 0.5 > max(out["mean_error"][1:])
+    assert out["steps_to_tell_apart"][0] < 10             # a clear skew is told apart at once
+    assert 0 < out["gain_rule_stalling"] and out["gain_rule"] > 0
+
+
+@pytest.mark.unit
+def test_eb_report_compare_overlays_runs_in_one_png(tmp_path, capsys):
+    for name, drop in (("a", 0.1), ("b", 0.2)):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "balance.jsonl", "w") as f:
+            for step in range(1, 11):
+                f.write(json.dumps({"step": step, "policy": name, "mode": "balance", "token_drop_rate": drop,
+                                    "device_util_std": 0.01 * step, "device_max_over_mean_p90": 1.1}) + "\n")
+    out = tmp_path / "cmp.png"
+    assert eb_main(["report", "--compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out) and out.read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(SystemExit):
+        eb_main(["report", "--compare", str(tmp_path / "a")])     # one run is not a comparison
+
+
+@pytest.mark.slow
+def test_the_quick_sweep_runs_the_real_launcher_and_writes_stats_a_pareto_png_and_targets(tmp_path, capsys):
+    assert eb_main(["bench", "train", "--sweep", "--quick", "--json", "--out", str(tmp_path)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["quick"] and result["seeds"] == [1, 2] and len(result["runs"]) == 4
+    assert {r["policy"] for r in result["rows"]} == {"fixed", "cross_layer"}
+    for row in result["rows"]:
+        values = [r["val_loss"] for r in result["runs"] if r["policy"] == row["policy"]]
+        assert row["val_loss"]["mean"] == pytest.approx(statistics.fmean(values))
+        assert 0 <= row["token_drop_rate"]["mean"] < 1 and row["device_max_over_mean_p90"]["mean"] >= 1
+    assert set(result["targets"]) == {"cross_layer_dominates_fixed", "bias_cross_layer_beats_bias_on_p90"}
+    assert all(isinstance(v, bool) for v in result["targets"].values())
+    assert (tmp_path / "pareto.png").read_bytes()[:8] == PNG_MAGIC
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))          # the Pareto plot went to W&B
+    # the runs differ by seed (the seed reaches the data and the model)
+    fixed = [r for r in result["runs"] if r["policy"] == "fixed"]
+    assert fixed[0]["val_loss"] != fixed[1]["val_loss"]
