@@ -49,6 +49,26 @@ def test_dominating_needs_both_cuts_beyond_the_seed_spread_at_two_of_three_coeff
     assert sweep_targets(sweep_stats(worse))[1]["cross_layer_dominates_fixed"] is False
 
 
+@pytest.mark.unit
+def test_one_seed_has_no_spread_and_an_unrun_comparison_is_no_verdict():
+    runs = [run("fixed", 0.01, 1, 0.10, 1.10), run("cross_layer", 0.01, 1, 0.05, 1.05)]
+    verdicts, targets = sweep_targets(sweep_stats(runs))
+    assert verdicts["0.01"]["cross_layer_vs_fixed"]["drop_beyond_spread"] is None
+    assert targets == {"cross_layer_dominates_fixed": False, "bias_cross_layer_beats_bias_on_p90": None}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "train", "--policies", "fixed"], "only with bench train --sweep"),
+    (["bench", "gate", "--coeffs", "0.1"], "only with bench train --sweep"),
+    (["bench", "train", "--sweep", "--run", "x"], "--run goes with bench noise"),
+])
+def test_sweep_and_noise_options_are_refused_where_they_do_nothing(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        eb_main(argv)
+    assert message in capsys.readouterr().err
+
+
 def _write_log(path, scores_by_step):
     """A balance log whose pressure rows give the wanted device imbalance per layer (2 devices)."""
     with open(path / "balance.jsonl", "w") as f:

@@ -70,7 +70,7 @@ class AuxConfig:
     smoothing: float = 0.3                           # cross_layer: fraction of the way to the integrator per step
     gain: float = 0.02                               # cross_layer: integral gain on the log-weights (measured: docs/training.md)
     mean_one: bool = True                            # cross_layer: keep the weights at mean 1 (same total push)
-    target: float = 0.05                             # cross_layer, mean_one false: device score aimed at
+    target: float = 0.05                             # cross_layer, mean_one false: device score aimed at (docs/config.md)
     device_scale: float = 1.0                        # cross_layer: device-loss weight at w_l = 1 (x l_aux's)
     bias_rate: float = 1e-3                          # bias: sign-update rate u
     device_weight: float = 0.5                       # bias: weight of the device (window pressure) term
@@ -343,7 +343,7 @@ def _aux(block: Any, path: str) -> AuxConfig:
     mean_one = _bool(block.get("mean_one", d.mean_one), f"{path}.mean_one")
     target = _number(block.get("target", d.target), f"{path}.target")
     if not 0.0 < target <= 100.0:
-        raise ConfigError(f"{path}.target ({target}) must be in (0, 100] (device max/mean - 1, weighed by heat)")
+        raise ConfigError(f"{path}.target ({target}) must be in (0, 100] (the heat-weighted device excess over the mean)")
     device_scale = _number(block.get("device_scale", d.device_scale), f"{path}.device_scale")
     if not 0.0 <= device_scale <= 1e6:
         raise ConfigError(f"{path}.device_scale ({device_scale}) must be in [0, 1e6]")

@@ -39,7 +39,7 @@ def _bench(args) -> int:
             print(json.dumps(result, indent=2))
         else:
             print(f"CrossLayerGate / TopKGate (forward+backward): ratio {result['ratio']:.3f} "
-                  f"(target <= {result['target']})")
+                  f"(target <= {result['target']}); with the device loss on: {result['device_loss_ratio']:.3f}")
         return 0
     if args.what == "train" and args.sweep:
         from .bench_sweep import bench_train_sweep, format_sweep_table
@@ -209,8 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         args.steps_given, args.layers_given = args.steps is not None, args.layers is not None
         args.steps, args.layers = args.steps or 200, args.layers or 4
-        if args.quick and not args.sweep:
-            parser.error("--quick goes with bench train --sweep")
+        sweep_only = [flag for flag, value in (("--quick", args.quick), ("--coeffs", args.coeffs),
+                                                ("--policies", args.policies), ("--sweep-seeds", args.sweep_seeds))
+                      if value]
+        if sweep_only and not (args.what == "train" and args.sweep):
+            parser.error(f"{', '.join(sweep_only)}: only with bench train --sweep")
+        if args.run is not None and args.what != "noise":
+            parser.error("--run goes with bench noise")
     if args.command == "report" and not args.compare and len(args.run_dir) != 1:
         parser.error("eb report takes one RUN_DIR (or --compare RUN_A RUN_B ...)")
     if args.command == "report" and args.compare and len(args.run_dir) < 2:

@@ -46,7 +46,9 @@ def device_balance_loss(logits_TE: torch.Tensor, routed_E: torch.Tensor, expert_
     over its experts; loss = sum_g f'_g * P'_g. The gradient flows through P (the router's
     probabilities) and pushes probability mass off the devices that get more routes than their share,
     whichever of their experts the routes went to: the expert-level l_aux does not see that.
-    Local to the rank (no collective), like DeepSpeed's l_aux.
+    Local to the rank (no collective), like DeepSpeed's l_aux. T counts every token of the forward:
+    with top-1's `used_token` mask the masked tokens route nowhere and the loss sits below 1 at
+    balance, as DeepSpeed's l_aux does.
     """
     T, E = logits_TE.shape
     probs_E = F.softmax(logits_TE, dim=1).mean(0)
@@ -118,6 +120,7 @@ class CrossLayerGate(TopKGate):
         # Weight of the device-level balance loss added to l_aux (0: not computed), and the EP rank of each expert.
         self.device_loss_weight = 0.0
         self.expert_to_device_E: Optional[torch.Tensor] = None
+        self._device_map_source: Optional[torch.Tensor] = None
         # Per-expert selection bias [E] of the `bias` policy (selection scores only); None = DeepSpeed's routing.
         self.selection_bias_E: Optional[torch.Tensor] = None
         # Per-token load weights for the next forward ([T]) under sequence-length weighting; None counts 1.
@@ -157,8 +160,10 @@ class CrossLayerGate(TopKGate):
     def set_device_loss(self, weight: float, expert_to_device_E: torch.Tensor) -> None:
         """Add `weight` x the device-level balance loss to l_aux from the next forward on (0: off)."""
         self.device_loss_weight = float(weight)
-        self.expert_to_device_E = expert_to_device_E.to(self.wg.weight.device, torch.long)
-        self.num_devices = int(expert_to_device_E.max()) + 1
+        if expert_to_device_E is not self._device_map_source:    # the map is constant: copy it once
+            self._device_map_source = expert_to_device_E
+            self.expert_to_device_E = expert_to_device_E.to(self.wg.weight.device, torch.long)
+            self.num_devices = int(expert_to_device_E.max()) + 1
 
     def set_selection_bias(self, bias_E: Optional[torch.Tensor]) -> None:
         self.selection_bias_E = None if bias_E is None else bias_E.to(self.wg.weight.device, torch.float32)
