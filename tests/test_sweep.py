@@ -37,22 +37,26 @@ def test_dominating_needs_both_cuts_beyond_the_seed_spread_at_two_of_three_coeff
             runs.append(run("cross_layer", c, s, (0.07 if good else 0.10) + jitter, (1.07 if good else 1.10) + jitter))
             runs.append(run("bias", c, s, 0.08 + jitter, 1.08 + jitter))
             runs.append(run("bias_cross_layer", c, s, 0.08 + jitter, 1.08 + jitter))   # no better than bias
-    verdicts, targets = sweep_targets(sweep_stats(runs))
+    verdicts, targets = sweep_targets(sweep_stats(runs), runs)
     assert targets == {"cross_layer_dominates_fixed": True, "bias_cross_layer_beats_bias_on_p90": False}
     assert verdicts["0.01"]["cross_layer_vs_fixed"]["drop_rate_cut"] == pytest.approx(0.3, abs=1e-4)
     assert verdicts["0.03"]["cross_layer_vs_fixed"]["dominates"] is False
-    # the same means with a seed spread wider than the gap: not beyond the spread, not a win
-    wide = [dict(r, token_drop_rate=r["token_drop_rate"] + (0.05 * (r["seed"] - 2))) for r in runs]
-    assert sweep_targets(sweep_stats(wide))[1]["cross_layer_dominates_fixed"] is False
+    # seeds move both rows alike: a seed spread far wider than the gap still leaves a clear paired win
+    shared = [dict(r, token_drop_rate=r["token_drop_rate"] + 0.05 * (r["seed"] - 2)) for r in runs]
+    assert sweep_targets(sweep_stats(shared), shared)[1]["cross_layer_dominates_fixed"] is True
+    # per-seed differences that scatter more than their mean: not beyond the spread, not a win
+    noisy = [dict(r, token_drop_rate=r["token_drop_rate"] + (0.1 * (r["seed"] - 2) if r["policy"] == "cross_layer"
+                                                               else 0.0)) for r in runs]
+    assert sweep_targets(sweep_stats(noisy), noisy)[1]["cross_layer_dominates_fixed"] is False
     # a val loss 1 % worse loses the win
     worse = [dict(r, val_loss=2.02) if r["policy"] == "cross_layer" else r for r in runs]
-    assert sweep_targets(sweep_stats(worse))[1]["cross_layer_dominates_fixed"] is False
+    assert sweep_targets(sweep_stats(worse), worse)[1]["cross_layer_dominates_fixed"] is False
 
 
 @pytest.mark.unit
 def test_one_seed_has_no_spread_and_an_unrun_comparison_is_no_verdict():
     runs = [run("fixed", 0.01, 1, 0.10, 1.10), run("cross_layer", 0.01, 1, 0.05, 1.05)]
-    verdicts, targets = sweep_targets(sweep_stats(runs))
+    verdicts, targets = sweep_targets(sweep_stats(runs), runs)
     assert verdicts["0.01"]["cross_layer_vs_fixed"]["drop_beyond_spread"] is None
     assert targets == {"cross_layer_dominates_fixed": False, "bias_cross_layer_beats_bias_on_p90": None}
 
@@ -67,6 +71,18 @@ def test_sweep_and_noise_options_are_refused_where_they_do_nothing(argv, message
     with pytest.raises(SystemExit):
         eb_main(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_a_saved_sweep_is_re_judged_and_re_drawn_from_its_runs(tmp_path, capsys):
+    runs = [run(p, 0.01, s, d + 0.001 * s, 1.1) for p, d in (("fixed", 0.1), ("cross_layer", 0.05)) for s in (1, 2)]
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"benchmark": "train_sweep", "runs": runs, "targets": {"stale": True}}))
+    assert eb_main(["bench", "train", "--sweep", "--from", str(saved), "--out", str(tmp_path / "out"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "stale" not in result["targets"] and result["runs"] == runs
+    assert result["against"]["0.01"]["cross_layer_vs_fixed"]["drop_rate_cut"] == pytest.approx(0.5, abs=0.02)
+    assert (tmp_path / "out" / "pareto.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def _write_log(path, scores_by_step):

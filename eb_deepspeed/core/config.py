@@ -68,9 +68,9 @@ class AuxConfig:
     policy: str = "cross_layer"
     weight_range: tuple[float, float] = (0.25, 4.0)  # cross_layer: clip of the per-layer device-loss weights
     smoothing: float = 0.3                           # cross_layer: fraction of the way to the integrator per step
-    gain: float = 0.02                               # cross_layer: integral gain on the log-weights (measured: docs/training.md)
+    gain: float = 0.02                               # cross_layer: integral gain on the log-weights (measured)
     mean_one: bool = True                            # cross_layer: keep the weights at mean 1 (same total push)
-    target: float = 0.05                             # cross_layer, mean_one false: device score aimed at (docs/config.md)
+    target: float = 0.05                             # cross_layer, mean_one false: the device score aimed at
     device_scale: float = 1.0                        # cross_layer: device-loss weight at w_l = 1 (x l_aux's)
     bias_rate: float = 1e-3                          # bias: sign-update rate u
     device_weight: float = 0.5                       # bias: weight of the device (window pressure) term

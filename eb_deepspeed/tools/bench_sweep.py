@@ -8,6 +8,7 @@ with seed error bars both ways.
 
     eb bench train --sweep --json > docs/bench_train_sweep.json     # ~45 min on 2 cores
     eb bench train --sweep --quick                                  # the test suite's small version
+    eb bench train --sweep --from docs/bench_train_sweep.json --json   # re-judge and re-draw, no training
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import time
 
 from .bench import _repo_root, free_port
 
-__all__ = ["SWEEP_POLICIES", "SWEEP_METRICS", "bench_train_sweep", "sweep_stats", "sweep_targets", "pareto_figure",
-           "score_noise"]
+__all__ = ["SWEEP_POLICIES", "SWEEP_METRICS", "bench_train_sweep", "summarize_sweep", "sweep_stats", "sweep_targets",
+           "pareto_figure", "score_noise"]
 
 # (row name, aux policy, extra example arguments). `device_uniform` is `cross_layer` with every weight
 # held at 1: the device loss without the view's per-layer weighting (what the weighting adds on its own).
@@ -102,11 +103,22 @@ def sweep_stats(runs: list[dict]) -> list[dict]:
     return out
 
 
-def _beyond_spread(better: dict, worse: dict, seeds: int) -> bool | None:
-    """better's mean below worse's by more than the two seed spreads together (None: one seed has no spread)."""
-    if seeds < 2:
-        return None
-    return worse["mean"] - better["mean"] > better["std"] + worse["std"]
+def _paired(runs: list[dict], policy: str, base: str, coeff: float, metric: str) -> tuple[float, float, int]:
+    """Per-seed differences policy - base of `metric` at `coeff` (same seed = same data and initial
+    weights): their mean, sample std and count."""
+    values = {(r["policy"], r["seed"]): r[metric] for r in runs if r["coeff"] == coeff}
+    diffs = [values[(policy, seed)] - values[(base, seed)] for (name, seed) in values if name == policy
+             and (base, seed) in values]
+    if not diffs:
+        return 0.0, 0.0, 0
+    return statistics.fmean(diffs), (statistics.stdev(diffs) if len(diffs) > 1 else 0.0), len(diffs)
+
+
+def _beyond_spread(runs: list[dict], policy: str, base: str, coeff: float, metric: str) -> bool | None:
+    """policy lower than base on `metric` by more than the seed spread: the mean of the per-seed
+    differences is below minus their std (None: fewer than 2 shared seeds have no spread)."""
+    mean, std, n = _paired(runs, policy, base, coeff, metric)
+    return None if n < 2 else bool(mean < 0 and -mean > std)
 
 
 def _excess_cut(row: dict, base: dict, metric: str) -> float:
@@ -116,14 +128,16 @@ def _excess_cut(row: dict, base: dict, metric: str) -> float:
     return 1.0 - (row[metric]["mean"] - shift) / b if b > 0 else 0.0
 
 
-def sweep_targets(stats: list[dict]) -> tuple[dict, dict]:
+def sweep_targets(stats: list[dict], runs: list[dict]) -> tuple[dict, dict]:
     """Per-coefficient verdicts and the target booleans (see docs/benchmarks.md).
 
     cross_layer dominates fixed at a coefficient: drop rate and p90 excess both cut by >= 20 % and
     beyond the seed spread, val loss no worse than +0.5 %; the target wants that at >= 2 of 3
     coefficients (two thirds of the coefficients compared). bias_cross_layer beats bias: lower p90
-    device max/mean beyond the seed spread, likewise. "Beyond the spread" needs >= 2 seeds; a target
-    whose rows were not run is None.
+    device max/mean beyond the seed spread, likewise. "Beyond the seed spread" is paired: the same
+    seed gives both rows the same data and initial weights, so the per-seed differences carry the
+    comparison; their mean must be below minus their std (>= 2 seeds). A target whose rows were not
+    run is None.
     """
     by = {(r["policy"], r["coeff"]): r for r in stats}
     coeffs = sorted({r["coeff"] for r in stats})
@@ -137,15 +151,15 @@ def sweep_targets(stats: list[dict]) -> tuple[dict, dict]:
             cross = by.get((name, c))
             if not (fixed and cross):
                 continue
-            seeds = min(fixed["seeds"], cross["seeds"])
             d = {"drop_rate_cut": _excess_cut(cross, fixed, "token_drop_rate"),
                  "p90_excess_cut": _excess_cut(cross, fixed, "device_max_over_mean_p90"),
                  "val_loss_change": cross["val_loss"]["mean"] / fixed["val_loss"]["mean"] - 1.0,
-                 "drop_beyond_spread": _beyond_spread(cross["token_drop_rate"], fixed["token_drop_rate"], seeds),
-                 "p90_beyond_spread": _beyond_spread(cross["device_max_over_mean_p90"],
-                                                     fixed["device_max_over_mean_p90"], seeds)}
-            d["dominates"] = bool(d["drop_rate_cut"] >= 0.2 and d["p90_excess_cut"] >= 0.2 and d["val_loss_change"] <= 0.005
-                                  and d["drop_beyond_spread"] and d["p90_beyond_spread"])
+                 "drop_beyond_spread": _beyond_spread(runs, name, "fixed", c, "token_drop_rate"),
+                 "p90_beyond_spread": _beyond_spread(runs, name, "fixed", c, "device_max_over_mean_p90"),
+                 "val_loss_paired_diff": _paired(runs, name, "fixed", c, "val_loss")[:2]}
+            d["dominates"] = bool(d["drop_rate_cut"] >= 0.2 and d["p90_excess_cut"] >= 0.2
+                                  and d["val_loss_change"] <= 0.005 and d["drop_beyond_spread"]
+                                  and d["p90_beyond_spread"])
             if name == "cross_layer":
                 wins["cross_layer"] += d["dominates"]
                 measured["cross_layer"] += 1
@@ -154,18 +168,25 @@ def sweep_targets(stats: list[dict]) -> tuple[dict, dict]:
         if bias and both:
             d = {"p90_excess_cut": _excess_cut(both, bias, "device_max_over_mean_p90"),
                  "val_loss_change": both["val_loss"]["mean"] / bias["val_loss"]["mean"] - 1.0,
-                 "p90_beyond_spread": _beyond_spread(both["device_max_over_mean_p90"], bias["device_max_over_mean_p90"],
-                                                     min(both["seeds"], bias["seeds"]))}
+                 "p90_beyond_spread": _beyond_spread(runs, "bias_cross_layer", "bias", c, "device_max_over_mean_p90"),
+                 "val_loss_paired_diff": _paired(runs, "bias_cross_layer", "bias", c, "val_loss")[:2]}
             d["beats"] = bool(d["p90_excess_cut"] > 0 and d["p90_beyond_spread"])
             wins["bias_cross_layer"] += d["beats"]
             measured["bias_cross_layer"] += 1
             v["bias_cross_layer_vs_bias"] = d
-        verdicts[str(c)] = {name: {k: (round(x, 4) if isinstance(x, float) else x) for k, x in d.items()}
-                            for name, d in v.items()}
+        verdicts[str(c)] = {name: {k: _rounded(x) for k, x in d.items()} for name, d in v.items()}
     # at >= 2 of 3 coefficients, i.e. two thirds of those compared; None when a comparison was not run
     targets = {f"{name}_{what}": (None if measured[name] == 0 else wins[name] * 3 >= 2 * measured[name])
                for name, what in (("cross_layer", "dominates_fixed"), ("bias_cross_layer", "beats_bias_on_p90"))}
     return verdicts, targets
+
+
+def _rounded(x):
+    if isinstance(x, float):
+        return round(x, 4)
+    if isinstance(x, tuple):
+        return [round(v, 4) for v in x]
+    return x
 
 
 def pareto_figure(stats: list[dict], title: str = ""):
@@ -223,8 +244,20 @@ def bench_train_sweep(quick: bool = False, out_dir: str = "runs/bench_sweep", bi
                 if progress:
                     print(f"[eb bench train --sweep] {len(runs)}/{total} {name} coeff {coeff:g} seed {seed}: "
                           + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=sys.stderr, flush=True)
+    result = {"benchmark": "train_sweep", "quick": quick, "steps": plan["steps"], "layers": plan["layers"],
+              "k": plan["k"], "ranks": 2, "bias_rate": bias_rate, "seeds": list(plan["seeds"]),
+              "coefficients": list(plan["coefficients"]), "policies": list(plan["policies"]), "runs": runs,
+              "wall_s": round(time.time() - t0, 1), "code_sha1": code}
+    return summarize_sweep(result, out_dir)
+
+
+def summarize_sweep(result: dict, out_dir: str) -> dict[str, object]:
+    """Rows, verdicts, targets and the Pareto plot (PNG + W&B image) of a sweep's runs; `result` holds
+    them under "runs" (a fresh sweep, or a saved result: `eb bench train --sweep --from RESULT.json`
+    re-draws and re-judges it without training)."""
+    runs = result["runs"]
     stats = sweep_stats(runs)
-    verdicts, targets = sweep_targets(stats)
+    verdicts, targets = sweep_targets(stats, runs)
     fig = pareto_figure(stats)
     os.makedirs(out_dir, exist_ok=True)
     pareto = os.path.join(out_dir, "pareto.png")
@@ -232,12 +265,10 @@ def bench_train_sweep(quick: bool = False, out_dir: str = "runs/bench_sweep", bi
     _log_to_wandb(out_dir, pareto, stats)
     import matplotlib.pyplot as plt
     plt.close(fig)
-    return {"benchmark": "train_sweep", "quick": quick, "steps": plan["steps"], "layers": plan["layers"],
-            "k": plan["k"], "ranks": 2, "bias_rate": bias_rate, "seeds": list(plan["seeds"]),
-            "coefficients": list(plan["coefficients"]), "policies": list(plan["policies"]),
-            "metrics": {k: d for k, (_, d) in SWEEP_METRICS.items()}, "rows": stats, "runs": runs,
-            "against": verdicts, "pareto_png": pareto, "wall_s": round(time.time() - t0, 1), "code_sha1": code,
-            "targets": targets}
+    out = {k: v for k, v in result.items() if k not in ("rows", "against", "targets", "pareto_png", "metrics")}
+    out.update({"metrics": {k: d for k, (_, d) in SWEEP_METRICS.items()}, "rows": stats, "against": verdicts,
+                "pareto_png": pareto, "targets": targets})
+    return out
 
 
 def _log_to_wandb(out_dir: str, pareto_png: str, stats: list[dict]) -> None:

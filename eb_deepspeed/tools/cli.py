@@ -41,6 +41,15 @@ def _bench(args) -> int:
             print(f"CrossLayerGate / TopKGate (forward+backward): ratio {result['ratio']:.3f} "
                   f"(target <= {result['target']}); with the device loss on: {result['device_loss_ratio']:.3f}")
         return 0
+    if args.what == "train" and args.sweep and args.from_json:
+        from .bench_sweep import format_sweep_table, summarize_sweep
+        with open(args.from_json, encoding="utf-8") as f:
+            saved = json.load(f)
+        result = summarize_sweep(saved, args.out if args.out != "runs/bench_train" else "runs/bench_sweep")
+        print(format_sweep_table(result), file=sys.stderr if args.json else sys.stdout)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        return 0
     if args.what == "train" and args.sweep:
         from .bench_sweep import bench_train_sweep, format_sweep_table
         result = bench_train_sweep(quick=args.quick, out_dir=args.out if args.out != "runs/bench_train" else
@@ -180,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="train --sweep: the small version the tests run")
     p.add_argument("--coeffs", type=float, nargs="+", default=None, help="train --sweep: aux coefficients")
     p.add_argument("--sweep-seeds", type=counting, default=None, help="train --sweep: seeds 1..N")
+    p.add_argument("--from", dest="from_json", default=None,
+                   help="train --sweep: re-judge and re-draw a saved result's runs (no training)")
     p.add_argument("--policies", nargs="+", default=None, choices=[name for name, _, _ in SWEEP_POLICIES],
                    help="train --sweep: rows (default all)")
     p.add_argument("--bias-rate", type=float, default=None, help="train: easybalance.aux.bias_rate of the bias row")
@@ -210,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         args.steps_given, args.layers_given = args.steps is not None, args.layers is not None
         args.steps, args.layers = args.steps or 200, args.layers or 4
         sweep_only = [flag for flag, value in (("--quick", args.quick), ("--coeffs", args.coeffs),
-                                                ("--policies", args.policies), ("--sweep-seeds", args.sweep_seeds))
-                      if value]
+                                                ("--from", args.from_json), ("--policies", args.policies),
+                                                ("--sweep-seeds", args.sweep_seeds)) if value]
         if sweep_only and not (args.what == "train" and args.sweep):
             parser.error(f"{', '.join(sweep_only)}: only with bench train --sweep")
         if args.run is not None and args.what != "noise":
