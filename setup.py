@@ -25,7 +25,7 @@ setup(
         "test": ["pytest>=7", "matplotlib", "hypothesis"],
         "wandb": ["wandb"],
         "plots": ["matplotlib"],
-        "megatron": ["megatron-core"],
+        "megatron": ["megatron-core==0.16.1"],   # the version tests/megatron_shim.py was checked with
     },
     entry_points={"console_scripts": ["eb=eb_deepspeed.tools.cli:main"]},
 )

@@ -46,7 +46,7 @@ def dist_env(world_size: int, rank: int, port: int) -> dict[str, str]:
 
 
 def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIMEOUT,
-           exit_codes: dict[int, int] | None = None, **params) -> list[dict | None]:
+           exit_codes: dict[int, int] | None = None, worker: str = "dist_worker.py", **params) -> list[dict | None]:
     """Run `scenario` on `world_size` gloo ranks; each rank's result, or None for a rank that `exit_codes` says
     ends with that code (and writes nothing)."""
     exit_codes = exit_codes or {}
@@ -58,7 +58,7 @@ def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIM
         log = open(out_dir / f"rank{rank}.log", "w")
         # a rank still running shortly before the timeout writes every thread's stack to its log
         stacks = {**params, "stacks_after": max(10, int(timeout) - 20)}
-        procs.append((subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "dist_worker.py"), scenario,
+        procs.append((subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", worker), scenario,
                                         str(out_dir), json.dumps(stacks)], env=dist_env(world_size, rank, port),
                                        stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path)), log))
     try:

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Tally", "TallyLayout", "TallyRecorder", "PER_EXPERT_FIELDS", "PER_LAYER_FIELDS", "tensor_problem"]
+__all__ = ["Tally", "TallyLayout", "TallyRecorder", "PER_EXPERT_FIELDS", "PER_LAYER_FIELDS", "tensor_problem", "in_backward"]
 
 PER_EXPERT_FIELDS = ("routed", "kept", "load")
 PER_LAYER_FIELDS = ("tokens", "nonfinite", "aux", "forwards")
@@ -225,6 +225,16 @@ class TallyRecorder:
         out[lay.start["forwards"]] += self._forwards
         self._tokens, self._forwards = 0, 0
         return out
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass: a router forward then is activation checkpointing
+    re-running it (DeepSpeed's `checkpointing.checkpoint`, Megatron's `CheckpointFunction`,
+    `torch.utils.checkpoint` reentrant or not), whose routes the first forward already counted.
+    The hazard: without this, every route of a checkpointed layer is counted twice. (torch has no
+    public name for "inside backward".)"""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
 
 
 def tensor_problem(state: dict, what: str, shapes: dict[str, tuple[int, ...]]) -> str | None:

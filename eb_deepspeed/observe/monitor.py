@@ -23,7 +23,7 @@ from ..core import record as R
 from ..core.record import BalanceLogger, NullLogger
 from .report import JSONL_NAME, heatmap_figure
 
-__all__ = ["BalanceLogger", "NullLogger", "JsonlLogger", "DeepSpeedMonitorLogger", "MultiLogger",
+__all__ = ["BalanceLogger", "NullLogger", "JsonlLogger", "DeepSpeedMonitorLogger", "WandbRunLogger", "MultiLogger",
            "flatten_record", "JSONL_NAME"]
 
 
@@ -131,3 +131,19 @@ class DeepSpeedMonitorLogger(BalanceLogger):
         fig = heatmap_figure(record[R.PRESSURE], title=f"device pressure (EMA), step {record['step']}")
         wandb.log({"easybalance/pressure_heatmap": wandb.Image(fig)}, step=step)
         plt.close(fig)
+
+
+class WandbRunLogger(BalanceLogger):
+    """Into the current `wandb.run` (frameworks without DeepSpeed's monitor: Megatron-Core), with the
+    same keys as `DeepSpeedMonitorLogger` and the heatmap as an image."""
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        import wandb
+        if wandb.run is None:
+            return
+        wandb.log(flatten_record(record), step=step)
+        if R.PRESSURE in record:
+            import matplotlib.pyplot as plt
+            fig = heatmap_figure(record[R.PRESSURE], title=f"device pressure (EMA), step {record['step']}")
+            wandb.log({"easybalance/pressure_heatmap": wandb.Image(fig)}, step=step)
+            plt.close(fig)

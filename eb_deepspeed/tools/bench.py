@@ -113,21 +113,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# framework -> (example script, its config argument, the config file)
+TRAIN_FRAMEWORKS = {"deepspeed": ("train_moe_lm.py", "--deepspeed_config", "train_cpu_2rank.json"),
+                    "megatron": ("megatron_train_moe.py", "--config", "megatron_cpu.json")}
+
+
 def bench_train(steps: int = 200, coeff: float = 0.01, capacity_factor: float = 1.0, seed: int = 1234,
                 out_dir: str = "runs/bench_train", bias_rate: float | None = None, layers: int = 4,
-                num_gpus: int = 2, progress: bool = True, extra: tuple[str, ...] = ()) -> dict[str, object]:
+                num_gpus: int = 2, progress: bool = True, extra: tuple[str, ...] = (),
+                framework: str = "deepspeed") -> dict[str, object]:
     """Train the example model once per policy (real deepspeed launcher, `num_gpus` CPU ranks) and compare.
 
     Every row uses the same seed, data, capacity factor, step count and mean coefficient; `none`
-    sets the coefficient to 0 to show how much imbalance there is to remove.
+    sets the coefficient to 0 to show how much imbalance there is to remove. framework "megatron":
+    the Megatron-Core example (`examples/megatron_train_moe.py`, EP over the ranks) instead.
     """
     root = _repo_root()
+    script, config_flag, config_file = TRAIN_FRAMEWORKS[framework]
     rows = {}
     for name, policy, mult in TRAIN_ROWS:
         run_dir = os.path.join(out_dir, name)
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus), "--master_port",
-               str(free_port()), os.path.join(root, "examples", "train_moe_lm.py"), "--deepspeed_config",
-               os.path.join(root, "configs", "train_cpu_2rank.json"), "--run-dir", run_dir, "--steps", str(steps),
+               str(free_port()), os.path.join(root, "examples", script), config_flag,
+               os.path.join(root, "configs", config_file), "--run-dir", run_dir, "--steps", str(steps),
                "--seed", str(seed), "--coeff", str(coeff * mult), "--aux-policy", policy, "--capacity-factor",
                str(capacity_factor), "--layers", str(layers), "--eval-every", str(max(1, steps // 2)),
                "--eval-batches", "8", *extra]
@@ -137,7 +145,8 @@ def bench_train(steps: int = 200, coeff: float = 0.01, capacity_factor: float = 
             print(f"[eb bench train] {name}: policy {policy}, coefficient {coeff * mult} ...", file=sys.stderr,
                   flush=True)
         t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="offline"))
+        proc = subprocess.run(cmd, capture_output=True, text=True,
+                              env=dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1"))
         if proc.returncode != 0:
             raise RuntimeError(f"row {name} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
         with open(os.path.join(run_dir, "summary.json")) as f:
@@ -168,7 +177,7 @@ def bench_train(steps: int = 200, coeff: float = 0.01, capacity_factor: float = 
         v["meets_target"] = bool(v["drop_rate_cut"] >= 0.3 and v["p90_excess_cut"] >= 0.3
                                  and v["val_loss_change"] <= 0.01)
         verdicts[name] = {k: (round(x, 4) if isinstance(x, float) else x) for k, x in v.items()}
-    return {"benchmark": "train", "steps": steps, "coeff": coeff, "capacity_factor": capacity_factor, "seed": seed,
+    return {"benchmark": "train", "framework": framework, "steps": steps, "coeff": coeff, "capacity_factor": capacity_factor, "seed": seed,
             "layers": layers, "ranks": num_gpus, "rows": rows, "against_fixed": verdicts,
             "target": "drop rate and p90 device max/mean excess cut >= 30% vs fixed, val loss <= +1%",
             "targets": {f"{name}_meets_target": v["meets_target"] for name, v in verdicts.items()}}

@@ -3,7 +3,7 @@
     eb report RUN_DIR [--out DIR]     PNG balance curves + heatmap from RUN_DIR/balance.jsonl
     eb report --compare RUN_A RUN_B ... [--out FILE]   the runs' summary curves overlaid in one PNG
     eb bench gate [--json]            CrossLayerGate vs DeepSpeed's TopKGate overhead
-    eb bench train [--json]           aux policies side by side on the example model (2 CPU ranks)
+    eb bench train [--json] [--framework megatron]   aux policies side by side on the example model (2 CPU ranks)
     eb bench train --sweep [--quick]  policies x coefficients x seeds, mean +- std, Pareto plot
     eb bench noise --run DIR          persistent skew vs step noise of a run's view: the cross_layer gain rule
     eb bench plan [--json]            planner time (61 x 256 x 64) and steering vs an MoE layer forward
@@ -66,7 +66,8 @@ def _bench(args) -> int:
     if args.what == "train":
         from .bench import bench_train, format_train_table
         result = bench_train(steps=args.steps, coeff=args.coeff, capacity_factor=args.capacity_factor,
-                             seed=args.seed, out_dir=args.out, bias_rate=args.bias_rate, layers=args.layers)
+                             seed=args.seed, out_dir=args.out, bias_rate=args.bias_rate, layers=args.layers,
+                             framework=args.framework)
         print(format_train_table(result), file=sys.stderr if args.json else sys.stdout)
         if args.json:
             print(json.dumps(result, indent=2))
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--layers", type=counting, default=None,
                    help="train: MoE layers of the example model (4; the sweep: 8, top-1 and top-2 alternating)")
+    p.add_argument("--framework", choices=["deepspeed", "megatron"], default="deepspeed",
+                   help="train: the DeepSpeed example or the Megatron-Core one (examples/megatron_train_moe.py)")
     p.add_argument("--sweep", action="store_true",
                    help="train: policies x coefficients x seeds with a Pareto plot (~45 min; docs/benchmarks.md)")
     p.add_argument("--quick", action="store_true", help="train --sweep: the small version the tests run")

@@ -12,7 +12,7 @@ sampling) and both return forms behave exactly as DeepSpeed's (the sparse 7-tupl
   * adds its routes to a per-layer tally (`core.tally.TallyRecorder`: routed and kept per expert,
     tokens, non-finite tokens) without any host sync or collective; the balancer drains it once
     per step. A forward that activation checkpointing re-runs during backward is not counted
-    again (`_recomputing`);
+    again (`core.tally.in_backward`);
   * multiplies `l_aux` by its layer's weight `aux_weight` (1.0 unless a controller sets it) and,
     when a controller sets `device_loss_weight` > 0, adds that times the device-level balance loss
     (`device_balance_loss`, DeepSeek-V2's, from the layer's expert -> EP rank map; no collective),
@@ -32,7 +32,7 @@ from deepspeed.comm import pg_utils
 from deepspeed.moe import sharded_moe as dsm
 from deepspeed.moe.sharded_moe import TopKGate
 
-from ...core.tally import TallyRecorder
+from ...core.tally import TallyRecorder, in_backward
 
 __all__ = ["CrossLayerGate", "unbias_gate_output", "device_balance_loss"]
 
@@ -92,15 +92,6 @@ def unbias_gate_output(gate_output, logits_TE: torch.Tensor, selection_TE: torch
     if k > 1:
         p_TE = p_TE / p_TE.sum(1, keepdim=True).clamp_min(torch.finfo(p_TE.dtype).eps)
     return l_aux, dispatch_TEC * p_TE.unsqueeze(2), dispatch_TEC, gate_output[3]
-
-
-def _recomputing() -> bool:
-    """True while autograd runs a backward pass: a gate forward then is activation checkpointing
-    re-running it (DeepSpeed's `checkpointing.checkpoint`, `torch.utils.checkpoint` reentrant or
-    not), whose routes the first forward already counted. The hazard: without this, every route of
-    a checkpointed layer is counted twice. (torch has no public name for "inside backward".)"""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is not None and current() != -1
 
 
 class CrossLayerGate(TopKGate):
@@ -189,7 +180,7 @@ class CrossLayerGate(TopKGate):
         else:
             # Counted before gating: top2gating adds Gumbel noise to the logits in place.
             # A row sum is non-finite iff the row holds a NaN/Inf (one reduction instead of a [T, E] mask).
-            recording = self.training and not _recomputing()
+            recording = self.training and not in_backward()
             nonfinite = None
             if recording:   # a count: no autograd node (checkpointing compares saved tensors with the re-run)
                 with torch.no_grad():

@@ -1,0 +1,153 @@
+"""The Megatron-Core training adapter: router swap, the per-step hook, start-up agreement, state file.
+
+Shape legend: L MoE layers, E experts per layer, G EP ranks, W packed tally width.
+
+    from eb_deepspeed.adapters.megatron import attach, save_state, load_state
+    balancer = attach(model, "ds_config.json", optimizer=optimizer)   # or a dict, or {"easybalance": {...}}
+    ...train: forward, backward, finalize_model_grads, optimizer.step()   # the hook runs balancer.step()
+    save_state(balancer, "ckpt/easybalance.pt"); load_state(balancer, "ckpt/easybalance.pt")
+
+The loop is `core.Balancer`; this file connects it to Megatron-Core:
+
+* every `TopKRouter` in the model becomes an `EBRouter` (its class changes; parameters, buffers and
+  state-dict keys stay), in module order: the layer index;
+* the **reduce** is one all-reduce per step of the stacked [L, W] tally over Megatron's
+  tensor x data x context-parallel group, the group Megatron itself reduces its expert-bias counts
+  over (routers are replicated there; each rank routed its own tokens); the expert-parallel ranks are
+  inside it, so no second reduce;
+* the **step hook** is a torch optimizer step post-hook on the torch optimizer inside Megatron's
+  (`optimizer.optimizer`, the first of a `ChainedOptimizer`): it fires after `finalize_model_grads`
+  and the optimizer step, once per global batch. A step Megatron skips (inf gradients) never steps
+  that optimizer: call `balancer.discard_tally()` then. Without an optimizer, call
+  `balancer.step()` after each optimizer step on every rank;
+* one all-gather at start-up checks that every rank agrees on the config and the MoE shape.
+Pipeline parallelism is not handled yet (a clear error): the view would need every stage's layers.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...core.balancer import Balancer, check_agreement
+from ...core.config import EasyBalanceConfig
+from ...core.record import BalanceLogger, NullLogger
+from ...core.topology import node_map
+from ...observe.monitor import JsonlLogger, MultiLogger, WandbRunLogger
+from .router import EBRouter
+
+__all__ = ["attach", "find_routers", "save_state", "load_state"]
+
+
+def find_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every Megatron `TopKRouter` in `model` (the model, or a list of model chunks), in module order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [(name, m) for chunk in chunks for name, m in chunk.named_modules() if isinstance(m, TopKRouter)]
+
+
+def _config(config: Any) -> EasyBalanceConfig:
+    """A ds_config (dict or JSON path) holding an "easybalance" block, or the block itself."""
+    if isinstance(config, EasyBalanceConfig):
+        return config
+    if isinstance(config, dict) and "easybalance" not in config and config:
+        return EasyBalanceConfig.from_block(config)
+    return EasyBalanceConfig.from_ds_config(config)
+
+
+def _make_logger(cfg: EasyBalanceConfig) -> BalanceLogger:
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return NullLogger()
+    loggers: list[BalanceLogger] = [JsonlLogger(cfg.log.dir, cfg.log.max_mb)]
+    if cfg.log.wandb:
+        try:
+            import wandb
+        except ImportError:
+            wandb = None
+        if wandb is not None and wandb.run is not None:    # the user's own W&B run, if any
+            loggers.append(WandbRunLogger())
+    return MultiLogger(loggers)
+
+
+def _torch_optimizer(optimizer) -> Optional[torch.optim.Optimizer]:
+    """The torch optimizer inside Megatron's wrappers (first of a ChainedOptimizer), or None."""
+    for _ in range(8):
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            break
+        chained = getattr(optimizer, "chained_optimizers", None)
+        optimizer = chained[0] if chained else getattr(optimizer, "optimizer", None)
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
+    """Turn the model's routers into EBRouters and build their balancer (None when the block is off).
+
+    Checks everything (config, pipeline layout, Megatron's own expert bias, agreement across ranks)
+    before any router changes. Sets `model.easybalance` (each chunk's, for a list of chunks).
+    """
+    from megatron.core import parallel_state as ps
+    cfg = _config(config)
+    if not cfg.enabled:
+        return None
+    routers = [r for _, r in find_routers(model)]
+    if not routers:
+        raise ValueError("easybalance is enabled but the model has no Megatron-Core TopKRouter")
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        raise NotImplementedError("easybalance's Megatron adapter does not handle pipeline parallelism yet: the "
+                                  "cross-layer view needs every stage's layers (use pipeline size 1)")
+    if cfg.mode == "balance" and cfg.aux.policy in ("bias", "bias_cross_layer") and \
+            any(getattr(r, "expert_bias", None) is not None for r in routers):
+        raise ValueError(f"easybalance.aux.policy {cfg.aux.policy!r} owns the selection bias: turn Megatron's "
+                         "moe_router_enable_expert_bias off (two biases would fight)")
+    E = int(routers[0].config.num_moe_experts)
+    G = ps.get_expert_model_parallel_world_size()
+    mine = {"config": cfg.to_dict(), "experts": sorted({int(r.config.num_moe_experts) for r in routers}),
+            "devices": G, "layers": len(routers), "host": socket.gethostname()}
+    gathered, rank = [mine], 0
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        rank = dist.get_rank()
+    check_agreement([{k: v for k, v in g.items() if k != "host"} for g in gathered], rank)
+    if mine["experts"] != [E]:
+        raise ValueError(f"every MoE layer must have the same num_moe_experts for the cross-layer view, "
+                         f"got {mine['experts']}")
+
+    for index, router in enumerate(routers):
+        if not isinstance(router, EBRouter):
+            router.__class__ = EBRouter
+        router.eb_init(index)
+    group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    reduce = (lambda packed_LW: dist.all_reduce(packed_LW, group=group)) \
+        if dist.is_initialized() and dist.get_world_size(group) > 1 else None
+    device = routers[0].weight.device
+    balancer = Balancer(cfg, routers, G, reduce=reduce, rank_to_node=node_map([g["host"] for g in gathered]),
+                        tally_device=device if device.type != "meta" else "cpu")
+    balancer.logger = _make_logger(cfg)
+    inner = _torch_optimizer(optimizer)
+    if optimizer is not None and inner is None:
+        raise ValueError(f"no torch optimizer inside {type(optimizer).__name__} to hook; pass optimizer=None and "
+                         "call balancer.step() after each optimizer step")
+    if inner is not None:
+        inner.register_step_post_hook(lambda *_: balancer.step())
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        chunk.easybalance = balancer
+    return balancer
+
+
+def save_state(balancer: Balancer, path: str) -> None:
+    """Write the balancer state (view + controls) to `path` on rank 0 (every rank holds the same)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save(balancer.state_dict(), path)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_state(balancer: Balancer, path: str) -> bool:
+    """Restore a state written by `save_state` (read with weights_only=True); all-or-nothing."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return balancer.load_state_dict(state)
