@@ -150,6 +150,21 @@ def scenario_aux_weight(p):
     return out
 
 
+def scenario_device_loss(p):
+    """The device loss adds its own gradient, linear in its weight; zero weight adds nothing."""
+    from eb_deepspeed.adapters.megatron import attach
+    rank = dist.get_rank()
+    out = {}
+    for w in (0.0, 1.0, 2.0):
+        model = make(layers=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        eb = attach(model, block(p, mode="balance", aux={"policy": "cross_layer"}), optimizer=opt)
+        model.moes[0].router.set_device_loss(w, eb.view.expert_to_device_E)
+        _, grads = train(model, 1, opt, rank, aux_only=True)
+        out[w] = grads[0]["moes.0.router.weight"]
+    return out
+
+
 def scenario_bias(p):
     """The selection bias changes routes, never the combine probabilities' values or the aux loss."""
     from eb_deepspeed.adapters.megatron import attach

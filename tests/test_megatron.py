@@ -49,6 +49,15 @@ def test_a_layers_aux_weight_scales_its_aux_gradient_and_only_its_own(run_megatr
 
 
 @pytest.mark.distributed
+def test_the_device_loss_adds_a_gradient_linear_in_its_weight(run_megatron):
+    for rank in run_megatron("device_loss"):
+        base, one, two = rank[0.0], rank[1.0], rank[2.0]
+        extra = one - base
+        assert extra.abs().sum() > 1e-6 * base.abs().sum()
+        assert torch.allclose(two - base, 2.0 * extra, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.distributed
 def test_the_selection_bias_changes_routes_never_the_combine_probabilities_or_the_aux_loss(run_megatron):
     for rank in run_megatron("bias"):
         plain, biased = rank[False], rank[True]
@@ -87,3 +96,5 @@ def test_a_bad_config_is_a_config_error_with_its_path_before_any_router_changes(
         attach(model, {"easybalance": {"aux": {"policy": "sometimes"}}})
     assert not hasattr(model, "easybalance")
     assert attach(model, {"easybalance": {"enabled": False}}) is None     # off: nothing attached
+    with pytest.raises(ConfigError, match=r"easybalance\.ema_alpha \(2\.0\) must be in"):
+        attach(model, {"ema_alpha": 2.0})                                   # the block on its own works too

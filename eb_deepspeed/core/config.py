@@ -115,7 +115,7 @@ class EasyBalanceConfig:
         """
         if ds_config is None:
             return cls()
-        ds_config = _read_json(ds_config)
+        ds_config = read_json(ds_config)
         if not isinstance(ds_config, Mapping):
             raise ConfigError(f"ds_config must be a dict or a path to a JSON file, got {type(ds_config).__name__}")
         if "easybalance" not in ds_config:
@@ -214,7 +214,7 @@ def strip_block(ds_config: Mapping[str, Any] | str | os.PathLike | None) -> dict
     """A copy of the DeepSpeed config without the `easybalance` block (the user's dict is untouched)."""
     if ds_config is None:
         return None
-    out = copy.deepcopy(dict(_read_json(ds_config)))
+    out = copy.deepcopy(dict(read_json(ds_config)))
     out.pop("easybalance", None)
     return out
 
@@ -223,7 +223,7 @@ def strip_block(ds_config: Mapping[str, Any] | str | os.PathLike | None) -> dict
 INT_MAX = 2 ** 31 - 1     # the largest integer any option takes (counts, intervals, windows)
 
 
-def _read_json(ds_config):
+def read_json(ds_config):
     """A dict as it is; a path read as JSON, with a ConfigError naming the file when that fails."""
     if not isinstance(ds_config, (str, os.PathLike)):
         return ds_config

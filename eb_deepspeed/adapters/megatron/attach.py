@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.balancer import Balancer, check_agreement
-from ...core.config import EasyBalanceConfig
+from ...core.config import EasyBalanceConfig, read_json
 from ...core.record import BalanceLogger, NullLogger
 from ...core.topology import node_map
 from ...observe.monitor import JsonlLogger, MultiLogger, WandbRunLogger
@@ -50,11 +50,17 @@ def find_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _config(config: Any) -> EasyBalanceConfig:
-    """A ds_config (dict or JSON path) holding an "easybalance" block, or the block itself."""
+    """The block from a ds_config (dict or JSON path) holding "easybalance", or from the block itself
+    (a dict or a standalone JSON file whose keys are the block's). A ds_config without the block is off."""
+    from dataclasses import fields
     if isinstance(config, EasyBalanceConfig):
         return config
+    if isinstance(config, (str, os.PathLike)):
+        config = read_json(config)
     if isinstance(config, dict) and "easybalance" not in config and config:
-        return EasyBalanceConfig.from_block(config)
+        block_keys = {f.name for f in fields(EasyBalanceConfig) if f.name != "explicit"}
+        if set(config) <= block_keys:
+            return EasyBalanceConfig.from_block(config)
     return EasyBalanceConfig.from_ds_config(config)
 
 
