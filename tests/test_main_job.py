@@ -54,9 +54,11 @@ def test_the_main_job_trains_logs_plots_checkpoints_and_resumes(tmp_path):
     assert len(last["device_max_over_mean"]) == 2 and all(v >= 1.0 for v in last["device_max_over_mean"])
     assert len(last["pressure_LG"]) == 2 and len(last["pressure_LG"][0]) == 2  # layers x EP ranks
     assert 0.0 <= last["token_drop_rate"] < 1.0
-    # the default policy (cross_layer) acts after warm-up: weights keep mean 1 inside [0.5, 2.0]
-    assert abs(sum(last["aux_weight"]) / 2 - 1.0) < 1e-9 and all(0.5 <= w <= 2.0 for w in last["aux_weight"])
-    assert last["aux_weight"] != [1.0, 1.0] and len(last["aux_loss"]) == 2
+    # the default policy (bias_cross_layer) acts after warm-up: the device-loss weights keep mean 1 inside
+    # [0.25, 4.0] and move; every l_aux keeps weight aux_scale 1.0
+    assert last["policy"] == "bias_cross_layer" and last["aux_weight"] == [1.0, 1.0] and len(last["aux_loss"]) == 2
+    weights = last["device_loss_weight"]
+    assert abs(sum(weights) / 2 - 1.0) < 1e-9 and all(0.25 <= w <= 4.0 for w in weights) and weights != [1.0, 1.0]
 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 10

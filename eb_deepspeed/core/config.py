@@ -65,14 +65,14 @@ class LogConfig:
 @dataclass(frozen=True)
 class AuxConfig:
     """Training control (`easybalance.aux`): per-layer aux-loss weights or a selection bias."""
-    policy: str = "cross_layer"
+    policy: str = "bias_cross_layer"                 # the sweep's best (docs/benchmarks.md)
     weight_range: tuple[float, float] = (0.25, 4.0)  # cross_layer: clip of the per-layer device-loss weights
     smoothing: float = 0.3                           # cross_layer: fraction of the way to the integrator per step
     gain: float = 0.02                               # cross_layer: integral gain on the log-weights (measured)
     mean_one: bool = True                            # cross_layer: keep the weights at mean 1 (same total push)
     target: float = 0.05                             # cross_layer, mean_one false: the device score aimed at
     device_scale: float = 1.0                        # cross_layer: device-loss weight at w_l = 1 (x l_aux's)
-    bias_rate: float = 1e-3                          # bias: sign-update rate u
+    bias_rate: float = 0.03                          # bias: sign-update rate u (logits; measured, docs/training.md)
     device_weight: float = 0.5                       # bias: weight of the device (window pressure) term
     aux_scale: float = 1.0                           # bias: weight of every layer's l_aux
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)

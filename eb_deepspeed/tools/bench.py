@@ -93,7 +93,7 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
 
 # (row name, aux policy, coefficient multiplier): the no-balancing row keeps the gates but coefficient 0.
 TRAIN_ROWS = (("none", "fixed", 0.0), ("fixed", "fixed", 1.0), ("cross_layer", "cross_layer", 1.0),
-              ("bias", "bias", 1.0))
+              ("bias", "bias", 1.0), ("bias_cross_layer", "bias_cross_layer", 1.0))
 TRAIN_KEYS = ("token_drop_rate", "val_token_drop_rate", "val_max_vio", "device_max_over_mean_p90",
               "val_device_max_over_mean_p90", "val_loss", "seconds_per_step")
 
@@ -168,7 +168,7 @@ def bench_train(steps: int = 200, coeff: float = 0.01, capacity_factor: float = 
         return 1.0 - r / b if b > 0 else 0.0
 
     verdicts = {}
-    for name in ("cross_layer", "bias"):
+    for name in ("cross_layer", "bias", "bias_cross_layer"):
         row = rows[name]
         v = {"drop_rate_cut": cut(row, "token_drop_rate"), "val_drop_rate_cut": cut(row, "val_token_drop_rate"),
              "p90_excess_cut": cut(row, "device_max_over_mean_p90", True),

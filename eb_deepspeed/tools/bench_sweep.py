@@ -142,12 +142,13 @@ def sweep_targets(stats: list[dict], runs: list[dict]) -> tuple[dict, dict]:
     by = {(r["policy"], r["coeff"]): r for r in stats}
     coeffs = sorted({r["coeff"] for r in stats})
     verdicts: dict[str, dict] = {}
-    wins = {"cross_layer": 0, "bias_cross_layer": 0}
-    measured = {"cross_layer": 0, "bias_cross_layer": 0}      # coefficients with both rows of the comparison
+    wins = {"cross_layer_vs_fixed": 0, "bias_cross_layer_vs_fixed": 0, "bias_cross_layer": 0}
+    measured = dict.fromkeys(wins, 0)       # coefficients with both rows of the comparison
     for c in coeffs:
         v: dict[str, object] = {}
         fixed = by.get(("fixed", c))
-        for name in ("cross_layer", "device_uniform", "cross_layer_target"):   # the last two: what each part adds
+        # device_uniform, cross_layer_target: what each part of cross_layer adds; bias, bias_cross_layer: the others
+        for name in ("cross_layer", "device_uniform", "cross_layer_target", "bias", "bias_cross_layer"):
             cross = by.get((name, c))
             if not (fixed and cross):
                 continue
@@ -160,9 +161,9 @@ def sweep_targets(stats: list[dict], runs: list[dict]) -> tuple[dict, dict]:
             d["dominates"] = bool(d["drop_rate_cut"] >= 0.2 and d["p90_excess_cut"] >= 0.2
                                   and d["val_loss_change"] <= 0.005 and d["drop_beyond_spread"]
                                   and d["p90_beyond_spread"])
-            if name == "cross_layer":
-                wins["cross_layer"] += d["dominates"]
-                measured["cross_layer"] += 1
+            if name in ("cross_layer", "bias_cross_layer"):
+                wins[f"{name}_vs_fixed"] += d["dominates"]
+                measured[f"{name}_vs_fixed"] += 1
             v[f"{name}_vs_fixed"] = d
         bias, both = by.get(("bias", c)), by.get(("bias_cross_layer", c))
         if bias and both:
@@ -176,8 +177,10 @@ def sweep_targets(stats: list[dict], runs: list[dict]) -> tuple[dict, dict]:
             v["bias_cross_layer_vs_bias"] = d
         verdicts[str(c)] = {name: {k: _rounded(x) for k, x in d.items()} for name, d in v.items()}
     # at >= 2 of 3 coefficients, i.e. two thirds of those compared; None when a comparison was not run
-    targets = {f"{name}_{what}": (None if measured[name] == 0 else wins[name] * 3 >= 2 * measured[name])
-               for name, what in (("cross_layer", "dominates_fixed"), ("bias_cross_layer", "beats_bias_on_p90"))}
+    targets = {target: (None if measured[key] == 0 else wins[key] * 3 >= 2 * measured[key])
+               for target, key in (("cross_layer_dominates_fixed", "cross_layer_vs_fixed"),
+                                   ("bias_cross_layer_beats_bias_on_p90", "bias_cross_layer"),
+                                   ("bias_cross_layer_dominates_fixed", "bias_cross_layer_vs_fixed"))}
     return verdicts, targets
 
 

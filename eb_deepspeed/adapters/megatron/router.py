@@ -10,9 +10,9 @@ Routing, capacity dropping and the aux losses are Megatron's own (`TopKRouter.ro
   * `aux_weight` multiplies the coefficient Megatron reads for this layer's aux losses
     (`get_aux_loss_coeff`), so the layer's aux gradient scales by it (Megatron's
     `MoEAuxLossAutoScaler` scale is one global: per-layer weights must go through the coefficient);
-  * `selection_bias_E` (the `bias` policy) selects the top-k on scores + bias for softmax and sigmoid
-    score functions alike; the probabilities that combine expert outputs and every aux loss come from
-    the unbiased logits. It is this project's bias: Megatron's own `expert_bias`
+  * `selection_bias_E` (the `bias` policy) selects the top-k on logits + bias (logit units, as on
+    DeepSpeed, for softmax and sigmoid score functions alike); the probabilities that combine expert
+    outputs and every aux loss come from the unbiased logits. It is this project's bias: Megatron's own `expert_bias`
     (`moe_router_enable_expert_bias`) must be off with it (`attach` refuses both);
   * `device_loss_weight` adds DeepSeek-V2's device-level balance loss (as the DeepSpeed gate does),
     with coefficient `device_loss_weight x moe_aux_loss_coeff`, through Megatron's own
@@ -109,14 +109,15 @@ class EBRouter(TopKRouter):
         return probs, routing_map
 
     def _demand(self, logits_TE: torch.Tensor) -> torch.Tensor:
-        """The top-k choice before capacity dropping [T, E] bool (what the tally calls routed): on the
-        scores plus whichever selection bias is in use (ours, or Megatron's expert_bias for sigmoid)."""
+        """The top-k choice before capacity dropping [T, E] bool (what the tally calls routed), with
+        whichever selection bias is in use (ours on the logits, or Megatron's expert_bias for sigmoid)."""
         with torch.no_grad():
-            scores = torch.softmax(logits_TE.float(), -1) if self.score_function == "softmax" \
-                else torch.sigmoid(logits_TE.float())
-            bias = self.selection_bias_E if self.selection_bias_E is not None else self.expert_bias
-            if bias is not None:
-                scores = scores + bias.to(scores.dtype)
+            if self.selection_bias_E is not None:               # ours: on the logits
+                scores = logits_TE.float() + self.selection_bias_E.float()
+            elif self.expert_bias is not None:                  # Megatron's (sigmoid): on the sigmoid scores
+                scores = torch.sigmoid(logits_TE.float()) + self.expert_bias.float()
+            else:
+                scores = logits_TE.float()
             top_TK = scores.topk(self.topk, dim=1).indices
             return torch.zeros_like(logits_TE, dtype=torch.bool).scatter(1, top_TK, True)
 
@@ -160,8 +161,9 @@ class EBRouter(TopKRouter):
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
         else:
             scores = torch.sigmoid(logits.float()).type_as(logits)
-        # softmax is monotone: top-k of softmax(logits) + bias is chosen on the scores either way
-        top_TK = torch.topk(scores + self.selection_bias_E.to(scores.dtype), k=self.topk, dim=1).indices
+        # The bias is in logit units for both score functions, as on DeepSpeed (its rate means the same
+        # everywhere); softmax and sigmoid are monotone, so the unbiased top-k is Megatron's.
+        top_TK = torch.topk(logits + self.selection_bias_E.to(logits.dtype), k=self.topk, dim=1).indices
         if self.score_function == "softmax" and not cfg.moe_router_pre_softmax:
             weights_TK = torch.softmax(logits.gather(1, top_TK), dim=-1, dtype=torch.float32).type_as(logits)
         else:
