@@ -8,6 +8,8 @@ Every test carries exactly one of the markers `unit`, `distributed`, `slow` (pyt
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import subprocess
@@ -45,6 +47,15 @@ def dist_env(world_size: int, rank: int, port: int) -> dict[str, str]:
     return env
 
 
+def unlink_shm_buffers(port: int) -> None:
+    """DeepSpeed's CPU shm comm op leaves one 64 MiB /dev/shm buffer per rank of every job, named by the
+    master port, after the job ends (measured: 312 files, 21 GB, after a day of launches). Remove the
+    buffers of a finished job's port."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIMEOUT,
            exit_codes: dict[int, int] | None = None, worker: str = "dist_worker.py", **params) -> list[dict | None]:
     """Run `scenario` on `world_size` gloo ranks; each rank's result, or None for a rank that `exit_codes` says
@@ -71,6 +82,7 @@ def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIM
     finally:
         for _, log in procs:
             log.close()
+        unlink_shm_buffers(port)
     results = []
     for rank, (proc, _) in enumerate(procs):
         text = (out_dir / f"rank{rank}.log").read_text()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import EXT_DIR, ROOT, free_port
+from conftest import EXT_DIR, ROOT, free_port, unlink_shm_buffers
 from eb_deepspeed.observe.monitor import flatten_record
 
 pytestmark = pytest.mark.slow
@@ -32,9 +32,13 @@ def launcher(script, *args, timeout=420):
     """The real `deepspeed` launcher with 2 CPU ranks."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", WANDB_MODE="offline", TORCH_EXTENSIONS_DIR=EXT_DIR,
                OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+    port = free_port()
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
            os.path.join(ROOT, "examples", script), *args]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    finally:
+        unlink_shm_buffers(port)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

@@ -106,6 +106,17 @@ def _repo_root() -> str:
     return root
 
 
+def unlink_shm_buffers(port: int) -> None:
+    """Remove the /dev/shm buffers DeepSpeed's CPU shm comm op leaves behind for a finished job's master
+    port (64 MiB per rank per job, never unlinked by DeepSpeed 0.19.8)."""
+    import glob
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def free_port() -> int:
     """A free TCP port on loopback (one per launch, so concurrent jobs never share a master port)."""
     with socket.socket() as s:
@@ -133,8 +144,9 @@ def bench_train(steps: int = 200, coeff: float = 0.01, capacity_factor: float = 
     rows = {}
     for name, policy, mult in TRAIN_ROWS:
         run_dir = os.path.join(out_dir, name)
+        port = free_port()
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus), "--master_port",
-               str(free_port()), os.path.join(root, "examples", script), config_flag,
+               str(port), os.path.join(root, "examples", script), config_flag,
                os.path.join(root, "configs", config_file), "--run-dir", run_dir, "--steps", str(steps),
                "--seed", str(seed), "--coeff", str(coeff * mult), "--aux-policy", policy, "--capacity-factor",
                str(capacity_factor), "--layers", str(layers), "--eval-every", str(max(1, steps // 2)),
@@ -147,6 +159,7 @@ def bench_train(steps: int = 200, coeff: float = 0.01, capacity_factor: float = 
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               env=dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1"))
+        unlink_shm_buffers(port)
         if proc.returncode != 0:
             raise RuntimeError(f"row {name} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
         with open(os.path.join(run_dir, "summary.json")) as f:

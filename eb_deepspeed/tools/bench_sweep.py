@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from .bench import _repo_root, free_port
+from .bench import _repo_root, free_port, unlink_shm_buffers
 
 __all__ = ["SWEEP_POLICIES", "SWEEP_METRICS", "bench_train_sweep", "summarize_sweep", "sweep_stats", "sweep_targets",
            "pareto_figure", "score_noise"]
@@ -73,11 +73,13 @@ def _run(root: str, run_dir: str, policy: str, extra: tuple[str, ...], coeff: fl
     else:
         reuse = False
     if not reuse:
+        port = free_port()
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-               str(free_port()), os.path.join(root, "examples", "train_moe_lm.py"), "--deepspeed_config",
+               str(port), os.path.join(root, "examples", "train_moe_lm.py"), "--deepspeed_config",
                os.path.join(root, "configs", "train_cpu_2rank.json"), "--run-dir", run_dir, *args]
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               env=dict(os.environ, WANDB_MODE="offline", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+        unlink_shm_buffers(port)
         if proc.returncode != 0:
             raise RuntimeError(f"{run_dir} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
         with open(done, "w") as f:
