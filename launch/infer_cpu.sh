@@ -11,6 +11,8 @@ if [ ! -f runs/main/ckpt/latest ]; then
   bash launch/train_cpu.sh --no-report
 fi
 port="$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+# DeepSpeed's CPU shm comm op leaves a 64 MiB /dev/shm buffer per rank named by the port: remove ours on exit
+trap 'rm -f /dev/shm/deepspeed_allreduce_buffer_*_"$port"_*' EXIT
 deepspeed --num_gpus 2 --master_port "$port" examples/infer_moe_lm.py \
   --config configs/infer_cpu_2rank.json --ckpt runs/main/ckpt --run-dir runs/infer "$@"
 echo "plots: $EB_ROOT/runs/infer/balance/plots   (re-render any time: eb report runs/infer/balance)"

@@ -6,6 +6,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_cpu.sh"
 cd "$EB_ROOT"
 port="$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+# DeepSpeed's CPU shm comm op leaves a 64 MiB /dev/shm buffer per rank named by the port: remove ours on exit
+trap 'rm -f /dev/shm/deepspeed_allreduce_buffer_*_"$port"_*' EXIT
 deepspeed --num_gpus 2 --master_port "$port" examples/train_moe_lm.py \
   --deepspeed_config configs/train_cpu_2rank.json --run-dir runs/main "$@"
 echo "plots: $EB_ROOT/runs/main/balance/plots   (re-render any time: eb report runs/main/balance)"
