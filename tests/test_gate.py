@@ -115,20 +115,20 @@ def test_aux_weight_scales_l_aux_and_its_gradient():
 
 
 def test_the_device_loss_is_one_when_devices_are_balanced_and_hand_derived_otherwise():
-    from eb_deepspeed.adapters.deepspeed.gate import device_balance_loss
+    from eb_deepspeed.core.policies import device_balance_loss
     e2d = torch.tensor([0, 0, 1, 1])
     # uniform router, 2 tokens x top-1 spread one per device: f' = [1, 1], P' = [1/2, 1/2] -> 1
     logits = torch.zeros(2, 4)
-    assert device_balance_loss(logits, torch.tensor([1, 0, 1, 0]), e2d, 2, 1).item() == pytest.approx(1.0)
+    assert device_balance_loss(logits.softmax(1), torch.tensor([1, 0, 1, 0]), e2d, 2, 1).item() == pytest.approx(1.0)
     # both routes on device 0: f = [4, 0, 0, 0] * ... f_e = routed_e * E / (k T) = [4, 0, 0, 0]; f' = [2, 0];
     # P' = [1/2, 1/2] -> 1.0; with the router leaning to device 0 (P' = [0.8, 0.2]) -> 1.6
-    assert device_balance_loss(logits, torch.tensor([2, 0, 0, 0]), e2d, 2, 1).item() == pytest.approx(1.0)
+    assert device_balance_loss(logits.softmax(1), torch.tensor([2, 0, 0, 0]), e2d, 2, 1).item() == pytest.approx(1.0)
     lean = torch.log(torch.tensor([[0.4, 0.4, 0.1, 0.1]])).expand(2, 4)
-    assert device_balance_loss(lean, torch.tensor([2, 0, 0, 0]), e2d, 2, 1).item() == pytest.approx(1.6)
+    assert device_balance_loss(lean.softmax(1), torch.tensor([2, 0, 0, 0]), e2d, 2, 1).item() == pytest.approx(1.6)
 
 
 def test_the_device_loss_weight_adds_the_device_loss_and_pushes_probability_off_the_hot_device():
-    from eb_deepspeed.adapters.deepspeed.gate import device_balance_loss
+    from eb_deepspeed.core.policies import device_balance_loss
     ds, eb = pair(2, min_capacity=2)
     x = torch.randn(32, M)
     plain = call(eb, x, 0, True)
@@ -137,7 +137,7 @@ def test_the_device_loss_weight_adds_the_device_loss_and_pushes_probability_off_
     eb.set_device_loss(0.7, e2d)
     out = call(eb, x, 0, True)
     logits = torch.nn.functional.linear(x, eb.wg.weight)
-    extra = device_balance_loss(logits, out[6], e2d, 2, 2)
+    extra = device_balance_loss(logits.softmax(1), out[6], e2d, 2, 2)
     assert torch.allclose(out[0], plain[0] + 0.7 * extra)
     assert_same(out[1:], plain[1:])                     # routing untouched
     eb.wg.weight.grad = None

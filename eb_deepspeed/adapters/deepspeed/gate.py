@@ -15,7 +15,7 @@ sampling) and both return forms behave exactly as DeepSpeed's (the sparse 7-tupl
     again (`core.tally.in_backward`);
   * multiplies `l_aux` by its layer's weight `aux_weight` (1.0 unless a controller sets it) and,
     when a controller sets `device_loss_weight` > 0, adds that times the device-level balance loss
-    (`device_balance_loss`, DeepSeek-V2's, from the layer's expert -> EP rank map; no collective),
+    (`core.policies.device_balance_loss`, DeepSeek-V2's, from the expert -> EP rank map; no collective),
     so user code that sums `l_aux` keeps working unchanged;
   * returns a well-formed empty result for an empty batch (DeepSpeed's gate asserts).
 
@@ -32,33 +32,10 @@ from deepspeed.comm import pg_utils
 from deepspeed.moe import sharded_moe as dsm
 from deepspeed.moe.sharded_moe import TopKGate
 
+from ...core.policies import device_balance_loss
 from ...core.tally import TallyRecorder, in_backward
 
-__all__ = ["CrossLayerGate", "unbias_gate_output", "device_balance_loss"]
-
-
-def device_balance_loss(logits_TE: torch.Tensor, routed_E: torch.Tensor, expert_to_device_E: torch.Tensor,
-                        num_devices: int, k: int) -> torch.Tensor:
-    """DeepSeek-V2's device-level balance loss of one forward (1.0 when devices are balanced).
-
-    f_e = routed_e * E / (k * T): expert e's share of the routes (1 = its fair share); P_e = mean over
-    tokens of softmax(logits)_e. Per device g: f'_g = mean of f_e over its experts, P'_g = sum of P_e
-    over its experts; loss = sum_g f'_g * P'_g. The gradient flows through P (the router's
-    probabilities) and pushes probability mass off the devices that get more routes than their share,
-    whichever of their experts the routes went to: the expert-level l_aux does not see that.
-    Local to the rank (no collective), like DeepSpeed's l_aux. T counts every token of the forward:
-    with top-1's `used_token` mask the masked tokens route nowhere and the loss sits below 1 at
-    balance, as DeepSpeed's l_aux does.
-    """
-    T, E = logits_TE.shape
-    probs_E = F.softmax(logits_TE, dim=1).mean(0)
-    share_E = routed_E.to(probs_E.dtype) * (E / (k * T))
-    experts_G = torch.bincount(expert_to_device_E, minlength=num_devices).clamp_min(1).to(probs_E.dtype)
-    share_G = torch.zeros(num_devices, dtype=probs_E.dtype, device=probs_E.device).index_add_(
-        0, expert_to_device_E, share_E) / experts_G
-    probs_G = torch.zeros(num_devices, dtype=probs_E.dtype, device=probs_E.device).index_add_(
-        0, expert_to_device_E, probs_E)
-    return (share_G * probs_G).sum()
+__all__ = ["CrossLayerGate", "unbias_gate_output"]
 
 
 def unbias_gate_output(gate_output, logits_TE: torch.Tensor, selection_TE: torch.Tensor, k: int,
@@ -212,8 +189,8 @@ class CrossLayerGate(TopKGate):
 
             if device_loss:
                 routed_E = gate_output[6] if sparse_routes else gate_output[3]
-                extra = self.device_loss_weight * device_balance_loss(clean_TE, routed_E, self.expert_to_device_E,
-                                                                      self.num_devices, self.k)
+                extra = self.device_loss_weight * device_balance_loss(
+                    F.softmax(clean_TE, dim=1), routed_E, self.expert_to_device_E, self.num_devices, self.k)
                 gate_output = (gate_output[0] * self.aux_weight + extra, ) + tuple(gate_output[1:])
             elif self.aux_weight != 1.0:
                 gate_output = (gate_output[0] * self.aux_weight, ) + tuple(gate_output[1:])

@@ -28,23 +28,10 @@ from typing import Optional
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+from ...core.policies import device_balance_loss
 from ...core.tally import TallyRecorder, in_backward
 
-__all__ = ["EBRouter", "device_balance_loss"]
-
-
-def device_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, expert_to_device_E: torch.Tensor,
-                        num_devices: int, k: int) -> torch.Tensor:
-    """DeepSeek-V2's device-level balance loss (1.0 when devices are balanced); probs_TE: the router's
-    unbiased probabilities over all experts; routed_E: routes per expert this forward."""
-    T, E = probs_TE.shape
-    probs_E = probs_TE.mean(0)
-    share_E = routed_E.to(probs_E.dtype) * (E / (k * max(T, 1)))
-    experts_G = torch.bincount(expert_to_device_E, minlength=num_devices).clamp_min(1).to(probs_E.dtype)
-    zeros_G = torch.zeros(num_devices, dtype=probs_E.dtype, device=probs_E.device)
-    share_G = zeros_G.index_add(0, expert_to_device_E, share_E) / experts_G
-    probs_G = zeros_G.index_add(0, expert_to_device_E, probs_E)
-    return (share_G * probs_G).sum()
+__all__ = ["EBRouter"]
 
 
 class EBRouter(TopKRouter):
