@@ -8,21 +8,28 @@ P physical slots per layer (G * S; slot p lives on device p // S), R max replica
     plan.log2phy   # [L, E, R] physical slots of each expert's replicas, -1 padded (R = the most replicas)
     plan.logcnt    # [L, E] replica count per expert
     plan.moves     # replicas placed where `previous` did not hold that expert (weight copies)
-    plan.steered_load_LG   # [L, G] expected tokens per device once steering splits them over replicas
+    plan.steered_load_LG   # [L, G] expected tokens per device once steering splits them over replicas (steered)
+    plan = plan_placement(load_LE, 8, 5, num_nodes=2, dispatch="uniform")   # for an even split (SGLang, vLLM)
 
-`plan_placement` is the one entry point; its steps are functions of their own:
+`plan_placement` is the one entry point; its steps are functions of their own. `dispatch` says how
+the serving runtime splits an expert's tokens over its replicas: "uniform" (evenly: vLLM, SGLang,
+DeepSeek's EPLB, DeepSpeed's padded MOELayer with our `view` split) or "steered" (freely, by
+`steering.steer`; the default).
 
-1. `replica_counts`: without a budget every layer's P slots are apportioned to its experts in
-   proportion to load (largest remainder, at least 1 and at most G replicas each); with
-   `slot_budget` (total slots over all layers) one global threshold on load relative to the layer
-   mean, so more skewed layers get more replicas.
-2. `assign_replicas`: replicas in descending load per replica, one replica rank at a time for all
-   layers (a Python loop over the P slot ranks, vectorised over layers), each to the least loaded
-   device with a free slot that does not hold its expert yet, spreading replicas over nodes and
-   preferring the device that held the expert in `previous`.
-3. `refine.refine_for_steering`: a bounded local search that scores placements by the slowest
-   device after steering (`flows.steer_flows`), not by the even split.
-4. `index_maps`: phy2log, log2phy (its inverse), logcnt, moves against `previous`, expected loads.
+1u. `uniform.uniform_counts` / `uniform.count_variants`: replica counts that minimise the largest
+    share (D'Hondt), and a few neighbours on small inputs; with `slot_budget`, `replica_counts`.
+2.  `assign_replicas`: replicas in descending share, one replica rank at a time for all layers (a
+    Python loop over the P slot ranks, vectorised over layers), each to the least loaded device with
+    a free slot that does not hold its expert yet, spreading replicas over nodes when asked and
+    preferring the device that held the expert in `previous`.
+3u. `uniform.refine_uniform`: swaps and replica-count moves off each layer's slowest device, scored
+    exactly under the even split.
+3.  `refine.refine_for_steering` (steered only): a bounded local search that scores placements by
+    the slowest device after steering (`flows.steer_flows`), from the uniform plan; on small inputs
+    also from the load-proportional greedy plan (`replica_counts`, `assign_replicas`).
+4.  `_choose`: each layer keeps its best candidate under its dispatch, node spread weighed
+    (`node_spread`: a weight on `cross_node_fraction`, or a rule) and weight moves priced against
+    `previous` (which is itself a candidate); `index_maps`: phy2log, log2phy, logcnt, moves, loads.
 
 Costs are measured by `eb bench plan` (docs/benchmarks.md).
 """
@@ -34,13 +41,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .flows import steer_flows
 from .refine import refine_for_steering
 from .slots import holds_mask
+from .uniform import best_of, count_variants, device_loads as _uniform_loads, refine_uniform
 
 # Sizes the planner takes: its work grows with layers x slots (the refinement copies candidates of them).
 MAX_SLOTS = 1 << 16
 MAX_LAYER_SLOTS = 1 << 24
 MAX_STICKINESS = 1e3
+DISPATCH = ("steered", "uniform")   # how a runtime splits an expert's tokens over its replicas
+# The default weight of node spread under steered dispatch: a layer gives up at most 1 % of its mean device
+# load to lower the expected cross-node route fraction by 0.1 (see `cross_node_fraction`).
+SPREAD_WEIGHT = 0.1
+# Below this many layer-slots (layers x devices x slots) the steered planner also searches from the greedy
+# start and weighs a no-spread plan; above it, time goes to the one search from the uniform plan.
+EXTRA_WORK = 1 << 14
 
 __all__ = ["Placement", "plan_placement", "static_placement", "replica_counts", "assign_replicas", "index_maps",
            "expected_padded_cost", "expected_slot_ratio"]
@@ -161,7 +177,8 @@ def assign_replicas(load_LE: torch.Tensor, cnt_LE: torch.Tensor, G: int, S: int,
                     was_LGE: np.ndarray | None, stickiness: float) -> np.ndarray:
     """Step 2: put every replica on a device. Returns phy_LP [L, G * S] (expert per slot, -1 empty).
 
-    load_LE: [L, E] loads; cnt_LE: [L, E] replica counts (step 1); node_G: [G] node of each device;
+    load_LE: [L, E] loads; cnt_LE: [L, E] replica counts (step 1); node_G: [G] node of each device
+    (or [L, G], per layer; all zeros = no spread);
     was_LGE: [L, G', E] devices of `previous` holding each expert (None without one).
     Replicas go in descending load per replica, one replica rank per step for all layers at once,
     each to the least loaded device with a free slot that does not hold its expert yet, preferring
@@ -170,7 +187,8 @@ def assign_replicas(load_LE: torch.Tensor, cnt_LE: torch.Tensor, G: int, S: int,
     """
     L, E = load_LE.shape
     P = G * S
-    num_nodes = int(node_G.max()) + 1
+    node_LG = np.broadcast_to(np.asarray(node_G), (L, G))
+    num_nodes = int(node_LG.max()) + 1
     weight_LE = load_LE / cnt_LE
 
     # Replicas sorted by load per replica, padded to P per layer (expert -1 = empty): sort the experts,
@@ -184,7 +202,6 @@ def assign_replicas(load_LE: torch.Tensor, cnt_LE: torch.Tensor, G: int, S: int,
 
     # The assignment loop runs in NumPy: one step per replica rank (P steps, each over all layers),
     # where NumPy's per-call overhead is several times smaller than torch's.
-    same_node_GG = (node_G[:, None] == node_G[None, :]).astype(np.float64)
     dev_load_LG = np.zeros((L, G))
     used_LG = np.zeros((L, G), dtype=np.int64)
     # penalty_XG: one row per (layer, expert) (row l * (E + 1) + e + 1; row 0 of a layer = "empty"):
@@ -195,35 +212,39 @@ def assign_replicas(load_LE: torch.Tensor, cnt_LE: torch.Tensor, G: int, S: int,
     if was_LGE is not None:
         bonus_L11 = (stickiness * load_LE.sum(1) / G).numpy()[:, None, None]
         penalty_XG.reshape(L, E + 1, G)[:, 1:] -= was_LGE.transpose(0, 2, 1) * bonus_L11
-    rep_expert = rep_expert_LP.numpy()
-    rep_w = rep_w_LP.numpy()
-    rows_LP = np.arange(L)[:, None] * (E + 1) + rep_expert + 1
+    rep_expert = np.ascontiguousarray(rep_expert_LP.numpy().T)             # [P, L]: one contiguous row per step
+    rep_w = np.ascontiguousarray(rep_w_LP.numpy().T)
+    rows_PL = np.arange(L)[None, :] * (E + 1) + rep_expert + 1
     phy = np.full((L, P + 1), -1, dtype=np.int64)  # column P: where illegal replicas are parked
     lidx = np.arange(L)
-    node_mark_GG = same_node_GG * big
+    one_map = node_LG.strides[0] == 0                                      # the same node map for every layer
+    node_mark_GG = (node_LG[0][:, None] == node_LG[0][None, :]) * big if one_map else None
 
     for i in range(P):
-        e_L, row_L = rep_expert[:, i], rows_LP[:, i]
+        e_L, row_L = rep_expert[i], rows_PL[i]
         key_LG = dev_load_LG + penalty_XG[row_L]   # a full device's load carries HUGE (below)
         best_L = key_LG.argmin(1)
         # A surplus replica with nowhere legal to go is dropped (its expert keeps its other replicas).
         ok_L = (e_L >= 0) & (key_LG[lidx, best_L] < HUGE / 2)
-        okl = lidx[ok_L]
-        okb = best_L[ok_L]
-        phy[okl, okb * S + used_LG[okl, okb]] = e_L[ok_L]
-        used_LG[okl, okb] += 1
-        dev_load_LG[okl, okb] += rep_w[ok_L, i] + (used_LG[okl, okb] == S) * HUGE
-        rows = row_L[ok_L]
+        if ok_L.all():
+            okl, okb, e_ok, w_ok, rows = lidx, best_L, e_L, rep_w[i], row_L
+        else:
+            okl, okb, e_ok, w_ok, rows = lidx[ok_L], best_L[ok_L], e_L[ok_L], rep_w[i][ok_L], row_L[ok_L]
+        used = used_LG[okl, okb]
+        phy[okl, okb * S + used] = e_ok
+        used_LG[okl, okb] = used + 1
+        dev_load_LG[okl, okb] += w_ok + (used + 1 == S) * HUGE
         penalty_XG[rows, okb] += HUGE
         if num_nodes > 1:
-            penalty_XG[rows] += node_mark_GG[okb]
+            penalty_XG[rows] += node_mark_GG[okb] if one_map else (node_LG[okl] == node_LG[okl, okb][:, None]) * big
     return np.ascontiguousarray(phy[:, :P])
 
 
 def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: int, *, num_nodes: int = 1,
                    previous: Placement | None = None, slot_budget: int | None = None,
                    stickiness: float = 0.1, refine_rounds: int | None = None, refine_iters: int = 2,
-                   refine_work: int = 1 << 14) -> Placement:
+                   refine_work: int = 1 << 14, dispatch: str = "steered",
+                   node_spread: bool | None = None) -> Placement:
     """Plan replicas and their devices for every layer at once (see the module doc).
 
     load_LE: [L, E] expected tokens per layer and logical expert (e.g. the view's heat).
@@ -235,6 +256,16 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     refine_rounds: local-search rounds (0 = greedy only); None = clamp(2**16 // (L * P), 1, 64).
     refine_iters: water-filling iterations per confirmation; refine_work: slots steered per round
     to confirm moves (more candidates per layer on smaller inputs).
+    dispatch: how the runtime splits an expert's tokens over its replicas. "steered" (ours: freely,
+    by `steering.steer`): plans for the slowest device after steering. "uniform" (vLLM, SGLang,
+    EPLB: evenly): replica counts that minimise the largest share, then balanced packing and
+    pairwise swaps (`uniform.py`).
+    node_spread: how much replicas spread over nodes matter. True: a rule (each expert's replicas on
+    as many nodes as they can be; every candidate keeps it); False: not at all; a float w >= 0: a cost,
+    w x the layer's mean device load per unit of `cross_node_fraction` (the expected share of routes
+    that leave their node), weighed against the slowest device when each layer picks its candidate,
+    so spread gives way where it costs more balance than that. None = SPREAD_WEIGHT (0.1) for
+    "steered" (steering keeps tokens node-local), False for "uniform" (balance only).
     Raises ValueError on bad shapes or values; never returns a placement that leaves an expert out
     or puts two replicas of one expert on one device.
     """
@@ -271,6 +302,12 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     if not (isinstance(stickiness, (int, float)) and 0.0 <= float(stickiness) <= MAX_STICKINESS):
         raise ValueError(f"stickiness ({stickiness!r}) must be a number in [0, {MAX_STICKINESS}] (a fraction of the "
                          "mean device load)")
+    if dispatch not in DISPATCH:
+        raise ValueError(f"dispatch ({dispatch!r}) must be one of {list(DISPATCH)}")
+    if not (node_spread is None or isinstance(node_spread, bool)
+            or (isinstance(node_spread, (int, float)) and 0.0 <= float(node_spread) < math.inf)):
+        raise ValueError(f"node_spread ({node_spread!r}) must be True, False, None or a weight >= 0 (a fraction of "
+                         "the mean device load per unit of cross-node route fraction)")
     if previous is not None:
         _check_previous(previous, L, E, G)
     # The penalties below are absolute (a forbidden device costs 1e30): plan in units where the largest
@@ -280,30 +317,144 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     if scale != 1.0:
         plan = plan_placement(load_LE / scale, G, S, num_nodes=num_nodes, previous=previous, slot_budget=slot_budget,
                               stickiness=stickiness, refine_rounds=refine_rounds, refine_iters=refine_iters,
-                              refine_work=refine_work)
+                              refine_work=refine_work, dispatch=dispatch, node_spread=node_spread)
         for name in ("device_load_LG", "steered_load_LG"):
             if getattr(plan, name) is not None:
                 setattr(plan, name, getattr(plan, name) * scale)
         return plan
 
-    # Step 1: replica counts.
-    cnt_LE = replica_counts(load_LE, P, G, slot_budget)
-    # Step 2: devices for the replicas.
+    if node_spread is None:
+        node_spread = SPREAD_WEIGHT if dispatch == "steered" else False
     node_G = np.arange(G) // (G // num_nodes)
+    none_G = np.zeros(G, dtype=np.int64)
+    weighed = not isinstance(node_spread, bool) and num_nodes > 1
+    spread_G = none_G if node_spread is False else node_G
     was_LGE = previous.holds().numpy() if previous is not None else None   # any slots per device
-    phy = assign_replicas(load_LE, cnt_LE, G, S, node_G, was_LGE, stickiness)
-    # Step 3: steering-aware refinement; step 4: index maps.
-    x_LP = None
-    if refine_rounds is None:   # about the same refinement time at every size: fewer rounds on larger inputs
-        refine_rounds = int(np.clip((1 << 16) // (L * P), 1, 64))
-    if refine_rounds > 0:
-        phy, x_LP = refine_for_steering(phy, load_LE.numpy(), G, S, node_G, was_LGE, stickiness, refine_rounds, refine_iters,
-                                       refine_work)
-    plan = index_maps(torch.from_numpy(phy), E, G, S, load_LE, previous)
+    load = load_LE.numpy()
+    small = L * P <= EXTRA_WORK
+    if dispatch == "uniform":
+        # Steps 1u-3u: balance without steering (spread over nodes, and not, where spread is weighed).
+        cands = _uniform_phy(load_LE, G, S, [spread_G, none_G] if weighed else [spread_G], was_LGE, slot_budget,
+                             stickiness, refine_rounds)
+        x_LP = None
+    else:
+        # Steps 1u-3u, then 3: the plan that balances without steering, improved for steering.
+        uni = _uniform_phy(load_LE, G, S, [spread_G, none_G] if weighed and small else [spread_G], was_LGE,
+                           slot_budget, stickiness, refine_rounds, steered=True)
+        if refine_rounds is None:   # about the same refinement time at every size: fewer rounds on larger inputs
+            rounds = int(np.clip((1 << 16) // (L * P), 1, 64))
+        else:
+            rounds = refine_rounds
+        cands, x_LP = [uni[0]], None
+        if rounds > 0:
+            phy, x_LP = refine_for_steering(uni[0].copy(), load, G, S, spread_G, was_LGE, stickiness, rounds,
+                                           refine_iters, refine_work)
+            cands = [phy]
+        if small:
+            # Also from the load-proportional greedy start (steps 1-3), and the no-spread plan.
+            cnt_LE = replica_counts(load_LE, P, G, slot_budget)
+            phy = assign_replicas(load_LE, cnt_LE, G, S, spread_G, was_LGE, stickiness)
+            if rounds > 0:
+                phy, _ = refine_for_steering(phy, load, G, S, spread_G, was_LGE, stickiness, rounds, refine_iters,
+                                             refine_work)
+            cands += [phy] + uni[1:]
+    if previous is not None and previous.slots_per_device == S and _is_legal(previous):
+        cands.append(previous.phy2log.numpy().astype(np.int64))   # keeping a layer as it is moves nothing
+    # Each layer keeps its best candidate under the runtime's dispatch, weighing node spread and weight moves.
+    weight = 0.0 if isinstance(node_spread, bool) else float(node_spread)
+    phy, x_LP = _choose(np.stack(cands), load, G, S, node_G, weight, was_LGE, stickiness, dispatch, x_LP,
+                        refine_iters, refine_work)
+    plan = index_maps(torch.from_numpy(np.ascontiguousarray(phy)), E, G, S, load_LE, previous)
     if x_LP is not None:
         plan.steered_load_LG = torch.from_numpy(x_LP.reshape(L, G, S).sum(2))
     _assert_legal(plan)
     return plan
+
+
+def _uniform_phy(load_LE, G, S, nodes_list, was_LGE, slot_budget, stickiness, refine_rounds,
+                 steered: bool = False) -> list[np.ndarray]:
+    """One phy_LP of steps 1u, 2, 3u (see `uniform.py`) per node map in nodes_list ([G] each; zeros = no
+    spread), planned side by side. On small inputs several replica-count variants are placed and refined
+    too (about 2**15 slots of work in all), and each layer keeps its best. `steered`: a start for the
+    steering-aware search, refined a quarter as long."""
+    L, E = load_LE.shape
+    P = G * S
+    load = load_LE.numpy()
+    n = len(nodes_list)
+    if slot_budget is None:
+        variants = count_variants(load, P, G, int(np.clip((1 << 15) // (n * L * P), 1, 4)))
+    else:
+        variants = [replica_counts(load_LE, P, G, slot_budget).numpy()]
+    V = len(variants)
+    rows = n * V * L
+    load_N = np.tile(load, (n * V, 1))
+    node_NG = np.repeat(np.stack(nodes_list), V * L, 0)
+    was = None if was_LGE is None else np.tile(was_LGE, (n * V, 1, 1))
+    phy = assign_replicas(torch.from_numpy(load_N), torch.from_numpy(np.tile(np.concatenate(variants), (n, 1))), G, S,
+                          node_NG, was, stickiness)
+    # about the same search time at every size: fewer rounds on larger inputs (a steered start, fewer still)
+    work, least = ((1 << 16), 0) if steered else ((1 << 18), 4)
+    rounds = int(np.clip(work // (rows * P), least, 8 * G)) if refine_rounds is None else refine_rounds
+    if rounds > 0:
+        phy = refine_uniform(phy, load_N, G, S, rounds, node_NG if node_NG.max() > 0 else None, was, stickiness)
+    phy = phy.reshape(n, V, L, P)
+    if V == 1:
+        return list(phy[:, 0])
+    cost = None if was is None else _move_cost(phy.reshape(rows, P), was, load_N, G, S, stickiness).reshape(n, V, L)
+    return [best_of(phy[i], load, G, S, None if cost is None else cost[i]) for i in range(n)]
+
+
+def _move_cost(phy_NP, was_NGE, load_NE, G: int, S: int, stickiness: float) -> np.ndarray:
+    """[N] weight copies against `previous`, priced: stickiness x the mean device load / P each."""
+    P = phy_NP.shape[1]
+    moves = (holds_mask(phy_NP, S, load_NE.shape[1]) & ~was_NGE).sum((1, 2))
+    return moves * stickiness * load_NE.sum(1) / G / P
+
+
+def cross_node_fraction(phy_NP: np.ndarray, load_NE: np.ndarray, node_G: np.ndarray, S: int) -> np.ndarray:
+    """[N] expected fraction of routes that leave their node when tokens start evenly over the nodes and
+    go to a replica on their own node whenever their expert has one there."""
+    N, P = phy_NP.shape
+    E = load_NE.shape[1]
+    nodes = int(node_G.max()) + 1
+    on = np.zeros((N, nodes, E + 1), dtype=bool)
+    on[np.arange(N)[:, None], node_G[np.arange(P) // S][None, :], phy_NP + 1] = True
+    covered_NE = on[:, :, 1:].sum(1) / nodes
+    total = load_NE.sum(1)
+    return np.where(total > 0, (load_NE * (1 - covered_NE)).sum(1) / np.where(total > 0, total, 1), 0.0)
+
+
+def _choose(phy_CLP, load_LE, G, S, node_G, spread_weight, was_LGE, stickiness, dispatch, x0_LP, iters, work):
+    """Per layer the best of C candidate placements: the slowest device under `dispatch` (steered: after
+    `flows.steer_flows`), plus spread_weight x the mean device load x the cross-node route fraction,
+    plus priced weight moves. Returns (phy_LP, x_LP: tokens per slot after steering, or None)."""
+    C, L, P = phy_CLP.shape
+    if C == 1 and (dispatch == "uniform" or x0_LP is not None):
+        return phy_CLP[0], x0_LP
+    phy_NP = phy_CLP.reshape(C * L, P)
+    load_NE = np.tile(load_LE, (C, 1))
+    if dispatch == "steered":
+        start = np.ones((C * L, P))
+        if x0_LP is not None:           # the first candidate comes with its steered split
+            start[:L] = x0_LP
+        n_iter = int(np.clip((8 * work) // (C * L * P), 4 * iters, 100))
+        x_NP = steer_flows(start, phy_NP, load_NE, S, n_iter)
+        y_NG = x_NP.reshape(C * L, G, S).sum(2)
+    else:
+        x_NP, y_NG = None, _uniform_loads(phy_NP, load_NE, G, S)
+    mean = load_LE.sum(1) / G
+    score = y_NG.max(1).reshape(C, L)
+    if spread_weight > 0 and node_G.max() > 0:
+        score = score + spread_weight * mean * cross_node_fraction(phy_NP, load_NE, node_G, S).reshape(C, L)
+    if was_LGE is not None:
+        score = score + _move_cost(phy_NP, np.tile(was_LGE, (C, 1, 1)), load_NE, G, S, stickiness).reshape(C, L)
+    tol = 1e-9 * mean + 1e-12
+    sq = np.where(score <= score.min(0) + tol, (y_NG ** 2).sum(1).reshape(C, L), np.inf)
+    pick = sq.argmin(0)
+    rows = np.arange(L)
+    phy = phy_CLP[pick, rows]
+    x = None if x_NP is None else x_NP.reshape(C, L, P)[pick, rows]
+    return phy, x
 
 
 def _check_previous(previous, L: int, E: int, G: int) -> None:
@@ -318,6 +469,11 @@ def _check_previous(previous, L: int, E: int, G: int) -> None:
                          f"{previous.slots_per_device} slots and {previous.num_experts} experts")
     if bool((phy < -1).any()) or bool((phy >= E).any()):
         raise ValueError(f"previous placement holds expert ids outside [-1, {E})")
+
+
+def _is_legal(plan: Placement) -> bool:
+    """Every expert has a replica and no device holds two of one expert."""
+    return bool((plan.logcnt >= 1).all()) and bool((plan.holds().sum(1) == plan.logcnt).all())
 
 
 def _assert_legal(plan: Placement) -> None:

@@ -22,8 +22,9 @@ __all__ = ["load_trace"]
 def load_trace(path: str) -> torch.Tensor:
     """Expert load trace [steps, layers, experts] from a file.
 
-    * SGLang expert-distribution dump (`torch.save` of a dict with `logical_count`
-      [steps, layers, experts] or [layers, experts]);
+    * SGLang expert-distribution dump: `stat` mode (`torch.save` of a dict with `logical_count`
+      [steps, layers, experts] or [layers, experts]), or one rank's `per_pass` file (`records`, each
+      with `global_physical_count` [layers, physical], and `last_physical_to_logical_map`);
     * vLLM-style expert load (a dict with `expert_load_window` [window, layers, physical] or
       `expert_load_pass` [layers, physical], plus `physical_to_logical_map` [layers, physical]; or a
       logical `global_expert_load` [layers, experts]);
@@ -47,8 +48,10 @@ def load_trace(path: str) -> torch.Tensor:
         t = _checked(t, f"{path}: '{key}'")
         return t[None] if t.dim() == 2 else t
 
-    if "logical_count" in data:                                   # SGLang
+    if "logical_count" in data:                                   # SGLang, stat mode
         return tensor("logical_count")
+    if "records" in data:                                         # SGLang, per_pass mode (one rank's file)
+        return _from_sglang_records(data, path)
     if "global_expert_load" in data:                              # vLLM, logical
         return tensor("global_expert_load")
     for key in ("expert_load_window", "expert_load_pass"):        # vLLM, physical
@@ -63,6 +66,30 @@ def load_trace(path: str) -> torch.Tensor:
             return _checked(out[:, :, 1:], path)
     raise ValueError(f"{path}: no expert load found; expected one of logical_count (SGLang), global_expert_load, "
                      f"expert_load_window / expert_load_pass (vLLM); keys present: {sorted(data)}")
+
+
+def _from_sglang_records(data: dict, path: str) -> torch.Tensor:
+    """[passes, layers, logical] from an SGLang per_pass dump: physical counts mapped to logical experts."""
+    records = data["records"]
+    if not isinstance(records, list) or not records:
+        raise ValueError(f"{path}: 'records' must be a non-empty list of SGLang per_pass records")
+    counts = []
+    for i, r in enumerate(records):
+        t = r.get("global_physical_count") if isinstance(r, dict) else None
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{path}: record {i} has no [layers, physical] 'global_physical_count'")
+        counts.append(_checked(t, f"{path}: record {i}"))
+    if len({tuple(c.shape) for c in counts}) != 1:
+        raise ValueError(f"{path}: records differ in shape ({sorted({tuple(c.shape) for c in counts})})")
+    t_NLP = torch.stack(counts)
+    if "last_physical_to_logical_map" not in data:
+        raise ValueError(f"{path}: per_pass records count physical experts; 'last_physical_to_logical_map' is missing")
+    p2l_LP = _expert_map(data["last_physical_to_logical_map"], tuple(t_NLP.shape[1:]),
+                         f"{path}: last_physical_to_logical_map")
+    E = int(p2l_LP.max()) + 1
+    out = torch.zeros(t_NLP.shape[0], t_NLP.shape[1], E + 1, dtype=torch.float64)
+    out.scatter_add_(2, (p2l_LP + 1).clamp_min(0).expand_as(t_NLP), t_NLP)
+    return _checked(out[:, :, 1:], path)
 
 
 def _expert_map(p2l, shape: tuple, what: str) -> torch.Tensor:

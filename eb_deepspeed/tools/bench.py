@@ -217,7 +217,9 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
     """Planner time at DeepSeek-V3 scale, and steering time against one MoE layer's forward.
 
     Planner: median wall time of plan_placement on a skewed [layers, experts] load (target <= 100 ms),
-    and the same without its refinement (step 3), with the balancedness each reaches after steering.
+    for steered dispatch (the default; balancedness after steering), uniform dispatch (balancedness of
+    the even split) and without the local searches (greedy only). EPLB side by side:
+    `python -m benchmarks.plan_vs_eplb` (a repository checkout; docs/benchmarks.md).
     Steering: steer() for one layer (steer_devices source ranks x steer_experts experts, `tokens`
     per rank, top-k, 2 slots per expert on average) against the forward of a DeepSpeed MoE layer
     (`steer_experts` experts of hidden -> 4 * hidden -> hidden, ep_size 1) on the same `tokens`
@@ -228,30 +230,32 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
 
     g = torch.Generator().manual_seed(0)
     load_LE = torch.rand(layers, experts, generator=g).pow(-1 / 1.2)
-    plan_ms = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        plan = plan_placement(load_LE, devices, slots, num_nodes=nodes)
-        plan_ms.append((time.perf_counter() - t0) * 1e3)
-    greedy_ms = []   # the same planner without its steering-aware refinement (step 3), side by side
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        greedy = plan_placement(load_LE, devices, slots, num_nodes=nodes, refine_rounds=0)
-        greedy_ms.append((time.perf_counter() - t0) * 1e3)
+
+    def timed(**kwargs):
+        ms = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            plan = plan_placement(load_LE, devices, slots, num_nodes=nodes, **kwargs)
+            ms.append((time.perf_counter() - t0) * 1e3)
+        return plan, statistics.median(ms)
+
+    plan, plan_med = timed()
+    uniform, uniform_med = timed(dispatch="uniform")
+    greedy, greedy_med = timed(refine_rounds=0)   # no local search (steps 3 and 3u), side by side
     greedy_steered_LG = steered_load(greedy, load_LE, iters=16)
 
     steering = bench_steering(tokens=tokens, hidden=hidden, experts=steer_experts, devices=steer_devices, k=k,
                               repeats=repeats)
-    plan_med = statistics.median(plan_ms)
     return {"benchmark": "plan", "threads": torch.get_num_threads(),
             "planner": {"layers": layers, "experts": experts, "devices": devices, "slots_per_device": slots,
                         "nodes": nodes, "median_ms": round(plan_med, 2), "target_ms": 100,
-                        "balancedness_even_split": round(_balancedness(plan.device_load_LG), 4),
                         "balancedness_steered": round(_balancedness(plan.steered_load_LG), 4),
-                        "greedy_only_median_ms": round(statistics.median(greedy_ms), 2),
+                        "uniform_median_ms": round(uniform_med, 2),
+                        "uniform_balancedness_even_split": round(_balancedness(uniform.device_load_LG), 4),
+                        "greedy_only_median_ms": round(greedy_med, 2),
                         "greedy_only_balancedness_steered": round(_balancedness(greedy_steered_LG), 4)},
             "steering": steering,
-            "targets": {"planner_ms_le_100": bool(plan_med <= 100),
+            "targets": {"planner_ms_le_100": bool(plan_med <= 100), "uniform_ms_le_100": bool(uniform_med <= 100),
                         "steering_ratio_le_0.02": bool(steering["ratio"] <= 0.02)}}
 
 

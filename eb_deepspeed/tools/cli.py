@@ -6,10 +6,12 @@
     eb bench train [--json] [--framework megatron]   aux policies side by side on the example model (2 CPU ranks)
     eb bench train --sweep [--quick]  policies x coefficients x seeds, mean +- std, Pareto plot
     eb bench noise --run DIR          persistent skew vs step noise of a run's view: the cross_layer gain rule
-    eb bench plan [--json]            planner time (61 x 256 x 64) and steering vs an MoE layer forward
+    eb bench plan [--json]            planner time (61 x 256 x 64, both dispatch models) and steering vs an MoE layer
     eb bench optimum [--json]         planner vs a brute-force optimum on tiny inputs (30 loads x 7 shapes)
     eb bench infer [--json]           replicated serving vs plain DeepSpeed on 2 and 4 gloo ranks
     eb simulate [--workload all] [--json]   seed 000's table + placement/steering rows, with targets
+    eb plan LOAD --devices G [--slots S | --redundant R] [--nodes N] [--dispatch uniform|steered]
+            [--out plan.json] [--sglang sglang.json]    a placement from a load file, with a before/after table
 """
 from __future__ import annotations
 
@@ -85,7 +87,8 @@ def _bench(args) -> int:
         from .bench import bench_plan
         result = bench_plan()
         print(json.dumps(result, indent=2) if args.json else
-              f"planner {result['planner']['median_ms']} ms (target <= 100); steering / MoE layer "
+              f"planner {result['planner']['median_ms']} ms steered, {result['planner']['uniform_median_ms']} ms uniform "
+              f"(target <= 100); steering / MoE layer "
               f"{result['steering']['ratio']:.4f} (target <= 0.02)")
         return 0
     if args.what == "optimum":
@@ -137,6 +140,50 @@ def _simulate(args) -> int:
         for t in tables.values():
             print(sim.format_table(t) + "\n")
         print("targets:", json.dumps(result["targets"]))
+    return 0
+
+
+def _plan(args) -> int:
+    from ..planning.export import (balance_table, format_balance_table, placement_json, sglang_mapping,
+                                   trivial_placement)
+    from ..planning.placement import plan_placement
+    from ..sim.traces import load_trace
+
+    trace_NLE = load_trace(args.load)
+    if args.last:
+        trace_NLE = trace_NLE[-args.last:]
+    load_LE = trace_NLE.sum(0)
+    L, E = load_LE.shape
+    G = args.devices
+    if args.slots is not None:
+        S = args.slots
+    elif (E + args.redundant) % G:
+        raise ValueError(f"--redundant {args.redundant}: experts + redundant ({E} + {args.redundant}) must be divisible "
+                         f"by --devices {G} (SGLang: num_physical_experts % ep_size == 0)")
+    else:
+        S = (E + args.redundant) // G
+    plan = plan_placement(load_LE, G, S, num_nodes=args.nodes, dispatch=args.dispatch)
+    table = balance_table(load_LE, {"before (slot p holds expert p % E)": trivial_placement(L, E, G, S),
+                                    f"planned (dispatch={args.dispatch})": plan})
+    meta = {"dispatch": args.dispatch, "num_nodes": args.nodes, "source": args.load, "steps": int(trace_NLE.shape[0]),
+            "balance": table}
+    written = []
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(placement_json(plan, **meta), f)
+        written.append(args.out)
+    if args.sglang:
+        with open(args.sglang, "w", encoding="utf-8") as f:
+            json.dump(sglang_mapping(plan), f)
+        written.append(args.sglang)
+    if args.json:
+        print(json.dumps({"layers": L, "experts": E, "devices": G, "slots_per_device": S, **meta, "written": written}))
+        return 0
+    print(f"{args.load}: {trace_NLE.shape[0]} steps, {L} layers x {E} experts -> {G} devices x {S} slots "
+          f"({G * S - E} redundant), {args.nodes} node(s)")
+    print(format_balance_table(table))
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 
@@ -219,6 +266,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_simulate)
 
+    p = sub.add_parser("plan", help="plan expert replicas and placement from a load file; write ours / SGLang's JSON")
+    p.add_argument("load", help="balance.jsonl or its run directory, an SGLang expert-distribution dump (.pt), or a "
+                                "torch.save'd vLLM EPLB load (expert_load_window + physical_to_logical_map)")
+    p.add_argument("--devices", type=counting, required=True, help="EP ranks (SGLang: ep_size)")
+    p.add_argument("--slots", type=counting, default=None, help="physical expert slots per device")
+    p.add_argument("--redundant", type=non_negative, default=None,
+                   help="redundant experts per layer (SGLang: --ep-num-redundant-experts); instead of --slots")
+    p.add_argument("--nodes", type=counting, default=1, help="nodes the devices span (must divide --devices)")
+    p.add_argument("--dispatch", choices=["uniform", "steered"], default="uniform",
+                   help="how the serving runtime splits an expert's tokens over its replicas: evenly (SGLang, vLLM, "
+                        "our 'view' split) or freely (our steering); default uniform")
+    p.add_argument("--last", type=counting, default=None, help="use only the last N steps of the load file")
+    p.add_argument("--out", default=None, help="write our plan JSON here")
+    p.add_argument("--sglang", default=None, help="write SGLang's --init-expert-location JSON here")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=_plan)
+
     args = parser.parse_args(argv)
     if args.command == "bench":
         args.steps_given, args.layers_given = args.steps is not None, args.layers is not None
@@ -234,9 +298,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("eb report takes one RUN_DIR (or --compare RUN_A RUN_B ...)")
     if args.command == "report" and args.compare and len(args.run_dir) < 2:
         parser.error("eb report --compare needs two or more RUN_DIRs")
+    if args.command == "plan" and (args.slots is None) == (args.redundant is None):
+        parser.error("eb plan needs exactly one of --slots S or --redundant R")
     if args.command == "simulate" and (args.workload == "trace") != (args.trace is not None):
         parser.error("--trace FILE goes with --workload trace (and only with it)")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:   # bad input files and values: the message, not a traceback
+        print(f"eb {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

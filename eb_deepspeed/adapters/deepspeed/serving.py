@@ -215,9 +215,12 @@ class Serving:
         if self.last_plan_batch is not None and self.batches - self.last_plan_batch < inf.replan_interval:
             return False
         num_nodes = int(self.node_G.max()) + 1
+        # DeepSpeed pads every slot to the largest (`expected_padded_cost`, the choice below): plan for the even
+        # split, whose largest share is what that cost counts, under either split.
         choice = choose_placement(
             view.heat_LE, self.placement, self.home, inf.replan_threshold,
-            plan=lambda heat: plan_placement(heat, self.G, self.S_max, num_nodes=num_nodes, previous=self.placement))
+            plan=lambda heat: plan_placement(heat, self.G, self.S_max, num_nodes=num_nodes, previous=self.placement,
+                                             dispatch="uniform"))
         if choice is None:
             return False
         self.last_plan_batch = self.batches

@@ -1,0 +1,295 @@
+"""The planner's steps for runtimes that split each expert's tokens evenly over its replicas (vLLM,
+SGLang, DeepSeek's EPLB): `plan_placement(..., dispatch="uniform")`.
+
+Shape legend: L layers, E logical experts, G devices, S slots per device, P physical slots (G * S;
+slot p lives on device p // S), A layers still improving, Q candidate partner slots.
+
+Under an even split every replica of expert e carries load_e / count_e, so a device's load is the
+sum of its replicas' shares and the objective is plain bin balancing:
+
+    1u  `uniform_counts`: replica counts that minimise the largest share (one extra replica at a time
+        to the expert with the largest share, at most G each: the D'Hondt apportionment);
+        `count_variants`: that and a few neighbours (one replica of a most-replicated expert moved to
+        the next-largest share), planned side by side on small inputs, the best kept per layer by
+        `best_of` (the smallest share is not always the best packing: with no two replicas of an
+        expert on one device, fewer and larger shares of a hot expert can pack tighter)
+    2   `placement.assign_replicas`: largest share first, each to the least loaded device with room
+        that does not hold the expert yet (node spread only when asked)
+    3u  `refine_uniform`: pairwise swaps off each layer's slowest device while they lower it
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .slots import holds_mask
+
+__all__ = ["uniform_counts", "count_variants", "refine_uniform", "best_of", "device_loads"]
+
+
+def uniform_counts(load_LE: np.ndarray, slots: int, max_replicas: int) -> np.ndarray:
+    """cnt_LE [L, E] int64: every expert once, then `slots - E` extra replicas per layer, each to the
+    expert whose share (load / count) is largest, at most `max_replicas` each (vectorised over layers)."""
+    L, E = load_LE.shape
+    cnt = np.ones((L, E), dtype=np.int64)
+    extra = min(slots, E * max_replicas) - E
+    rows = np.arange(L)
+    for _ in range(extra):
+        share = np.where(cnt < max_replicas, load_LE / cnt, -1.0)
+        cnt[rows, share.argmax(1)] += 1
+    return cnt
+
+
+def count_variants(load_LE: np.ndarray, slots: int, max_replicas: int, n: int) -> list[np.ndarray]:
+    """`n` replica-count vectors [L, E]: `uniform_counts`, then for j = 0 .. n - 2 the same with one
+    replica of the layer's j-th most-replicated expert given to the expert with the next-largest share."""
+    base = uniform_counts(load_LE, slots, max_replicas)
+    L, E = load_LE.shape
+    rows = np.arange(L)
+    order = np.lexsort((-load_LE, -base), axis=1)            # most replicas first, then most load
+    out = [base]
+    for j in range(min(n - 1, E)):
+        top = order[:, j]
+        cnt = base.copy()
+        ok = cnt[rows, top] >= 2
+        cnt[rows[ok], top[ok]] -= 1
+        share = np.where(cnt < max_replicas, load_LE / cnt, -1.0)
+        share[rows, top] = -1.0
+        cnt[rows[ok], share.argmax(1)[ok]] += 1
+        out.append(cnt)
+    return out
+
+
+def best_of(phy_VLP: np.ndarray, load_LE: np.ndarray, G: int, S: int, cost_VL: np.ndarray | None = None) -> np.ndarray:
+    """phy_LP [L, P]: per layer the variant with the smallest slowest device (plus cost_VL, e.g. priced
+    weight moves), ties to the smaller sum of squared device loads, then to the earlier variant."""
+    V, L, P = phy_VLP.shape
+    y = device_loads(phy_VLP.reshape(V * L, P), np.tile(load_LE, (V, 1)), G, S).reshape(V, L, G)
+    top = y.max(2) + (0.0 if cost_VL is None else cost_VL)
+    tol = 1e-9 * load_LE.sum(1) / G + 1e-12
+    sq = np.where(top <= top.min(0) + tol, (y ** 2).sum(2), np.inf)
+    return phy_VLP[sq.argmin(0), np.arange(L)]
+
+
+def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, rounds: int,
+                   node_G: np.ndarray | None = None, was_LGE: np.ndarray | None = None,
+                   stickiness: float = 0.0, work: int = 1 << 16) -> np.ndarray:
+    """Lower each layer's slowest device under an even split by local moves. phy_LP [L, P] changes in
+    place and is returned.
+
+    A round takes, for every layer still improving, the slowest device g* and three kinds of move:
+      swap   a replica a on g* trades places with a replica b (or an empty slot) on another device;
+      drop   a replica of a on g* whose expert has others becomes a new replica of an expert c that
+             g* does not hold (a's other replicas take more, c's less);
+      add    a replica of b elsewhere, whose expert has others, becomes a new replica of an expert a
+             on g* (every replica of a takes less).
+    No move puts two replicas of an expert on one device or leaves an expert without one. Every move
+    is screened by an estimate (the largest new load among the devices it touches); the best K of
+    each layer (K sized so a round looks at about `work` slots) get their exact device loads (from the
+    changes each move makes, not by recounting), and the best is applied when it
+    lowers the slowest device, or keeps it and lowers the sum of squared device loads. Both only
+    ever fall, so the search ends; `rounds` bounds it.
+    node_G [G] or [L, G] (spread replicas over nodes; all zeros = no spread): no move takes an expert off a node it alone covers to a
+    node that already holds it, or off a node it alone covers at all (drop, add).
+    was_LGE [L, G, E] (the devices of `previous` that held each expert): every replica a move puts
+    where `previous` did not hold it costs `stickiness` x the mean device load / P, every one it puts
+    back earns as much.
+    """
+    L, P = phy_LP.shape
+    mean_L = load_LE.sum(1) / G
+    move_cost_L = stickiness * mean_L / P
+    tol_L = 1e-9 * mean_L + 1e-12
+    node_LG = None if node_G is None else np.broadcast_to(np.asarray(node_G), (L, G))
+    nodes = 1 if node_G is None else int(node_LG.max()) + 1
+    active = np.arange(L)
+    for _ in range(rounds):
+        if active.size == 0:
+            break
+        phy = phy_LP[active]
+        cand_AKP, score_AK, y_AKG, y_AG = _moves(phy, load_LE[active], G, S, node_LG[active] if nodes > 1 else None,
+                                                None if was_LGE is None else was_LGE[active], move_cost_L[active],
+                                                max(1, min(64, work // (len(active) * P))))
+        rows = np.arange(len(active))
+        cur = y_AG.max(1)        # scores are relative to the current weight moves (a move's own are added)
+        tol = tol_L[active]
+        best = score_AK.min(1)
+        sq_AK = np.where(score_AK <= best[:, None] + tol[:, None], (y_AKG ** 2).sum(2), np.inf)
+        pick = sq_AK.argmin(1)
+        better = (best < cur - tol) | ((best <= cur + tol)
+                                       & (sq_AK[rows, pick] < (y_AG ** 2).sum(1) - tol * mean_L[active]))
+        keep = np.flatnonzero(better & np.isfinite(best))
+        phy_LP[active[keep]] = cand_AKP[keep, pick[keep]]
+        active = active[keep]
+    return phy_LP
+
+
+def device_loads(phy_NP: np.ndarray, load_NE: np.ndarray, G: int, S: int) -> np.ndarray:
+    """y_NG [N, G]: each device's load when every expert splits evenly over its replicas in phy_NP."""
+    return _shares(phy_NP, load_NE)[2].reshape(len(phy_NP), G, S).sum(2)
+
+
+def _shares(phy_NP: np.ndarray, load_NE: np.ndarray):
+    """(cnt_NE replica counts, share_NE = load / count, w_NP the share in each slot, 0 where empty)."""
+    N, P = phy_NP.shape
+    E = load_NE.shape[1]
+    rows = np.arange(N)[:, None]
+    cnt = np.bincount((rows * (E + 1) + phy_NP + 1).ravel(), minlength=N * (E + 1)).reshape(N, E + 1)[:, 1:]
+    share = load_NE / cnt.clip(1)
+    return cnt, share, np.where(phy_NP >= 0, share[rows, phy_NP.clip(0)], 0.0)
+
+
+def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_AGE, move_cost_A, K: int, partners: int = 8,
+           takers: int = 16):
+    """The best K moves of each layer by estimate: (candidate placements cand_AKP, their exact slowest
+    device plus priced weight moves score_AK (inf where a layer has fewer than K legal moves), their
+    device loads y_AKG, the current device loads y_AG). Move kinds as in `refine_uniform`; swaps and
+    adds look at the slots of the `partners` least loaded devices, drops at the `takers` experts
+    whose new replica would be lightest."""
+    A, P = phy_AP.shape
+    E = load_AE.shape[1]
+    rows = np.arange(A)[:, None]
+    cnt, share, w_AP = _shares(phy_AP, load_AE)
+    y_AG = w_AP.reshape(A, G, S).sum(2)
+    rank_AG = np.argsort(y_AG, 1, kind="stable")
+    g = rank_AG[:, -1]                                                 # the slowest device
+    M = min(G - 1, partners)
+    q_AQ = (rank_AG[:, :M, None] * S + np.arange(S)).reshape(A, M * S)  # the partners' slots
+    h_AQ = q_AQ // S
+    p_AS = g[:, None] * S + np.arange(S)                               # the slots of g*
+    yg = y_AG[rows[:, 0], g][:, None]
+    holds = holds_mask(phy_AP, S, E)                                   # [A, G, E]
+    a_AS = phy_AP[rows, p_AS]
+    a_id = a_AS.clip(0)
+    real_a = a_AS >= 0
+    sa = w_AP[rows, p_AS]
+    b_AQ = phy_AP[rows, q_AQ]
+    b_id = b_AQ.clip(0)
+    wb = w_AP[rows, q_AQ][:, None, :]
+    yh = y_AG[rows, h_AQ][:, None, :]
+    # the slowest holder of x other than g* after x loses a replica: loads rise by la / (c - 1) - la / c
+    y_slot = np.where(phy_AP >= 0, y_AG[rows, np.arange(P) // S], -np.inf)
+    y_slot[rows, p_AS] = -np.inf
+    top_AE = np.full(A * (E + 1), -np.inf)
+    np.maximum.at(top_AE, (rows * (E + 1) + phy_AP + 1).ravel(), y_slot.ravel())
+    top_AE = top_AE.reshape(A, E + 1)[:, 1:]
+    rise_AE = np.where(cnt >= 2, load_AE / (cnt - 1).clip(1) - share, 0.0)   # (count 1: such moves are illegal)
+    c_new = load_AE / (cnt + 1)                                        # a new replica's share
+
+    # swap: slot s of g* <-> partner slot q (d = load leaving g*); only g* and h change
+    d = sa[:, :, None] - wb
+    est_swap = np.maximum(yg[:, :, None] - d, yh + d)
+    a_free_h = ~holds[rows[:, :, None], h_AQ[:, None, :], a_id[:, :, None]]          # h does not hold a
+    ok_swap = (~real_a[:, :, None] | a_free_h) & ((b_AQ < 0) | ~holds[rows, g[:, None], b_id])[:, None, :] & (d > 0)
+    # drop: a (on g*, count >= 2) -> c (one of the takers: not on g*, count < G, lightest new share)
+    c_key = np.where(~holds[rows[:, 0], g] & (cnt < G), c_new, np.inf)
+    C = min(E, takers)
+    c_AC = np.argpartition(c_key, C - 1, 1)[:, :C] if C < E else np.tile(np.arange(E), (A, 1))
+    est_drop = np.maximum((yg - sa)[:, :, None] + c_new[rows, c_AC][:, None, :],
+                          (top_AE[rows, a_id] + rise_AE[rows, a_id])[:, :, None])
+    ok_drop = (real_a & (cnt[rows, a_id] >= 2))[:, :, None] & np.isfinite(c_key[rows, c_AC])[:, None, :]
+    # add: partner slot q (b, count >= 2, h without a) -> a new replica of a (on g*)
+    gain_a = (share - c_new)[rows, a_id]                               # every replica of a sheds this
+    yh_new = (yh - wb) + c_new[rows, a_id][:, :, None]
+    b_top = (top_AE + rise_AE)[rows, b_id][:, None, :]                 # b's other holders (an upper bound)
+    g_rise = (holds[rows[:, 0], g][rows, b_id] * rise_AE[rows, b_id])[:, None, :]   # when g* holds b too
+    est_add = np.maximum(np.maximum((yg - gain_a)[:, :, None] + g_rise, yh_new), b_top)
+    ok_add = (real_a[:, :, None] & a_free_h & ((b_AQ >= 0) & (cnt[rows, b_id] >= 2))[:, None, :]
+              & (b_AQ[:, None, :] != a_AS[:, :, None]))
+    if node_AG is not None:
+        per_node = _per_node(phy_AP, node_AG, S, E)
+        ok_swap &= _keeps_nodes(per_node, a_AS, b_AQ, g, h_AQ, node_AG)
+        ok_drop &= (per_node[rows, node_AG[rows[:, 0], g][:, None], a_id] >= 2)[:, :, None]
+        ok_add &= (per_node[rows, node_AG[rows, h_AQ], b_id] >= 2)[:, None, :]
+    est = np.concatenate([np.where(ok_swap, est_swap, np.inf).reshape(A, -1),
+                          np.where(ok_drop, est_drop, np.inf).reshape(A, -1),
+                          np.where(ok_add, est_add, np.inf).reshape(A, -1)], 1)
+    if was_AGE is not None:   # the weight copies a move makes or undoes, priced
+        moves_AX = _move_count(was_AGE, a_AS, g, b_AQ, h_AQ, c_AC)
+        est = est + moves_AX * move_cost_A[:, None]
+    K = min(K, est.shape[1])
+    pick = np.argpartition(est, K - 1, 1)[:, :K] if K < est.shape[1] else np.tile(np.arange(K), (A, 1))
+    est_AK = np.take_along_axis(est, pick, 1)
+    Q = q_AQ.shape[1]
+    n_swap, n_drop = S * Q, S * C
+    kind = np.where(pick < n_swap, 0, np.where(pick < n_swap + n_drop, 1, 2))
+    local = np.where(kind == 0, pick, np.where(kind == 1, pick - n_swap, pick - n_swap - n_drop))
+    s = np.where(kind == 1, local // C, local // Q)
+    x = np.where(kind == 1, local % C, local % Q)
+    ra, kk = np.broadcast_to(rows, (A, K)), np.broadcast_to(np.arange(K), (A, K))
+    p = g[:, None] * S + s
+    qi = np.where(kind == 1, 0, x)
+    q = np.take_along_axis(q_AQ, qi, 1)
+    c = np.take_along_axis(c_AC, np.where(kind == 1, x, 0), 1)
+    a, b = phy_AP[ra, p], phy_AP[ra, q]
+    swap, drop, add = kind == 0, kind == 1, kind == 2
+    cand = np.repeat(phy_AP[:, None, :], K, 1)
+    cand[ra[swap], kk[swap], q[swap]] = a[swap]
+    cand[ra[swap], kk[swap], p[swap]] = b[swap]
+    cand[ra[drop], kk[drop], p[drop]] = c[drop]
+    cand[ra[add], kk[add], q[add]] = a[add]
+    # Exact device loads of each candidate from the changes its move makes.
+    h = q // S
+    a0, b0, c0 = a.clip(0), b.clip(0), c.clip(0)
+    hold_a = holds[ra[..., None], np.arange(G), a0[..., None]]          # [A, K, G]
+    hold_b = holds[ra[..., None], np.arange(G), b0[..., None]]
+    hold_c = holds[ra[..., None], np.arange(G), c0[..., None]]
+    sa_k, sb_k = w_AP[ra, p], w_AP[ra, q]
+    dy = np.zeros((A, K, G))
+    dy += (drop * rise_AE[ra, a0])[..., None] * hold_a                  # drop: a's other holders take more
+    dy -= (drop * (share - c_new)[ra, c0])[..., None] * hold_c          #       c's holders take less
+    dy -= (add * (share - c_new)[ra, a0])[..., None] * hold_a           # add:  a's holders take less
+    dy += (add & (b >= 0))[..., None] * rise_AE[ra, b0][..., None] * hold_b   # b's other holders take more
+    y_AKG = y_AG[:, None, :] + dy
+    g_add = yg - (share - c_new)[ra, a0] + (b >= 0) * holds[ra, g[:, None], b0] * rise_AE[ra, b0]   # g* may hold b
+    g_new = np.where(swap, yg - sa_k + sb_k, np.where(drop, yg - sa_k + c_new[ra, c0], g_add))
+    h_new = np.where(swap, y_AG[ra, h] + sa_k - sb_k, y_AG[ra, h] - sb_k + c_new[ra, a0])
+    y_AKG[ra, kk, g[:, None]] = g_new
+    hh = ~drop
+    y_AKG[ra[hh], kk[hh], h[hh]] = h_new[hh]
+    score = y_AKG.max(2)
+    if was_AGE is not None:
+        score = score + np.take_along_axis(moves_AX, pick, 1) * move_cost_A[:, None]
+    return cand, np.where(np.isfinite(est_AK), score, np.inf), y_AKG, y_AG
+
+
+def _move_count(was_AGE, a_AS, g_A, b_AQ, h_AQ, c_AC) -> np.ndarray:
+    """[A, X] change in the number of replicas held where `previous` did not hold them, per move in the
+    order of `_moves`' estimates (swap, drop, add)."""
+    A, S = a_AS.shape
+    rows = np.arange(A)[:, None]
+    a_id, b_id = a_AS.clip(0), b_AQ.clip(0)
+    real_a, real_b = (a_AS >= 0), (b_AQ >= 0)
+    new_a_h = ~was_AGE[rows[:, :, None], h_AQ[:, None, :], a_id[:, :, None]]       # a placed on h: [A, S, Q]
+    new_a_g = ~was_AGE[rows, g_A[:, None], a_id]                                  # a was on g*: [A, S]
+    new_b_g = ~was_AGE[rows, g_A[:, None], b_id]                                  # b placed on g*: [A, Q]
+    new_b_h = ~was_AGE[rows, h_AQ, b_id]                                          # b was on h: [A, Q]
+    swap = (real_a[:, :, None] * (new_a_h.astype(np.int64) - new_a_g[:, :, None])
+            + (real_b * (new_b_g.astype(np.int64) - new_b_h))[:, None, :])
+    new_c_g = ~was_AGE[rows, g_A[:, None], c_AC]                                  # c placed on g*: [A, C]
+    drop = new_c_g[:, None, :].astype(np.int64) - new_a_g[:, :, None]
+    add = new_a_h.astype(np.int64) - (real_b * new_b_h)[:, None, :]
+    return np.concatenate([swap.reshape(A, -1), drop.reshape(A, -1), add.reshape(A, -1)], 1)
+
+
+def _per_node(phy_AP, node_AG, S: int, E: int) -> np.ndarray:
+    """[A, nodes, E] replicas of each expert on each node (node_AG [A, G]: each layer's node of each device)."""
+    A, P = phy_AP.shape
+    nodes = int(node_AG.max()) + 1
+    node_AP = node_AG[:, np.arange(P) // S]
+    key = ((np.arange(A)[:, None] * nodes + node_AP) * (E + 1) + phy_AP + 1).ravel()
+    return np.bincount(key, minlength=A * nodes * (E + 1)).reshape(A, nodes, E + 1)[:, :, 1:]
+
+
+def _keeps_nodes(per_node_ANE, a_AS, b_AQ, g_A, h_AQ, node_AG) -> np.ndarray:
+    """[A, S, Q] bool: swapping slot s of g* with partner slot q keeps every expert on as many nodes as
+    before (a swap within a node always does; across nodes, neither expert may leave a node it alone
+    covers for a node that already holds it)."""
+    rows = np.arange(len(a_AS))[:, None]
+    ng = node_AG[rows[:, 0], g_A][:, None]                         # [A, 1]
+    nq = node_AG[rows, h_AQ]                                       # [A, Q]
+    a_id, b_id = a_AS.clip(0), b_AQ.clip(0)
+    a_alone = ((a_AS >= 0) & (per_node_ANE[rows, ng, a_id] == 1))[:, :, None]
+    a_there = per_node_ANE[rows[:, :, None], nq[:, None, :], a_id[:, :, None]] > 0
+    b_alone = ((b_AQ >= 0) & (per_node_ANE[rows, nq, b_id] == 1))[:, None, :]
+    b_there = (per_node_ANE[rows, ng, b_id] > 0)[:, None, :]
+    cross = (nq != ng)[:, None, :]
+    return ~(cross & ((a_alone & a_there) | (b_alone & b_there)))

@@ -1,0 +1,142 @@
+"""`eb plan`: load files in, our plan JSON and SGLang's --init-expert-location JSON out, read back by a
+re-implementation of SGLang's parsing (tests/sglang_format.py)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eb_deepspeed.planning.export import (balance_table, placement_json, read_placement_json, sglang_mapping,
+                                          trivial_placement)
+from eb_deepspeed.planning.placement import index_maps, plan_placement
+from eb_deepspeed.tools.bench import pareto_loads
+from eb_deepspeed.tools.cli import main
+from sglang_format import read_init_expert_location
+
+pytestmark = pytest.mark.unit
+
+
+def _sglang_stat_dump(path, steps=5, layers=4, experts=16, dense_first=True, seed=0):
+    """A file in SGLang's `stat` dump format: {rank, logical_count int32 [steps, num_hidden_layers, experts],
+    average_utilization_rate_over_window}; a dense first layer records zeros."""
+    g = torch.Generator().manual_seed(seed)
+    heat = pareto_loads(layers, experts, seed)
+    counts = torch.poisson(heat.expand(steps, layers, experts) * 50, generator=g).to(torch.int32)
+    if dense_first:
+        counts[:, 0] = 0
+    torch.save({"rank": 0, "logical_count": counts, "average_utilization_rate_over_window": None}, path)
+    return counts
+
+
+def test_a_plan_from_an_sglang_dump_loads_in_sglangs_parser_and_dispatches_on_our_devices(tmp_path, capsys):
+    dump = tmp_path / "expert_distribution_recorder_1732900000.0.pt"
+    counts = _sglang_stat_dump(dump)
+    L, E, G = counts.shape[1], counts.shape[2], 4
+    out, sg = tmp_path / "plan.json", tmp_path / "sglang.json"
+    assert main(["plan", str(dump), "--devices", str(G), "--redundant", "4", "--nodes", "2",
+                 "--out", str(out), "--sglang", str(sg)]) == 0
+    printed = capsys.readouterr().out
+    assert "before (slot p holds expert p % E)" in printed and "planned (dispatch=uniform)" in printed
+    meta = read_init_expert_location(str(sg), num_layers=L, num_logical=E, ep_size=G, gpus_per_node=2)
+    ours = read_placement_json(str(out))
+    assert meta["physical_to_logical_map"].tolist() == ours.phy2log.tolist()
+    assert meta["num_local_physical_experts"] == ours.slots_per_device == (E + 4) // G
+    assert bool((meta["logical_to_all_physical_map_num_valid"] == ours.logcnt).all())
+    for l in range(L):
+        for e in range(E):
+            sg_slots = meta["logical_to_all_physical_map"][l, e]
+            assert sorted(sg_slots[sg_slots >= 0].tolist()) == sorted(ours.log2phy[l, e][ours.log2phy[l, e] >= 0].tolist())
+    # every rank's static dispatch goes to a replica of the right expert, on its own GPU when it holds one
+    disp = meta["logical_to_rank_dispatch_physical_map"]
+    devices = ours.expert_devices()
+    for r in range(G):
+        assert bool((ours.phy2log.gather(1, disp[r]) == torch.arange(E)).all())
+        own = (devices == r).any(2)
+        assert bool(((disp[r] // ours.slots_per_device == r) | ~own).all())
+
+
+def test_sglangs_parser_refuses_what_we_must_never_write(tmp_path):
+    plan = plan_placement(pareto_loads(2, 8, 1), 4, 3)
+    extra = tmp_path / "extra.json"
+    extra.write_text(json.dumps({**sglang_mapping(plan), "logcnt": plan.logcnt.tolist()}))
+    with pytest.raises(TypeError):                       # SGLang splats the dict into init_by_mapping(**...)
+        read_init_expert_location(str(extra), num_layers=2, num_logical=8, ep_size=4, gpus_per_node=4)
+    assert list(sglang_mapping(plan)) == ["physical_to_logical_map"]
+    empty = index_maps(torch.tensor([[0, 1, 2, 3, -1, -1]]), 4, 2, 3)
+    with pytest.raises(ValueError, match="SGLang needs an expert in every physical slot"):
+        sglang_mapping(empty)
+
+
+def test_our_plan_file_round_trips_and_refuses_tampering(tmp_path):
+    plan = plan_placement(pareto_loads(3, 12, 2), 4, 4, num_nodes=2)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(placement_json(plan, dispatch="steered", num_nodes=2)))
+    back = read_placement_json(str(path))
+    assert back.phy2log.tolist() == plan.phy2log.tolist() and back.log2phy.tolist() == plan.log2phy.tolist()
+    doc = json.loads(path.read_text())
+    doc["phy2log"][0][0] = doc["phy2log"][0][1]          # a device holding two replicas of one expert
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="two on one device|logcnt does not match"):
+        read_placement_json(str(path))
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not an eb_deepspeed plan"):
+        read_placement_json(str(path))
+
+
+def test_sglang_per_pass_records_and_vllm_style_loads_plan_the_same_as_their_logical_counts(tmp_path):
+    g = torch.Generator().manual_seed(4)
+    L, E, G, S = 3, 8, 4, 3
+    p2l = torch.stack([torch.randperm(G * S, generator=g) % E for _ in range(L)])
+    phys = torch.randint(0, 40, (6, L, G * S), generator=g)
+    logical = torch.zeros(6, L, E, dtype=torch.long).scatter_add_(2, p2l.expand(6, L, G * S), phys)
+    torch.save({"records": [{"forward_pass_id": i, "rank": 0, "gatherer_key": "primary", "global_physical_count": phys[i]}
+                            for i in range(6)], "last_physical_to_logical_map": p2l}, tmp_path / "per_pass_0.pt")
+    torch.save({"expert_load_window": phys, "physical_to_logical_map": p2l}, tmp_path / "vllm.pt")
+    torch.save({"logical_count": logical.to(torch.int32)}, tmp_path / "stat.pt")
+    plans = []
+    for name in ("per_pass_0.pt", "vllm.pt", "stat.pt"):
+        assert main(["plan", str(tmp_path / name), "--devices", str(G), "--slots", str(S), "--json",
+                     "--out", str(tmp_path / f"{name}.json")]) == 0
+        plans.append(read_placement_json(str(tmp_path / f"{name}.json")).phy2log.tolist())
+    assert plans[0] == plans[1] == plans[2]
+
+
+def test_the_balance_table_shows_the_planned_layout_better_under_both_dispatch_models():
+    load = pareto_loads(6, 16, 3)
+    plan = plan_placement(load, 4, 5)
+    table = balance_table(load, {"before": trivial_placement(6, 16, 4, 5), "after": plan})
+    for d in ("uniform", "steered"):
+        assert table["after"][d]["aggregate"] >= table["before"][d]["aggregate"]
+    assert table["after"]["uniform"]["aggregate"] > table["before"]["uniform"]["aggregate"]
+    assert all(0 < v <= 1 for row in table.values() for d in row.values() for v in d.values())
+
+
+def test_eb_plan_reads_our_own_balance_log(tmp_path):
+    from eb_deepspeed.core.record import EXPERT_COUNTS
+    log = tmp_path / "balance.jsonl"
+    counts = pareto_loads(4, 8, 6) * 100
+    with open(log, "w") as f:
+        for step in (5, 10):
+            f.write(json.dumps({"step": step, EXPERT_COUNTS: counts.round().tolist()}) + "\n")
+    res = subprocess.run([sys.executable, "-m", "eb_deepspeed.tools.cli", "plan", str(tmp_path), "--devices", "2",
+                          "--redundant", "2", "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["steps"] == 2 and doc["slots_per_device"] == 5 and doc["layers"] == 4
+    assert doc["balance"]["planned (dispatch=uniform)"]["uniform"]["aggregate"] >= \
+        doc["balance"]["before (slot p holds expert p % E)"]["uniform"]["aggregate"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--devices", "3", "--redundant", "2"], "must be divisible by --devices 3"),
+    (["--devices", "2", "--slots", "1"], "must be >= num_experts"),
+])
+def test_eb_plan_user_errors_are_one_line_not_a_traceback(tmp_path, args, message):
+    _sglang_stat_dump(tmp_path / "d.pt", layers=2, experts=8, dense_first=False)
+    res = subprocess.run([sys.executable, "-m", "eb_deepspeed.tools.cli", "plan", str(tmp_path / "d.pt"), *args],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+    res = subprocess.run([sys.executable, "-m", "eb_deepspeed.tools.cli", "plan", str(tmp_path / "missing.pt"),
+                          "--devices", "2", "--slots", "4"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "missing.pt" in res.stderr and "Traceback" not in res.stderr
