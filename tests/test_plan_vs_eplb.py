@@ -146,10 +146,27 @@ def test_node_spread_weight_trades_balance_for_locality():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(dispatch="even"), r"dispatch \('even'\) must be one of \['steered', 'uniform'\]"),
+    (dict(dispatch="even"), r"dispatch \('even'\) must be one of \['steered', 'uniform', 'padded'\]"),
     (dict(node_spread="yes"), r"node_spread \('yes'\) must be True, False, None or a weight >= 0"),
     (dict(node_spread=-1.0), r"node_spread \(-1.0\) must be True, False, None or a weight >= 0"),
 ])
 def test_bad_dispatch_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_placement(torch.ones(2, 4), 2, 3, **kwargs)
+
+
+def test_padded_dispatch_keeps_the_counts_that_minimise_the_largest_slot_and_reaches_its_bound():
+    # DeepSpeed's MOELayer pads every slot to the largest: the cost is slots x the largest share, whose
+    # least value over every placement of these slots is `slot_bound` (counts by largest share, whole slots)
+    from eb_deepspeed.planning.placement import expected_padded_cost
+    from eb_deepspeed.tools.bench_infer import slot_bound, zipf
+    for E, G, S in ((8, 2, 5), (8, 4, 3), (16, 4, 6)):
+        z = zipf(E, 1.0)
+        heat = (z + z.roll(1))[None] * 1000
+        plan = plan_placement(heat, G, S, dispatch="padded")
+        assert plan.logcnt[0].tolist() == un.uniform_counts(heat.numpy(), G * S, G)[0].tolist()
+        ratio = float(expected_padded_cost(heat, plan)[0] / heat.sum())
+        assert ratio == pytest.approx(slot_bound(heat[0] / heat.sum(), G, S), rel=1e-9)
+        # the uniform plan may trade the largest share for device balance; never below the bound
+        assert float(expected_padded_cost(heat, plan_placement(heat, G, S, dispatch="uniform"))[0] / heat.sum()) \
+            >= ratio - 1e-12

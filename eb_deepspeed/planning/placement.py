@@ -50,7 +50,7 @@ from .uniform import best_of, count_variants, device_loads as _uniform_loads, re
 MAX_SLOTS = 1 << 16
 MAX_LAYER_SLOTS = 1 << 24
 MAX_STICKINESS = 1e3
-DISPATCH = ("steered", "uniform")   # how a runtime splits an expert's tokens over its replicas
+DISPATCH = ("steered", "uniform", "padded")   # how a runtime splits (and pads) an expert's tokens over its replicas
 # The default weight of node spread under steered dispatch: a layer gives up at most 1 % of its mean device
 # load to lower the expected cross-node route fraction by 0.1 (see `cross_node_fraction`).
 SPREAD_WEIGHT = 0.1
@@ -258,8 +258,10 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     to confirm moves (more candidates per layer on smaller inputs).
     dispatch: how the runtime splits an expert's tokens over its replicas. "steered" (ours: freely,
     by `steering.steer`): plans for the slowest device after steering. "uniform" (vLLM, SGLang,
-    EPLB: evenly): replica counts that minimise the largest share, then balanced packing and
-    pairwise swaps (`uniform.py`).
+    EPLB: evenly): replica counts that minimise the largest share, then balanced packing and a local
+    search that may change counts (`uniform.py`). "padded" (DeepSpeed's MOELayer: evenly, and every
+    slot padded to the largest): the counts that minimise the largest share are kept, swaps balance
+    the devices.
     node_spread: how much replicas spread over nodes matter. True: a rule (each expert's replicas on
     as many nodes as they can be; every candidate keeps it); False: not at all; a float w >= 0: a cost,
     w x the layer's mean device load per unit of `cross_node_fraction` (the expected share of routes
@@ -332,10 +334,11 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     was_LGE = previous.holds().numpy() if previous is not None else None   # any slots per device
     load = load_LE.numpy()
     small = L * P <= EXTRA_WORK
-    if dispatch == "uniform":
-        # Steps 1u-3u: balance without steering (spread over nodes, and not, where spread is weighed).
+    if dispatch in ("uniform", "padded"):
+        # Steps 1u-3u: balance without steering (spread over nodes, and not, where spread is weighed);
+        # padded: the counts that minimise the largest share stay, only swaps balance the devices.
         cands = _uniform_phy(load_LE, G, S, [spread_G, none_G] if weighed else [spread_G], was_LGE, slot_budget,
-                             stickiness, refine_rounds)
+                             stickiness, refine_rounds, fixed_counts=dispatch == "padded")
         x_LP = None
     else:
         # Steps 1u-3u, then 3: the plan that balances without steering, improved for steering.
@@ -372,7 +375,7 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
 
 
 def _uniform_phy(load_LE, G, S, nodes_list, was_LGE, slot_budget, stickiness, refine_rounds,
-                 steered: bool = False) -> list[np.ndarray]:
+                 steered: bool = False, fixed_counts: bool = False) -> list[np.ndarray]:
     """One phy_LP of steps 1u, 2, 3u (see `uniform.py`) per node map in nodes_list ([G] each; zeros = no
     spread), planned side by side. On small inputs several replica-count variants are placed and refined
     too (about 2**15 slots of work in all), and each layer keeps its best. `steered`: a start for the
@@ -382,7 +385,7 @@ def _uniform_phy(load_LE, G, S, nodes_list, was_LGE, slot_budget, stickiness, re
     load = load_LE.numpy()
     n = len(nodes_list)
     if slot_budget is None:
-        variants = count_variants(load, P, G, int(np.clip((1 << 15) // (n * L * P), 1, 4)))
+        variants = count_variants(load, P, G, 1 if fixed_counts else int(np.clip((1 << 15) // (n * L * P), 1, 4)))
     else:
         variants = [replica_counts(load_LE, P, G, slot_budget).numpy()]
     V = len(variants)
@@ -396,12 +399,19 @@ def _uniform_phy(load_LE, G, S, nodes_list, was_LGE, slot_budget, stickiness, re
     work, least = ((1 << 16), 0) if steered else ((1 << 18), 4)
     rounds = int(np.clip(work // (rows * P), least, 8 * G)) if refine_rounds is None else refine_rounds
     if rounds > 0:
-        phy = refine_uniform(phy, load_N, G, S, rounds, node_NG if node_NG.max() > 0 else None, was, stickiness)
+        phy = refine_uniform(phy, load_N, G, S, rounds, node_NG if node_NG.max() > 0 else None, was, stickiness,
+                             swaps_only=fixed_counts)
     phy = phy.reshape(n, V, L, P)
     if V == 1:
         return list(phy[:, 0])
     cost = None if was is None else _move_cost(phy.reshape(rows, P), was, load_N, G, S, stickiness).reshape(n, V, L)
     return [best_of(phy[i], load, G, S, None if cost is None else cost[i]) for i in range(n)]
+
+
+def _replica_counts(phy_NP: np.ndarray, E: int) -> np.ndarray:
+    """[N, E] replicas of each expert in phy_NP."""
+    N = phy_NP.shape[0]
+    return np.bincount((np.arange(N)[:, None] * (E + 1) + phy_NP + 1).ravel(), minlength=N * (E + 1)).reshape(N, E + 1)[:, 1:]
 
 
 def _move_cost(phy_NP, was_NGE, load_NE, G: int, S: int, stickiness: float) -> np.ndarray:
@@ -429,7 +439,7 @@ def _choose(phy_CLP, load_LE, G, S, node_G, spread_weight, was_LGE, stickiness, 
     `flows.steer_flows`), plus spread_weight x the mean device load x the cross-node route fraction,
     plus priced weight moves. Returns (phy_LP, x_LP: tokens per slot after steering, or None)."""
     C, L, P = phy_CLP.shape
-    if C == 1 and (dispatch == "uniform" or x0_LP is not None):
+    if C == 1 and (dispatch != "steered" or x0_LP is not None):
         return phy_CLP[0], x0_LP
     phy_NP = phy_CLP.reshape(C * L, P)
     load_NE = np.tile(load_LE, (C, 1))
@@ -444,6 +454,10 @@ def _choose(phy_CLP, load_LE, G, S, node_G, spread_weight, was_LGE, stickiness, 
         x_NP, y_NG = None, _uniform_loads(phy_NP, load_NE, G, S)
     mean = load_LE.sum(1) / G
     score = y_NG.max(1).reshape(C, L)
+    if dispatch == "padded":   # every slot is padded to the largest: slots x the largest share, per device
+        share = (load_NE / np.maximum(_replica_counts(phy_NP, load_NE.shape[1]), 1))
+        largest = np.where(phy_NP >= 0, np.take_along_axis(share, phy_NP.clip(0), 1), 0.0).max(1)
+        score = (largest * S).reshape(C, L)
     if spread_weight > 0 and node_G.max() > 0:
         score = score + spread_weight * mean * cross_node_fraction(phy_NP, load_NE, node_G, S).reshape(C, L)
     if was_LGE is not None:

@@ -72,7 +72,7 @@ def best_of(phy_VLP: np.ndarray, load_LE: np.ndarray, G: int, S: int, cost_VL: n
 
 def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, rounds: int,
                    node_G: np.ndarray | None = None, was_LGE: np.ndarray | None = None,
-                   stickiness: float = 0.0, work: int = 1 << 16) -> np.ndarray:
+                   stickiness: float = 0.0, work: int = 1 << 16, swaps_only: bool = False) -> np.ndarray:
     """Lower each layer's slowest device under an even split by local moves. phy_LP [L, P] changes in
     place and is returned.
 
@@ -92,7 +92,7 @@ def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, roun
     node that already holds it, or off a node it alone covers at all (drop, add).
     was_LGE [L, G, E] (the devices of `previous` that held each expert): every replica a move puts
     where `previous` did not hold it costs `stickiness` x the mean device load / P, every one it puts
-    back earns as much.
+    back earns as much. swaps_only: keep every expert's replica count (drops and adds are not tried).
     """
     L, P = phy_LP.shape
     mean_L = load_LE.sum(1) / G
@@ -107,7 +107,7 @@ def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, roun
         phy = phy_LP[active]
         cand_AKP, score_AK, y_AKG, y_AG = _moves(phy, load_LE[active], G, S, node_LG[active] if nodes > 1 else None,
                                                 None if was_LGE is None else was_LGE[active], move_cost_L[active],
-                                                max(1, min(64, work // (len(active) * P))))
+                                                max(1, min(64, work // (len(active) * P))), swaps_only=swaps_only)
         rows = np.arange(len(active))
         cur = y_AG.max(1)        # scores are relative to the current weight moves (a move's own are added)
         tol = tol_L[active]
@@ -138,7 +138,7 @@ def _shares(phy_NP: np.ndarray, load_NE: np.ndarray):
 
 
 def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_AGE, move_cost_A, K: int, partners: int = 8,
-           takers: int = 16):
+           takers: int = 16, swaps_only: bool = False):
     """The best K moves of each layer by estimate: (candidate placements cand_AKP, their exact slowest
     device plus priced weight moves score_AK (inf where a layer has fewer than K legal moves), their
     device loads y_AKG, the current device loads y_AG). Move kinds as in `refine_uniform`; swaps and
@@ -199,6 +199,8 @@ def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_AGE, move_cost_A, K: in
         ok_swap &= _keeps_nodes(per_node, a_AS, b_AQ, g, h_AQ, node_AG)
         ok_drop &= (per_node[rows, node_AG[rows[:, 0], g][:, None], a_id] >= 2)[:, :, None]
         ok_add &= (per_node[rows, node_AG[rows, h_AQ], b_id] >= 2)[:, None, :]
+    if swaps_only:
+        ok_drop, ok_add = np.zeros_like(ok_drop), np.zeros_like(ok_add)
     est = np.concatenate([np.where(ok_swap, est_swap, np.inf).reshape(A, -1),
                           np.where(ok_drop, est_drop, np.inf).reshape(A, -1),
                           np.where(ok_add, est_add, np.inf).reshape(A, -1)], 1)

@@ -10,7 +10,7 @@
     eb bench optimum [--json]         planner vs a brute-force optimum on tiny inputs (30 loads x 7 shapes)
     eb bench infer [--json]           replicated serving vs plain DeepSpeed on 2 and 4 gloo ranks
     eb simulate [--workload all] [--json]   seed 000's table + placement/steering rows, with targets
-    eb plan LOAD --devices G [--slots S | --redundant R] [--nodes N] [--dispatch uniform|steered]
+    eb plan LOAD --devices G [--slots S | --redundant R] [--nodes N] [--dispatch uniform|steered|padded]
             [--out plan.json] [--sglang sglang.json]    a placement from a load file, with a before/after table
 """
 from __future__ import annotations
@@ -274,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redundant", type=non_negative, default=None,
                    help="redundant experts per layer (SGLang: --ep-num-redundant-experts); instead of --slots")
     p.add_argument("--nodes", type=counting, default=1, help="nodes the devices span (must divide --devices)")
-    p.add_argument("--dispatch", choices=["uniform", "steered"], default="uniform",
-                   help="how the serving runtime splits an expert's tokens over its replicas: evenly (SGLang, vLLM, "
-                        "our 'view' split) or freely (our steering); default uniform")
+    p.add_argument("--dispatch", choices=["uniform", "steered", "padded"], default="uniform",
+                   help="how the serving runtime splits an expert's tokens over its replicas: evenly (SGLang, vLLM), "
+                        "freely (our steering), or evenly with every slot padded to the largest (DeepSpeed's "
+                        "MOELayer); default uniform")
     p.add_argument("--last", type=counting, default=None, help="use only the last N steps of the load file")
     p.add_argument("--out", default=None, help="write our plan JSON here")
     p.add_argument("--sglang", default=None, help="write SGLang's --init-expert-location JSON here")

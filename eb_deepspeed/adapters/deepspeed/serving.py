@@ -47,7 +47,8 @@ from ...core.config import EasyBalanceConfig, strip_block
 from ...core.record import NullLogger
 from ...core.topology import node_map, resolve_topology
 from ...observe.monitor import JsonlLogger
-from ...planning.placement import Placement, expected_padded_cost, expected_slot_ratio, plan_placement, static_placement
+from ...planning.placement import (SPREAD_WEIGHT, Placement, expected_padded_cost, expected_slot_ratio, plan_placement,
+                                   static_placement)
 from .engine import find_moe_layers
 from .replicas import ReplicaGate, SlotTable
 
@@ -215,12 +216,14 @@ class Serving:
         if self.last_plan_batch is not None and self.batches - self.last_plan_batch < inf.replan_interval:
             return False
         num_nodes = int(self.node_G.max()) + 1
-        # DeepSpeed pads every slot to the largest (`expected_padded_cost`, the choice below): plan for the even
-        # split, whose largest share is what that cost counts, under either split.
+        # DeepSpeed pads every slot to the largest (`expected_padded_cost`, the choice below): plan for that
+        # ("padded": the largest share as small as it gets), under either split. Node spread only pays where
+        # routes can stay on their node: with the `exact` split, which steers them there.
+        spread = SPREAD_WEIGHT if inf.split == "exact" else False
         choice = choose_placement(
             view.heat_LE, self.placement, self.home, inf.replan_threshold,
             plan=lambda heat: plan_placement(heat, self.G, self.S_max, num_nodes=num_nodes, previous=self.placement,
-                                             dispatch="uniform"))
+                                             dispatch="padded", node_spread=spread))
         if choice is None:
             return False
         self.last_plan_batch = self.batches
