@@ -9,26 +9,20 @@ The `"easybalance"` block of the ds_config switches it on; see README.md and doc
 `core` (framework-neutral loop), `planning` (placement, steering), `adapters.deepspeed`,
 `observe` (logs, W&B, plots), `sim` (cluster simulator), `tools` (the `eb` CLI, benchmarks).
 """
-from .core import metrics
-from .core.balancer import Balancer
-from .core.config import ConfigError, CostWeights, EasyBalanceConfig, LogConfig
-from .core.view import LoadView, sequence_length_weights
-from .planning.placement import plan_placement
-from .planning.steering import steer
-from .sim.traces import load_trace
+from .core._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = ["initialize", "init_inference", "load_moe_checkpoint", "CrossLayerGate", "swap_gates", "Balancer", "ConfigError", "CostWeights",
-           "EasyBalanceConfig", "LogConfig", "LoadView", "sequence_length_weights", "metrics", "plan_placement",
-           "steer", "load_trace", "__version__"]
-
-_DEEPSPEED_NAMES = ("initialize", "init_inference", "load_moe_checkpoint", "swap_gates", "CrossLayerGate")
-
-
-def __getattr__(name):
-    # The DeepSpeed-facing parts import deepspeed (slow); the pure parts above do not.
-    if name in _DEEPSPEED_NAMES:
-        from .adapters import deepspeed as adapter
-        return getattr(adapter, name)
-    raise AttributeError(f"module 'eb_deepspeed' has no attribute {name!r}")
+_EXPORTS = {
+    "metrics": ".core.metrics", "Balancer": ".core.balancer", "ConfigError": ".core.config",
+    "CostWeights": ".core.config", "EasyBalanceConfig": ".core.config", "LogConfig": ".core.config",
+    "LoadView": ".core.view", "sequence_length_weights": ".core.view", "plan_placement": ".planning.placement",
+    "steer": ".planning.steering", "load_trace": ".sim.traces",
+    # the DeepSpeed-facing parts import deepspeed (slow)
+    "initialize": ".adapters.deepspeed", "init_inference": ".adapters.deepspeed",
+    "load_moe_checkpoint": ".adapters.deepspeed", "swap_gates": ".adapters.deepspeed",
+    "CrossLayerGate": ".adapters.deepspeed",
+}
+__all__ = [*_EXPORTS, "__version__"]
+# Every name is imported on first use: `import eb_deepspeed` (and `eb --help`) does not load torch.
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

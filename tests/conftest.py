@@ -42,7 +42,7 @@ def dist_env(world_size: int, rank: int, port: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=EXT_DIR,
-               OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=os.pathsep.join(
+               OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
                    [ROOT, os.path.join(ROOT, "examples"), env.get("PYTHONPATH", "")]))
     return env
 
@@ -78,7 +78,11 @@ def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIM
     except subprocess.TimeoutExpired:
         for proc, _ in procs:
             proc.kill()
-        pytest.fail(f"{scenario} with {world_size} ranks hung for {timeout} s; logs in {out_dir}")
+        for _, log in procs:
+            log.close()
+        tails = "\n".join(f"--- rank {rank}, last lines:\n" + "\n".join(
+            (out_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()[-15:]) for rank in range(world_size))
+        pytest.fail(f"{scenario} with {world_size} ranks hung for {timeout} s; logs in {out_dir}\n{tails}")
     finally:
         for _, log in procs:
             log.close()

@@ -27,3 +27,4 @@ def test_the_shm_op_is_built_once_into_this_checkout_and_reused():
     before = {path: os.stat(path).st_mtime_ns for path in built}
     assert source_setup() == ext_dir
     assert {path: os.stat(path).st_mtime_ns for path in built} == before   # loaded, not rebuilt
+

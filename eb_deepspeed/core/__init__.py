@@ -3,16 +3,16 @@
 Imports torch (and the standard library) only, never deepspeed or megatron: every adapter builds
 on it, and it runs in one CPU process. See docs/design.md for the layering.
 """
-from . import metrics
-from .balancer import BalancedGate, Balancer, check_agreement
-from .config import AuxConfig, ConfigError, CostWeights, EasyBalanceConfig, InferenceConfig, LogConfig
-from .policies import POLICIES, AuxController
-from .record import BalanceLogger, NullLogger
-from .tally import Tally, TallyLayout, TallyRecorder
-from .topology import TOPOLOGIES, Topology, hop_cost, node_map, resolve_topology
-from .view import LoadView, sequence_length_weights
+from ._lazy import lazy_exports
 
-__all__ = ["metrics", "Balancer", "BalancedGate", "check_agreement", "EasyBalanceConfig", "ConfigError", "CostWeights",
-           "LogConfig", "AuxConfig", "InferenceConfig", "POLICIES", "AuxController", "BalanceLogger", "NullLogger",
-           "Tally", "TallyLayout", "TallyRecorder", "TOPOLOGIES", "Topology", "hop_cost", "node_map",
-           "resolve_topology", "LoadView", "sequence_length_weights"]
+_EXPORTS = {
+    "metrics": ".metrics", "Balancer": ".balancer", "BalancedGate": ".balancer", "check_agreement": ".balancer",
+    "EasyBalanceConfig": ".config", "ConfigError": ".config", "CostWeights": ".config", "LogConfig": ".config",
+    "AuxConfig": ".config", "InferenceConfig": ".config", "POLICIES": ".policies", "AuxController": ".policies",
+    "BalanceLogger": ".record", "NullLogger": ".record", "Tally": ".tally", "TallyLayout": ".tally",
+    "TallyRecorder": ".tally", "TOPOLOGIES": ".topology", "Topology": ".topology", "hop_cost": ".topology",
+    "node_map": ".topology", "resolve_topology": ".topology", "LoadView": ".view",
+    "sequence_length_weights": ".view",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)   # imported on first use (torch is slow to load)

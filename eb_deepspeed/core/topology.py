@@ -13,8 +13,10 @@ simulator's bandwidths and latencies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Topology", "TOPOLOGIES", "hop_cost", "resolve_topology", "node_map"]
 
@@ -46,6 +48,7 @@ def hop_cost(node_G: torch.Tensor, node_hop: float) -> torch.Tensor:
 
     node_G: [G] node of each rank.
     """
+    import torch     # here, not at the top: the CLI reads TOPOLOGIES without loading torch
     node_G = torch.as_tensor(node_G)
     same_node_GG = node_G[:, None] == node_G[None, :]
     cost_GG = torch.full(same_node_GG.shape, 1.0, dtype=torch.float64).masked_fill_(same_node_GG, node_hop)

@@ -6,12 +6,14 @@
 `model` (cost model), `workloads` (synthetic and trace workloads), `traces` (importers, one
 validation path), `strategies` (what is compared, and the table).
 """
-from ..core.topology import TOPOLOGIES, Topology
-from .model import ClusterModel
-from .strategies import STRATEGIES, STRATEGY_LABELS, SimConfig, evaluate_targets, format_table, run_table, simulate
-from .traces import load_trace
-from .workloads import WORKLOADS, Workload, synthetic_workload, trace_workload, uniform_workload
+from ..core._lazy import lazy_exports
 
-__all__ = ["Topology", "TOPOLOGIES", "ClusterModel", "SimConfig", "Workload", "synthetic_workload", "uniform_workload",
-           "load_trace", "trace_workload", "simulate", "STRATEGIES", "STRATEGY_LABELS", "run_table", "evaluate_targets",
-           "format_table", "WORKLOADS"]
+_EXPORTS = {
+    "Topology": "..core.topology", "TOPOLOGIES": "..core.topology", "ClusterModel": ".model",
+    "SimConfig": ".strategies", "STRATEGIES": ".strategies", "STRATEGY_LABELS": ".strategies",
+    "run_table": ".strategies", "evaluate_targets": ".strategies", "format_table": ".strategies",
+    "simulate": ".strategies", "load_trace": ".traces", "Workload": ".workloads", "WORKLOADS": ".workloads",
+    "synthetic_workload": ".workloads", "trace_workload": ".workloads", "uniform_workload": ".workloads",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)   # imported on first use

@@ -14,9 +14,9 @@ import os
 
 import torch
 
-from ..core.record import EXPERT_COUNTS
+from ..core.record import EXPERT_COUNTS, PRESSURE
 
-__all__ = ["load_trace"]
+__all__ = ["load_trace", "ranks_in_log"]
 
 
 def load_trace(path: str) -> torch.Tensor:
@@ -66,6 +66,19 @@ def load_trace(path: str) -> torch.Tensor:
             return _checked(out[:, :, 1:], path)
     raise ValueError(f"{path}: no expert load found; expected one of logical_count (SGLang), global_expert_load, "
                      f"expert_load_window / expert_load_pass (vLLM); keys present: {sorted(data)}")
+
+
+def ranks_in_log(path: str) -> int | None:
+    """The EP ranks our own balance log recorded (the width of its last `pressure_LG`), or None for other
+    files (SGLang's and vLLM's loads name no ranks) and logs without it."""
+    if not (path.endswith(".jsonl") or os.path.isdir(path)):
+        return None
+    from ..observe.report import read_log
+    last = read_log(path, keys=())[-1]
+    pressure = last.get(PRESSURE)
+    if isinstance(pressure, list) and pressure and isinstance(pressure[0], list) and pressure[0]:
+        return len(pressure[0])
+    return None
 
 
 def _from_sglang_records(data: dict, path: str) -> torch.Tensor:

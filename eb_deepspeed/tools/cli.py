@@ -116,6 +116,7 @@ def _simulate(args) -> int:
     from tqdm import tqdm
 
     from .. import sim
+    from ..sim.traces import ranks_in_log
     names = list(sim.WORKLOADS) if args.workload == "all" else [args.workload]
     cfg = sim.SimConfig(model=sim.ClusterModel(topology=sim.TOPOLOGIES[args.topology], window=args.window),
                         extra_slots=args.extra_slots)
@@ -123,10 +124,11 @@ def _simulate(args) -> int:
     for name in names:
         if name == "trace":
             trace = sim.load_trace(args.trace)
-            workloads.append(sim.trace_workload(trace, args.devices, name=f"trace:{args.trace}"))
+            devices = args.devices or ranks_in_log(args.trace) or 8
+            workloads.append(sim.trace_workload(trace, devices, name=f"trace:{args.trace}"))
         else:
             workloads.append(sim.synthetic_workload(name, layers=args.layers, experts=args.experts,
-                                                    devices=args.devices, steps=args.steps, seed=args.seed,
+                                                    devices=args.devices or 8, steps=args.steps, seed=args.seed,
                                                     **sim.WORKLOADS[name]))
     total = sum(w.counts_NLGE.shape[0] for w in workloads) * len(sim.STRATEGIES)
     tables = {}
@@ -200,10 +202,40 @@ def _at_least(minimum: int):
 counting, non_negative = _at_least(1), _at_least(0)
 
 
-def main(argv: list[str] | None = None) -> int:
+class _Choices:
+    """argparse choices read on first use: `eb --help` never imports the modules (and torch) behind them."""
+
+    def __init__(self, load):
+        self._load, self._values = load, None
+
+    def _get(self) -> list[str]:
+        if self._values is None:
+            self._values = list(self._load())
+        return self._values
+
+    def __contains__(self, value) -> bool:
+        return value in self._get()
+
+    def __iter__(self):
+        return iter(self._get())
+
+
+def _topologies():
     from ..core.topology import TOPOLOGIES
+    return TOPOLOGIES
+
+
+def _workloads():
     from ..sim.workloads import WORKLOADS
+    return ["all", "trace", *WORKLOADS]
+
+
+def _sweep_policies():
     from .bench_sweep import SWEEP_POLICIES
+    return [name for name, _, _ in SWEEP_POLICIES]
+
+
+def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="eb", description="eb_deepspeed tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -218,18 +250,20 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_report)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
-    p.add_argument("what", choices=["gate", "train", "noise", "plan", "optimum", "infer"])
+    p.add_argument("what", choices=["gate", "train", "noise", "plan", "optimum", "infer"],
+                   help="gate: our gate vs DeepSpeed's; train: aux policies on the example model; noise: a run's view; "
+                        "plan: planner and steering time; optimum: planner vs brute force; infer: serving vs plain")
     p.add_argument("--run", default=None, help="noise: a balance log written every step (log.interval 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--tokens", type=counting, default=4096)
-    p.add_argument("--hidden", type=counting, default=1024)
-    p.add_argument("--experts", type=counting, nargs="+", default=[16, 64])
-    p.add_argument("--k", type=counting, default=2)
+    p.add_argument("--tokens", type=counting, default=4096, help="gate: tokens per forward (4096)")
+    p.add_argument("--hidden", type=counting, default=1024, help="gate: model dimension (1024)")
+    p.add_argument("--experts", type=counting, nargs="+", default=[16, 64], help="gate: expert counts to time (16 64)")
+    p.add_argument("--k", type=counting, default=2, help="gate: top-k (2)")
     p.add_argument("--repeats", type=counting, default=30, help="gate: timed repeats")
     p.add_argument("--steps", type=counting, default=None, help="train: optimizer steps per row (200)")
     p.add_argument("--coeff", type=float, default=0.01, help="train: aux-loss coefficient of the balanced rows")
     p.add_argument("--capacity-factor", type=float, default=1.0, help="train: capacity factor of every row")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="train: the example's seed (1234)")
     p.add_argument("--layers", type=counting, default=None,
                    help="train: MoE layers of the example model (4; the sweep: 8, top-1 and top-2 alternating)")
     p.add_argument("--framework", choices=["deepspeed", "megatron"], default="deepspeed",
@@ -241,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-seeds", type=counting, default=None, help="train --sweep: seeds 1..N")
     p.add_argument("--from", dest="from_json", default=None,
                    help="train --sweep: re-judge and re-draw a saved result's runs (no training)")
-    p.add_argument("--policies", nargs="+", default=None, choices=[name for name, _, _ in SWEEP_POLICIES],
-                   help="train --sweep: rows (default all)")
+    p.add_argument("--policies", nargs="+", default=None, choices=_Choices(_sweep_policies), metavar="POLICY",
+                   help="train --sweep: rows (default all): %(choices)s")
     p.add_argument("--bias-rate", type=float, default=None, help="train: easybalance.aux.bias_rate of the bias row")
     p.add_argument("--out", default="runs/bench_train", help="train: run directories")
     p.add_argument("--seeds", type=counting, default=30, help="optimum: random loads per shape")
@@ -253,17 +287,20 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("simulate", help="cluster simulator: the seed's table plus placement + steering")
-    p.add_argument("--workload", default="skewed_correlated", choices=["all", "trace", *WORKLOADS])
+    p.add_argument("--workload", default="skewed_correlated", choices=_Choices(_workloads), metavar="NAME",
+                   help="a synthetic workload, all of them, or trace (--trace FILE): one of %(choices)s")
     p.add_argument("--trace", help="with --workload trace: SGLang / vLLM expert-load file or balance.jsonl")
-    p.add_argument("--topology", default="pcie", choices=list(TOPOLOGIES))
-    p.add_argument("--layers", type=counting, default=32)
-    p.add_argument("--experts", type=counting, default=64)
-    p.add_argument("--devices", type=counting, default=8)
-    p.add_argument("--steps", type=counting, default=40)
+    p.add_argument("--topology", default="pcie", choices=_Choices(_topologies), metavar="NAME",
+                   help="interconnect preset: one of %(choices)s")
+    p.add_argument("--layers", type=counting, default=32, help="MoE layers of the simulated model (32)")
+    p.add_argument("--experts", type=counting, default=64, help="experts per layer (64)")
+    p.add_argument("--devices", type=counting, default=None,
+                   help="EP ranks (8; with --workload trace, the ranks our own balance log recorded)")
+    p.add_argument("--steps", type=counting, default=40, help="steps simulated (40)")
     p.add_argument("--extra-slots", type=non_negative, default=2, help="replica slots per device beyond experts / devices")
     p.add_argument("--window", type=counting, default=1, help="1 = synchronised per layer; w > 1 = bounded run-ahead")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.set_defaults(func=_simulate)
 
     p = sub.add_parser("plan", help="plan expert replicas and placement from a load file; write ours / SGLang's JSON")
