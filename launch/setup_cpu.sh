@@ -24,6 +24,9 @@ export DS_ACCELERATOR=cpu                       # DeepSpeed's CPU accelerator (g
 export WANDB_MODE="${WANDB_MODE:-offline}"      # real W&B run files, no account; `wandb sync` uploads later
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$EB_VENV/torch_extensions}"
 # Build (first time, ~40-110 s) or load (a few seconds) the shm op that deepspeed.init_distributed uses.
+if [ -z "$(ls -A "$TORCH_EXTENSIONS_DIR" 2> /dev/null)" ]; then
+  echo "[eb setup] compiling DeepSpeed's shm comm op once into $TORCH_EXTENSIONS_DIR (can take minutes; later runs load it)"
+fi
 if ! ops_log="$("$EB_VENV/bin/python" - 2>&1 <<'PY'
 import deepspeed.ops
 from deepspeed.accelerator import get_accelerator

@@ -678,6 +678,42 @@ def scenario_serve_empty(p):
     return {"rows": out, "steps": engine.easybalance.view.steps, "replicated": not serving.gates[0].home_layout}
 
 
+def scenario_shipped_configs(p):
+    """Every training config in configs/ as the README shows it (no client optimizer: the config's own), and
+    the serving config through init_inference: a tiny MoE model initializes, steps and serves on CPU."""
+    import json
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = {}
+    for name in p["train"]:
+        with open(os.path.join(root, "configs", name)) as f:
+            config = json.load(f)
+        config["easybalance"]["log"] = {"dir": os.path.join(p["out"], name), "interval": 1}
+        config["wandb"] = {"enabled": False}
+        config.update(train_micro_batch_size_per_gpu=MICRO_BATCH, gradient_accumulation_steps=1)
+        model = make_model()
+        engine, optimizer, _, _ = eb_deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                          config=config)
+        losses = []
+        for step in range(2):
+            x, y = batch(step)
+            logits, l_aux = engine(x)
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten()) + 0.01 * sum(l_aux)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        out[name] = {"losses": losses, "optimizer": type(optimizer).__name__, "view_steps": int(engine.easybalance.view.steps)}
+    for name in p["serve"]:
+        with open(os.path.join(root, "configs", name)) as f:
+            config = json.load(f)
+        config["easybalance"]["log"] = {"dir": os.path.join(p["out"], name), "interval": 1}
+        engine = eb_deepspeed.init_inference(make_model(), config=config)
+        with torch.no_grad():
+            logits, _ = engine(batch(0)[0])
+        out[name] = {"finite": bool(torch.isfinite(logits).all()), "shape": list(logits.shape)}
+    return out
+
+
 def main():
     scenario, out_dir, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     params["out"] = out_dir

@@ -117,3 +117,17 @@ def test_config_error_is_a_value_error():
 ])
 def test_every_option_set_without_effect_is_named_by_its_json_path(block, context, ignored):
     assert EasyBalanceConfig.from_ds_config({"easybalance": block}).ignored_options(context) == ignored
+
+
+def test_the_readme_block_of_defaults_warns_about_nothing_and_a_changed_key_still_warns():
+    import json
+    import os
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    start = readme.index("```json", readme.index("The block, with its defaults")) + len("```json")
+    doc = json.loads("{" + readme[start:readme.index("```", start)] + "}")
+    cfg = EasyBalanceConfig.from_ds_config(doc)
+    assert cfg.ignored_options("train") == [] and cfg.ignored_options("inference") == []
+    doc["easybalance"]["inference"]["replica_slots"] = 3
+    doc["easybalance"]["aux"].update(policy="fixed", gain=0.5)  # the fixed policy has no gain
+    assert EasyBalanceConfig.from_ds_config(doc).ignored_options("train") == [
+        "easybalance.inference.replica_slots", "easybalance.aux.gain"]

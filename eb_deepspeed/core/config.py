@@ -166,7 +166,8 @@ class EasyBalanceConfig:
         return int(min(8, max(5, math.ceil(num_layers / 8))))
 
     def ignored_options(self, context: str) -> list[str]:
-        """JSON paths the user set that have no effect in this mode and context (one warning each).
+        """JSON paths the user set, to other than their defaults, that have no effect in this mode and context
+        (one warning each).
 
         context: "train" (`eb_deepspeed.initialize`) or "inference" (`eb_deepspeed.init_inference`).
         `observe` changes nothing, so every option that only steers decisions is ignored there.
@@ -182,13 +183,22 @@ class EasyBalanceConfig:
             top.discard("aux")
         else:
             top.discard("inference")
+        # A key set to its default changes nothing either way (the README's block of defaults, copied): no warning.
+        default = EasyBalanceConfig()
+        changed = {k for k in self.explicit if getattr(self, k) != getattr(default, k)}
+        changed_in = {"aux": {k for k in self.aux.explicit if getattr(self.aux, k) != getattr(default.aux, k)},
+                      "inference": {k for k in self.inference.explicit
+                                    if getattr(self.inference, k) != getattr(default.inference, k)}}
         out = []
         for key in sorted(self.explicit & top):
-            sub = {"aux": self.aux.explicit, "inference": self.inference.explicit}.get(key)
-            out += [f"easybalance.{key}"] if sub is None else [f"easybalance.{key}.{k}" for k in sorted(sub)]
+            sub = changed_in.get(key)
+            if sub is None:
+                out += [f"easybalance.{key}"] if key in changed else []
+            else:
+                out += [f"easybalance.{key}.{k}" for k in sorted(sub)]
         if self.mode == "balance" and context == "train":
             used = set(POLICIES[self.aux.policy].options) | {"policy"}
-            out += [f"easybalance.aux.{k}" for k in sorted(self.aux.explicit - used)]
+            out += [f"easybalance.aux.{k}" for k in sorted(changed_in["aux"] - used)]
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,29 @@
+"""Every shipped config runs as the README shows it: training configs through eb_deepspeed.initialize with the
+config's own optimizer (no client optimizer), the serving config through init_inference; 2 gloo ranks."""
+import os
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.distributed
+
+CONFIGS = sorted(os.listdir(os.path.join(ROOT, "configs")))
+TRAIN = ["train_cpu_2rank.json", "train_8gpu.json"]
+SERVE = ["infer_cpu_2rank.json"]
+
+
+def test_every_shipped_config_is_covered():
+    # megatron_cpu.json is the Megatron-Core example's (tests/test_megatron_job.py runs it)
+    assert sorted(TRAIN + SERVE + ["megatron_cpu.json"]) == CONFIGS
+
+
+def test_the_shipped_configs_initialize_a_tiny_model_train_and_serve_on_cpu(run_dist):
+    ranks = run_dist("shipped_configs", 2, train=TRAIN, serve=SERVE)
+    for rank in ranks:
+        for name in TRAIN:
+            row = rank[name]
+            assert len(row["losses"]) == 2 and all(0 < loss < 20 for loss in row["losses"]), (name, row)
+            assert row["view_steps"] == 2, (name, row)
+        assert rank["train_8gpu.json"]["optimizer"] != "NoneType"     # the config's optimizer block was built
+        assert rank["infer_cpu_2rank.json"]["finite"]
