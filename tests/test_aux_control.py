@@ -163,10 +163,13 @@ def test_options_the_policy_does_not_use_are_reported_once_each():
 
 def test_the_config_takes_its_policy_choices_and_options_from_the_registry():
     # every option of every policy is a valid aux key, and each policy reports the others' as ignored
+    # (set to other than their defaults: a key left at its default changes nothing and warns about nothing)
     every = sorted({o for p in POLICIES.values() for o in p.options})
+    changed = {"weight_range": [0.5, 2.0], "smoothing": 0.5, "gain": 0.04, "mean_one": False, "target": 0.1,
+               "device_scale": 2.0, "bias_rate": 0.05, "device_weight": 0.25, "aux_scale": 2.0}
+    assert sorted(changed) == every
     for name, policy in POLICIES.items():
-        block = {"aux": {"policy": name, **{o: EasyBalanceConfig().aux.__getattribute__(o) for o in every}}}
-        block["aux"]["weight_range"] = list(block["aux"]["weight_range"])
+        block = {"aux": {"policy": name, **changed}}
         cfg = EasyBalanceConfig.from_ds_config({"easybalance": block})
         assert cfg.ignored_options("train") == [f"easybalance.aux.{o}" for o in every if o not in policy.options]
     assert tuple(POLICIES) == ("fixed", "cross_layer", "bias", "bias_cross_layer")
