@@ -284,3 +284,17 @@ def test_under_activation_checkpointing_each_route_is_counted_once(kind):
     part = taken(gate)
     assert part.tokens_L.item() == 24 and part.forwards_L.item() == 1
     assert torch.equal(part.routed_LE, expected.routed_LE) and torch.equal(part.kept_LE, expected.kept_LE)
+
+
+@pytest.mark.parametrize("mode", ["observe", "balance"])
+def test_moe_layers_of_different_shapes_are_refused_before_anything_changes(mode):
+    # PR-MoE-like stacks (2 then 4 experts): a clear error naming each layer, raised before the gates are
+    # swapped and before deepspeed.initialize (which would need a process group: it is never reached)
+    import eb_deepspeed
+    from deepspeed.moe.layer import MoE
+    model = torch.nn.ModuleList([MoE(8, torch.nn.Linear(8, 8), num_experts=n, ep_size=2, k=1) for n in (2, 4)])
+    with pytest.raises(ValueError, match=r"same num_experts and ep_size .* 0: 2 experts, ep_size 2, 1: 4 experts, "
+                                         r"ep_size 2\. Nothing was changed"):
+        eb_deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                config={"train_micro_batch_size_per_gpu": 1, "easybalance": {"mode": mode}})
+    assert all(type(m.deepspeed_moe.gate) is TopKGate for m in model)

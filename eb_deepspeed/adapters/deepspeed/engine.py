@@ -57,6 +57,18 @@ def find_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
+def check_one_shape(model: torch.nn.Module) -> None:
+    """Refuse, before the gates are swapped and DeepSpeed initializes, a model whose MoE layers differ in
+    num_experts or ep_size: the cross-layer view is [layers x devices] over one expert layout today."""
+    moes = find_moe_layers(model)
+    shapes = {(m.num_experts, m.ep_size) for _, m in moes}
+    if len(shapes) > 1:
+        layers = ", ".join(f"{name}: {m.num_experts} experts, ep_size {m.ep_size}" for name, m in moes)
+        raise ValueError(f"easybalance: every MoE layer must have the same num_experts and ep_size for the "
+                         f"cross-layer view, got {layers}. Nothing was changed; with \"easybalance\": "
+                         f"{{\"enabled\": false}} the model trains with plain DeepSpeed")
+
+
 def swap_gates(model: torch.nn.Module) -> list[CrossLayerGate]:
     """Replace each MoE layer's TopKGate by a CrossLayerGate sharing its `wg` parameter.
 
@@ -344,6 +356,7 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
     for path in eb_config.ignored_options("train"):
         warnings.warn(f"{path} has no effect in training ({where})")
 
+    check_one_shape(model)                  # before anything changes: the model and DeepSpeed untouched
     gates = swap_gates(model)
     if not gates and not isinstance(model, PipelineModule):   # a pipeline stage may hold none; checked across ranks
         raise ValueError("easybalance is enabled but the model has no deepspeed.moe.layer.MoE layers")
