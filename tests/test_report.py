@@ -47,7 +47,9 @@ def test_eb_report_writes_pngs_whose_curves_hold_the_logged_numbers(tmp_path, ca
         with open(path, "rb") as f:
             assert f.read(8) == PNG_MAGIC
     fig = curve_figure(records(), "max_vio", "MaxVio")
-    assert [list(line.get_ydata()) for line in fig.axes[0].lines] == [[0.5, 1.0, 1.5], [0.2, 0.2, 0.2]]
+    lines = fig.axes[0].lines                                     # per layer: the logged values, then the trailing mean
+    assert [list(line.get_ydata()) for line in lines[0:4:2]] == [[0.5, 1.0, 1.5], [0.2, 0.2, 0.2]]
+    assert list(lines[1].get_ydata()) == pytest.approx([0.5, 0.75, 1.0])
     assert list(fig.axes[0].lines[0].get_xdata()) == [5, 10, 15]
 
 
@@ -57,3 +59,22 @@ def test_a_malformed_or_missing_log_gives_a_clear_error(tmp_path):
     (tmp_path / "balance.jsonl").write_text('{"step": 1}\n{not json\n')
     with pytest.raises(ValueError, match=r"balance.jsonl:2: not a JSON record"):
         read_log(str(tmp_path))
+
+
+def test_plots_say_what_they_show_and_the_heatmap_is_anchored_at_the_layer_mean():
+    from eb_deepspeed.observe.report import heatmap_figure
+    records = [{"step": s, "mode": "balance", "policy": "bias", "device_max_over_mean": [1.2 - 0.01 * s, 1.1]}
+               for s in range(1, 11)]
+    fig = curve_figure(records, "device_max_over_mean", "device max/mean per layer")
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == "device max/mean per layer" and "mode balance, policy bias" in ax.get_title()
+    assert any(list(line.get_ydata()) == [1.0, 1.0] for line in ax.get_lines())          # the balanced line
+    assert len(ax.get_lines()) == 2 * 2 + 1                                             # raw + smoothed per layer
+    # a 15 % spread around a mean of ~1850 tokens: shown as 0.85 .. 1.15 of the mean, centred at 1
+    fig = heatmap_figure([[1700.0, 2000.0], [1850.0, 1850.0]])
+    image = fig.axes[0].get_images()[0]
+    low, high = image.get_clim()
+    assert low == pytest.approx(2 - high) and high == pytest.approx(2000 / 1850)
+    assert "1 = balanced" in fig.axes[1].get_ylabel()
+    absolute = heatmap_figure([[1700.0, 2000.0], [1850.0, 1850.0]], relative=False).axes[0].get_images()[0]
+    assert absolute.get_clim()[0] == 0

@@ -21,8 +21,10 @@ __all__ = ["read_log", "iter_log", "log_path", "render_report", "render_compare"
 JSONL_NAME = "balance.jsonl"     # the log file in a run's balance directory (written by monitor.JsonlLogger)
 
 # Per-layer curves drawn, one PNG each (file name: the key, but `layer_token_drop_rate` -> token_drop_rate.png).
-CURVES = ("device_max_over_mean", "expert_max_over_mean", "max_vio", "layer_token_drop_rate", "aux_weight",
+# (max_vio is logged too, but it is expert_max_over_mean - 1: one of the two is drawn.)
+CURVES = ("device_max_over_mean", "expert_max_over_mean", "layer_token_drop_rate", "aux_weight",
           "device_loss_weight", "aux_loss")
+SMOOTH = 5          # records in the trailing mean drawn over the faint logged values
 FILE_NAMES = {"layer_token_drop_rate": "token_drop_rate.png"}
 MAX_POINTS = 2000   # records drawn per curve: a longer log is thinned evenly while it is read
 # Scalars of the summary figure.
@@ -115,25 +117,49 @@ def _plt():
     return plt
 
 
-def heatmap_figure(pressure_LG, title: str = "device pressure"):
+def heatmap_figure(pressure_LG, title: str = "device pressure", relative: bool = True):
+    """Layers x devices. relative: each device's load over its layer's mean, on a scale centred at 1
+    (balanced) and symmetric around it, so a 15 % spread looks like 15 %; else tokens per step from 0."""
     plt = _plt()
     L = len(pressure_LG)
     G = len(pressure_LG[0]) if L else 0
+    values = [[_number(v) for v in row] for row in pressure_LG]
     # bounded size (a 64-rank, 61-layer view would otherwise draw a 40-inch figure): at most 16 x 12 inches
-    fig, ax = plt.subplots(figsize=(min(16, max(4, 1 + 0.6 * G)), min(12, max(3, 1 + 0.35 * L))))
-    im = ax.imshow(pressure_LG, aspect="auto", cmap="magma", interpolation="nearest")
+    fig, ax = plt.subplots(figsize=(min(16, max(6, 1 + 0.6 * G)), min(12, max(3.5, 1 + 0.35 * L))))
+    if relative:
+        means = [sum(v for v in row if v == v) / max(1, sum(v == v for v in row)) for row in values]
+        values = [[v / m if m > 0 else float("nan") for v in row] for row, m in zip(values, means)]
+        spread = max([abs(v - 1.0) for row in values for v in row if v == v] + [0.05])
+        im = ax.imshow(values, aspect="auto", cmap="RdBu_r", vmin=1 - spread, vmax=1 + spread,
+                       interpolation="nearest")
+        label = "load / layer mean (1 = balanced)"
+    else:
+        im = ax.imshow(values, aspect="auto", cmap="magma", vmin=0, interpolation="nearest")
+        label = "tokens / step (EMA)"
     ax.set_xlabel("EP rank (device)")
     ax.set_ylabel("MoE layer")
     ax.set_xticks(range(0, G, max(1, G // 16)))
     ax.set_yticks(range(0, L, max(1, L // 24)))
-    ax.set_title(title)
-    fig.colorbar(im, ax=ax, label="tokens / step (EMA)")
+    ax.set_title(title, fontsize="medium")
+    fig.colorbar(im, ax=ax, label=label)
     fig.tight_layout()
     return fig
 
 
+def _run_label(records: list[dict[str, Any]]) -> str:
+    last = records[-1]
+    mode = last.get("mode", "?")
+    return f"mode {mode}" + (f", policy {last['policy']}" if mode == "balance" and last.get("policy") else "")
+
+
+def _reference_line(ax, key: str) -> None:
+    if "max_over_mean" in key or key in ("aux_weight", "device_loss_weight"):
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)   # balanced / the base weight
+
+
 def curve_figure(records: list[dict[str, Any]], key: str, title: str):
-    """One line per layer of the per-layer list `key` against the optimizer step; None if never logged."""
+    """One line per layer of the per-layer list `key` against the optimizer step (the logged values faint,
+    a trailing mean of SMOOTH records solid), labelled with the run's mode and policy; None if never logged."""
     rows = [r.get(key) for r in records]
     if not any(rows):
         return None
@@ -143,9 +169,14 @@ def curve_figure(records: list[dict[str, Any]], key: str, title: str):
     num_layers = max(len(r) for r in rows if r)
     for layer in range(num_layers):
         pts = [(s, _number(r[layer])) for s, r in zip(steps, rows) if r and layer < len(r)]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"layer {layer}")
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        color = f"C{layer % 10}"
+        ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(xs, _smoothed(ys, SMOOTH), color=color, label=f"layer {layer}")
+    _reference_line(ax, key)
     ax.set_xlabel("optimizer step")
-    ax.set_title(title)
+    ax.set_ylabel(title)
+    ax.set_title(f"{title} ({_run_label(records)})", fontsize="medium")
     ax.legend(fontsize="small", ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -172,10 +203,16 @@ def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
 
     fig, axes = plt.subplots(1, len(SUMMARY), figsize=(4 * len(SUMMARY), 3.5))
     for ax, key in zip(axes, SUMMARY):
-        ax.plot(steps, [_number(r.get(key)) for r in records])
+        values = [_number(r.get(key)) for r in records]
+        ax.plot(steps, values, color="C0", alpha=0.25, linewidth=0.8)
+        ax.plot(steps, _smoothed(values, SMOOTH), color="C0")
+        _reference_line(ax, key)
         ax.set_title(R.SCALARS[key], fontsize="medium")
+        ax.set_ylabel(key)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
+    fig.suptitle(f"{_run_label(records)}: faint = logged values, solid = trailing mean of {SMOOTH} records",
+                 fontsize="medium")
     fig.tight_layout()
     written.append(os.path.join(out_dir, "summary.png"))
     fig.savefig(written[-1], dpi=90)
@@ -183,7 +220,8 @@ def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
 
     last = records[-1]
     if last.get(R.PRESSURE):
-        fig = heatmap_figure(last[R.PRESSURE], title=f"device pressure (EMA) at step {last['step']}")
+        fig = heatmap_figure(last[R.PRESSURE], title=f"device pressure (EMA) at step {last['step']}\n"
+                                                     f"{_run_label(records)}")
         written.append(os.path.join(out_dir, "pressure_heatmap.png"))
         fig.savefig(written[-1], dpi=90)
         plt.close(fig)
