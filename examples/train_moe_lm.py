@@ -172,6 +172,8 @@ def main(argv=None):
             lm_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.to(engine.device).flatten())
             loss = lm_loss + args.coeff * sum(l_aux)
             engine.backward(loss)
+            if balancer is not None:
+                balancer.note(lm_loss=lm_loss.item())   # logged beside the balance numbers (JSONL, W&B, eb report)
             engine.step()
         step_times.append(time.perf_counter() - t_step)
         row = {"step": step + 1, "lm_loss": lm_loss.item(), "aux_loss": float(sum(a.detach() for a in l_aux))}

@@ -120,9 +120,23 @@ def test_every_record_key_is_in_the_one_table():
     balancer.step()
     record = balancer.record()
     table = set(R.META) | set(R.PER_LAYER) | set(R.SCALARS) | set(R.MATRICES)
-    assert set(record) == table - {"replans", "weight_moves", "run_start"}   # serving adds two, a run's first log one
+    # serving adds two, a run's first log one, the training loop's note the rest
+    assert set(record) == table - {"replans", "weight_moves", "run_start", *R.NOTES}
     balancer.extra_metrics = lambda: {"replans": 2, "weight_moves": 5}
-    assert set(balancer.record()) == table - {"run_start"}
+    balancer.note(lm_loss=2.5)
+    assert set(balancer.record()) == table - {"run_start"} and balancer.record()["lm_loss"] == 2.5
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(loss=1.0), "takes lm_loss"), (dict(lm_loss=float("nan")), "finite"),
+                                             (dict(lm_loss="2"), "finite")])
+def test_notes_are_checked(kwargs, message):
+    gates = [ToyGate()]
+    balancer = Balancer(config(mode="observe"), gates, 2)
+    gates[0].forward(torch.tensor([0, 1, 2, 3]))
+    balancer.step()
+    with pytest.raises(ValueError, match=message):
+        balancer.note(**kwargs)
+    assert "lm_loss" not in balancer.record() and "loss" not in balancer.record()   # a refused note logs nothing
 
 
 class ListLogger(R.BalanceLogger):

@@ -15,6 +15,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def records():
     return [{"step": s, "device_max_over_mean": [1.0 + s / 100, 1.5], "max_vio": [0.1 * s, 0.2],
              "aux_weight": [1.2, 0.8], "device_loss_weight": [1.5, 0.5], "aux_loss": [1.01, 1.02],
+             "bias_spread": [0.02 * s, 0.0],
              "layer_token_drop_rate": [0.1, 0.0],
              "expert_max_over_mean": [1.3, 1.1], "device_util_std": 0.05 * s, "token_drop_rate": 0.05,
              "device_max_over_mean_p90": 1.4, "pressure_LG": [[10.0, 5.0], [7.0, 8.0]]} for s in (5, 10, 15)]
@@ -78,3 +79,32 @@ def test_plots_say_what_they_show_and_the_heatmap_is_anchored_at_the_layer_mean(
     assert "1 = balanced" in fig.axes[1].get_ylabel()
     absolute = heatmap_figure([[1700.0, 2000.0], [1850.0, 1850.0]], relative=False).axes[0].get_images()[0]
     assert absolute.get_clim()[0] == 0
+
+
+def test_the_selection_bias_is_drawn_only_for_runs_that_have_one():
+    with_bias = [{"step": s, "mode": "balance", "policy": "bias", "bias_spread": [0.03 * s, 0.01]} for s in (1, 2)]
+    without = [{"step": s, "mode": "balance", "policy": "fixed", "bias_spread": [0.0, 0.0]} for s in (1, 2)]
+    assert curve_figure(with_bias, "bias_spread", "selection bias") is not None
+    assert curve_figure(without, "bias_spread", "selection bias") is None
+
+
+def test_the_summary_puts_the_lm_loss_beside_balance_when_the_loop_noted_it(tmp_path):
+    rows = records()
+    for r in rows:
+        r.update(mode="balance", policy="bias", lm_loss=3.0 - r["step"] / 10)
+    with open(tmp_path / "balance.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    import matplotlib.pyplot as plt
+    saved = []
+    original = plt.Figure.savefig
+
+    def keep(fig, path, *a, **k):
+        saved.append((str(path), [ax.get_title() for ax in fig.axes]))
+        return original(fig, path, *a, **k)
+    plt.Figure.savefig = keep
+    try:
+        render_report(str(tmp_path))
+    finally:
+        plt.Figure.savefig = original
+    titles = dict(saved)[str(tmp_path / "plots" / "summary.png")]
+    assert any("LM loss" in t for t in titles) and len(titles) == 4

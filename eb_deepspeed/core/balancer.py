@@ -24,7 +24,7 @@ import torch
 
 from .config import EasyBalanceConfig
 from .policies import AuxController
-from .record import EXPERT_COUNTS, PRESSURE, BalanceLogger, NullLogger
+from .record import EXPERT_COUNTS, NOTES, PRESSURE, BalanceLogger, NullLogger
 from .tally import Tally, TallyLayout
 from .view import LoadView, sequence_length_weights
 
@@ -119,6 +119,7 @@ class Balancer:
         self._nonfinite_warned_at: Optional[int] = None     # view step of the last non-finite warning
         self._nonfinite_steps, self._nonfinite_layers = 0, set()
         self.extra_metrics: Optional[Callable[[], dict]] = None   # an adapter's own numbers for the record
+        self._notes: dict[str, float] = {}                          # the user's scalars for the next record (`note`)
         self._logged_step = 0
         self._run_start: Optional[int] = 0    # put on the next record: where this run's log starts
         self.apply_controls()
@@ -223,11 +224,33 @@ class Balancer:
             return [0.0] * self.num_layers
         return [float(w) for w in self.controller.device_loss_weights()]
 
+    def note(self, **scalars: float) -> None:
+        """Scalars of the training loop to log beside the balance numbers, e.g. `note(lm_loss=loss.item())`
+        before `engine.step()`: they go into the next records (JSONL, W&B, `eb report`'s summary) until
+        noted again. Keys must be in `record.NOTES`; values must be finite numbers."""
+        for key, value in scalars.items():
+            if key not in NOTES:
+                raise ValueError(f"note({key}=...): the balance record takes {', '.join(NOTES)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+                    or value in (float("inf"), float("-inf")):
+                raise ValueError(f"note({key}={value!r}): a finite number is needed")
+            self._notes[key] = float(value)
+
+    def bias_spreads(self) -> list[float]:
+        """Per-layer spread (max - min over experts) of the selection bias in effect [L]: how far the `bias`
+        policies tilt routing (0.0 where there is no bias)."""
+        if self.config.mode != "balance" or not self.train_controls or not self.controller.uses_bias:
+            return [0.0] * self.num_layers
+        bias_LE = self.controller.bias_LE
+        return [float(v) for v in (bias_LE.amax(1) - bias_LE.amin(1))]
+
     def metrics(self) -> dict[str, object]:
-        """The view's metrics plus the per-layer aux and device-loss weights (see `LoadView.metrics`)."""
+        """The view's metrics plus the per-layer aux and device-loss weights and selection-bias spread (see
+        `LoadView.metrics`)."""
         out = self.view.metrics()
         out["aux_weight"] = self.aux_weights()
         out["device_loss_weight"] = self.device_loss_weights()
+        out["bias_spread"] = self.bias_spreads()
         return out
 
     def record(self) -> dict[str, object]:
@@ -237,6 +260,7 @@ class Balancer:
         out.update(self.metrics())
         if self.extra_metrics is not None:
             out.update(self.extra_metrics())
+        out.update(self._notes)
         out[PRESSURE] = [[round(x, 3) for x in row] for row in self.view.pressure_LG.tolist()]
         if not out["nonfinite_layer_ids"]:      # a trace replays real demand, never NaN-routed counts
             out[EXPERT_COUNTS] = self.view.last.routed_LE.round().long().tolist()

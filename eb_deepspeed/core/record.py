@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["META", "PER_LAYER", "SCALARS", "MATRICES", "PRESSURE", "EXPERT_COUNTS", "BalanceLogger", "NullLogger"]
+__all__ = ["META", "PER_LAYER", "SCALARS", "NOTES", "MATRICES", "PRESSURE", "EXPERT_COUNTS", "BalanceLogger", "NullLogger"]
 
 # Identification of a record. `run_start` is on a run's first record only: the step the run started
 # from (0, or the step of the checkpoint it resumed); readers drop older records past it (superseded).
@@ -31,6 +31,7 @@ PER_LAYER: dict[str, str] = {
     "aux_weight": "aux-loss weight per layer",
     "device_loss_weight": "device-level balance loss weight per layer",
     "aux_loss": "aux loss per layer (unweighted l_aux)",
+    "bias_spread": "selection bias per layer (max - min over experts)",
     "ema_device_max_over_mean": "device max/mean per layer (EMA view)",
 }
 
@@ -49,7 +50,10 @@ SCALARS: dict[str, str] = {
     "steps": "view updates",
     "replans": "placements applied (serving)",
     "weight_moves": "expert weights moved by re-plans (serving)",
+    "lm_loss": "LM loss (the training loop's, `Balancer.note`)",
 }
+# Scalars the training loop hands over with `Balancer.note(...)`.
+NOTES = ("lm_loss", )
 
 PRESSURE = "pressure_LG"        # [L, G] EMA device pressure: the heatmap
 EXPERT_COUNTS = "expert_counts_LE"   # [L, E] the step's routed counts: a trace `eb simulate` replays

@@ -23,8 +23,9 @@ JSONL_NAME = "balance.jsonl"     # the log file in a run's balance directory (wr
 # Per-layer curves drawn, one PNG each (file name: the key, but `layer_token_drop_rate` -> token_drop_rate.png).
 # (max_vio is logged too, but it is expert_max_over_mean - 1: one of the two is drawn.)
 CURVES = ("device_max_over_mean", "expert_max_over_mean", "layer_token_drop_rate", "aux_weight",
-          "device_loss_weight", "aux_loss")
+          "device_loss_weight", "bias_spread", "aux_loss")
 SMOOTH = 5          # records in the trailing mean drawn over the faint logged values
+ZERO_MEANS_OFF = ("bias_spread", )   # all zero: the policy has no such control, so no PNG
 FILE_NAMES = {"layer_token_drop_rate": "token_drop_rate.png"}
 MAX_POINTS = 2000   # records drawn per curve: a longer log is thinned evenly while it is read
 # Scalars of the summary figure.
@@ -161,7 +162,7 @@ def curve_figure(records: list[dict[str, Any]], key: str, title: str):
     """One line per layer of the per-layer list `key` against the optimizer step (the logged values faint,
     a trailing mean of SMOOTH records solid), labelled with the run's mode and policy; None if never logged."""
     rows = [r.get(key) for r in records]
-    if not any(rows):
+    if not any(rows) or (key in ZERO_MEANS_OFF and not any(_number(v) for r in rows if r for v in r)):
         return None
     plt = _plt()
     steps = [r["step"] for r in records]
@@ -185,7 +186,7 @@ def curve_figure(records: list[dict[str, Any]], key: str, title: str):
 
 def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
     """Write the PNGs; returns their paths."""
-    records = read_log(run_dir, keys=(*CURVES, *SUMMARY), max_records=MAX_POINTS)
+    records = read_log(run_dir, keys=(*CURVES, *SUMMARY, *R.NOTES), max_records=MAX_POINTS)
     base = os.path.dirname(run_dir) if run_dir.endswith(".jsonl") else run_dir
     out_dir = out_dir or os.path.join(base, "plots")
     os.makedirs(out_dir, exist_ok=True)
@@ -201,8 +202,9 @@ def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
         fig.savefig(written[-1], dpi=90)
         plt.close(fig)
 
-    fig, axes = plt.subplots(1, len(SUMMARY), figsize=(4 * len(SUMMARY), 3.5))
-    for ax, key in zip(axes, SUMMARY):
+    panels = SUMMARY + tuple(k for k in R.NOTES if any(k in r for r in records))   # the LM loss beside balance
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5))
+    for ax, key in zip(axes, panels):
         values = [_number(r.get(key)) for r in records]
         ax.plot(steps, values, color="C0", alpha=0.25, linewidth=0.8)
         ax.plot(steps, _smoothed(values, SMOOTH), color="C0")
