@@ -141,3 +141,23 @@ def test_the_quick_sweep_runs_the_real_launcher_and_writes_stats_a_pareto_png_an
     # the runs differ by seed (the seed reaches the data and the model)
     fixed = [r for r in result["runs"] if r["policy"] == "fixed"]
     assert fixed[0]["val_loss"] != fixed[1]["val_loss"]
+
+
+@pytest.mark.unit
+def test_the_noise_measurement_reads_only_the_latest_run_of_a_re_run_log(tmp_path):
+    import random
+    rng = random.Random(1)
+    first = [[0.5, 0.01, 0.01]] * 60                   # an older run in the same log, superseded by the re-run
+    second = [[0.2 + rng.gauss(0, 0.02), abs(0.05 + rng.gauss(0, 0.03)), 0.05] for _ in range(60)]
+    (tmp_path / "alone").mkdir()
+    (tmp_path / "both").mkdir()
+    _write_log(tmp_path / "alone", second)
+    _write_log(tmp_path / "both", first)
+    with open(tmp_path / "both" / "balance.jsonl") as f:
+        old = f.read()
+    _write_log(tmp_path / "both", second)
+    lines = (tmp_path / "both" / "balance.jsonl").read_text().splitlines()
+    marked = [json.loads(lines[0]) | {"run_start": 0}] + [json.loads(line) for line in lines[1:]]
+    (tmp_path / "both" / "balance.jsonl").write_text(old + "".join(json.dumps(r) + "\n" for r in marked))
+    both, alone = score_noise(str(tmp_path / "both")), score_noise(str(tmp_path / "alone"))
+    assert {k: v for k, v in both.items() if k != "run"} == {k: v for k, v in alone.items() if k != "run"}

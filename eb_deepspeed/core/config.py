@@ -4,7 +4,7 @@
     cfg.enabled, cfg.mode, cfg.aux.policy, cfg.inference.weights.cross, cfg.window_for(num_layers)
     cfg.ignored_options("train")    # JSON paths set by the user that have no effect here
 
-Defaults come from the tuning table of the EasyBalance article (seed 000, §5.1): EMA alpha 0.3,
+Defaults come from the tuning table of the EasyBalance article (the EasyBalance article, §5.1): EMA alpha 0.3,
 cross-layer window 5-8 layers, cost weights intra 0.3 / cross 0.5 / comm 0.2, decision batch 8,
 warm-up 3-5 batches. The options that only steer inference (topology, cost weights, decision
 batch, replica slots, re-planning) live under `easybalance.inference`; the topology presets come
@@ -44,7 +44,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class CostWeights:
-    """Weights of the three cost terms of seed 000 §2.2 (intra-layer heat, cross-layer pressure, comm)."""
+    """Weights of the three cost terms of the EasyBalance article, §2.2 (intra-layer heat, cross-layer pressure, comm)."""
     intra: float
     cross: float
     comm: float
@@ -85,7 +85,7 @@ class InferenceConfig:
     split: str = "view"             # "view": split table from the plan, no collective; "exact": steer each batch
     topology: str = "pcie"          # sets `weights` and the hop cost
     weights: CostWeights = field(default_factory=lambda: CostWeights(*TOPOLOGIES[InferenceConfig.topology].weights))
-    decision_batch: int = 8         # tokens per steering decision (seed 000 §4.1)
+    decision_batch: int = 8         # tokens per steering decision (the EasyBalance article, §4.1)
     replan_threshold: float = 1.5   # consider a re-plan when a layer's expected slot max/mean passes this
     replan_interval: int = 50       # batches between two re-plans, at least
     view_interval: int = 8          # batches between two view updates (one all-reduce each)
@@ -159,7 +159,7 @@ class EasyBalanceConfig:
     def window_for(self, num_layers: int) -> int:
         """Half-width of the cross-layer window: pressure around layer l sums layers l-w .. l+w.
 
-        "auto" follows seed 000 §5.1: 5 layers, widened for deep models (61 layers -> 8).
+        "auto" follows the EasyBalance article, §5.1: 5 layers, widened for deep models (61 layers -> 8).
         """
         if self.window is not None:
             return self.window

@@ -64,7 +64,7 @@ def cv(load_LX: torch.Tensor) -> torch.Tensor:
 
 
 def device_util_std(load_LG: torch.Tensor) -> float:
-    """Population std over devices of L / max(L), averaged over layers (seed 000's 设备利用率标准差).
+    """Population std over devices of L / max(L), averaged over layers (the EasyBalance article's 设备利用率标准差, device-utilisation std).
 
     [L, G] -> scalar. The article's case: 0.28 before cross-layer balancing, 0.11 after.
     """

@@ -2,7 +2,7 @@
 
 Shape legend: L MoE layers, E experts per layer, G EP ranks (devices).
 
-Seed 000 §6: feed the cross-layer load view into training and adjust each layer's auxiliary-loss
+The EasyBalance article, §6: feed the cross-layer load view into training and adjust each layer's auxiliary-loss
 weight, instead of one fixed coefficient for all layers. Four policies (`easybalance.aux.policy`):
 
   fixed             every weight 1.0, no device loss: DeepSpeed's behaviour, the baseline.

@@ -3,7 +3,7 @@
 Shape legend: G EP ranks (devices).
 
     topo = TOPOLOGIES["pcie"]
-    topo.weights                      # (intra, cross, comm) cost weights of seed 000 §3.3 / §5.1
+    topo.weights                      # (intra, cross, comm) cost weights of the EasyBalance article, §3.3 / §5.1
     hop_cost(node_G, topo.node_hop)   # [G, G] cost of sending from rank s to rank d
     resolve_topology("pcie", explicit=False, num_nodes=2)   # -> ("multi_node", reason)
 
@@ -33,7 +33,7 @@ class Topology:
     inter_lat: float                      # simulator: s per message between nodes
 
 
-# Seed 000 §3.3 / §5.1: 0.3 / 0.5 / 0.2 is the usual starting point (PCIe); all-to-all NVLink lowers
+# The EasyBalance article, §3.3 / §5.1: 0.3 / 0.5 / 0.2 is the usual starting point (PCIe); all-to-all NVLink lowers
 # comm to ~0.1 and raises cross to ~0.6; across a network comm must be >= 0.4. The order of this
 # table is the order error messages list the choices in.
 TOPOLOGIES: dict[str, Topology] = {
@@ -71,5 +71,5 @@ def resolve_topology(name: str, *, explicit: bool, num_nodes: int) -> tuple[str,
         return name, None
     if explicit:
         return name, (f"ranks span {num_nodes} nodes but topology is \"{name}\"; across a network the "
-                      "communication weight should be >= 0.4 (\"multi_node\", seed 000 §3.3)")
+                      "communication weight should be >= 0.4 (\"multi_node\", the EasyBalance article, §3.3)")
     return "multi_node", f"ranks span {num_nodes} nodes: topology \"multi_node\" (was the default \"{name}\")"

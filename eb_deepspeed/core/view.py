@@ -1,5 +1,5 @@
 """The cross-layer load view: one [layers x devices] pressure matrix and one [layers x experts]
-heat matrix, EMA-smoothed, identical on every rank (seed 000 §2.1 and §3.2).
+heat matrix, EMA-smoothed, identical on every rank (the EasyBalance article, §2.1 and §3.2).
 
 Shape legend: L MoE layers, E logical experts per layer, G EP ranks (devices), B sequences.
 
@@ -20,7 +20,7 @@ __all__ = ["LoadView", "sequence_length_weights"]
 
 
 def sequence_length_weights(lengths_B: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Per-token load weights from per-sequence lengths (seed 000, last section).
+    """Per-token load weights from per-sequence lengths (the EasyBalance article, last section).
 
     A token of a long sequence costs more than one of a short sequence on the same expert, so
     the view counts it by its sequence's length relative to the batch mean.
@@ -113,7 +113,7 @@ class LoadView:
     # ------------------------------------------------------------------ reads
     @property
     def ready(self) -> bool:
-        """True once every layer has had `warmup_batches` valid updates (seed 000 §4.3)."""
+        """True once every layer has had `warmup_batches` valid updates (the EasyBalance article, §4.3)."""
         return bool((self.updates_L >= self.warmup_batches).all())
 
     def cross_layer_pressure(self, window: int | None = None) -> torch.Tensor:

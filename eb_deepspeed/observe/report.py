@@ -254,8 +254,7 @@ def render_compare(run_dirs: Sequence[str], out_path: str, smooth: int = 5) -> s
     fig, axes = plt.subplots(1, len(SUMMARY), figsize=(5 * len(SUMMARY), 4))
     for index, run_dir in enumerate(run_dirs):
         records = read_log(_balance_dir(run_dir), keys=SUMMARY, max_records=MAX_POINTS)
-        last = records[-1]
-        label = f"{os.path.basename(os.path.normpath(run_dir))} ({last.get('mode', '?')}, {last.get('policy', '?')})"
+        label = f"{os.path.basename(os.path.normpath(run_dir))} ({_run_label(records)})"
         steps = [r["step"] for r in records]
         color = f"C{index % 10}"
         for ax, key in zip(axes, SUMMARY):
@@ -264,10 +263,10 @@ def render_compare(run_dirs: Sequence[str], out_path: str, smooth: int = 5) -> s
             ax.plot(steps, _smoothed(values, smooth), color=color, label=label)
     for ax, key in zip(axes, SUMMARY):
         ax.set_title(R.SCALARS[key], fontsize="medium")
+        ax.set_ylabel(key)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
-        if "max_over_mean" in key:
-            ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)   # 1 = balanced
+        _reference_line(ax, key)
     axes[0].legend(fontsize="small")
     fig.suptitle(f"{len(run_dirs)} runs: faint = logged values, solid = trailing mean of {smooth} records",
                  fontsize="medium")

@@ -7,12 +7,12 @@ T tokens, K top-k.
     split_GER = steer(counts_GE, devices_ER, node_G, pressure_G=view_cross_G, weights=cfg.inference.weights,
                       topology="pcie", decision_batch=8)
 
-The cost of sending a chunk of tokens from source rank s to a replica on device d is the seed's
-(000 §2.2, §4.2) weighted sum of normalised terms:
+The cost of sending a chunk of tokens from source rank s to a replica on device d is the EasyBalance article's
+(the EasyBalance article, §2.2 and §4.2) weighted sum of normalised terms:
     intra  * load_so_far[d] / mean_load          this batch's load already on d (intra-layer heat)
   + cross  * pressure[d] / mean(pressure)       the view's cross-layer window pressure on d
   + comm   * hop(s, d)                          0 same rank, the topology's `node_hop` same node, 1 other node
-  - comm   * aggregation * [s sends to d for another expert]   few, large messages (seed §4.2)
+  - comm   * aggregation * [s sends to d for another expert]   few, large messages (the EasyBalance article, §4.2)
 Starting from the even split over replicas, each round lets every source rank in turn move, for
 all its experts at once, tokens from its costliest replica to its cheapest one (never overshooting,
 never fewer than `decision_batch` tokens per decision): at most `rounds` x G vectorised steps per

@@ -1,6 +1,6 @@
 """The cluster simulator: what placement and steering are worth before a runtime uses them.
 
-    eb simulate                     # seed 000's table for a 32-layer MoE on 8 devices, + our rows
+    eb simulate                     # the EasyBalance article's table for a 32-layer MoE on 8 devices, + our rows
     eb simulate --json --workload drifting
 
 `model` (cost model), `workloads` (synthetic and trace workloads), `traces` (importers, one

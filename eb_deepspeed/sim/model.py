@@ -6,7 +6,7 @@ Cost of one layer on device d (seconds):
     compute   = routes processed on d * route_s       (* padded capacity instead, with `padded`)
     all2all   = 2 * max(intra bytes / intra_bw, inter bytes / inter_bw) + messages * latency
                 (dispatch and combine; bytes = tokens sent to other ranks * hidden * 2)
-    decisions = routes decided on d / decision_batch * decision_s   (the seed's 2-3 ms per layer
+    decisions = routes decided on d / decision_batch * decision_s   (the EasyBalance article's 2-3 ms per layer
                 per-token cost against 0.3 ms batched is what decision_s and decision_batch model)
 Execution is synchronised per layer (a layer takes its slowest device), or with bounded run-ahead:
 a device may start layer l once every device has finished layer l - window. Links, latencies and

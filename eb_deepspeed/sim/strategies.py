@@ -33,8 +33,8 @@ STRATEGY_LABELS = {
     "per_token": "cross-layer re-routing, per-token decisions",
     "batched_ema": "+ batched decisions (8) and EMA view",
     "aggregated": "+ communication aggregation",
-    "placement_steering_cross": "eb placement + steering, seed weights",
-    "placement_steering": "eb placement + steering, cross folded",
+    "placement_steering_cross": "eb placement + steering, configured weights",
+    "placement_steering": "eb placement + steering, cross term in the plan",
     "greedy_eplb": "per-layer greedy replication (EPLB-style)",
 }
 
@@ -44,8 +44,8 @@ class SimConfig:
     model: ClusterModel = field(default_factory=ClusterModel)
     extra_slots: int = 2             # replica slots per device beyond E / G (the equal budget)
     replan_every: int = 10           # steps between re-plans (weights move in gaps)
-    warmup: int = 3                  # steps of view before the first plan (seed 000 §4.3)
-    movable: float = 0.35            # fraction of routes with a near-tie candidate expert (seed's steering)
+    warmup: int = 3                  # steps of view before the first plan (the EasyBalance article, §4.3)
+    movable: float = 0.35            # fraction of routes with a near-tie candidate expert (the EasyBalance article's steering)
     ema_alpha: float = 0.3
     window: int = 5
     decision_batch: int = 8
@@ -87,7 +87,7 @@ def _greedy_eplb(load_LE: torch.Tensor, G: int, S: int) -> Placement:
 
 def _candidate_rebalance(load_G: torch.Tensor, predicted_G: torch.Tensor, movable: float,
                          cross_G: torch.Tensor, weights, hop_GG: torch.Tensor) -> torch.Tensor:
-    """The seed's candidate-expert steering at device level: up to `movable` of each device's routes
+    """The EasyBalance article's candidate-expert steering at device level: up to `movable` of each device's routes
     move to candidate experts on cheaper devices, decided on the *predicted* loads (instantaneous for
     per-token decisions, the EMA view for batched ones). Returns the moved-token matrix [G, G]."""
     G = load_G.shape[0]
@@ -132,7 +132,7 @@ def simulate(workload: Workload, strategy: str, cfg: SimConfig | None = None, pr
     intra, cross, comm = cfg.cost_weights
     # Within a synchronised step a layer waits for its slowest device whatever its neighbours do, so
     # "placement_steering" folds the cross-layer weight into the intra-layer one; the cross-layer view
-    # still acts through the planner. "placement_steering_cross" keeps the configured (seed) weights.
+    # still acts through the planner. "placement_steering_cross" keeps the configured (article) weights.
     weights = cfg.cost_weights if strategy == "placement_steering_cross" else (intra + cross, 0.0, comm)
     for n in range(N):
         c_LGE = counts[n]

@@ -323,9 +323,9 @@ def score_noise(run_dir: str, skip: float = 0.25, window: int | None = None) -> 
 
     from ..core.config import EasyBalanceConfig
     from ..core.policies import device_scores
-    from ..observe.report import iter_log
+    from ..observe.report import read_log
 
-    records = [r for r in iter_log(run_dir) if r.get("pressure_LG")]
+    records = [r for r in read_log(run_dir) if r.get("pressure_LG")]   # a re-run's superseded records left out
     if len(records) < 8:
         raise ValueError(f"{run_dir}: {len(records)} records with pressure_LG; log every step (log.interval 1)")
     L = len(records[0]["pressure_LG"])

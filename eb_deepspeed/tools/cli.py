@@ -9,7 +9,7 @@
     eb bench plan [--json]            planner time (61 x 256 x 64, both dispatch models) and steering vs an MoE layer
     eb bench optimum [--json]         planner vs a brute-force optimum on tiny inputs (30 loads x 7 shapes)
     eb bench infer [--json]           replicated serving vs plain DeepSpeed on 2 and 4 gloo ranks
-    eb simulate [--workload all] [--json]   seed 000's table + placement/steering rows, with targets
+    eb simulate [--workload all] [--json]   the EasyBalance article's table + placement/steering rows, with targets
     eb plan LOAD --devices G [--slots S | --redundant R] [--nodes N] [--dispatch uniform|steered|padded]
             [--out plan.json] [--sglang sglang.json]    a placement from a load file, with a before/after table
 """
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt", default="runs/main/ckpt", help="infer: the main job's checkpoint (trained routers)")
     p.set_defaults(func=_bench)
 
-    p = sub.add_parser("simulate", help="cluster simulator: the seed's table plus placement + steering")
+    p = sub.add_parser("simulate", help="cluster simulator: the EasyBalance article's table plus placement + steering")
     p.add_argument("--workload", default="skewed_correlated", choices=_Choices(_workloads), metavar="NAME",
                    help="a synthetic workload, all of them, or trace (--trace FILE): one of %(choices)s")
     p.add_argument("--trace", help="with --workload trace: SGLang / vLLM expert-load file or balance.jsonl")
