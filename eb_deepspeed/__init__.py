@@ -22,7 +22,10 @@ _EXPORTS = {
     "initialize": ".adapters.deepspeed", "init_inference": ".adapters.deepspeed",
     "load_moe_checkpoint": ".adapters.deepspeed", "swap_gates": ".adapters.deepspeed",
     "CrossLayerGate": ".adapters.deepspeed",
+    # the subpackages, as attributes (`eb_deepspeed.sim.simulate`)
+    "core": ".core", "planning": ".planning", "observe": ".observe", "sim": ".sim", "adapters": ".adapters",
+    "tools": ".tools",
 }
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [*(k for k in _EXPORTS if not _EXPORTS[k].endswith("." + k) or k == "metrics"), "__version__"]
 # Every name is imported on first use: `import eb_deepspeed` (and `eb --help`) does not load torch.
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -18,13 +18,14 @@ if [ "$(id -u)" != 0 ] || ! command -v ip > /dev/null || ! command -v unshare > 
 fi
 
 run_dir="${REHEARSE_RUN_DIR:-runs/rehearse}"
-tag="ebrh$(( $$ % 100000 ))"                     # namespaces and interfaces of this run only
+case "$run_dir" in ""|/|.|..|"$HOME") echo "rehearse_multinode: REHEARSE_RUN_DIR=$run_dir is not a run directory" >&2; exit 2 ;; esac
+tag="ebrh$$"                                      # namespaces and interfaces of this run only (<= 15 chars)
 ns=("${tag}a" "${tag}b")
 veth=("${tag}va" "${tag}vb")
 hosts=("eb-host-a" "eb-host-b")
 subnet="10.213.$(( $$ % 250 ))"
 addr=("$subnet.1" "$subnet.2")
-port=29500
+port=$(( 20000 + $$ % 20000 ))                   # the namespaces are fresh: any port is free there
 work="$(mktemp -d)"
 pids=()
 
@@ -56,16 +57,20 @@ rm -rf "$run_dir"
 for i in 0 1; do
   setsid ip netns exec "${ns[$i]}" unshare --uts bash -c "
     hostname ${hosts[$i]}
-    exec env GLOO_SOCKET_IFNAME=${veth[$i]} deepspeed --hostfile $work/hostfile --no_ssh --node_rank $i \
-      --master_addr ${addr[0]} --master_port $port examples/multinode_rehearsal.py --run-dir $run_dir" \
+    exec env GLOO_SOCKET_IFNAME=${veth[$i]} deepspeed --hostfile $(printf %q "$work/hostfile") --no_ssh \
+      --node_rank $i --master_addr ${addr[0]} --master_port $port examples/multinode_rehearsal.py \
+      --run-dir $(printf %q "$run_dir")" \
     > "$work/node$i.log" 2>&1 &
   pids+=($!)
 done
 
 status=0
 for i in 0 1; do
-  if ! timeout "${REHEARSE_TIMEOUT:-900}" tail --pid="${pids[$i]}" -f /dev/null; then status=124; fi
-  wait "${pids[$i]}" || status=$?
+  if ! timeout "${REHEARSE_TIMEOUT:-900}" tail --pid="${pids[$i]}" -f /dev/null; then
+    status=124                                     # hung: stop both hosts' launchers, then collect them
+    for pid in "${pids[@]}"; do kill -- "-$pid" 2> /dev/null || true; done
+  fi
+  wait "${pids[$i]}" || status=$((status ? status : $?))
 done
 if [ "$status" != 0 ] || [ ! -f "$run_dir/rehearsal.json" ]; then
   for i in 0 1; do echo "--- ${hosts[$i]} (node rank $i), last lines:" >&2; tail -n 40 "$work/node$i.log" >&2; done

@@ -30,7 +30,7 @@ if [ ! -f "$hostfile" ]; then
   exit 2
 fi
 hosts=(); slots=()
-while read -r line; do
+while read -r line || [ -n "$line" ]; do   # (the last line may lack its newline)
   line="${line%%#*}"
   [ -z "${line// /}" ] && continue
   if [[ ! "$line" =~ ^[[:space:]]*([^[:space:]]+)[[:space:]]+slots=([1-9][0-9]*)[[:space:]]*$ ]]; then

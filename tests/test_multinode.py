@@ -93,3 +93,9 @@ def test_the_rehearsal_trains_and_serves_across_two_hosts_with_node_local_routes
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert "ebrh" not in netns and "ebrh" not in links
+
+
+@pytest.mark.unit
+def test_a_hostfile_without_a_final_newline_keeps_its_last_host(tmp_path):
+    res, _ = _dry_run(tmp_path, "a slots=2\nb slots=2")
+    assert res.returncode == 0 and "2 nodes (a b), 4 ranks" in res.stdout

@@ -140,3 +140,15 @@ def test_eb_plan_user_errors_are_one_line_not_a_traceback(tmp_path, args, messag
     res = subprocess.run([sys.executable, "-m", "eb_deepspeed.tools.cli", "plan", str(tmp_path / "missing.pt"),
                           "--devices", "2", "--slots", "4"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "missing.pt" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_eb_plan_writes_no_file_when_a_document_cannot_be_made(tmp_path, monkeypatch):
+    import eb_deepspeed.planning.export as export
+    _sglang_stat_dump(tmp_path / "d.pt", layers=2, experts=8, dense_first=False)
+
+    def refuse(plan):
+        raise ValueError("SGLang needs an expert in every physical slot; this plan leaves some empty")
+    monkeypatch.setattr(export, "sglang_mapping", refuse)
+    assert main(["plan", str(tmp_path / "d.pt"), "--devices", "2", "--slots", "5", "--out", str(tmp_path / "a.json"),
+                 "--sglang", str(tmp_path / "b.json")]) == 2
+    assert not (tmp_path / "a.json").exists() and not (tmp_path / "b.json").exists()

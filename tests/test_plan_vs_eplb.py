@@ -170,3 +170,24 @@ def test_padded_dispatch_keeps_the_counts_that_minimise_the_largest_slot_and_rea
         # the uniform plan may trade the largest share for device balance; never below the bound
         assert float(expected_padded_cost(heat, plan_placement(heat, G, S, dispatch="uniform"))[0] / heat.sum()) \
             >= ratio - 1e-12
+
+
+@pytest.mark.parametrize("dispatch", ["steered", "uniform", "padded"])
+def test_one_device_plans_and_previous_obeys_the_budget_and_the_spread_rule(dispatch):
+    # review findings: a single device crashed the uniform search; `previous` as a candidate ignored the
+    # slot budget and the node-spread rule
+    one = plan_placement(torch.rand(2, 3, generator=torch.Generator().manual_seed(0)), 1, 4, dispatch=dispatch)
+    assert bool((one.logcnt == 1).all())
+    load = pareto_loads(4, 8, 1)
+    full = plan_placement(load, 4, 4, dispatch=dispatch)                        # every slot used
+    budget = plan_placement(load, 4, 4, slot_budget=4 * 10, previous=full, dispatch=dispatch)
+    assert int((budget.phy2log >= 0).sum()) <= 40
+    nodes = 2
+    node_G = np.arange(4) // 2
+    crowded = plan_placement(load, 4, 4, dispatch=dispatch, node_spread=False)
+    spread = plan_placement(load, 4, 4, num_nodes=nodes, previous=crowded, dispatch=dispatch, node_spread=True)
+    from eb_deepspeed.planning.placement import _node_coverage
+    cover = _node_coverage(crowded.phy2log.numpy()[None], node_G, 4, 8)[0]
+    best = crowded.logcnt.clamp(max=nodes).sum(1).numpy()            # every expert on min(replicas, nodes) nodes
+    kept = (spread.phy2log == crowded.phy2log).all(1).numpy()
+    assert (cover[kept] == best[kept]).all()                          # the crowded plan is kept only where spread

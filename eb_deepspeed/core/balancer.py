@@ -17,6 +17,8 @@ whole view. World size 1 is `reduce=None`: no communication at all.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -231,8 +233,7 @@ class Balancer:
         for key, value in scalars.items():
             if key not in NOTES:
                 raise ValueError(f"note({key}=...): the balance record takes {', '.join(NOTES)}")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
-                    or value in (float("inf"), float("-inf")):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
                 raise ValueError(f"note({key}={value!r}): a finite number is needed")
             self._notes[key] = float(value)
 

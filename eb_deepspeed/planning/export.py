@@ -75,8 +75,7 @@ def read_placement_json(path: str) -> Placement:
 def sglang_mapping(plan: Placement) -> dict:
     """SGLang's `--init-expert-location` JSON: {"physical_to_logical_map": [L][P]} and nothing else."""
     if bool((plan.phy2log < 0).any()):
-        raise ValueError("SGLang needs an expert in every physical slot; this plan leaves slots empty (plan without "
-                         "a slot budget)")
+        raise ValueError("SGLang needs an expert in every physical slot; this plan leaves some empty")
     return {"physical_to_logical_map": plan.phy2log.tolist()}
 
 

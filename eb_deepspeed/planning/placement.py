@@ -361,8 +361,18 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
                 phy, _ = refine_for_steering(phy, load, G, S, spread_G, was_LGE, stickiness, rounds, refine_iters,
                                              refine_work)
             cands += [phy] + uni[1:]
-    if previous is not None and previous.slots_per_device == S and _is_legal(previous):
-        cands.append(previous.phy2log.numpy().astype(np.int64))   # keeping a layer as it is moves nothing
+    # Keeping a layer as it is moves nothing: `previous` is a candidate where it obeys this call's rules
+    # (not under a slot budget, which counts slots over all layers; with the spread rule, only on layers
+    # where it covers as many nodes as the plan's own candidate).
+    keep_LP = None
+    if previous is not None and previous.slots_per_device == S and _is_legal(previous) and slot_budget is None:
+        keep_LP = previous.phy2log.numpy().astype(np.int64)
+        if node_spread is True and num_nodes > 1:
+            own = np.stack(cands)
+            covered = _node_coverage(np.concatenate([own, keep_LP[None]]), node_G, S, E)
+            ok_L = covered[-1] >= covered[:-1].max(0)
+            keep_LP = np.where(ok_L[:, None], keep_LP, own[0])
+        cands.append(keep_LP)
     # Each layer keeps its best candidate under the runtime's dispatch, weighing node spread and weight moves.
     weight = 0.0 if isinstance(node_spread, bool) else float(node_spread)
     phy, x_LP = _choose(np.stack(cands), load, G, S, node_G, weight, was_LGE, stickiness, dispatch, x_LP,
@@ -419,6 +429,15 @@ def _move_cost(phy_NP, was_NGE, load_NE, G: int, S: int, stickiness: float) -> n
     P = phy_NP.shape[1]
     moves = (holds_mask(phy_NP, S, load_NE.shape[1]) & ~was_NGE).sum((1, 2))
     return moves * stickiness * load_NE.sum(1) / G / P
+
+
+def _node_coverage(phy_CLP: np.ndarray, node_G: np.ndarray, S: int, E: int) -> np.ndarray:
+    """[C, L] the (expert, node) pairs each candidate layer covers."""
+    C, L, P = phy_CLP.shape
+    nodes = int(node_G.max()) + 1
+    on = np.zeros((C * L, nodes, E + 1), dtype=bool)
+    on[np.arange(C * L)[:, None], node_G[np.arange(P) // S][None, :], phy_CLP.reshape(C * L, P) + 1] = True
+    return on[:, :, 1:].sum((1, 2)).reshape(C, L)
 
 
 def cross_node_fraction(phy_NP: np.ndarray, load_NE: np.ndarray, node_G: np.ndarray, S: int) -> np.ndarray:

@@ -95,6 +95,8 @@ def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, roun
     back earns as much. swaps_only: keep every expert's replica count (drops and adds are not tried).
     """
     L, P = phy_LP.shape
+    if G < 2:                                  # one device: nothing to move between
+        return phy_LP
     mean_L = load_LE.sum(1) / G
     move_cost_L = stickiness * mean_L / P
     tol_L = 1e-9 * mean_L + 1e-12

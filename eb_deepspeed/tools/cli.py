@@ -169,15 +169,13 @@ def _plan(args) -> int:
                                     f"planned (dispatch={args.dispatch})": plan})
     meta = {"dispatch": args.dispatch, "num_nodes": args.nodes, "source": args.load, "steps": int(trace_NLE.shape[0]),
             "balance": table}
+    documents = [(path, make()) for path, make in ((args.out, lambda: placement_json(plan, **meta)),
+                                                    (args.sglang, lambda: sglang_mapping(plan))) if path]
     written = []
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(placement_json(plan, **meta), f)
-        written.append(args.out)
-    if args.sglang:
-        with open(args.sglang, "w", encoding="utf-8") as f:
-            json.dump(sglang_mapping(plan), f)
-        written.append(args.sglang)
+    for path, doc in documents:           # every document built (and checked) before any file is written
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        written.append(path)
     if args.json:
         print(json.dumps({"layers": L, "experts": E, "devices": G, "slots_per_device": S, **meta, "written": written}))
         return 0
