@@ -76,14 +76,15 @@ class ExpertMLP(nn.Module):
 class Block(nn.Module):
 
     def __init__(self, hidden: int, heads: int, experts: int, ep_size: int, k: int, capacity_factor: float,
-                 min_capacity: int, drop_tokens: bool, use_rts: bool):
+                 min_capacity: int, drop_tokens: bool, use_rts: bool, use_residual: bool = False):
         from deepspeed.moe.layer import MoE
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
         self.moe = MoE(hidden, ExpertMLP(hidden, 2 * hidden), num_experts=experts, ep_size=ep_size, k=k,
                        capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
-                       min_capacity=min_capacity, drop_tokens=drop_tokens, use_rts=use_rts)
+                       min_capacity=min_capacity, drop_tokens=drop_tokens, use_rts=use_rts,
+                       use_residual=use_residual)   # residual MoE: a dense MLP beside the experts (DeepSpeed-MoE)
 
     def forward(self, x_BSD, mask_SS):
         h = self.ln1(x_BSD)
@@ -101,13 +102,13 @@ class MoELM(nn.Module):
 
     def __init__(self, layers: int = 4, hidden: int = 64, heads: int = 4, experts: int = 8, ep_size: int = 1,
                  k: int | tuple[int, ...] = 2, seq_len: int = 128, capacity_factor: float = 1.0, min_capacity: int = 4,
-                 drop_tokens: bool = True, use_rts: bool = True):
+                 drop_tokens: bool = True, use_rts: bool = True, use_residual: bool = False):
         super().__init__()
         ks = (k, ) if isinstance(k, int) else tuple(k)
         self.tok = nn.Embedding(256, hidden)
         self.pos = nn.Embedding(seq_len, hidden)
         self.blocks = nn.ModuleList(Block(hidden, heads, experts, ep_size, ks[i % len(ks)], capacity_factor,
-                                          min_capacity, drop_tokens, use_rts) for i in range(layers))
+                                          min_capacity, drop_tokens, use_rts, use_residual) for i in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, 256, bias=False)
 

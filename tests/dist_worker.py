@@ -93,7 +93,7 @@ def scenario_equivalence(p):
         cfg = base_config(gradient_accumulation_steps=p.get("accum", 1))
         if block is not None:
             cfg["easybalance"] = {**block, "log": {"dir": os.path.join(p["out"], f"log_{name}")}}
-        engine = make_engine(make_model(ep_size=2), cfg, use_eb=name != "plain")
+        engine = make_engine(make_model(ep_size=2, use_residual=p.get("residual", False)), cfg, use_eb=name != "plain")
         losses, grads = [], []
         for step in range(3):
             g = {}

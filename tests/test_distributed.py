@@ -13,10 +13,12 @@ def assert_tensors_equal(a, b, what):
         assert torch.equal(a[key], b[key]), f"{what}: {key} differs"
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_disabled_and_observe_mode_give_plain_deepspeeds_losses_and_gradients(run_dist, accum):
-    for rank in run_dist("equivalence", 2, accum=accum):
+@pytest.mark.parametrize("accum, residual", [(1, False), (2, False), (1, True)])
+def test_disabled_and_observe_mode_give_plain_deepspeeds_losses_and_gradients(run_dist, accum, residual):
+    # residual: DeepSpeed-MoE's residual MoE (use_residual=True: a dense MLP and its coefficient beside the experts)
+    for rank in run_dist("equivalence", 2, accum=accum, residual=residual):
         plain = rank["plain"]
+        assert any("coefficient" in name for name in plain["params"]) == residual
         assert plain["gate"] == "TopKGate" and not plain["has_balancer"]
         for name in ("no_block", "disabled"):
             assert rank[name]["gate"] == "TopKGate" and not rank[name]["has_balancer"]
