@@ -159,14 +159,18 @@ def main(argv=None) -> int:
             cols = " | ".join(f"{k} u {v['uniform'][0]:.4f}/{v['uniform'][1]:.4f} s {v['steered'][0]:.4f}/{v['steered'][1]:.4f}"
                               for k, v in r.items() if isinstance(v, dict))
             print(f"{r['name']} (seed {r['seed']}): {cols}", flush=True)
-    result = {"benchmark": "plan_vs_eplb", "cases": rows, "verdict": _verdict(rows),
-              "timing": time_planners()}
+    verdict, timing = _verdict(rows), time_planners()
+    result = {"benchmark": "plan_vs_eplb", "cases": rows, "verdict": verdict, "timing": timing,
+              "targets": {"uniform_ge_eplb_every_matrix": not verdict["uniform"]["losses"],
+                          "steered_ge_eplb_every_matrix": not verdict["steered"]["losses"],
+                          "planner_ms_le_100": timing["ours_steered_ms"] <= 100,
+                          "time_vs_eplb_le_0.5": timing["ratio_steered_vs_fastest_eplb"] <= 0.5}}
     if not args.quick:
         result["scaling"] = time_planners(L=61, E=384, G=128, S=4, nodes=16, groups=8, repeats=3, eplb_repeats=1)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    print(json.dumps(result if args.json else {k: result[k] for k in ("verdict", "timing") if k in result}))
+    print(json.dumps(result if args.json else {k: result[k] for k in ("verdict", "timing", "targets") if k in result}))
     return 0
 
 

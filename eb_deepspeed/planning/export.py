@@ -24,6 +24,7 @@ import torch
 from ..core.metrics import aggregate_balancedness, balancedness
 from .flows import steered_load
 from .placement import Placement, index_maps
+from .uniform import device_loads
 
 __all__ = ["PLAN_FORMAT", "placement_json", "read_placement_json", "sglang_mapping", "trivial_placement",
            "balance_table", "format_balance_table"]
@@ -81,11 +82,8 @@ def sglang_mapping(plan: Placement) -> dict:
 
 def _loads(load_LE: torch.Tensor, plan: Placement) -> dict[str, torch.Tensor]:
     """[L, G] device loads under both dispatch models."""
-    per_rep = (load_LE / plan.logcnt.clamp_min(1)).gather(1, plan.phy2log.clamp_min(0))
-    per_rep = torch.where(plan.phy2log >= 0, per_rep, 0.0)
-    L, P = plan.phy2log.shape
-    uniform = per_rep.view(L, plan.num_devices, plan.slots_per_device).sum(2)
-    return {"uniform": uniform, "steered": steered_load(plan, load_LE, iters=100)}
+    uniform = device_loads(plan.phy2log.numpy(), load_LE.numpy(), plan.num_devices, plan.slots_per_device)
+    return {"uniform": torch.from_numpy(uniform), "steered": steered_load(plan, load_LE, iters=100)}
 
 
 def balance_table(load_LE, plans: dict[str, Placement]) -> dict[str, dict[str, dict[str, float]]]:

@@ -44,7 +44,8 @@ import torch
 from .flows import steer_flows
 from .refine import refine_for_steering
 from .slots import holds_mask
-from .uniform import best_of, count_variants, device_loads as _uniform_loads, refine_uniform
+from .uniform import count_variants, node_counts, refine_uniform, slot_shares
+from .uniform import device_loads as _uniform_loads
 
 # Sizes the planner takes: its work grows with layers x slots (the refinement copies candidates of them).
 MAX_SLOTS = 1 << 16
@@ -414,14 +415,9 @@ def _uniform_phy(load_LE, G, S, nodes_list, was_LGE, slot_budget, stickiness, re
     phy = phy.reshape(n, V, L, P)
     if V == 1:
         return list(phy[:, 0])
-    cost = None if was is None else _move_cost(phy.reshape(rows, P), was, load_N, G, S, stickiness).reshape(n, V, L)
-    return [best_of(phy[i], load, G, S, None if cost is None else cost[i]) for i in range(n)]
-
-
-def _replica_counts(phy_NP: np.ndarray, E: int) -> np.ndarray:
-    """[N, E] replicas of each expert in phy_NP."""
-    N = phy_NP.shape[0]
-    return np.bincount((np.arange(N)[:, None] * (E + 1) + phy_NP + 1).ravel(), minlength=N * (E + 1)).reshape(N, E + 1)[:, 1:]
+    # each layer keeps its best variant under the even split (weight moves priced)
+    return [_choose(phy[i], load, G, S, nodes_list[i], 0.0, was_LGE, stickiness, "uniform", None, 1, 1)[0]
+            for i in range(n)]
 
 
 def _move_cost(phy_NP, was_NGE, load_NE, G: int, S: int, stickiness: float) -> np.ndarray:
@@ -434,21 +430,16 @@ def _move_cost(phy_NP, was_NGE, load_NE, G: int, S: int, stickiness: float) -> n
 def _node_coverage(phy_CLP: np.ndarray, node_G: np.ndarray, S: int, E: int) -> np.ndarray:
     """[C, L] the (expert, node) pairs each candidate layer covers."""
     C, L, P = phy_CLP.shape
-    nodes = int(node_G.max()) + 1
-    on = np.zeros((C * L, nodes, E + 1), dtype=bool)
-    on[np.arange(C * L)[:, None], node_G[np.arange(P) // S][None, :], phy_CLP.reshape(C * L, P) + 1] = True
-    return on[:, :, 1:].sum((1, 2)).reshape(C, L)
+    on = node_counts(phy_CLP.reshape(C * L, P), np.broadcast_to(node_G, (C * L, len(node_G))), S, E) > 0
+    return on.sum((1, 2)).reshape(C, L)
 
 
 def cross_node_fraction(phy_NP: np.ndarray, load_NE: np.ndarray, node_G: np.ndarray, S: int) -> np.ndarray:
     """[N] expected fraction of routes that leave their node when tokens start evenly over the nodes and
     go to a replica on their own node whenever their expert has one there."""
     N, P = phy_NP.shape
-    E = load_NE.shape[1]
     nodes = int(node_G.max()) + 1
-    on = np.zeros((N, nodes, E + 1), dtype=bool)
-    on[np.arange(N)[:, None], node_G[np.arange(P) // S][None, :], phy_NP + 1] = True
-    covered_NE = on[:, :, 1:].sum(1) / nodes
+    covered_NE = (node_counts(phy_NP, np.broadcast_to(node_G, (N, len(node_G))), S, load_NE.shape[1]) > 0).sum(1) / nodes
     total = load_NE.sum(1)
     return np.where(total > 0, (load_NE * (1 - covered_NE)).sum(1) / np.where(total > 0, total, 1), 0.0)
 
@@ -474,9 +465,7 @@ def _choose(phy_CLP, load_LE, G, S, node_G, spread_weight, was_LGE, stickiness, 
     mean = load_LE.sum(1) / G
     score = y_NG.max(1).reshape(C, L)
     if dispatch == "padded":   # every slot is padded to the largest: slots x the largest share, per device
-        share = (load_NE / np.maximum(_replica_counts(phy_NP, load_NE.shape[1]), 1))
-        largest = np.where(phy_NP >= 0, np.take_along_axis(share, phy_NP.clip(0), 1), 0.0).max(1)
-        score = (largest * S).reshape(C, L)
+        score = (slot_shares(phy_NP, load_NE).max(1) * S).reshape(C, L)
     if spread_weight > 0 and node_G.max() > 0:
         score = score + spread_weight * mean * cross_node_fraction(phy_NP, load_NE, node_G, S).reshape(C, L)
     if was_LGE is not None:

@@ -10,8 +10,8 @@ sum of its replicas' shares and the objective is plain bin balancing:
     1u  `uniform_counts`: replica counts that minimise the largest share (one extra replica at a time
         to the expert with the largest share, at most G each: the D'Hondt apportionment);
         `count_variants`: that and a few neighbours (one replica of a most-replicated expert moved to
-        the next-largest share), planned side by side on small inputs, the best kept per layer by
-        `best_of` (the smallest share is not always the best packing: with no two replicas of an
+        the next-largest share), planned side by side on small inputs, the best kept per layer
+        (`placement._choose`; the smallest share is not always the best packing: with no two replicas of an
         expert on one device, fewer and larger shares of a hot expert can pack tighter)
     2   `placement.assign_replicas`: largest share first, each to the least loaded device with room
         that does not hold the expert yet (node spread only when asked)
@@ -23,7 +23,7 @@ import numpy as np
 
 from .slots import holds_mask
 
-__all__ = ["uniform_counts", "count_variants", "refine_uniform", "best_of", "device_loads"]
+__all__ = ["uniform_counts", "count_variants", "refine_uniform", "device_loads", "slot_shares", "node_counts"]
 
 
 def uniform_counts(load_LE: np.ndarray, slots: int, max_replicas: int) -> np.ndarray:
@@ -57,17 +57,6 @@ def count_variants(load_LE: np.ndarray, slots: int, max_replicas: int, n: int) -
         cnt[rows[ok], share.argmax(1)[ok]] += 1
         out.append(cnt)
     return out
-
-
-def best_of(phy_VLP: np.ndarray, load_LE: np.ndarray, G: int, S: int, cost_VL: np.ndarray | None = None) -> np.ndarray:
-    """phy_LP [L, P]: per layer the variant with the smallest slowest device (plus cost_VL, e.g. priced
-    weight moves), ties to the smaller sum of squared device loads, then to the earlier variant."""
-    V, L, P = phy_VLP.shape
-    y = device_loads(phy_VLP.reshape(V * L, P), np.tile(load_LE, (V, 1)), G, S).reshape(V, L, G)
-    top = y.max(2) + (0.0 if cost_VL is None else cost_VL)
-    tol = 1e-9 * load_LE.sum(1) / G + 1e-12
-    sq = np.where(top <= top.min(0) + tol, (y ** 2).sum(2), np.inf)
-    return phy_VLP[sq.argmin(0), np.arange(L)]
 
 
 def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, rounds: int,
@@ -126,7 +115,12 @@ def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, roun
 
 def device_loads(phy_NP: np.ndarray, load_NE: np.ndarray, G: int, S: int) -> np.ndarray:
     """y_NG [N, G]: each device's load when every expert splits evenly over its replicas in phy_NP."""
-    return _shares(phy_NP, load_NE)[2].reshape(len(phy_NP), G, S).sum(2)
+    return slot_shares(phy_NP, load_NE).reshape(len(phy_NP), G, S).sum(2)
+
+
+def slot_shares(phy_NP: np.ndarray, load_NE: np.ndarray) -> np.ndarray:
+    """w_NP [N, P]: the load each slot takes when every expert splits evenly over its replicas (0: empty)."""
+    return _shares(phy_NP, load_NE)[2]
 
 
 def _shares(phy_NP: np.ndarray, load_NE: np.ndarray):
@@ -197,7 +191,7 @@ def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_AGE, move_cost_A, K: in
     ok_add = (real_a[:, :, None] & a_free_h & ((b_AQ >= 0) & (cnt[rows, b_id] >= 2))[:, None, :]
               & (b_AQ[:, None, :] != a_AS[:, :, None]))
     if node_AG is not None:
-        per_node = _per_node(phy_AP, node_AG, S, E)
+        per_node = node_counts(phy_AP, node_AG, S, E)
         ok_swap &= _keeps_nodes(per_node, a_AS, b_AQ, g, h_AQ, node_AG)
         ok_drop &= (per_node[rows, node_AG[rows[:, 0], g][:, None], a_id] >= 2)[:, :, None]
         ok_add &= (per_node[rows, node_AG[rows, h_AQ], b_id] >= 2)[:, None, :]
@@ -274,8 +268,8 @@ def _move_count(was_AGE, a_AS, g_A, b_AQ, h_AQ, c_AC) -> np.ndarray:
     return np.concatenate([swap.reshape(A, -1), drop.reshape(A, -1), add.reshape(A, -1)], 1)
 
 
-def _per_node(phy_AP, node_AG, S: int, E: int) -> np.ndarray:
-    """[A, nodes, E] replicas of each expert on each node (node_AG [A, G]: each layer's node of each device)."""
+def node_counts(phy_AP, node_AG, S: int, E: int) -> np.ndarray:
+    """[A, nodes, E] replicas of each expert on each node (node_AG [A, G]: each row's node of each device)."""
     A, P = phy_AP.shape
     nodes = int(node_AG.max()) + 1
     node_AP = node_AG[:, np.arange(P) // S]

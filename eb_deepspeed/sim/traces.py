@@ -59,11 +59,7 @@ def load_trace(path: str) -> torch.Tensor:
             t_NLP = tensor(key)
             if "physical_to_logical_map" not in data:
                 raise ValueError(f"{path}: '{key}' counts physical experts; 'physical_to_logical_map' is missing")
-            p2l_LP = _expert_map(data["physical_to_logical_map"], tuple(t_NLP.shape[1:]), f"{path}: physical_to_logical_map")
-            E = int(p2l_LP.max()) + 1
-            out = torch.zeros(t_NLP.shape[0], t_NLP.shape[1], E + 1, dtype=torch.float64)
-            out.scatter_add_(2, (p2l_LP + 1).clamp_min(0).expand_as(t_NLP), t_NLP)
-            return _checked(out[:, :, 1:], path)
+            return _to_logical(t_NLP, data["physical_to_logical_map"], f"{path}: physical_to_logical_map", path)
     raise ValueError(f"{path}: no expert load found; expected one of logical_count (SGLang), global_expert_load, "
                      f"expert_load_window / expert_load_pass (vLLM); keys present: {sorted(data)}")
 
@@ -97,8 +93,12 @@ def _from_sglang_records(data: dict, path: str) -> torch.Tensor:
     t_NLP = torch.stack(counts)
     if "last_physical_to_logical_map" not in data:
         raise ValueError(f"{path}: per_pass records count physical experts; 'last_physical_to_logical_map' is missing")
-    p2l_LP = _expert_map(data["last_physical_to_logical_map"], tuple(t_NLP.shape[1:]),
-                         f"{path}: last_physical_to_logical_map")
+    return _to_logical(t_NLP, data["last_physical_to_logical_map"], f"{path}: last_physical_to_logical_map", path)
+
+
+def _to_logical(t_NLP: torch.Tensor, p2l, what: str, path: str) -> torch.Tensor:
+    """[N, L, E] logical counts from physical counts t_NLP [N, L, P] through the map p2l [L, P] (checked)."""
+    p2l_LP = _expert_map(p2l, tuple(t_NLP.shape[1:]), what)
     E = int(p2l_LP.max()) + 1
     out = torch.zeros(t_NLP.shape[0], t_NLP.shape[1], E + 1, dtype=torch.float64)
     out.scatter_add_(2, (p2l_LP + 1).clamp_min(0).expand_as(t_NLP), t_NLP)

@@ -102,11 +102,8 @@ def _layout(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> d
     Returns the global index of each local gate, the model's layer count, E, G and rank -> node.
     Every rank evaluates the same gathered data, so a disagreement raises the same error everywhere.
     """
-    moes = [m for _, m in find_moe_layers(engine.module)]
-    ep_sizes = sorted({m.ep_size for m in moes})
-    if len(ep_sizes) > 1:
-        raise ValueError(f"every MoE layer must have the same ep_size for the cross-layer view, got "
-                         f"{[m.ep_size for m in moes]}")
+    check_one_shape(engine.module)            # `attach` called directly: the same refusal as `initialize`'s
+    ep_sizes = sorted({m.ep_size for _, m in find_moe_layers(engine.module)})
     stage = int(engine.stage_id) if _is_pipeline(engine) else 0
     mine = {"stage": stage, "top_k": [g.k for g in gates], "experts": sorted({g.num_experts for g in gates}),
             "devices": ep_sizes, "config": config.to_dict(), "host": socket.gethostname()}
