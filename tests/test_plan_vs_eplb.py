@@ -168,8 +168,22 @@ def test_padded_dispatch_keeps_the_counts_that_minimise_the_largest_slot_and_rea
         ratio = float(expected_padded_cost(heat, plan)[0] / heat.sum())
         assert ratio == pytest.approx(slot_bound(heat[0] / heat.sum(), G, S), rel=1e-9)
         # the uniform plan may trade the largest share for device balance; never below the bound
-        assert float(expected_padded_cost(heat, plan_placement(heat, G, S, dispatch="uniform"))[0] / heat.sum()) \
-            >= ratio - 1e-12
+        uniform = plan_placement(heat, G, S, dispatch="uniform")
+        assert float(expected_padded_cost(heat, uniform)[0] / heat.sum()) >= ratio - 1e-12
+        # re-planning from that uniform plan: the padded cost, not the device balance, picks the layer
+        again = plan_placement(heat, G, S, dispatch="padded", previous=uniform)
+        assert float(expected_padded_cost(heat, again)[0] / heat.sum()) == pytest.approx(ratio, rel=1e-9)
+
+
+def test_the_padded_search_only_swaps():
+    # seed 1: the uniform search's drop / add moves change these replica counts; swaps_only keeps them
+    load = pareto_loads(3, 8, 1).numpy()
+    G, S = 4, 3
+    cnt = un.uniform_counts(load, G * S, G)
+    phy = assign_replicas(torch.from_numpy(load), torch.from_numpy(cnt), G, S, np.zeros(G, dtype=np.int64), None, 0.0)
+    counts = lambda p: np.stack([np.bincount(row[row >= 0], minlength=8) for row in p])
+    assert (counts(un.refine_uniform(phy.copy(), load, G, S, 50)) != cnt).any()
+    assert (counts(un.refine_uniform(phy.copy(), load, G, S, 50, swaps_only=True)) == cnt).all()
 
 
 @pytest.mark.parametrize("dispatch", ["steered", "uniform", "padded"])

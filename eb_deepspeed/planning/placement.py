@@ -254,7 +254,9 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     stickiness: with `previous`, keep an expert on its old device when that device's load is within
     this fraction of the layer's mean device load of the best choice (step 2); in the refinement
     (step 3) moving all P slots of a layer must gain this fraction of the mean device load.
-    refine_rounds: local-search rounds (0 = greedy only); None = clamp(2**16 // (L * P), 1, 64).
+    refine_rounds: rounds of every local search (0 = greedy only); None = sized by the input: the
+    steering-aware search clamp(2**16 // (L * P), 1, 64), the uniform one clamp(2**18 // (rows * P), 4, 8G)
+    (as the start of a steered plan, clamp(2**16 // (rows * P), 0, 8G)), rows = layers x variants.
     refine_iters: water-filling iterations per confirmation; refine_work: slots steered per round
     to confirm moves (more candidates per layer on smaller inputs).
     dispatch: how the runtime splits an expert's tokens over its replicas. "steered" (ours: freely,
