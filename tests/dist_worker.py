@@ -116,7 +116,7 @@ def scenario_user_equivalence(p):
         if block is not None:
             cfg["easybalance"] = {**block, "log": {"dir": os.path.join(p["out"], f"log_{name}")}}
         torch.manual_seed(0)
-        model = MoELM(**{**SMALL, "ep_size": 2})
+        model = MoELM(**{**SMALL, "ep_size": 2, "use_residual": p.get("residual", False)})
         engine = make_engine(model, cfg, use_eb=name != "plain")
         losses = []
         for step in range(4):

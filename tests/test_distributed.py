@@ -176,9 +176,11 @@ def test_nonfinite_router_logits_on_one_rank_leave_every_view_finite_and_unchang
     assert ranks[0]["warned"]
 
 
-def test_as_users_run_it_without_reseeding_observe_and_fixed_balance_equal_plain_deepspeed(run_dist):
-    for rank in run_dist("user_equivalence", 2):
+@pytest.mark.parametrize("residual", [False, True])
+def test_as_users_run_it_without_reseeding_observe_and_fixed_balance_equal_plain_deepspeed(run_dist, residual):
+    for rank in run_dist("user_equivalence", 2, residual=residual):
         plain = rank["plain"]
+        assert any("coefficient" in name for name in plain["params"]) == residual
         for name in ("observe", "balance"):
             assert [float(x) for x in rank[name]["losses"]] == [float(x) for x in plain["losses"]], name
             assert_tensors_equal(rank[name]["params"], plain["params"], f"{name} params after 4 steps")
