@@ -287,14 +287,15 @@ def test_under_activation_checkpointing_each_route_is_counted_once(kind):
 
 
 @pytest.mark.parametrize("mode", ["observe", "balance"])
-def test_moe_layers_of_different_shapes_are_refused_before_anything_changes(mode):
-    # PR-MoE-like stacks (2 then 4 experts): a clear error naming each layer, raised before the gates are
-    # swapped and before deepspeed.initialize (which would need a process group: it is never reached)
+def test_moe_layers_whose_ep_sizes_do_not_nest_are_refused_before_anything_changes(mode):
+    # layers may differ in num_experts and ep_size (PR-MoE), but an ep_size that does not divide the largest
+    # (2 and 3 on 6 ranks) has no place in one [layers x devices] view: a clear error naming each layer, raised
+    # before the gates are swapped and before deepspeed.initialize (which would need a process group)
     import eb_deepspeed
     from deepspeed.moe.layer import MoE
-    model = torch.nn.ModuleList([MoE(8, torch.nn.Linear(8, 8), num_experts=n, ep_size=2, k=1) for n in (2, 4)])
-    with pytest.raises(ValueError, match=r"same num_experts and ep_size .* 0: 2 experts, ep_size 2, 1: 4 experts, "
-                                         r"ep_size 2\. Nothing was changed"):
+    model = torch.nn.ModuleList([MoE(8, torch.nn.Linear(8, 8), num_experts=6, ep_size=e, k=1) for e in (2, 3)])
+    with pytest.raises(ValueError, match=r"ep_size must divide the largest \(3\) .* 0: 6 experts, ep_size 2, 1: 6 experts, "
+                                         r"ep_size 3\. Nothing was changed"):
         eb_deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                 config={"train_micro_batch_size_per_gpu": 1, "easybalance": {"mode": mode}})
     assert all(type(m.deepspeed_moe.gate) is TopKGate for m in model)

@@ -27,7 +27,7 @@ import torch
 from .config import EasyBalanceConfig
 from .policies import AuxController
 from .record import EXPERT_COUNTS, NOTES, PRESSURE, BalanceLogger, NullLogger
-from .tally import Tally, TallyLayout
+from .tally import Tally, TallyLayout, widen_row
 from .view import LoadView, sequence_length_weights
 
 __all__ = ["Balancer", "BalancedGate", "check_agreement"]
@@ -76,12 +76,16 @@ class Balancer:
     """Owns the view and the controller; `step()` runs the loop once.
 
     config: the parsed `easybalance` block. gates: this rank's gates, in layer order.
-    num_devices: EP ranks of a layer (G). reduce: sums a tensor in place over every rank that holds
+    num_devices: EP ranks of a layer (G), or one number per layer of the model when layers differ (each
+    must divide the largest; see `LoadView`). reduce: sums a tensor in place over every rank that holds
     a copy of the model's layers (the data-parallel group; every rank under pipeline parallelism);
     None for world size 1. layers: global index of each gate (default 0 .. len(gates) - 1);
     num_layers: layers of the whole model (default len(gates)). rank_to_node: node of each rank.
-    expert_to_device_E: [E] EP rank holding each expert (default DeepSpeed's contiguous layout).
-    num_experts: E, for a rank that holds no MoE layer itself (a pipeline stage without one).
+    expert_to_device_E: [E] or [L, E] EP rank (within the layer's group) holding each expert (default
+    DeepSpeed's contiguous layout).
+    num_experts: E, or one number per layer of the model when layers differ in size (PR-MoE); needed
+    when this rank does not hold every layer (a pipeline stage) and the layers differ, or it holds none.
+    Without it the gates say (one E for all, or theirs in layer order when they are the whole model).
     device_tally: the gates also tally kept routes per EP rank (`Tally.device_LG`): gates of replicated
     experts, whose routes are not where `expert_to_device_E` says; the view's pressure then comes from it.
     train_controls: run the `aux` policy in `balance` mode (False when serving: there is no loss to weigh).
@@ -93,28 +97,30 @@ class Balancer:
                  expert_to_device_E: Optional[torch.Tensor] = None, logger: Optional[BalanceLogger] = None,
                  tally_device: torch.device | str = "cpu", num_experts: Optional[int] = None,
                  device_tally: bool = False, train_controls: bool = True):
-        experts = sorted({g.num_experts for g in gates} | ({num_experts} if num_experts is not None else set()))
-        if not experts:
+        if not gates and num_experts is None:
             raise ValueError("easybalance is enabled but the model has no MoE layers")
-        if len(experts) != 1:
-            raise ValueError(f"every MoE layer must have the same num_experts for the cross-layer view, got "
-                             f"{[g.num_experts for g in gates] or experts}")
         self.config = config
         self.gates = list(gates)
-        self.num_experts, self.num_devices = experts[0], int(num_devices)
         self.layers = list(range(len(gates))) if layers is None else [int(i) for i in layers]
         self.num_layers = len(gates) if num_layers is None else int(num_layers)
         if self.num_layers < 1 or len(self.layers) != len(gates) or len(set(self.layers)) != len(self.layers) \
                 or not all(0 <= i < self.num_layers for i in self.layers):
             raise ValueError(f"layers ({self.layers}) must be {len(gates)} distinct indices in [0, {self.num_layers})")
+        self.experts_L = self._experts_per_layer(num_experts)
+        self.num_experts = max(self.experts_L)            # the tally's width: smaller layers are padded
+        devices = [int(num_devices)] * self.num_layers if isinstance(num_devices, numbers.Integral) \
+            else [int(g) for g in num_devices]
+        self.num_devices = max(devices)
         self.reduce = reduce
         self.train_controls = train_controls
         self.tally_devices = self.num_devices if device_tally else 0
         self.rank_to_node = list(rank_to_node or [0])
-        self.view = LoadView(self.num_layers, self.num_experts, self.num_devices, ema_alpha=config.ema_alpha,
+        self.view = LoadView(self.num_layers, self.experts_L, devices, ema_alpha=config.ema_alpha,
                              window=config.window_for(self.num_layers), warmup_batches=config.warmup_batches,
                              expert_to_device_E=expert_to_device_E)
         self.controller = AuxController(self.num_layers, self.num_experts, config.aux)
+        # one tensor per layer, kept: a gate copies its expert -> device map only when it gets a new object
+        self._layer_maps = [self.view.layer_map(layer).clone() for layer in range(self.num_layers)]
         self.logger: BalanceLogger = logger or NullLogger()
         self.tally_device = torch.device(tally_device)
         self.samples = 0                  # the adapter's sample count, for log steps
@@ -125,6 +131,29 @@ class Balancer:
         self._logged_step = 0
         self._run_start: Optional[int] = 0    # put on the next record: where this run's log starts
         self.apply_controls()
+
+    def _experts_per_layer(self, num_experts) -> list[int]:
+        """[L] experts of every layer of the model, checked against this rank's gates."""
+        local = {layer: int(g.num_experts) for layer, g in zip(self.layers, self.gates)}
+        if num_experts is None:
+            if not local:
+                raise ValueError("easybalance is enabled but the model has no MoE layers")
+            if len(set(local.values())) == 1:
+                num_experts = next(iter(local.values()))
+            elif len(local) == self.num_layers:
+                num_experts = [local[layer] for layer in range(self.num_layers)]
+            else:
+                raise ValueError(f"the MoE layers differ in num_experts ({sorted(set(local.values()))}) and this rank "
+                                 "holds only some of them: pass num_experts per layer of the model")
+        experts_L = [int(num_experts)] * self.num_layers if isinstance(num_experts, numbers.Integral) \
+            else [int(e) for e in num_experts]
+        if len(experts_L) != self.num_layers or min(experts_L) < 1:
+            raise ValueError(f"num_experts ({num_experts}) must be one number >= 1 or one per layer ({self.num_layers})")
+        wrong = {layer: (e, experts_L[layer]) for layer, e in local.items() if e != experts_L[layer]}
+        if wrong:
+            raise ValueError("MoE layers' num_experts (gate, model) differ: "
+                             + ", ".join(f"layer {layer}: {a} vs {b}" for layer, (a, b) in sorted(wrong.items())))
+        return experts_L
 
     @property
     def num_nodes(self) -> int:
@@ -148,7 +177,8 @@ class Balancer:
         width = TallyLayout(self.num_experts, self.tally_devices).width
         packed_LW = torch.zeros(self.num_layers, width, dtype=torch.float64, device=self.tally_device)
         for layer, gate in zip(self.layers, self.gates):
-            packed_LW[layer] = gate.take_tally(self.tally_device)
+            packed_LW[layer] = widen_row(gate.take_tally(self.tally_device), self.experts_L[layer], self.num_experts,
+                                         self.tally_devices)
         return packed_LW
 
     def discard_tally(self, last_forward_only: bool = False) -> None:
@@ -207,11 +237,11 @@ class Balancer:
         for layer, gate in zip(self.layers, self.gates):
             gate.set_aux_weight(float(self.controller.weight_L[layer]))
             if self.controller.uses_bias:
-                gate.set_selection_bias(self.controller.bias_LE[layer])
+                gate.set_selection_bias(self.controller.bias_LE[layer, :self.experts_L[layer]])
         if self.controller.uses_device_loss:
             device_L = self.controller.device_loss_weights()
-            for layer, gate in zip(self.layers, self.gates):
-                gate.set_device_loss(float(device_L[layer]), self.view.expert_to_device_E)
+            for layer, gate in zip(self.layers, self.gates):   # each layer over its own EP group's ranks
+                gate.set_device_loss(float(device_L[layer]), self._layer_maps[layer])
 
     # ------------------------------------------------------------------ reads
     def aux_weights(self) -> list[float]:
@@ -242,8 +272,9 @@ class Balancer:
         policies tilt routing (0.0 where there is no bias)."""
         if self.config.mode != "balance" or not self.train_controls or not self.controller.uses_bias:
             return [0.0] * self.num_layers
-        bias_LE = self.controller.bias_LE
-        return [float(v) for v in (bias_LE.amax(1) - bias_LE.amin(1))]
+        bias_LE, mask_LE = self.controller.bias_LE, self.view.mask_LE
+        spread_L = torch.where(mask_LE, bias_LE, -math.inf).amax(1) - torch.where(mask_LE, bias_LE, math.inf).amin(1)
+        return [float(v) for v in spread_L]
 
     def metrics(self) -> dict[str, object]:
         """The view's metrics plus the per-layer aux and device-loss weights and selection-bias spread (see
@@ -264,7 +295,8 @@ class Balancer:
         out.update(self._notes)
         out[PRESSURE] = [[round(x, 3) for x in row] for row in self.view.pressure_LG.tolist()]
         if not out["nonfinite_layer_ids"]:      # a trace replays real demand, never NaN-routed counts
-            out[EXPERT_COUNTS] = self.view.last.routed_LE.round().long().tolist()
+            counts_LE = self.view.last.routed_LE.round().long().tolist()
+            out[EXPERT_COUNTS] = [row[:e] for row, e in zip(counts_LE, self.experts_L)]   # each layer its own experts
         return out
 
     # ------------------------------------------------------------------ checkpoint
@@ -302,6 +334,7 @@ class Balancer:
         if state.get("version", 0) < self.VERSION:
             return False
         self.view.load_state_dict(state["view"])
+        self._layer_maps = [self.view.layer_map(layer).clone() for layer in range(self.num_layers)]
         self._run_start = self._logged_step = self.view.steps
         changed = self.controller.load_state_dict(state["aux"])
         self.apply_controls()

@@ -17,7 +17,7 @@ import math
 import torch
 
 __all__ = ["max_over_mean", "balancedness", "aggregate_balancedness", "max_vio", "cv",
-           "device_util_std", "token_drop_rate", "deepspeed_capacity", "dropped_routes", "summarize"]
+           "device_util_std", "token_drop_rate", "deepspeed_capacity", "dropped_routes", "summarize", "per_width"]
 
 
 def _as_LX(load: torch.Tensor) -> torch.Tensor:
@@ -95,20 +95,39 @@ def dropped_routes(counts_LE: torch.Tensor, capacity: int) -> torch.Tensor:
     return (_as_LX(counts_LE) - capacity).clamp_min(0).sum(1)
 
 
-def summarize(device_LG: torch.Tensor, expert_LE: torch.Tensor) -> dict[str, object]:
+def per_width(fn, load_LX: torch.Tensor, widths_L: torch.Tensor | None) -> torch.Tensor:
+    """A per-layer metric `fn` ([L, X] -> [L]) of each layer's first widths_L[l] columns only: layers of
+    different widths (expert counts) padded into one matrix. widths_L None: every column counts."""
+    load = _as_LX(load_LX)
+    if widths_L is None or bool((torch.as_tensor(widths_L) == load.shape[1]).all()):
+        return fn(load)
+    widths_L = torch.as_tensor(widths_L)
+    out_L = torch.empty(load.shape[0], dtype=torch.float64)
+    for width in widths_L.unique().tolist():
+        rows_L = widths_L == width
+        out_L[rows_L] = fn(load[rows_L, :width]).to(torch.float64)
+    return out_L
+
+
+def summarize(device_LG: torch.Tensor, expert_LE: torch.Tensor, experts_L: torch.Tensor | None = None) -> dict[str, object]:
     """Per-layer and aggregate metrics of one load snapshot, as plain Python numbers.
 
-    device_LG: [L, G] tokens per layer and EP rank; expert_LE: [L, E] routes per layer and expert.
+    device_LG: [L, G] tokens per layer and EP rank; expert_LE: [L, E] routes per layer and expert;
+    experts_L: [L] experts of each layer when layers differ (PR-MoE): layer l's experts are its first
+    experts_L[l] columns, the rest padding that no expert metric counts (None: every column).
     """
     dev_mom_L = max_over_mean(device_LG)
-    exp_mom_L = max_over_mean(expert_LE)
+    exp_mom_L = per_width(max_over_mean, expert_LE, experts_L)
+    exp_mean_L = per_width(lambda x: x.mean(1), expert_LE, experts_L)
+    exp_max_L = per_width(lambda x: x.amax(1), expert_LE, experts_L)
+    exp_max_total = float(exp_max_L.sum())
     return {
         "device_max_over_mean": dev_mom_L.tolist(),
         "expert_max_over_mean": exp_mom_L.tolist(),
-        "max_vio": max_vio(expert_LE).tolist(),
+        "max_vio": (exp_mom_L - 1.0).tolist(),
         "device_cv": cv(device_LG).tolist(),
         "device_balancedness": aggregate_balancedness(device_LG),
-        "expert_balancedness": aggregate_balancedness(expert_LE),
+        "expert_balancedness": float(exp_mean_L.sum()) / exp_max_total if exp_max_total > 0 else 1.0,
         "device_util_std": device_util_std(device_LG),
         "device_max_over_mean_p90": float(torch.quantile(dev_mom_L, 0.9)) if dev_mom_L.numel() else 1.0,
     }

@@ -29,7 +29,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Tally", "TallyLayout", "TallyRecorder", "PER_EXPERT_FIELDS", "PER_LAYER_FIELDS", "tensor_problem", "in_backward"]
+__all__ = ["Tally", "TallyLayout", "TallyRecorder", "PER_EXPERT_FIELDS", "PER_LAYER_FIELDS", "tensor_problem", "in_backward",
+           "widen_row"]
 
 PER_EXPERT_FIELDS = ("routed", "kept", "load")
 PER_LAYER_FIELDS = ("tokens", "nonfinite", "aux", "forwards")
@@ -138,6 +139,26 @@ class Tally:
     def mean_aux_L(self) -> torch.Tensor:
         """[L] mean unweighted l_aux per forward (0 for layers that did not record)."""
         return torch.where(self.forwards_L > 0, self.aux_L / self.forwards_L.clamp_min(1), 0.0)
+
+
+def widen_row(row_W: torch.Tensor, num_experts: int, to_experts: int, num_devices: int = 0) -> torch.Tensor:
+    """A layer's packed row for `num_experts` experts, laid out for `to_experts` >= num_experts (the padded
+    experts count 0): how a layer with fewer experts joins the one [L, W] tensor of a model whose layers
+    differ (PR-MoE). [W] -> [W']"""
+    if num_experts == to_experts:
+        return row_W
+    if num_experts > to_experts:
+        raise ValueError(f"a layer of {num_experts} experts does not fit a tally of {to_experts}")
+    src, dst = TallyLayout(num_experts, num_devices), TallyLayout(to_experts, num_devices)
+    if row_W.shape != (src.width, ):
+        raise ValueError(f"a packed row for {num_experts} experts must be [{src.width}], got {tuple(row_W.shape)}")
+    out_W = row_W.new_zeros(dst.width)
+    for name in PER_EXPERT_FIELDS + (("device", ) if num_devices else ()) + PER_LAYER_FIELDS:
+        at = dst.span(name)
+        if isinstance(at, slice) and name in PER_EXPERT_FIELDS:
+            at = slice(at.start, at.start + num_experts)
+        out_W[at] = row_W[src.span(name)]
+    return out_W
 
 
 def _field(attribute: str) -> str:

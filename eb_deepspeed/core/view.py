@@ -1,7 +1,8 @@
 """The cross-layer load view: one [layers x devices] pressure matrix and one [layers x experts]
 heat matrix, EMA-smoothed, identical on every rank (the EasyBalance article, §2.1 and §3.2).
 
-Shape legend: L MoE layers, E logical experts per layer, G EP ranks (devices), B sequences.
+Shape legend: L MoE layers, E logical experts per layer (the most of any layer when layers differ),
+G EP ranks (devices; the largest EP group when layers differ), B sequences.
 
 `LoadView.update(tally)` folds one step's reduced `Tally` (see `tally.py`) into the view. Everything
 here is pure tensor code on CPU float64, so every rank computes the same view from the same
@@ -38,29 +39,51 @@ def sequence_length_weights(lengths_B: torch.Tensor, seq_len: int) -> torch.Tens
     return w_B.repeat_interleave(seq_len)
 
 
+def _per_layer(value, num_layers: int, name: str) -> torch.Tensor:
+    """[L] long from an int (every layer) or a sequence of L ints, each >= 1."""
+    out_L = torch.as_tensor(value, dtype=torch.long).reshape(-1)
+    if out_L.numel() == 1:
+        out_L = out_L.expand(num_layers).clone()
+    if out_L.numel() != num_layers or bool((out_L < 1).any()):
+        raise ValueError(f"{name} ({value}) must be >= 1, one number or one per layer ({num_layers})")
+    return out_L
+
+
+def _show(x_L: torch.Tensor):
+    """One number when every layer has it, else the per-layer list (for messages)."""
+    return int(x_L[0]) if bool((x_L == x_L[0]).all()) else x_L.tolist()
+
+
 class LoadView:
     """EMA-smoothed device pressure [L, G] and expert heat [L, E], plus the last step's tally.
 
-    expert_to_device_E: [E] EP rank holding each expert; default is DeepSpeed's contiguous layout
-    (expert e on rank e // (E / G)).
+    Layers may differ in shape (PR-MoE: more experts in deeper layers; a smaller `ep_size` where a
+    layer has fewer experts than ranks): `num_experts` and `num_devices` are then per-layer sequences
+    [L] (E_l experts over an EP group of e_l ranks). The view pads experts to E = max E_l (layer l's
+    experts are its first E_l columns; `mask_LE` marks them) and spans G = max e_l devices: a layer with
+    a smaller group (e_l divides G) is repeated G / e_l times across the view's devices, copy c of its
+    group-local rank j being view device c * e_l + j (DeepSpeed's contiguous EP groups nest so). Each
+    rank's tokens reach only its own group's copy; gates that know their copy tally the exact device
+    load (`Tally.device_LG`), else a copied layer's expert load is split evenly over its copies.
+
+    expert_to_device_E: EP rank (group-local) holding each expert, [E] for every layer or [L, E];
+    default DeepSpeed's contiguous layout (expert e of layer l on rank e // (E_l / e_l)).
     """
 
-    def __init__(self, num_layers: int, num_experts: int, num_devices: int, *, ema_alpha: float = 0.3,
+    def __init__(self, num_layers: int, num_experts, num_devices, *, ema_alpha: float = 0.3,
                  window: int = 5, warmup_batches: int = 4, expert_to_device_E: torch.Tensor | None = None):
-        if num_layers < 1 or num_experts < 1 or num_devices < 1:
-            raise ValueError(f"num_layers ({num_layers}), num_experts ({num_experts}) and num_devices "
-                             f"({num_devices}) must be >= 1")
-        if expert_to_device_E is None:
-            if num_experts % num_devices:
-                raise ValueError(f"num_experts ({num_experts}) must be divisible by num_devices ({num_devices})")
-            expert_to_device_E = torch.arange(num_experts) // (num_experts // num_devices)
-        expert_to_device_E = torch.as_tensor(expert_to_device_E, dtype=torch.long)
-        if expert_to_device_E.shape != (num_experts,) or int(expert_to_device_E.min()) < 0 \
-                or int(expert_to_device_E.max()) >= num_devices:
-            raise ValueError(f"expert_to_device_E must be [{num_experts}] with values in [0, {num_devices})")
-        self.L, self.E, self.G = num_layers, num_experts, num_devices
+        if num_layers < 1:
+            raise ValueError(f"num_layers ({num_layers}) must be >= 1")
+        experts_L, devices_L = _per_layer(num_experts, num_layers, "num_experts"), \
+            _per_layer(num_devices, num_layers, "num_devices")
+        self.L, self.E, self.G = int(num_layers), int(experts_L.max()), int(devices_L.max())
+        if bool((self.G % devices_L).any()):
+            raise ValueError(f"every layer's EP size must divide the largest ({self.G}), got {devices_L.tolist()}")
+        self.experts_L, self.devices_L = experts_L, devices_L
+        self.copies_L = self.G // devices_L                         # copies of each layer's EP group in the view
+        self.mask_LE = torch.arange(self.E)[None, :] < experts_L[:, None]
+        self.expert_to_device_LE = self._checked_map(expert_to_device_E)
         self.ema_alpha, self.window, self.warmup_batches = float(ema_alpha), int(window), int(warmup_batches)
-        self.expert_to_device_E = expert_to_device_E
         self.heat_LE = torch.zeros(self.L, self.E, dtype=torch.float64)
         self.pressure_LG = torch.zeros(self.L, self.G, dtype=torch.float64)
         self.updates_L = torch.zeros(self.L, dtype=torch.long)
@@ -68,18 +91,77 @@ class LoadView:
         self.last = Tally.zeros(self.L, self.E)
         self.last_load_LG = torch.zeros(self.L, self.G, dtype=torch.float64)
 
+    def _checked_map(self, expert_to_device: torch.Tensor | None) -> torch.Tensor:
+        """[L, E] group-local EP rank of each expert (padded experts 0), from [E], [L, E] or the default."""
+        L, E = self.L, self.E
+        if expert_to_device is None:
+            if bool((self.experts_L % self.devices_L).any()):
+                raise ValueError(f"num_experts ({_show(self.experts_L)}) must be divisible by num_devices "
+                                 f"({_show(self.devices_L)}) in every layer")
+            map_LE = torch.arange(E)[None, :] // (self.experts_L // self.devices_L)[:, None]
+        else:
+            map_LE = torch.as_tensor(expert_to_device, dtype=torch.long)
+            if map_LE.dim() == 1:
+                map_LE = map_LE.expand(L, -1)
+            if map_LE.shape != (L, E):
+                raise ValueError(f"expert_to_device_E must be [{E}] or [{L}, {E}], got {tuple(map_LE.shape)}")
+        map_LE = torch.where(self.mask_LE, map_LE, 0)
+        if bool((map_LE < 0).any()) or bool((map_LE >= self.devices_L[:, None]).any()):
+            raise ValueError(f"expert_to_device_E: each layer's experts must sit on EP ranks [0, num_devices) "
+                             f"({_show(self.devices_L)})")
+        return map_LE.clone()
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer has the same number of experts and EP ranks (no padding, no copies)."""
+        return bool((self.experts_L == self.E).all()) and bool((self.devices_L == self.G).all())
+
+    @property
+    def expert_to_device_E(self) -> torch.Tensor:
+        """[E] the one expert -> EP rank map of a view whose layers all share it (see `layer_map`)."""
+        first_E = self.expert_to_device_LE[0]
+        if not self.uniform or not bool((self.expert_to_device_LE == first_E).all()):
+            raise ValueError("the layers differ in shape or expert layout: use layer_map(layer)")
+        return first_E
+
+    def layer_map(self, layer: int) -> torch.Tensor:
+        """[E_l] group-local EP rank of each expert of `layer` (what its gate's device loss needs)."""
+        return self.expert_to_device_LE[layer, :int(self.experts_L[layer])]
+
+    def expert_device_mean(self, x_LG: torch.Tensor) -> torch.Tensor:
+        """Per expert, the mean of `x_LG` [L, G] over the view devices holding a copy of it. -> [L, E]
+        (padded experts 0). One copy per expert (uniform layers): x_LG at the expert's device."""
+        x_LG = x_LG.to(torch.float64)
+        out_LE = torch.zeros(self.L, self.E, dtype=torch.float64)
+        for copy in range(int(self.copies_L.max())):
+            has_L = self.copies_L > copy
+            device_LE = (copy * self.devices_L[:, None] + self.expert_to_device_LE).clamp_max(self.G - 1)
+            out_LE += torch.where(has_L[:, None], x_LG.gather(1, device_LE), 0.0)
+        return torch.where(self.mask_LE, out_LE / self.copies_L[:, None], 0.0)
+
     # ------------------------------------------------------------------ update
     def device_load(self, per_expert_LE: torch.Tensor) -> torch.Tensor:
-        """Sum per-expert load onto the devices holding the experts. [L, E] -> [L, G]"""
-        out_LG = per_expert_LE.new_zeros(per_expert_LE.shape[0], self.G)
-        return out_LG.index_add_(1, self.expert_to_device_E, per_expert_LE)
+        """Sum per-expert load onto the devices holding the experts. [L, E] -> [L, G]
+
+        A layer whose EP group is copied across the view's devices has its load split evenly over its
+        copies (exact when every rank routes alike; gates that tally devices give the exact load)."""
+        per_expert_LE = torch.where(self.mask_LE, per_expert_LE.to(torch.float64), 0.0)
+        out_LG = per_expert_LE.new_zeros(self.L, self.G)
+        row_L1 = torch.arange(self.L)[:, None] * self.G
+        for copy in range(int(self.copies_L.max())):
+            has_L = self.copies_L > copy
+            flat_LE = row_L1 + (copy * self.devices_L[:, None] + self.expert_to_device_LE).clamp_max(self.G - 1)
+            share_LE = per_expert_LE if bool((self.copies_L == 1).all()) else \
+                torch.where(has_L[:, None], per_expert_LE / self.copies_L[:, None], 0.0)
+            out_LG.view(-1).index_add_(0, flat_LE.reshape(-1), share_LE.reshape(-1))
+        return out_LG
 
     def update(self, tally: Tally, *, device_load_LG: torch.Tensor | None = None) -> torch.Tensor:
         """Fold one step's reduced tally into the view. Returns valid_L [L] bool: the layers that were
         updated (saw tokens, no non-finite logits).
 
         device_load_LG: [L, G] the step's load per device when experts are not where
-        `expert_to_device_E` says (replicated placements); None takes the tally's own `device_LG`
+        `expert_to_device_LE` says (replicated placements); None takes the tally's own `device_LG`
         when it has one, else sums `tally.load_LE` onto the devices.
         The first valid update of a layer sets its EMA directly (no pull towards the zero start).
         """
@@ -88,6 +170,11 @@ class LoadView:
                              f"the view has {(self.L, self.E)}")
         packed_LW = tally.pack().detach().to("cpu", torch.float64)           # a private copy
         tally = Tally.unpack(packed_LW, self.E, 0 if tally.device_LG is None else self.G)
+        padded_LE = ~self.mask_LE
+        if bool(padded_LE.any()) and any(bool(t[padded_LE].ne(0).any()) for t in (tally.routed_LE, tally.kept_LE,
+                                                                                   tally.load_LE)):
+            raise ValueError(f"a tally counted routes to experts a layer does not have (experts per layer "
+                             f"{self.experts_L.tolist()}); a gate recorded a corrupt count")
         if device_load_LG is None:
             device_load_LG = tally.device_LG
         load_LG = self.device_load(tally.load_LE) if device_load_LG is None else \
@@ -137,7 +224,7 @@ class LoadView:
         bad_L = last.nonfinite_L > 0
         good_L = ~bad_L
         if bool(good_L.any()):
-            out = M.summarize(self.last_load_LG[good_L], last.routed_LE[good_L])
+            out = M.summarize(self.last_load_LG[good_L], last.routed_LE[good_L], self.experts_L[good_L])
         else:                                   # nothing this step to aggregate
             out = {key: [] for key in ("device_max_over_mean", "expert_max_over_mean", "max_vio", "device_cv")}
             out.update(dict.fromkeys(("device_balancedness", "expert_balancedness", "device_util_std",
@@ -166,14 +253,20 @@ class LoadView:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, object]:
-        return {"shape": (self.L, self.E, self.G), "heat_LE": self.heat_LE.clone(),
-                "pressure_LG": self.pressure_LG.clone(), "updates_L": self.updates_L.clone(),
-                "steps": self.steps, "expert_to_device_E": self.expert_to_device_E.clone(),
-                "last_tally": self.last.pack(), "last_devices": 0 if self.last.device_LG is None else self.G,
-                "last_load_LG": self.last_load_LG.clone()}
+        out = {"shape": (self.L, self.E, self.G), "heat_LE": self.heat_LE.clone(),
+               "pressure_LG": self.pressure_LG.clone(), "updates_L": self.updates_L.clone(),
+               "steps": self.steps, "experts_L": self.experts_L.clone(), "devices_L": self.devices_L.clone(),
+               "expert_to_device_LE": self.expert_to_device_LE.clone(),
+               "last_tally": self.last.pack(), "last_devices": 0 if self.last.device_LG is None else self.G,
+               "last_load_LG": self.last_load_LG.clone()}
+        if self.uniform and bool((self.expert_to_device_LE == self.expert_to_device_LE[0]).all()):
+            out["expert_to_device_E"] = self.expert_to_device_LE[0].clone()   # what readers before PR-MoE take
+        return out
 
     def state_problem(self, state: object) -> str | None:
-        """Why `state` cannot be this view's (None: it can). Checks everything `load_state_dict` reads."""
+        """Why `state` cannot be this view's (None: it can). Checks everything `load_state_dict` reads.
+
+        A state saved before per-layer shapes (no `experts_L`) is read as uniform layers with one map."""
         if not isinstance(state, dict) or "shape" not in state:
             return "the load view state is not a dict with a shape"
         try:
@@ -189,9 +282,26 @@ class LoadView:
         if not isinstance(state.get("steps"), int) or state["steps"] < 0:
             return f"the load view's steps is {state.get('steps')!r}, expected an integer >= 0"
         width = TallyLayout(self.E, devices).width
-        return tensor_problem(state, "load view", {
-            "heat_LE": (self.L, self.E), "pressure_LG": (self.L, self.G), "updates_L": (self.L, ),
-            "expert_to_device_E": (self.E, ), "last_tally": (self.L, width), "last_load_LG": (self.L, self.G)})
+        shapes = {"heat_LE": (self.L, self.E), "pressure_LG": (self.L, self.G), "updates_L": (self.L, ),
+                  "last_tally": (self.L, width), "last_load_LG": (self.L, self.G)}
+        if "experts_L" in state:
+            shapes.update(experts_L=(self.L, ), devices_L=(self.L, ), expert_to_device_LE=(self.L, self.E))
+        elif self.uniform:
+            shapes["expert_to_device_E"] = (self.E, )
+        else:
+            return "the checkpointed load view has no per-layer shapes (saved before them); this model's layers differ"
+        problem = tensor_problem(state, "load view", shapes)
+        if problem is None and "experts_L" in state:
+            for key, mine in (("experts_L", self.experts_L), ("devices_L", self.devices_L)):
+                if not torch.equal(state[key].to(torch.long), mine):
+                    return (f"the checkpointed load view's {key} per layer is {state[key].tolist()}, this model's "
+                            f"{mine.tolist()}")
+        if problem is None:
+            try:
+                self._checked_map(state["expert_to_device_LE" if "experts_L" in state else "expert_to_device_E"])
+            except ValueError as e:
+                return f"the checkpointed load view's expert map: {e}"
+        return problem
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         problem = self.state_problem(state)
@@ -201,6 +311,7 @@ class LoadView:
         self.pressure_LG = state["pressure_LG"].to(torch.float64).clone()
         self.updates_L = state["updates_L"].to(torch.long).clone()
         self.steps = int(state["steps"])
-        self.expert_to_device_E = state["expert_to_device_E"].to(torch.long).clone()
+        self.expert_to_device_LE = self._checked_map(state["expert_to_device_LE"] if "experts_L" in state
+                                                     else state["expert_to_device_E"])
         self.last = Tally.unpack(state["last_tally"].to(torch.float64).clone(), self.E, int(state["last_devices"]))
         self.last_load_LG = state["last_load_LG"].to(torch.float64).clone()

@@ -46,7 +46,7 @@ from ...core.topology import node_map
 from ...observe.monitor import DeepSpeedMonitorLogger, JsonlLogger, MultiLogger
 from .gate import CrossLayerGate
 
-__all__ = ["initialize", "swap_gates", "find_moe_layers", "attach", "STATE_KEY"]
+__all__ = ["initialize", "swap_gates", "find_moe_layers", "attach", "check_shapes", "STATE_KEY"]
 
 STATE_KEY = "easybalance"  # key of the balancer state in DeepSpeed's checkpoint client_state
 
@@ -57,14 +57,15 @@ def find_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def check_one_shape(model: torch.nn.Module) -> None:
-    """Refuse, before the gates are swapped and DeepSpeed initializes, a model whose MoE layers differ in
-    num_experts or ep_size: the cross-layer view is [layers x devices] over one expert layout today."""
+def check_shapes(model: torch.nn.Module) -> None:
+    """Refuse, before the gates are swapped and DeepSpeed initializes, MoE layers whose EP sizes do not nest:
+    layers may differ in num_experts and ep_size (PR-MoE), but every ep_size must divide the largest, so
+    that each smaller EP group lies inside one group of the largest (DeepSpeed's contiguous groups)."""
     moes = find_moe_layers(model)
-    shapes = {(m.num_experts, m.ep_size) for _, m in moes}
-    if len(shapes) > 1:
+    sizes = sorted({int(m.ep_size) for _, m in moes})
+    if sizes and any(sizes[-1] % e for e in sizes):
         layers = ", ".join(f"{name}: {m.num_experts} experts, ep_size {m.ep_size}" for name, m in moes)
-        raise ValueError(f"easybalance: every MoE layer must have the same num_experts and ep_size for the "
+        raise ValueError(f"easybalance: every MoE layer's ep_size must divide the largest ({sizes[-1]}) for the "
                          f"cross-layer view, got {layers}. Nothing was changed; with \"easybalance\": "
                          f"{{\"enabled\": false}} the model trains with plain DeepSpeed")
 
@@ -99,41 +100,85 @@ def _is_pipeline(engine) -> bool:
 def _layout(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> dict[str, Any]:
     """One all-gather: check that every rank agrees, and learn the pipeline layout and node map.
 
-    Returns the global index of each local gate, the model's layer count, E, G and rank -> node.
-    Every rank evaluates the same gathered data, so a disagreement raises the same error everywhere.
+    Returns the global index of each local gate, the model's layer count, E and G per layer (layers may
+    differ: PR-MoE), rank -> node, and for layers whose EP group is smaller than the largest the view
+    device each local gate's experts sit on (see `_copy_devices`). Every rank evaluates the same gathered
+    data, so a disagreement raises the same error everywhere.
     """
-    check_one_shape(engine.module)            # `attach` called directly: the same refusal as `initialize`'s
-    ep_sizes = sorted({m.ep_size for _, m in find_moe_layers(engine.module)})
+    check_shapes(engine.module)               # `attach` called directly: the same refusal as `initialize`'s
+    ep_of = {id(m.deepspeed_moe.gate): int(m.ep_size) for _, m in find_moe_layers(engine.module)}
+    shapes = [(int(g.num_experts), ep_of.get(id(g), 1)) for g in gates]
     stage = int(engine.stage_id) if _is_pipeline(engine) else 0
-    mine = {"stage": stage, "top_k": [g.k for g in gates], "experts": sorted({g.num_experts for g in gates}),
-            "devices": ep_sizes, "config": config.to_dict(), "host": socket.gethostname()}
+    largest = max([e for _, e in shapes], default=1)
+    mine = {"stage": stage, "top_k": [g.k for g in gates], "shapes": shapes, "config": config.to_dict(),
+            "host": socket.gethostname()}
     if _dist_ready() and dist.get_world_size() > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         rank = dist.get_rank()
     else:
         gathered, rank = [mine], 0
-    # Model-wide facts: every rank holding MoE layers agrees on E and G; every rank on the config.
-    shapes = {(tuple(g["experts"]), tuple(g["devices"])) for g in gathered if g["top_k"]}
-    if len(shapes) > 1:
-        raise ValueError(f"ranks disagree on (num_experts, ep_size) of their MoE layers: {sorted(shapes)}")
     check_agreement([{"config": g["config"]} for g in gathered], rank)
     # Per pipeline stage: the same layers on every rank of the stage; stages in order give global indices.
     first_of_stage: dict[int, int] = {}
     for r, g in enumerate(gathered):
         first = first_of_stage.setdefault(g["stage"], r)
-        if g["top_k"] != gathered[first]["top_k"]:
-            raise ValueError(f"rank {r} disagrees with rank {first} (pipeline stage {g['stage']}) on its MoE layers' "
-                             f"top-k: {g['top_k']} vs {gathered[first]['top_k']}")
-    offset = {s: sum(len(gathered[first_of_stage[t]]["top_k"]) for t in first_of_stage if t < s)
-              for s in first_of_stage}
-    num_layers = sum(len(gathered[r]["top_k"]) for r in first_of_stage.values())
-    if num_layers == 0:
+        for key, what in (("top_k", "top-k"), ("shapes", "(num_experts, ep_size)")):
+            if g[key] != gathered[first][key]:
+                raise ValueError(f"rank {r} disagrees with rank {first} (pipeline stage {g['stage']}) on its MoE "
+                                 f"layers' {what}: {g[key]} vs {gathered[first][key]}")
+    stages = sorted(first_of_stage)
+    offset = {s: sum(len(gathered[first_of_stage[t]]["top_k"]) for t in stages if t < s) for s in stages}
+    model_shapes = [tuple(x) for s in stages for x in gathered[first_of_stage[s]]["shapes"]]
+    if not model_shapes:
         raise ValueError("easybalance is enabled but the model has no deepspeed.moe.layer.MoE layers")
-    (experts, devices), = shapes
-    return {"layers": [offset[stage] + i for i in range(len(gates))], "num_layers": num_layers,
-            "num_experts": experts[0], "num_devices": devices[0],
-            "rank_to_node": node_map([g["host"] for g in gathered])}
+    num_devices = max(e for _, e in model_shapes)
+    copies = None
+    if any(e != num_devices for _, e in model_shapes):
+        copies = _copy_devices(gates, shapes, num_devices, largest)
+        bad = [r for r, ok in enumerate(_gathered_flags(copies is not None)) if not ok]
+        if bad:
+            raise ValueError(f"easybalance: on ranks {bad} a smaller MoE layer's EP group does not lie, in order, "
+                             f"inside the rank's group of the largest ep_size ({num_devices}), or the rank holds no layer of "
+                             "that size (a pipeline stage); the cross-layer view needs DeepSpeed's contiguous "
+                             "expert-parallel groups and a layer of the largest ep_size on every rank")
+    return {"layers": [offset[stage] + i for i in range(len(gates))], "num_layers": len(model_shapes),
+            "experts": [e for e, _ in model_shapes], "devices": [d for _, d in model_shapes],
+            "copy_devices": copies, "rank_to_node": node_map([g["host"] for g in gathered])}
+
+
+def _gathered_flags(flag: bool) -> list[bool]:
+    """Every rank's `flag` (one small all-gather; [flag] without a process group)."""
+    if not (_dist_ready() and dist.get_world_size() > 1):
+        return [flag]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, bool(flag))
+    return out
+
+
+def _copy_devices(gates: list[CrossLayerGate], shapes: list[tuple[int, int]], num_devices: int,
+                  largest_local: int) -> Optional[list[torch.Tensor]]:
+    """For each local gate, the view device [E_l] of each of its experts, as this rank's tokens reach them.
+
+    The view spans the G ranks of the largest EP group; a layer with a smaller group (ep_size e) is one of
+    G / e copies inside it, copy c holding group-local rank j on view device c * e + j. This rank's tokens
+    go to its own copy. None when a group does not lie in order inside this rank's largest group (a layout
+    other than DeepSpeed's contiguous one), or when this rank holds no layer of the largest size.
+    """
+    if largest_local != num_devices:
+        return None
+    big = next(g for g, (_, e) in zip(gates, shapes) if e == num_devices)
+    big_ranks = dist.get_process_group_ranks(big.ep_group)
+    out = []
+    for gate, (experts, e) in zip(gates, shapes):
+        ranks = dist.get_process_group_ranks(gate.ep_group) if e > 1 else [dist.get_rank()]
+        if not set(ranks) <= set(big_ranks):
+            return None
+        at = [big_ranks.index(r) for r in ranks]
+        if at != list(range(at[0], at[0] + e)) or at[0] % e:
+            return None
+        out.append(at[0] + torch.arange(experts) // (experts // e))
+    return out
 
 
 def _reduce_fn(engine):
@@ -310,9 +355,13 @@ def attach(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> Ba
     """Build the balancer for an initialized engine whose MoE gates are `gates`, and hook it in."""
     from deepspeed.accelerator import get_accelerator
     layout = _layout(engine, config, gates)
-    balancer = Balancer(config, gates, layout["num_devices"], reduce=_reduce_fn(engine), layers=layout["layers"],
-                        num_layers=layout["num_layers"], num_experts=layout["num_experts"],
-                        rank_to_node=layout["rank_to_node"],
+    copies = layout["copy_devices"]
+    if copies is not None:          # EP groups of different sizes: each gate tallies the view device of its routes
+        for gate, device_E in zip(gates, copies):
+            gate.tally_devices(max(layout["devices"]), device_E)
+    balancer = Balancer(config, gates, layout["devices"], reduce=_reduce_fn(engine), layers=layout["layers"],
+                        num_layers=layout["num_layers"], num_experts=layout["experts"],
+                        rank_to_node=layout["rank_to_node"], device_tally=copies is not None,
                         tally_device=get_accelerator().current_device_name())
     balancer.logger = _make_logger(config, engine)
     for gate, layer in zip(gates, layout["layers"]):
@@ -353,7 +402,7 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
     for path in eb_config.ignored_options("train"):
         warnings.warn(f"{path} has no effect in training ({where})")
 
-    check_one_shape(model)                  # before anything changes: the model and DeepSpeed untouched
+    check_shapes(model)                     # before anything changes: the model and DeepSpeed untouched
     gates = swap_gates(model)
     if not gates and not isinstance(model, PipelineModule):   # a pipeline stage may hold none; checked across ranks
         raise ValueError("easybalance is enabled but the model has no deepspeed.moe.layer.MoE layers")

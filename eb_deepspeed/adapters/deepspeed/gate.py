@@ -94,6 +94,9 @@ class CrossLayerGate(TopKGate):
         # Per-token load weights for the next forward ([T]) under sequence-length weighting; None counts 1.
         self.token_weights_T: Optional[torch.Tensor] = None
         self.tally = TallyRecorder(num_experts)
+        # View device of each expert's copy that this rank's tokens reach ([E]), when the model's EP groups
+        # differ in size and the view tallies devices; None: the view sums experts onto devices itself.
+        self.route_device_E: Optional[torch.Tensor] = None
 
     @classmethod
     def from_topk_gate(cls, gate: TopKGate, layer_index: int) -> "CrossLayerGate":
@@ -124,6 +127,13 @@ class CrossLayerGate(TopKGate):
 
     def set_aux_weight(self, weight: float) -> None:
         self.aux_weight = float(weight)
+
+    def tally_devices(self, num_devices: int, route_device_E: torch.Tensor) -> None:
+        """Also tally kept routes per view device (`Tally.device_LG`): expert e's routes from this rank land
+        on view device route_device_E[e] (a layer whose EP group is smaller than the view's). Call before
+        the first forward; routes tallied so far are dropped."""
+        self.tally = TallyRecorder(self.num_experts, num_devices)
+        self.route_device_E = torch.as_tensor(route_device_E, dtype=torch.long).to(self.wg.weight.device)
 
     def set_device_loss(self, weight: float, expert_to_device_E: torch.Tensor) -> None:
         """Add `weight` x the device-level balance loss to l_aux from the next forward on (0: off)."""
@@ -218,7 +228,10 @@ class CrossLayerGate(TopKGate):
         token_w_R = None if token_w is None else token_w.expand(K, T).reshape(-1) if sparse_routes \
             else token_w[:, None].expand(T, K).reshape(-1)
         tokens = used_token.sum() if used_token is not None else T
-        self.tally.record(exp_counts_E, route_expert_R, tokens, nonfinite, gate_output[0], token_w_R)
+        route_device_R = None
+        if self.route_device_E is not None:     # -1 (dropped) stays -1: it lands on the scratch slot
+            route_device_R = torch.where(route_expert_R >= 0, self.route_device_E[route_expert_R.clamp_min(0)], -1)
+        self.tally.record(exp_counts_E, route_expert_R, tokens, nonfinite, gate_output[0], token_w_R, route_device_R)
 
     def _token_weights(self, T: int) -> Optional[torch.Tensor]:
         w = self.token_weights_T

@@ -52,7 +52,7 @@ from ...planning.placement import (SPREAD_WEIGHT, Placement, expected_padded_cos
 from .engine import find_moe_layers
 from .replicas import ReplicaGate, SlotTable
 
-__all__ = ["init_inference", "Serving", "load_moe_checkpoint", "choose_placement"]
+__all__ = ["init_inference", "Serving", "load_moe_checkpoint", "choose_placement", "check_one_serving_shape"]
 
 EXPERTS_PREFIX = ".deepspeed_moe.experts.deepspeed_experts."
 # A new placement must be expected to cut the padded cost by this much: the expectation is of the EMA
@@ -92,10 +92,8 @@ class Serving:
         self.moes = [m for _, m in find_moe_layers(module)]
         if not self.moes:
             raise ValueError("init_inference: the model has no deepspeed.moe.layer.MoE layers")
-        shapes = {(m.num_experts, m.ep_size) for m in self.moes}
-        if len(shapes) != 1:
-            raise ValueError(f"every MoE layer must have the same (num_experts, ep_size), got {sorted(shapes)}")
-        (self.E, self.G), = shapes
+        check_one_serving_shape(module)
+        (self.E, self.G), = {(m.num_experts, m.ep_size) for m in self.moes}
         self.L, self.H = len(self.moes), self.E // self.G
         enabled = config is not None and config.enabled
         self.R = config.inference.replica_slots if enabled and config.mode == "balance" else 0
@@ -460,6 +458,17 @@ def _tag(ckpt_dir: str, tag: Optional[str]) -> str:
         return f.read().strip()
 
 
+def check_one_serving_shape(model: torch.nn.Module) -> None:
+    """Serving plans one slot layout for all layers: refuse MoE layers that differ in num_experts or ep_size
+    (PR-MoE) with a clear error. `init_inference` calls it before any DeepSpeed state is touched."""
+    moes = find_moe_layers(model)
+    if len({(m.num_experts, m.ep_size) for _, m in moes}) > 1:
+        layers = ", ".join(f"{name}: {m.num_experts} experts, ep_size {m.ep_size}" for name, m in moes)
+        raise ValueError(f"init_inference: serving needs every MoE layer to have the same num_experts and ep_size "
+                         f"(one replica-slot layout for all layers), got {layers}. Nothing was changed; such a "
+                         "model trains with eb_deepspeed.initialize, and serves with deepspeed.init_inference")
+
+
 def init_inference(model: torch.nn.Module, config=None, **kwargs):
     """`deepspeed.init_inference` for models built from `deepspeed.moe.layer.MoE`, made correct for
     expert parallelism, with the `easybalance` block of the same config.
@@ -478,6 +487,7 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
         where = f'mode "{eb_config.mode}"'
         for path in eb_config.ignored_options("inference"):
             warnings.warn(f"{path} has no effect in serving ({where})")
+    check_one_serving_shape(model)      # before DeepSpeed (and its process group) is touched
     if not _dist_ready():
         deepspeed.init_distributed()
     if "dtype" not in ds_config and "dtype" not in kwargs:
