@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["StdlibCorpus", "MoELM", "stdlib_source_files"]
+__all__ = ["StdlibCorpus", "MoELM", "stdlib_source_files", "pyramid"]
 
 
 def stdlib_source_files() -> list[str]:
@@ -62,6 +62,21 @@ class StdlibCorpus:
         return windows[:, :-1], windows[:, 1:]
 
 
+def _per_layer(value, layers: int, name: str) -> tuple[int, ...]:
+    values = (value, ) * layers if isinstance(value, int) else tuple(int(v) for v in value)
+    if len(values) != layers:
+        raise ValueError(f"{name} ({value}) must be one number or one per layer ({layers})")
+    return values
+
+
+def pyramid(layers: int, counts: tuple[int, ...]) -> tuple[int, ...]:
+    """Expert counts per layer from a short increasing list: layer i of `layers` gets
+    counts[i * len(counts) // layers] (`pyramid(4, (4, 8))` = (4, 4, 8, 8))."""
+    if not counts or layers < 1:
+        raise ValueError(f"pyramid needs layers >= 1 and at least one count, got {layers}, {counts}")
+    return tuple(counts[i * len(counts) // layers] for i in range(layers))
+
+
 class ExpertMLP(nn.Module):
 
     def __init__(self, hidden: int, ffn: int):
@@ -98,16 +113,22 @@ class MoELM(nn.Module):
 
     k: top-k of every layer, or a sequence repeated over the layers (`(1, 2)`: top-1 and top-2 layers
     alternate, so layers differ in how skewed they route: the `deep8` preset of train_moe_lm.py).
+    experts, ep_size: one for every layer, or one per layer (PR-MoE, the DeepSpeed-MoE paper's pyramid:
+    `experts=(4, 4, 8, 8)`; a layer's ep_size must divide its experts). `pyramid(layers, (4, 8))` spreads a
+    short list over the layers, the deeper layers getting the later (larger) counts.
     """
 
-    def __init__(self, layers: int = 4, hidden: int = 64, heads: int = 4, experts: int = 8, ep_size: int = 1,
-                 k: int | tuple[int, ...] = 2, seq_len: int = 128, capacity_factor: float = 1.0, min_capacity: int = 4,
-                 drop_tokens: bool = True, use_rts: bool = True, use_residual: bool = False):
+    def __init__(self, layers: int = 4, hidden: int = 64, heads: int = 4, experts: int | tuple[int, ...] = 8,
+                 ep_size: int | tuple[int, ...] = 1, k: int | tuple[int, ...] = 2, seq_len: int = 128,
+                 capacity_factor: float = 1.0, min_capacity: int = 4, drop_tokens: bool = True, use_rts: bool = True,
+                 use_residual: bool = False):
         super().__init__()
         ks = (k, ) if isinstance(k, int) else tuple(k)
+        experts_L = _per_layer(experts, layers, "experts")
+        ep_L = _per_layer(ep_size, layers, "ep_size")
         self.tok = nn.Embedding(256, hidden)
         self.pos = nn.Embedding(seq_len, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads, experts, ep_size, ks[i % len(ks)], capacity_factor,
+        self.blocks = nn.ModuleList(Block(hidden, heads, experts_L[i], ep_L[i], ks[i % len(ks)], capacity_factor,
                                           min_capacity, drop_tokens, use_rts, use_residual) for i in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, 256, bias=False)
@@ -121,6 +142,8 @@ class MoELM(nn.Module):
             x, aux, exp_counts_E = block(x, mask_SS)
             l_aux.append(aux)
             counts.append(exp_counts_E)
-        # route requests per layer and expert of this forward ([L, E], before the capacity limit)
-        self.last_counts_LE = torch.stack(counts).detach()
+        # route requests per layer and expert of this forward ([L, E], before the capacity limit; layers
+        # with fewer experts than the largest padded with zeros)
+        width = max(c.numel() for c in counts)
+        self.last_counts_LE = torch.stack([F.pad(c, (0, width - c.numel())) for c in counts]).detach()
         return self.head(self.ln_f(x)), l_aux

@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_lm import MoELM, StdlibCorpus  # noqa: E402
+from moe_lm import MoELM, StdlibCorpus, pyramid  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -32,6 +32,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--pyramid", type=_positive_ints("E"), default=None, metavar="E1,E2,...",
+                   help="PR-MoE: experts per layer growing with depth, e.g. 4,8 (layers 0-1: 4, layers 2-3: 8 of 4); "
+                        "overrides --experts")
     p.add_argument("--ep-size", type=int, default=2)
     p.add_argument("--k", type=_top_ks, default=(2, ),
                    help="top-k of every MoE layer, or a comma list repeated over the layers (1,2: top-1 and top-2 "
@@ -61,14 +64,20 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _top_ks(text: str) -> tuple[int, ...]:
-    try:
-        ks = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected k or k1,k2,... (whole numbers), got {text!r}") from None
-    if not ks or min(ks) < 1:
-        raise argparse.ArgumentTypeError(f"every k must be >= 1, got {text!r}")
-    return ks
+def _positive_ints(what: str):
+    """An argparse type: `what` as N or N1,N2,... whole numbers >= 1."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(part) for part in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} or {what}1,{what}2,... (whole numbers), got {text!r}") from None
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"every {what} must be >= 1, got {text!r}")
+        return values
+    return parse
+
+
+_top_ks = _positive_ints("k")
 
 
 def _mean_of(values):
@@ -103,7 +112,8 @@ def main(argv=None):
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(args.seed)
-    model = MoELM(layers=args.layers, hidden=args.hidden, experts=args.experts, ep_size=args.ep_size, k=args.k,
+    experts_L = pyramid(args.layers, args.pyramid) if args.pyramid else (args.experts, ) * args.layers
+    model = MoELM(layers=args.layers, hidden=args.hidden, experts=experts_L, ep_size=args.ep_size, k=args.k,
                   seq_len=args.seq_len, capacity_factor=args.capacity_factor)
     params = split_params_into_different_moe_groups_for_optimizer(
         {"params": [p for p in model.parameters()], "name": "params"})
@@ -129,7 +139,7 @@ def main(argv=None):
         from eb_deepspeed import metrics as M
         engine.eval()
         g = torch.Generator().manual_seed(args.seed + 7 + 1000 * rank)  # same windows every evaluation
-        capacity_L1 = torch.tensor([[M.deepspeed_capacity(micro_batch * args.seq_len, args.experts,
+        capacity_L1 = torch.tensor([[M.deepspeed_capacity(micro_batch * args.seq_len, experts_L[layer],
                                                           args.k[layer % len(args.k)], args.capacity_factor, 4)]
                                     for layer in range(args.layers)], dtype=torch.float64)
         # sums: loss, max_vio per layer, device max/mean per layer, dropped routes, routes, batches
@@ -139,11 +149,12 @@ def main(argv=None):
             for _ in range(args.eval_batches):
                 x, y = corpus.batch("val", micro_batch, args.seq_len, g)
                 logits, _ = engine(x.to(engine.device))
-                counts_LE = engine.module.last_counts_LE.double().cpu()
-                device_LG = counts_LE.view(L, args.ep_size, -1).sum(2)
+                counts_LE = engine.module.last_counts_LE.double().cpu()      # [L, max E], padded per layer
+                device_LG = torch.stack([counts_LE[layer, :e].view(args.ep_size, -1).sum(1)
+                                         for layer, e in enumerate(experts_L)])
                 sums[0] += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1),
                                                                    y.to(engine.device).flatten()))
-                sums[1:1 + L] += M.max_vio(counts_LE)
+                sums[1:1 + L] += M.per_width(M.max_vio, counts_LE, torch.tensor(experts_L))
                 sums[1 + L:1 + 2 * L] += M.max_over_mean(device_LG)
                 sums[1 + 2 * L:1 + 3 * L] += M.dropped_routes(counts_LE, capacity_L1)
                 sums[1 + 3 * L] += counts_LE.sum()

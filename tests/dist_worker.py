@@ -93,7 +93,8 @@ def scenario_equivalence(p):
         cfg = base_config(gradient_accumulation_steps=p.get("accum", 1))
         if block is not None:
             cfg["easybalance"] = {**block, "log": {"dir": os.path.join(p["out"], f"log_{name}")}}
-        engine = make_engine(make_model(ep_size=2, use_residual=p.get("residual", False)), cfg, use_eb=name != "plain")
+        engine = make_engine(make_model(ep_size=2, use_residual=p.get("residual", False), **p.get("model", {})), cfg,
+                             use_eb=name != "plain")
         losses, grads = [], []
         for step in range(3):
             g = {}
@@ -116,7 +117,7 @@ def scenario_user_equivalence(p):
         if block is not None:
             cfg["easybalance"] = {**block, "log": {"dir": os.path.join(p["out"], f"log_{name}")}}
         torch.manual_seed(0)
-        model = MoELM(**{**SMALL, "ep_size": 2, "use_residual": p.get("residual", False)})
+        model = MoELM(**{**SMALL, "ep_size": 2, "use_residual": p.get("residual", False), **p.get("model", {})})
         engine = make_engine(model, cfg, use_eb=name != "plain")
         losses = []
         for step in range(4):
@@ -249,15 +250,19 @@ def scenario_pipeline(p):
             "gate_bias": [g.selection_bias_E.double() for g in eb.gates], "gate_layers": [g.layer_index for g in eb.gates]}
 
 
-def _load_global_experts(model_ep, state_full, rank: int, local_experts: int):
-    """Copy a full (ep_size=1) state dict into an ep_size>1 model: local expert i = global rank*nle + i."""
+def _load_global_experts(model_ep, state_full, rank: int):
+    """Copy a full (ep_size=1) state dict into an ep_size>1 model: local expert i = global rank*nle + i
+    (nle: each layer's own local expert count)."""
+    from eb_deepspeed.adapters.deepspeed.engine import find_moe_layers
+    local_of = {name: m.num_local_experts for name, m in find_moe_layers(model_ep)}
     mapped = {}
     for name in model_ep.state_dict():
         src = name
         if ".deepspeed_experts." in name:
             head, tail = name.split(".deepspeed_experts.")
             local, rest = tail.split(".", 1)
-            src = f"{head}.deepspeed_experts.{rank * local_experts + int(local)}.{rest}"
+            nle = local_of[head.rsplit(".deepspeed_moe.experts", 1)[0]]
+            src = f"{head}.deepspeed_experts.{rank * nle + int(local)}.{rest}"
         mapped[name] = state_full[src]
     model_ep.load_state_dict(mapped)
 
@@ -266,9 +271,10 @@ def scenario_ep_equivalence(p):
     """ep_size 1 (every rank holds all experts) vs ep_size 2 (All-to-All): same losses and gradients."""
     rank = torch.distributed.get_rank()
     cfg = base_config(easybalance={"mode": "observe", "log": {"dir": os.path.join(p["out"], "log")}})
-    full = make_model(ep_size=1, drop_tokens=p["drop_tokens"], use_rts=False)
-    sharded = make_model(ep_size=2, drop_tokens=p["drop_tokens"], use_rts=False)
-    _load_global_experts(sharded, full.state_dict(), rank, SMALL["experts"] // 2)
+    model = p.get("model", {})
+    full = make_model(ep_size=1, drop_tokens=p["drop_tokens"], use_rts=False, **model)
+    sharded = make_model(ep_size=2, drop_tokens=p["drop_tokens"], use_rts=False, **model)
+    _load_global_experts(sharded, full.state_dict(), rank)
     out = {}
     for name, model in (("ep1", full), ("ep2", sharded)):
         engine = make_engine(model, copy.deepcopy(cfg))
@@ -285,7 +291,7 @@ def scenario_view(p):
     if "policy" in p:
         block.update(warmup_batches=1, aux={"policy": p["policy"], "bias_rate": 0.05})
     cfg = base_config(gradient_accumulation_steps=accum, easybalance=block, **p.get("ds", {}))
-    engine = make_engine(make_model(ep_size=2), cfg)
+    engine = make_engine(make_model(ep_size=2, **p.get("model", {})), cfg)
     eb = engine.easybalance
     counts, calls = [], [0]
     original = eb.step
@@ -319,7 +325,8 @@ def scenario_checkpoint(p):
         aux["bias_rate"] = 0.05
     cfg = base_config(easybalance={"mode": "balance", "warmup_batches": 1, "aux": aux,
                                    "log": {"dir": os.path.join(p["out"], "log")}})
-    a = make_engine(make_model(seed=0, ep_size=2), copy.deepcopy(cfg))
+    model = p.get("model", {})
+    a = make_engine(make_model(seed=0, ep_size=2, **model), copy.deepcopy(cfg))
     for step in range(3):
         train_step(a, step)
     a.save_checkpoint(ckpt, tag="step3", client_state={"user_key": 42})
@@ -327,7 +334,7 @@ def scenario_checkpoint(p):
     train_step(a, 3)
     after_a = view_state(a)
 
-    b = make_engine(make_model(seed=123, ep_size=2), copy.deepcopy(cfg))
+    b = make_engine(make_model(seed=123, ep_size=2, **model), copy.deepcopy(cfg))
     train_step(b, 99)  # a different history that the load must replace
     load_path, client = b.load_checkpoint(ckpt, tag="step3")
     restored = view_state(b)
@@ -339,7 +346,7 @@ def scenario_checkpoint(p):
     train_step(a, 3)
     after_reload = view_state(a)
 
-    plain = make_engine(make_model(seed=5, ep_size=2), base_config(), use_eb=False)
+    plain = make_engine(make_model(seed=5, ep_size=2, **model), base_config(), use_eb=False)
     plain_path, plain_client = plain.load_checkpoint(ckpt, tag="step3")  # a plain engine reads it too
     return {"saved": saved, "restored": restored, "after_a": after_a, "after_b": after_b,
             "after_reload": after_reload, "client": client, "loaded": load_path is not None,
@@ -711,6 +718,43 @@ def scenario_shipped_configs(p):
         with torch.no_grad():
             logits, _ = engine(batch(0)[0])
         out[name] = {"finite": bool(torch.isfinite(logits).all()), "shape": list(logits.shape)}
+    return out
+
+
+def scenario_mixed_ep(p):
+    """PR-MoE with EP groups of two sizes (2 experts on ep_size 1, then 4 on ep_size 2) and unequal batches per
+    rank: plain DeepSpeed vs observe vs balance (bias). Each rank returns its own routes per step, so the test
+    can recount the view's device load exactly (a copied layer's load is where this rank's tokens went)."""
+    rank = torch.distributed.get_rank()
+    shape = dict(experts=(2, 4), ep_size=(1, 2), k=1, drop_tokens=False, use_rts=False)   # top-1: 2 experts can skew
+    blocks = {"plain": None, "observe": {"mode": "observe"},
+              "balance": {"mode": "balance", "warmup_batches": 1, "aux": {"policy": "bias", "bias_rate": 0.05}}}
+    out = {}
+    for name, block in blocks.items():
+        cfg = base_config()
+        if block is not None:
+            cfg["easybalance"] = {**block, "log": {"dir": os.path.join(p["out"], f"log_{name}"), "interval": 1}}
+        torch.manual_seed(0)
+        model = MoELM(**{**SMALL, **shape})
+        engine = make_engine(model, cfg, use_eb=name != "plain")
+        losses, counts, views = [], [], []
+        for step in range(3):
+            x, y = batch(step)
+            x, y = x[:4 if rank == 0 else 2], y[:4 if rank == 0 else 2]     # 64 tokens on rank 0, 32 on rank 1
+            logits, l_aux = engine(x)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.1 * sum(l_aux)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+            counts.append(engine.module.last_counts_LE.clone())
+            if name != "plain":
+                views.append(view_state(engine))
+        out[name] = {"losses": losses, "counts": counts, "views": views,
+                     "params": {n: t.detach().clone() for n, t in engine.module.named_parameters()}}
+        if name != "plain":
+            eb = engine.easybalance
+            out[name].update(experts_L=eb.view.experts_L.tolist(), devices_L=eb.view.devices_L.tolist(),
+                             last_load_LG=eb.view.last_load_LG.clone(), metrics=eb.metrics())
     return out
 
 
