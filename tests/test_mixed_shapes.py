@@ -196,3 +196,24 @@ def test_a_uniform_checkpoint_of_the_format_before_per_layer_shapes_still_loads(
     assert torch.equal(restored.pressure_LG, view.pressure_LG)
     mixed = LoadView(2, [2, 4], 2)
     assert "saved before them" in mixed.state_problem({**old, "heat_LE": torch.zeros(2, 4)})
+
+
+def test_a_pr_moe_balance_log_is_refused_as_a_trace_with_the_reason(tmp_path):
+    import json
+
+    from eb_deepspeed import load_trace
+    (tmp_path / "balance.jsonl").write_text(json.dumps({"step": 1, "expert_counts_LE": [[3, 1], [1, 1, 1, 1]]}) + "\n")
+    with pytest.raises(ValueError, match=r"different expert counts \(\[2, 4\], a PR-MoE run\)"):
+        load_trace(str(tmp_path))
+
+
+def test_serving_refuses_layers_of_different_shapes_before_deepspeed_is_touched():
+    import torch.distributed as dist
+    from deepspeed.moe.layer import MoE
+
+    import eb_deepspeed
+    model = torch.nn.ModuleList([MoE(8, torch.nn.Linear(8, 8), num_experts=n, ep_size=1, k=1) for n in (2, 4)])
+    with pytest.raises(ValueError, match=r"serving needs every MoE layer to have the same num_experts and ep_size .*"
+                                         r"0: 2 experts, ep_size 1, 1: 4 experts, ep_size 1\. Nothing was changed"):
+        eb_deepspeed.init_inference(model, config={"easybalance": {"mode": "balance"}})
+    assert not dist.is_initialized()          # it never reached deepspeed.init_distributed

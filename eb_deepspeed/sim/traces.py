@@ -131,6 +131,11 @@ def _from_balance_log(path: str) -> torch.Tensor:
     for r in read_log(path, keys=(EXPERT_COUNTS, )):
         if EXPERT_COUNTS not in r:
             continue
+        counts = r[EXPERT_COUNTS]
+        if isinstance(counts, list) and all(isinstance(row, list) for row in counts) \
+                and len({len(row) for row in counts}) > 1:
+            raise ValueError(f"{path}: the layers have different expert counts ({[len(row) for row in counts]}, a "
+                             "PR-MoE run); traces and placement plans take one expert count for every layer")
         try:
             rows.append(torch.tensor(r[EXPERT_COUNTS], dtype=torch.float64))
         except (TypeError, ValueError, RuntimeError, OverflowError) as e:   # ragged lists, strings, nulls
