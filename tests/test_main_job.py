@@ -117,3 +117,24 @@ def test_the_quickstart_script_runs_as_docs_quickstart_says(tmp_path):
                .read_text().splitlines()]
     assert records[-1]["step"] == 40 and records[-1]["mode"] == "balance" and len(records[-1]["device_max_over_mean"]) == 3
     assert all("lm_loss" in r for r in records)                  # the noted loss beside the balance numbers
+
+
+def test_the_pr_moe_variant_of_the_example_trains_and_its_curves_render_with_eb_report(tmp_path):
+    """docs/training.md: `--pyramid 4,8` (layers 0-1: 4 experts, 2-3: 8), under the launcher, then `eb report`."""
+    run = tmp_path / "pyramid"
+    launcher("train_moe_lm.py", "--deepspeed_config", os.path.join(ROOT, "configs", "train_cpu_2rank.json"),
+             "--run-dir", str(run), "--layers", "4", "--pyramid", "4,8", "--max-bytes", "300000", "--steps", "6",
+             "--eval-every", "3", "--eval-batches", "1", "--no-report")
+    records = [json.loads(line) for line in (run / "balance" / "balance.jsonl").read_text().splitlines()]
+    last = records[-1]
+    assert [len(row) for row in last["expert_counts_LE"]] == [4, 4, 8, 8]
+    assert len(last["expert_max_over_mean"]) == 4 and all(v >= 1.0 for v in last["expert_max_over_mean"])
+    assert len(last["pressure_LG"]) == 4 and all(len(row) == 2 for row in last["pressure_LG"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final"]["val_max_vio"] >= 0 and summary["balance"]["ready"]
+    proc = subprocess.run([sys.executable, "-m", "eb_deepspeed.tools.cli", "report", str(run / "balance")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plots = run / "balance" / "plots"
+    for name in ("summary.png", "expert_max_over_mean.png", "pressure_heatmap.png", "bias_spread.png"):
+        assert (plots / name).read_bytes()[:8] == PNG_MAGIC, name
