@@ -87,6 +87,14 @@ def test_the_bias_of_a_padded_layer_moves_as_the_layer_alone_would_and_padding_s
         assert torch.allclose(bias[layer, :width], alone[0], atol=1e-15)
         assert abs(float(bias[layer, :width].sum())) < 1e-12
     assert bias[0, :2].tolist() == pytest.approx([-0.1, 0.1])   # expert 0: more routes and on the hot device
+    # a layer whose steps do not sum to 0 (3 experts in a row of 4): re-centred over its own 3 experts only
+    mask = torch.tensor([[True, True, True, False]])
+    three = bias_update(torch.zeros(1, 4), torch.tensor([[1.0, 1.0, 7.0, 0.0]]), torch.ones(1, 2), rate=0.3,
+                        device_weight=0.0, device_LE=torch.ones(1, 4), mask_LE=mask)
+    alone = bias_update(torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 7.0]]), torch.ones(1, 2), torch.zeros(3, dtype=torch.long),
+                        rate=0.3, device_weight=0.0)
+    assert three[0, :3].tolist() == pytest.approx(alone[0].tolist()) and three[0, 3] == 0
+    assert three[0, :3].tolist() == pytest.approx([0.2, 0.2, -0.4])       # steps +0.3, +0.3, -0.3 less their mean
 
 
 class SizedGate:
