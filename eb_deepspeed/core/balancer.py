@@ -1,7 +1,8 @@
 """The balancing loop, framework-neutral: tally -> reduce -> view -> control -> apply -> report.
 
-Shape legend: L MoE layers (all of the model's, over every pipeline stage), E experts per layer,
-G EP ranks (devices), W packed tally width, B sequences, T tokens.
+Shape legend: L MoE layers (all of the model's, over every pipeline stage), E experts per layer (the
+most of any layer when layers differ: PR-MoE), G EP ranks (devices; the largest EP group when layers
+differ), W packed tally width, B sequences, T tokens.
 
 An adapter (DeepSpeed, Megatron-Core) hands the `Balancer` its gates and one `reduce` function,
 and calls `step()` once per optimizer step (gradient-accumulation boundary) on every rank:
@@ -50,8 +51,9 @@ class BalancedGate(Protocol):
         """Add `bias_E` [E] to the selection scores only (None: route as the framework does)."""
 
     def set_device_loss(self, weight: float, expert_to_device_E: torch.Tensor) -> None:
-        """Add `weight` x the device-level balance loss (experts on EP ranks `expert_to_device_E` [E])
-        to the layer's l_aux from the next forward on; only called by policies that use it."""
+        """Add `weight` x the device-level balance loss (the layer's experts on the ranks of its own EP group,
+        `expert_to_device_E` [E_l]) to the layer's l_aux from the next forward on; only called by policies
+        that use it."""
 
     def set_token_weights(self, weights_T: Optional[torch.Tensor]) -> None:
         """Load weight of each token of the next forward [T] (None: every token counts 1)."""
