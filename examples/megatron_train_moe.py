@@ -161,6 +161,8 @@ def main(argv=None):
             if p.grad is not None:
                 dist.all_reduce(p.grad)
                 p.grad /= world
+        if balancer is not None:
+            balancer.note(lm_loss=float(lm_loss))       # logged beside the balance numbers (JSONL, W&B, eb report)
         optimizer.step()                                # the easybalance hook runs balancer.step()
         step_times.append(time.perf_counter() - t_step)
         row = {"step": step + 1, "lm_loss": float(lm_loss)}

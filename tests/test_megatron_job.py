@@ -20,6 +20,7 @@ def test_the_megatron_example_trains_logs_plots_and_saves_the_balancer_state(tmp
     records = [json.loads(line) for line in (run / "balance" / "balance.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [5, 10] and records[0]["run_start"] == 0
     last = records[-1]
+    assert all(isinstance(r.get("lm_loss"), float) for r in records)      # the loop's loss noted beside the balance numbers
     assert last["policy"] == "bias" and len(last["pressure_LG"]) == 2 and len(last["pressure_LG"][0]) == 2
     assert 0.0 < last["token_drop_rate"] < 1.0                 # capacity factor 1.0: the demand exceeds it
     summary = json.loads((run / "summary.json").read_text())
