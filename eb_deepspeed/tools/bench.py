@@ -48,7 +48,8 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
     Each repeat times both gates back to back (alternating which goes first); the ratio is
     median(ours) / median(DeepSpeed's), per expert count and overall (geometric mean). A third gate
     with the device-level balance loss on (what `cross_layer` adds) is timed in the same rounds:
-    `device_loss_ratio`.
+    `device_loss_ratio`; and a fourth that also tallies its routes per device (what every gate does when
+    the model's EP groups differ in size, PR-MoE with a smaller `ep_size`): `device_tally_ratio`.
     """
     from deepspeed.moe.sharded_moe import TopKGate
 
@@ -61,34 +62,40 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
         eb_gate = CrossLayerGate.from_topk_gate(ds_gate, layer_index=0).train()
         dev_gate = CrossLayerGate.from_topk_gate(ds_gate, layer_index=1).train()
         dev_gate.set_device_loss(1.0, torch.arange(num_experts) // max(1, num_experts // 8))   # 8 EP ranks
+        tally_gate = CrossLayerGate.from_topk_gate(ds_gate, layer_index=2).train()
+        tally_gate.tally_devices(8, torch.arange(num_experts) // max(1, num_experts // 8))
         x_TM = torch.randn(tokens, hidden, device=device, requires_grad=True)
-        times = {"deepspeed": [], "easybalance": [], "device_loss": []}
+        times = {"deepspeed": [], "easybalance": [], "device_loss": [], "device_tally": []}
         for rep in range(warmup + repeats):
-            order = [("deepspeed", ds_gate), ("easybalance", eb_gate), ("device_loss", dev_gate)]
+            order = [("deepspeed", ds_gate), ("easybalance", eb_gate), ("device_loss", dev_gate),
+                     ("device_tally", tally_gate)]
             if rep % 2:
                 order.reverse()
             for name, gate in order:
                 dt = _time_gate(gate, x_TM, seed=rep)
                 if rep >= warmup:
                     times[name].append(dt)
-            eb_gate.take_tally(device)  # the step boundary drains it
-            dev_gate.take_tally(device)
+            for gate in (eb_gate, dev_gate, tally_gate):
+                gate.take_tally(device)  # the step boundary drains it
         ds_med, eb_med = statistics.median(times["deepspeed"]), statistics.median(times["easybalance"])
-        dev_med = statistics.median(times["device_loss"])
+        dev_med, tally_med = statistics.median(times["device_loss"]), statistics.median(times["device_tally"])
         rows.append({"tokens": tokens, "hidden": hidden, "experts": num_experts, "k": k,
                      "deepspeed_ms": round(ds_med * 1e3, 3), "easybalance_ms": round(eb_med * 1e3, 3),
                      "ratio": round(eb_med / ds_med, 4), "device_loss_ms": round(dev_med * 1e3, 3),
-                     "device_loss_ratio": round(dev_med / ds_med, 4)})
+                     "device_loss_ratio": round(dev_med / ds_med, 4), "device_tally_ms": round(tally_med * 1e3, 3),
+                     "device_tally_ratio": round(tally_med / ds_med, 4)})
         if progress:
             print(f"  E={num_experts}: TopKGate {ds_med * 1e3:.2f} ms, CrossLayerGate {eb_med * 1e3:.2f} ms, "
                   f"ratio {eb_med / ds_med:.3f}", flush=True)
     ratio = statistics.geometric_mean([r["ratio"] for r in rows])
     device_ratio = statistics.geometric_mean([r["device_loss_ratio"] for r in rows])
+    tally_ratio = statistics.geometric_mean([r["device_tally_ratio"] for r in rows])
     return {"benchmark": "gate", "mode": "forward+backward, sparse routes", "device": str(device),
             "threads": torch.get_num_threads(),
             "repeats": repeats, "rows": rows, "ratio": round(ratio, 4), "device_loss_ratio": round(device_ratio, 4),
-            "target": 1.05,
-            "targets": {"gate_ratio_le_1.05": bool(ratio <= 1.05)}}
+            "device_tally_ratio": round(tally_ratio, 4), "target": 1.05,
+            "targets": {"gate_ratio_le_1.05": bool(ratio <= 1.05),
+                        "device_tally_ratio_le_1.05": bool(tally_ratio <= 1.05)}}
 
 
 # (row name, aux policy, coefficient multiplier): the no-balancing row keeps the gates but coefficient 0.
