@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -56,13 +57,7 @@ def unlink_shm_buffers(port: int) -> None:
             os.unlink(path)
 
 
-def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIMEOUT,
-           exit_codes: dict[int, int] | None = None, worker: str = "dist_worker.py", **params) -> list[dict | None]:
-    """Run `scenario` on `world_size` gloo ranks; each rank's result, or None for a rank that `exit_codes` says
-    ends with that code (and writes nothing)."""
-    exit_codes = exit_codes or {}
-    out_dir = tmp_path / f"{scenario}_{world_size}"
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _start(scenario, world_size, out_dir, timeout, worker, params):
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -71,22 +66,51 @@ def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIM
         stacks = {**params, "stacks_after": max(10, int(timeout) - 20)}
         procs.append((subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", worker), scenario,
                                         str(out_dir), json.dumps(stacks)], env=dist_env(world_size, rank, port),
-                                       stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path)), log))
-    try:
-        for proc, _ in procs:
-            proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for proc, _ in procs:
-            proc.kill()
-        for _, log in procs:
-            log.close()
-        tails = "\n".join(f"--- rank {rank}, last lines:\n" + "\n".join(
-            (out_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()[-15:]) for rank in range(world_size))
-        pytest.fail(f"{scenario} with {world_size} ranks hung for {timeout} s; logs in {out_dir}\n{tails}")
-    finally:
-        for _, log in procs:
-            log.close()
-        unlink_shm_buffers(port)
+                                       stdout=log, stderr=subprocess.STDOUT, cwd=str(out_dir.parent)), log))
+    return procs, port
+
+
+def _wait(procs, out_dir, scenario: str, world_size: int, timeout: float) -> bool:
+    """Wait for every rank; True when rank 0 could not bind the master port (the others are killed)."""
+    deadline = time.monotonic() + timeout
+    while any(proc.poll() is None for proc, _ in procs):
+        first = procs[0][0]
+        if first.poll() not in (None, 0) and "EADDRINUSE" in (out_dir / "rank0.log").read_text(errors="replace"):
+            for proc, _ in procs:
+                proc.kill()
+                proc.wait()
+            return True
+        if time.monotonic() > deadline:
+            for proc, _ in procs:
+                proc.kill()
+            for _, log in procs:
+                log.flush()
+            tails = "\n".join(f"--- rank {rank}, last lines:\n" + "\n".join(
+                (out_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()[-15:])
+                for rank in range(world_size))
+            pytest.fail(f"{scenario} with {world_size} ranks hung for {timeout} s; logs in {out_dir}\n{tails}")
+        time.sleep(0.2)
+    return False
+
+
+def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIMEOUT,
+           exit_codes: dict[int, int] | None = None, worker: str = "dist_worker.py", **params) -> list[dict | None]:
+    """Run `scenario` on `world_size` gloo ranks; each rank's result, or None for a rank that `exit_codes` says
+    ends with that code (and writes nothing). A free port can be taken by another process between choosing
+    it and rank 0 binding it (another job on the machine): then the job is started again on a new port."""
+    exit_codes = exit_codes or {}
+    out_dir = tmp_path / f"{scenario}_{world_size}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):
+        procs, port = _start(scenario, world_size, out_dir, timeout, worker, params)
+        try:
+            port_taken = _wait(procs, out_dir, scenario, world_size, timeout)
+        finally:
+            for _, log in procs:
+                log.close()
+            unlink_shm_buffers(port)
+        if not port_taken:
+            break
     results = []
     for rank, (proc, _) in enumerate(procs):
         text = (out_dir / f"rank{rank}.log").read_text()
