@@ -128,14 +128,18 @@ class LoadView:
         """[E_l] group-local EP rank of each expert of `layer` (what its gate's device loss needs)."""
         return self.expert_to_device_LE[layer, :int(self.experts_L[layer])]
 
+    def _copies(self):
+        """(has_L [L] bool, device_LE [L, E]) for each copy c of the layers' EP groups: which layers have a
+        copy c, and the view device that copy gives each expert (c * e_l + its group-local rank)."""
+        for copy in range(int(self.copies_L.max())):
+            yield self.copies_L > copy, (copy * self.devices_L[:, None] + self.expert_to_device_LE).clamp_max(self.G - 1)
+
     def expert_device_mean(self, x_LG: torch.Tensor) -> torch.Tensor:
         """Per expert, the mean of `x_LG` [L, G] over the view devices holding a copy of it. -> [L, E]
         (padded experts 0). One copy per expert (uniform layers): x_LG at the expert's device."""
         x_LG = x_LG.to(torch.float64)
         out_LE = torch.zeros(self.L, self.E, dtype=torch.float64)
-        for copy in range(int(self.copies_L.max())):
-            has_L = self.copies_L > copy
-            device_LE = (copy * self.devices_L[:, None] + self.expert_to_device_LE).clamp_max(self.G - 1)
+        for has_L, device_LE in self._copies():
             out_LE += torch.where(has_L[:, None], x_LG.gather(1, device_LE), 0.0)
         return torch.where(self.mask_LE, out_LE / self.copies_L[:, None], 0.0)
 
@@ -148,12 +152,10 @@ class LoadView:
         per_expert_LE = torch.where(self.mask_LE, per_expert_LE.to(torch.float64), 0.0)
         out_LG = per_expert_LE.new_zeros(self.L, self.G)
         row_L1 = torch.arange(self.L)[:, None] * self.G
-        for copy in range(int(self.copies_L.max())):
-            has_L = self.copies_L > copy
-            flat_LE = row_L1 + (copy * self.devices_L[:, None] + self.expert_to_device_LE).clamp_max(self.G - 1)
+        for has_L, device_LE in self._copies():
             share_LE = per_expert_LE if bool((self.copies_L == 1).all()) else \
                 torch.where(has_L[:, None], per_expert_LE / self.copies_L[:, None], 0.0)
-            out_LG.view(-1).index_add_(0, flat_LE.reshape(-1), share_LE.reshape(-1))
+            out_LG.view(-1).index_add_(0, (row_L1 + device_LE).reshape(-1), share_LE.reshape(-1))
         return out_LG
 
     def update(self, tally: Tally, *, device_load_LG: torch.Tensor | None = None) -> torch.Tensor:

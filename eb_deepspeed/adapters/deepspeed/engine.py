@@ -109,9 +109,10 @@ def _layout(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> d
     ep_of = {id(m.deepspeed_moe.gate): int(m.ep_size) for _, m in find_moe_layers(engine.module)}
     shapes = [(int(g.num_experts), ep_of.get(id(g), 1)) for g in gates]
     stage = int(engine.stage_id) if _is_pipeline(engine) else 0
-    largest = max([e for _, e in shapes], default=1)
+    largest = max((e for _, e in shapes), default=0)          # 0: this rank holds no MoE layer
+    copies = _copy_devices(gates, shapes, largest) if largest > 1 else None
     mine = {"stage": stage, "top_k": [g.k for g in gates], "shapes": shapes, "config": config.to_dict(),
-            "host": socket.gethostname()}
+            "host": socket.gethostname(), "largest": largest, "nested": largest <= 1 or copies is not None}
     if _dist_ready() and dist.get_world_size() > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
@@ -133,10 +134,9 @@ def _layout(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> d
     if not model_shapes:
         raise ValueError("easybalance is enabled but the model has no deepspeed.moe.layer.MoE layers")
     num_devices = max(e for _, e in model_shapes)
-    copies = None
-    if any(e != num_devices for _, e in model_shapes):
-        copies = _copy_devices(gates, shapes, num_devices, largest)
-        bad = [r for r, ok in enumerate(_gathered_flags(copies is not None)) if not ok]
+    mixed = any(e != num_devices for _, e in model_shapes)
+    if mixed:       # every rank holding MoE layers needs its own copy of each: known from the one all-gather
+        bad = [r for r, g in enumerate(gathered) if g["largest"] and (g["largest"] != num_devices or not g["nested"])]
         if bad:
             raise ValueError(f"easybalance: on ranks {bad} a smaller MoE layer's EP group does not lie, in order, "
                              f"inside the rank's group of the largest ep_size ({num_devices}), or the rank holds no layer of "
@@ -144,30 +144,19 @@ def _layout(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> d
                              "expert-parallel groups and a layer of the largest ep_size on every rank")
     return {"layers": [offset[stage] + i for i in range(len(gates))], "num_layers": len(model_shapes),
             "experts": [e for e, _ in model_shapes], "devices": [d for _, d in model_shapes],
-            "copy_devices": copies, "rank_to_node": node_map([g["host"] for g in gathered])}
+            "copy_devices": copies if mixed else None, "rank_to_node": node_map([g["host"] for g in gathered])}
 
 
-def _gathered_flags(flag: bool) -> list[bool]:
-    """Every rank's `flag` (one small all-gather; [flag] without a process group)."""
-    if not (_dist_ready() and dist.get_world_size() > 1):
-        return [flag]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, bool(flag))
-    return out
-
-
-def _copy_devices(gates: list[CrossLayerGate], shapes: list[tuple[int, int]], num_devices: int,
-                  largest_local: int) -> Optional[list[torch.Tensor]]:
+def _copy_devices(gates: list[CrossLayerGate], shapes: list[tuple[int, int]],
+                  largest: int) -> Optional[list[torch.Tensor]]:
     """For each local gate, the view device [E_l] of each of its experts, as this rank's tokens reach them.
 
     The view spans the G ranks of the largest EP group; a layer with a smaller group (ep_size e) is one of
     G / e copies inside it, copy c holding group-local rank j on view device c * e + j. This rank's tokens
     go to its own copy. None when a group does not lie in order inside this rank's largest group (a layout
-    other than DeepSpeed's contiguous one), or when this rank holds no layer of the largest size.
+    other than DeepSpeed's contiguous one). largest: the largest ep_size among `gates` (> 1).
     """
-    if largest_local != num_devices:
-        return None
-    big = next(g for g, (_, e) in zip(gates, shapes) if e == num_devices)
+    big = next(g for g, (_, e) in zip(gates, shapes) if e == largest)
     big_ranks = dist.get_process_group_ranks(big.ep_group)
     out = []
     for gate, (experts, e) in zip(gates, shapes):
