@@ -1,2 +1,4 @@
 """Adapters: glue between the framework-neutral core and a training/serving framework.
-`deepspeed` is built; Megatron-Core's adapter will sit beside it."""
+
+`common` is the kit they share; `deepspeed` (DeepSpeed-MoE's `MoE` layers, serving) and `megatron`
+(Megatron-Core's router) hold what differs."""

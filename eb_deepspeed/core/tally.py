@@ -1,10 +1,10 @@
 """The route tally: what each MoE layer's gate counts during forward, by name.
 
 Shape legend: L MoE layers, E experts per layer, W packed width (`TallyLayout(E).width`),
-R routes of one forward (K * T; -1 = a route the capacity limit dropped), T tokens.
+R routes of one forward (K * T; -1 = a route the capacity limit dropped), T tokens, K routes per token.
 
-A gate owns a `TallyRecorder` and calls `record(...)` on every training forward (no host sync, no
-collective). At the step boundary the balancer stacks each layer's packed row into one `[L, W]`
+A gate owns a `TallyRecorder` and calls `record_routes(...)` on every training forward with its routes by
+token (no host sync, no collective); every adapter's gate goes through that one door. At the step boundary the balancer stacks each layer's packed row into one `[L, W]`
 tensor, all-reduces it once, and reads it back by name with `Tally.unpack`:
 
     routed_LE    route requests per expert, before the capacity limit (demand)
@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 __all__ = ["Tally", "TallyLayout", "TallyRecorder", "PER_EXPERT_FIELDS", "PER_LAYER_FIELDS", "tensor_problem", "in_backward",
-           "widen_row"]
+           "widen_row", "nonfinite_tokens", "routes_from_mask"]
 
 PER_EXPERT_FIELDS = ("routed", "kept", "load")
 PER_LAYER_FIELDS = ("tokens", "nonfinite", "aux", "forwards")
@@ -222,6 +222,51 @@ class TallyRecorder:
         row[at:at + 2] += torch.stack((nonfinite.to(row.dtype), l_aux.detach().to(row.dtype)))
         self._forwards += 1
 
+    def record_routes(self, expert_TK: torch.Tensor, *, routed_E: Optional[torch.Tensor] = None,
+                      nonfinite: Optional[torch.Tensor] = None, logits_TE: Optional[torch.Tensor] = None,
+                      l_aux: Optional[torch.Tensor] = None, tokens=None, token_weights_T: Optional[torch.Tensor] = None,
+                      valid_T: Optional[torch.Tensor] = None, device_TK: Optional[torch.Tensor] = None,
+                      layer: int = 0) -> None:
+        """Add one forward's routes, given by token (no host sync): what every adapter's gate calls.
+
+        expert_TK: [T, K] int expert of each route, -1 where none (dropped by the capacity limit, or fewer
+        than K); routed_E: [E] route requests before the capacity limit (None: the routes of expert_TK, a
+        dropless layer). nonfinite: 0-dim count of tokens with NaN/Inf router logits, or `logits_TE` [T, E]
+        to count them here. l_aux: the layer's unweighted aux loss (None: 0). tokens: tokens seen (None:
+        T, or the valid ones). token_weights_T: [T] load weight of each token (sequence-length weighting;
+        None: 1). valid_T: [T] bool, False for padding tokens: their routes are left out everywhere (the
+        caller's routed_E must leave them out too). device_TK: [T, K] int view device of each route (only
+        with a layout that has devices). layer: the layer's index, for messages.
+        """
+        T = expert_TK.shape[0]
+        if token_weights_T is not None and token_weights_T.numel() != T:
+            raise ValueError(f"layer {layer}: sequence-length weights cover {token_weights_T.numel()} tokens, the batch "
+                             f"has {T}; call set_sequence_lengths() with one length per sequence")
+        with torch.no_grad():
+            expert_TK = expert_TK.long()
+            if valid_T is not None:
+                valid_T = valid_T.reshape(T, 1).to(torch.bool)
+                expert_TK = torch.where(valid_T, expert_TK, -1)
+                if device_TK is not None:
+                    device_TK = torch.where(valid_T, device_TK.long(), -1)
+                if logits_TE is not None:
+                    logits_TE = logits_TE[valid_T[:, 0]]
+            if nonfinite is None:
+                nonfinite = nonfinite_tokens(logits_TE) if logits_TE is not None else expert_TK.new_zeros(())
+            if routed_E is None:       # dropless: every route is kept (index 0 takes the -1s)
+                routed_E = torch.zeros(self.layout.num_experts + 1, dtype=torch.float64, device=expert_TK.device)
+                routed_E = routed_E.index_add_(0, expert_TK.reshape(-1) + 1,
+                                               torch.ones(expert_TK.numel(), dtype=torch.float64,
+                                                          device=expert_TK.device))[1:]
+            if tokens is None:
+                tokens = T if valid_T is None else valid_T.sum()
+            K = expert_TK.shape[1]
+            token_w_R = None if token_weights_T is None else \
+                token_weights_T.reshape(T, 1).to(torch.float64).expand(T, K).reshape(-1)
+            self.record(routed_E, expert_TK.reshape(-1), tokens, nonfinite,
+                        l_aux if l_aux is not None else expert_TK.new_zeros((), dtype=torch.float64), token_w_R,
+                        None if device_TK is None else device_TK.long().reshape(-1))
+
     def discard(self, last_forward_only: bool = False) -> None:
         """Forget what was recorded since the last `take` (or only the last forward's routes; a second
         call then forgets nothing more)."""
@@ -246,6 +291,22 @@ class TallyRecorder:
         out[lay.start["forwards"]] += self._forwards
         self._tokens, self._forwards = 0, 0
         return out
+
+
+def nonfinite_tokens(logits_TE: torch.Tensor) -> torch.Tensor:
+    """0-dim count of tokens whose router logits hold a NaN or Inf [T, E] -> [] (a row sum is non-finite iff
+    the row holds one: one reduction, no [T, E] mask). No autograd node."""
+    with torch.no_grad():
+        return (~torch.isfinite(logits_TE.sum(dim=1))).sum()
+
+
+def routes_from_mask(mask_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """Routes of a [T, E] bool routing map as [T, k] expert ids, -1 where a token has fewer than k (no host
+    sync, unlike `nonzero`). A token with more than k routes keeps k of them: pass the largest k."""
+    with torch.no_grad():
+        k = min(int(k), mask_TE.shape[1])
+        on_TK, expert_TK = mask_TE.to(torch.uint8).topk(k, dim=1)
+        return torch.where(on_TK > 0, expert_TK, -1)
 
 
 def in_backward() -> bool:

@@ -6,33 +6,15 @@ Shape legend: L MoE layers (the whole model's), E experts per layer, G EP ranks,
                                                       config="ds_config.json")
     engine.easybalance               # the core Balancer: .view, .metrics(), .set_sequence_lengths(...)
 
-The balancing loop itself is `core.Balancer`; this file only connects it to a DeepSpeed engine:
-
-* the **step hook** is a torch optimizer step post-hook on the innermost `torch.optim.Optimizer`
-  (a public door), run once per value of `engine.global_steps`: DeepSpeed steps that optimizer
-  once per gradient-accumulation boundary, or once per parameter group under ZeRO, through
-  `_take_model_step` in both `DeepSpeedEngine.step` and `PipelineEngine.train_batch`. A step that
-  DeepSpeed skips (fp16 overflow, an inf gradient under the torch_autocast scaler) does not step
-  the optimizer; a forward pre-hook sees `global_steps` move past it and drops its routes, so the
-  view holds only batches that reached a step. A batch the user skips (no `engine.step()`) is
-  dropped with `engine.easybalance.discard_tally()`.
-* the **reduce** is one all-reduce per step of the stacked [L, W] tally: over DeepSpeed's
-  data-parallel group (every EP x DP rank) for a plain engine; over every rank for a pipeline,
-  where each stage fills the rows of its own layers (one rank per tensor-parallel slice), so every
-  rank holds the whole model's view;
-* one **all-gather at start-up** checks that every rank agrees on the model and config (a rank
-  that disagrees would hang the per-step reduce) and learns the pipeline layout and node map;
-* the balancer state rides in DeepSpeed's checkpoint `client_state` (`save_checkpoint` and
-  `load_checkpoint` are wrapped on the instance: DeepSpeed has no checkpoint hook).
+The balancing loop itself is `core.Balancer`; this file only connects it to DeepSpeed-MoE models: the gate
+swap (`CrossLayerGate`), and one **all-gather at start-up** that checks that every rank agrees on the model
+and config (a rank that disagrees would hang the per-step reduce) and learns the pipeline layout and node
+map. The step hook, the per-step reduce and the checkpoint state are `hooks.py` (any DeepSpeed engine's).
 With world size 1 there is no communication at all.
 """
 from __future__ import annotations
 
 import copy
-import inspect
-import os
-import pickle
-import socket
 import warnings
 from typing import Any, Optional
 
@@ -41,14 +23,11 @@ import torch.distributed as dist
 
 from ...core.balancer import Balancer, check_agreement
 from ...core.config import EasyBalanceConfig, strip_block
-from ...core.record import BalanceLogger, NullLogger
-from ...core.topology import node_map
-from ...observe.monitor import DeepSpeedMonitorLogger, JsonlLogger, MultiLogger
+from ..common import gather_startup, make_logger, rank_to_node
 from .gate import CrossLayerGate
+from .hooks import STATE_KEY, StepHook, is_pipeline, reduce_for, wrap_checkpointing
 
 __all__ = ["initialize", "swap_gates", "find_moe_layers", "attach", "check_shapes", "STATE_KEY"]
-
-STATE_KEY = "easybalance"  # key of the balancer state in DeepSpeed's checkpoint client_state
 
 
 def find_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -88,15 +67,6 @@ def swap_gates(model: torch.nn.Module) -> list[CrossLayerGate]:
     return gates
 
 
-def _dist_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _is_pipeline(engine) -> bool:
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-    return isinstance(engine, PipelineEngine)
-
-
 def _layout(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> dict[str, Any]:
     """One all-gather: check that every rank agrees, and learn the pipeline layout and node map.
 
@@ -108,17 +78,12 @@ def _layout(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> d
     check_shapes(engine.module)               # `attach` called directly: the same refusal as `initialize`'s
     ep_of = {id(m.deepspeed_moe.gate): int(m.ep_size) for _, m in find_moe_layers(engine.module)}
     shapes = [(int(g.num_experts), ep_of.get(id(g), 1)) for g in gates]
-    stage = int(engine.stage_id) if _is_pipeline(engine) else 0
+    stage = int(engine.stage_id) if is_pipeline(engine) else 0
     largest = max((e for _, e in shapes), default=0)          # 0: this rank holds no MoE layer
     copies = _copy_devices(gates, shapes, largest) if largest > 1 else None
-    mine = {"stage": stage, "top_k": [g.k for g in gates], "shapes": shapes, "config": config.to_dict(),
-            "host": socket.gethostname(), "largest": largest, "nested": largest <= 1 or copies is not None}
-    if _dist_ready() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        rank = dist.get_rank()
-    else:
-        gathered, rank = [mine], 0
+    gathered, rank = gather_startup({"stage": stage, "top_k": [g.k for g in gates], "shapes": shapes,
+                                     "config": config.to_dict(), "largest": largest,
+                                     "nested": largest <= 1 or copies is not None})
     check_agreement([{"config": g["config"]} for g in gathered], rank)
     # Per pipeline stage: the same layers on every rank of the stage; stages in order give global indices.
     first_of_stage: dict[int, int] = {}
@@ -144,7 +109,7 @@ def _layout(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> d
                              "expert-parallel groups and a layer of the largest ep_size on every rank")
     return {"layers": [offset[stage] + i for i in range(len(gates))], "num_layers": len(model_shapes),
             "experts": [e for e, _ in model_shapes], "devices": [d for _, d in model_shapes],
-            "copy_devices": copies if mixed else None, "rank_to_node": node_map([g["host"] for g in gathered])}
+            "copy_devices": copies if mixed else None, "rank_to_node": rank_to_node(gathered)}
 
 
 def _copy_devices(gates: list[CrossLayerGate], shapes: list[tuple[int, int]],
@@ -170,176 +135,6 @@ def _copy_devices(gates: list[CrossLayerGate], shapes: list[tuple[int, int]],
     return out
 
 
-def _reduce_fn(engine):
-    """The per-step all-reduce (None for world size 1). See the module doc for the groups."""
-    if not _dist_ready() or dist.get_world_size() == 1:
-        return None
-    if _is_pipeline(engine):
-        # every rank, so every stage's rows reach every rank; one copy per tensor-parallel slice
-        contributes = engine.grid.get_slice_parallel_rank() == 0
-
-        def reduce(packed_LW: torch.Tensor) -> None:
-            if not contributes:
-                packed_LW.zero_()
-            dist.all_reduce(packed_LW)
-        return reduce
-    # the ranks that see different tokens of the same layers: data parallel (x expert parallel), and the
-    # sequence-parallel split too when that is on (DeepSpeed's own group for gradient reduction)
-    group = engine.seq_data_parallel_group
-    if dist.get_world_size(group) == 1:
-        return None
-    return lambda packed_LW: dist.all_reduce(packed_LW, group=group)
-
-
-def _innermost_torch_optimizer(optimizer) -> Optional[torch.optim.Optimizer]:
-    """The torch optimizer inside DeepSpeed's wrappers (FP16/BF16, ZeRO), or None."""
-    seen = 0
-    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and seen < 8:
-        optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
-    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-
-
-class _StepHook:
-    """Runs `balancer.step()` once per optimizer step of `engine` (see the module doc), and drops the
-    routes of a step DeepSpeed skipped (its optimizer never stepped) before the next one counts."""
-
-    def __init__(self, engine, balancer: Balancer):
-        self.engine, self.balancer = engine, balancer
-        self.last_step: Optional[int] = None
-        self.last_skipped = 0
-        self.warned_missed = False
-        self.open_step: Optional[int] = None    # global_steps of the forwards tallied since the last step
-        self.discarded_steps = 0
-        self.handle = None
-        engine.module.register_forward_pre_hook(self.before_forward)
-        optimizer = _innermost_torch_optimizer(getattr(engine, "optimizer", None))
-        if optimizer is None:
-            warnings.warn("easybalance: the engine has no torch optimizer to hook; call engine.easybalance.step() "
-                          "on every rank after each optimizer step yourself")
-        else:
-            self.handle = optimizer.register_step_post_hook(self)
-
-    def __call__(self, optimizer, args, kwargs) -> None:
-        step = int(self.engine.global_steps)       # DeepSpeed increments it after the optimizer step
-        if step == self.last_step:                  # ZeRO steps the optimizer once per parameter group
-            return
-        skipped = int(getattr(self.engine, "skipped_steps", 0))
-        accounted = max(skipped - self.last_skipped, self.discarded_steps)   # skipped steps, routes dropped
-        missed = 0 if self.last_step is None else step - self.last_step - 1 - accounted
-        if missed > 0 and not self.warned_missed:  # a DeepSpeed path that stepped another optimizer
-            self.warned_missed = True
-            warnings.warn(f"easybalance: {missed} optimizer step(s) before step {step} did not reach the step hook "
-                          "(an optimizer DeepSpeed steps outside the hooked one?); their routes count with this step")
-        self.last_step, self.last_skipped, self.discarded_steps = step, skipped, 0
-        self.balancer.samples = int(self.engine.global_samples) + int(self.engine.train_batch_size())
-        self.balancer.step()
-        self.open_step = None
-
-    def before_forward(self, module, args) -> None:
-        """A training forward after a boundary that never reached the optimizer (DeepSpeed skipped the
-        step: fp16 overflow, an inf gradient under torch_autocast's scaler): that step's routes go."""
-        if not module.training:
-            return
-        step = int(self.engine.global_steps)
-        if self.open_step is not None and step != self.open_step:
-            self.balancer.discard_tally()
-            self.discarded_steps += step - self.open_step
-        self.open_step = step
-
-    def reset(self) -> None:
-        """After a checkpoint load `global_steps` may repeat a value already seen, and routes tallied
-        before the load belong to the history it replaced."""
-        self.last_step, self.open_step = None, None
-        self.balancer.discard_tally()
-
-
-def _wrap_checkpointing(engine, balancer: Balancer, hook: _StepHook) -> None:
-    """Save the balancer state in DeepSpeed's client_state; restore it on load.
-
-    Stored in client_state rather than in module buffers so that model state dicts stay exactly
-    DeepSpeed's (checkpoints load both ways between plain DeepSpeed and eb_deepspeed). Before DeepSpeed
-    loads anything, the saved balancer state is read and checked against this model: one that does
-    not fit (another EP size, expert or layer count) stops the load with the model untouched, or,
-    with `easybalance.checkpoint: "ignore_mismatch"`, is dropped with a warning after the model loads.
-    """
-    original_save, original_load = engine.save_checkpoint, engine.load_checkpoint
-    save_sig, load_sig = inspect.signature(original_save), inspect.signature(original_load)
-    mode = balancer.config.checkpoint
-
-    def save_checkpoint(*args, **kwargs):
-        bound = save_sig.bind(*args, **kwargs)
-        client_state = dict(bound.arguments.get("client_state") or {})
-        client_state[STATE_KEY] = balancer.state_dict()
-        bound.arguments["client_state"] = client_state
-        return original_save(*bound.args, **bound.kwargs)
-
-    def load_checkpoint(*args, **kwargs):
-        bound = load_sig.bind(*args, **kwargs)
-        path, state = _saved_state(engine, bound.arguments["load_dir"], bound.arguments.get("tag"))
-        problem = None if state is None else balancer.state_problem(state)
-        if problem is not None and mode == "strict":
-            raise ValueError(f"easybalance: {path}: {problem}. Nothing was loaded. To load the model and drop this "
-                             'balancer state, set "easybalance": {"checkpoint": "ignore_mismatch"}')
-        load_path, client_state = original_load(*args, **kwargs)
-        if load_path is None or client_state is None:
-            return load_path, client_state
-        hook.reset()
-        state = client_state.pop(STATE_KEY, None)
-        problem = None if state is None else balancer.state_problem(state)
-        if state is None:
-            warnings.warn(f"easybalance: checkpoint {load_path} holds no balancer state; the load view starts cold")
-        elif problem is not None and mode == "ignore_mismatch":
-            warnings.warn(f"easybalance: {load_path}: {problem}; easybalance.checkpoint is \"ignore_mismatch\": the "
-                          "model was loaded, the balancer keeps its own state")
-        elif problem is not None:      # the file could not be read ahead (an unusual layout): DeepSpeed loaded it
-            raise ValueError(f"easybalance: {load_path}: {problem}. The model was loaded, the balancer state was not; "
-                             'set "easybalance": {"checkpoint": "ignore_mismatch"} to go on without it')
-        elif not balancer.load_state_dict(state):
-            warnings.warn(f"easybalance: checkpoint {load_path} holds balancer state of an older format "
-                          f"({state.get('version')}); the load view starts cold")
-        return load_path, client_state
-
-    engine.save_checkpoint = save_checkpoint
-    engine.load_checkpoint = load_checkpoint
-
-
-def _saved_state(engine, load_dir: str, tag: Optional[str]) -> tuple[Optional[str], Any]:
-    """(file, balancer state) of the checkpoint DeepSpeed is about to load, read without loading it
-    (memory-mapped, weights only); (None, None) when the file cannot be found or read ahead."""
-    if tag is None:
-        latest = os.path.join(load_dir, "latest_universal" if _universal(engine) else "latest")
-        if not os.path.isfile(latest):
-            return None, None
-        with open(latest) as f:
-            tag = f.read().strip()
-    try:
-        path = engine._get_ckpt_name(load_dir, tag)
-    except (AttributeError, TypeError, RuntimeError):     # a DeepSpeed without it, or no process group yet
-        return None, None
-    if not os.path.isfile(path):
-        return None, None
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError):   # DeepSpeed will say what is wrong
-        return None, None
-    return path, saved.get(STATE_KEY) if isinstance(saved, dict) else None
-
-
-def _universal(engine) -> bool:
-    check = getattr(engine, "load_universal_checkpoint", None)
-    return bool(check()) if callable(check) else False
-
-
-def _make_logger(cfg: EasyBalanceConfig, engine) -> BalanceLogger:
-    if _dist_ready() and dist.get_rank() != 0:
-        return NullLogger()
-    loggers: list[BalanceLogger] = [JsonlLogger(cfg.log.dir, cfg.log.max_mb)]
-    monitor = getattr(engine, "monitor", None)
-    if cfg.log.wandb and monitor is not None and getattr(monitor, "enabled", False):
-        loggers.append(DeepSpeedMonitorLogger(monitor))
-    return MultiLogger(loggers)
-
-
 def attach(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> Balancer:
     """Build the balancer for an initialized engine whose MoE gates are `gates`, and hook it in."""
     from deepspeed.accelerator import get_accelerator
@@ -348,15 +143,15 @@ def attach(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> Ba
     if copies is not None:          # EP groups of different sizes: each gate tallies the view device of its routes
         for gate, device_E in zip(gates, copies):
             gate.tally_devices(max(layout["devices"]), device_E)
-    balancer = Balancer(config, gates, layout["devices"], reduce=_reduce_fn(engine), layers=layout["layers"],
+    balancer = Balancer(config, gates, layout["devices"], reduce=reduce_for(engine), layers=layout["layers"],
                         num_layers=layout["num_layers"], num_experts=layout["experts"],
                         rank_to_node=layout["rank_to_node"], device_tally=copies is not None,
-                        tally_device=get_accelerator().current_device_name())
-    balancer.logger = _make_logger(config, engine)
+                        tally_device=get_accelerator().current_device_name(),
+                        logger=make_logger(config, monitor=getattr(engine, "monitor", None)))
     for gate, layer in zip(gates, layout["layers"]):
         gate.layer_index = layer                  # the model's layer, not the pipeline stage's
-    hook = _StepHook(engine, balancer)
-    _wrap_checkpointing(engine, balancer, hook)
+    hook = StepHook(engine, balancer)
+    wrap_checkpointing(engine, balancer, hook)
     engine.easybalance = balancer
     return balancer
 

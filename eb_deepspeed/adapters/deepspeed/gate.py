@@ -33,7 +33,7 @@ from deepspeed.moe import sharded_moe as dsm
 from deepspeed.moe.sharded_moe import TopKGate
 
 from ...core.policies import device_balance_loss
-from ...core.tally import TallyRecorder, in_backward
+from ...core.tally import TallyRecorder, in_backward, nonfinite_tokens, routes_from_mask
 
 __all__ = ["CrossLayerGate", "unbias_gate_output"]
 
@@ -166,12 +166,9 @@ class CrossLayerGate(TopKGate):
             gate_output = self._empty_output(logits_TE, sparse_routes)   # its l_aux is 0 under any weight
         else:
             # Counted before gating: top2gating adds Gumbel noise to the logits in place.
-            # A row sum is non-finite iff the row holds a NaN/Inf (one reduction instead of a [T, E] mask).
             recording = self.training and not in_backward()
-            nonfinite = None
-            if recording:   # a count: no autograd node (checkpointing compares saved tensors with the re-run)
-                with torch.no_grad():
-                    nonfinite = (~torch.isfinite(logits_TE.sum(dim=1))).sum()
+            # a count: no autograd node (checkpointing compares saved tensors with the re-run)
+            nonfinite = nonfinite_tokens(logits_TE) if recording else None
             capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
             # The bias policy selects on logits + bias; DeepSpeed's gating does the rest, unbias_gate_output
             # restores the unbiased gate values and l_aux. (Softmax is monotone: top-k of logits + b is
@@ -213,34 +210,17 @@ class CrossLayerGate(TopKGate):
     def _record_output(self, gate_output, sparse_routes: bool, T: int, used_token, nonfinite) -> None:
         if sparse_routes:
             # (l_aux, capacity, E, indices_KT, locations_KT, gates_KT, exp_counts_E); -1 = dropped route.
-            indices_KT, exp_counts_E = gate_output[3], gate_output[6]
-            route_expert_R = indices_KT.long().reshape(-1)
-            K = indices_KT.shape[0]
+            expert_TK, exp_counts_E = gate_output[3].t(), gate_output[6]
         else:
-            # (l_aux, combine_weights_TEC, dispatch_mask_TEC, exp_counts_E): every (token, expert) pair is
-            # a candidate route, -1 where not dispatched (the legacy path; not on the training hot path).
-            dispatch_TE = gate_output[2].any(dim=2)
-            exp_counts_E = gate_output[3]
-            expert_TE = torch.arange(self.num_experts, device=dispatch_TE.device).expand_as(dispatch_TE)
-            route_expert_R = torch.where(dispatch_TE, expert_TE, -1).reshape(-1)
-            K = self.num_experts
-        token_w = self._token_weights(T)
-        token_w_R = None if token_w is None else token_w.expand(K, T).reshape(-1) if sparse_routes \
-            else token_w[:, None].expand(T, K).reshape(-1)
-        tokens = used_token.sum() if used_token is not None else T
-        route_device_R = None
+            # (l_aux, combine_weights_TEC, dispatch_mask_TEC, exp_counts_E): the dispatched (token, expert)
+            # pairs (the legacy path; not on the training hot path).
+            expert_TK, exp_counts_E = routes_from_mask(gate_output[2].any(dim=2), self.k), gate_output[3]
+        device_TK = None
         if self.route_device_E is not None:     # -1 (dropped) stays -1: it lands on the scratch slot
-            route_device_R = torch.where(route_expert_R >= 0, self.route_device_E[route_expert_R.clamp_min(0)], -1)
-        self.tally.record(exp_counts_E, route_expert_R, tokens, nonfinite, gate_output[0], token_w_R, route_device_R)
-
-    def _token_weights(self, T: int) -> Optional[torch.Tensor]:
-        w = self.token_weights_T
-        if w is None:
-            return None
-        if w.numel() != T:
-            raise ValueError(f"layer {self.layer_index}: sequence-length weights cover {w.numel()} tokens, "
-                             f"the batch has {T}; call set_sequence_lengths() with one length per sequence")
-        return w.to(torch.float64).reshape(-1)
+            device_TK = torch.where(expert_TK >= 0, self.route_device_E[expert_TK.long().clamp_min(0)], -1)
+        self.tally.record_routes(expert_TK, routed_E=exp_counts_E, nonfinite=nonfinite, l_aux=gate_output[0],
+                                 tokens=used_token.sum() if used_token is not None else T,
+                                 token_weights_T=self.token_weights_T, device_TK=device_TK, layer=self.layer_index)
 
     def _empty_output(self, logits_TE: torch.Tensor, sparse_routes: bool):
         """A well-formed gate result for zero tokens (DeepSpeed's gating asserts on it)."""

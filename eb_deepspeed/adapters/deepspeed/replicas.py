@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from deepspeed.moe import sharded_moe as dsm
 
 from ...core.config import SPLITS
-from ...core.tally import TallyRecorder
+from ...core.tally import TallyRecorder, nonfinite_tokens
 from ...planning.steering import steer
 from .gate import CrossLayerGate
 
@@ -121,7 +121,7 @@ class ReplicaGate(CrossLayerGate):
         logits_TE = F.linear(input.float(), weight=self.wg.weight.float(), bias=None)
         T, E, K = logits_TE.shape[0], self.num_experts, self.k
         # counted before gating: top-2 gating adds its Gumbel noise to the logits in place
-        nonfinite = self._nonfinite(logits_TE) if self.recording and T > 0 else None
+        nonfinite = nonfinite_tokens(logits_TE) if self.recording and T > 0 else None
         if self.home_layout and not self.drop_tokens and self.k == 2:
             return self._home_forward(logits_TE, used_token, nonfinite)
         if T == 0:
@@ -179,11 +179,6 @@ class ReplicaGate(CrossLayerGate):
                                   self.top2_2nd_expert_sampling, True)
         return dsm.topkgating(logits_TE, self.k, self.eval_capacity_factor, min_capacity, False, ep_group,
                               sparse_routes=True)
-
-    @staticmethod
-    def _nonfinite(logits_TE) -> torch.Tensor:
-        with torch.no_grad():
-            return (~torch.isfinite(logits_TE.sum(dim=1))).sum()
 
     @property
     def last_capacity(self) -> int:
@@ -258,10 +253,8 @@ class ReplicaGate(CrossLayerGate):
         return self._table_device[1]
 
     def _record_routes(self, slot_KT, expert_KT, counts_E, T, used_token, l_aux, nonfinite) -> None:
-        kept_R = slot_KT.reshape(-1) >= 0
-        route_expert_R = torch.where(kept_R, expert_KT.reshape(-1), -1)
-        route_device_R = torch.where(kept_R, slot_KT.reshape(-1) // self.S, -1)
-        token_w = self._token_weights(T)
-        token_w_R = None if token_w is None else token_w.expand(self.k, T).reshape(-1)
-        tokens = used_token.sum() if used_token is not None else T
-        self.tally.record(counts_E, route_expert_R, tokens, nonfinite, l_aux, token_w_R, route_device_R)
+        kept_KT = slot_KT >= 0
+        self.tally.record_routes(torch.where(kept_KT, expert_KT, -1).t(), routed_E=counts_E, nonfinite=nonfinite,
+                                 l_aux=l_aux, tokens=used_token.sum() if used_token is not None else T,
+                                 token_weights_T=self.token_weights_T,
+                                 device_TK=torch.where(kept_KT, slot_KT // self.S, -1).t(), layer=self.layer_index)

@@ -34,9 +34,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-import socket
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -45,10 +44,11 @@ from deepspeed.accelerator import get_accelerator
 from ...core.balancer import Balancer, check_agreement
 from ...core.config import EasyBalanceConfig, strip_block
 from ...core.record import NullLogger
-from ...core.topology import node_map, resolve_topology
+from ...core.topology import resolve_topology
 from ...observe.monitor import JsonlLogger
 from ...planning.placement import (SPREAD_WEIGHT, Placement, expected_padded_cost, expected_slot_ratio, plan_placement,
                                    static_placement)
+from ..common import dist_rank, dist_ready, gather_startup, rank_to_node, reduce_over
 from .engine import find_moe_layers
 from .replicas import ReplicaGate, SlotTable
 
@@ -59,10 +59,6 @@ EXPERTS_PREFIX = ".deepspeed_moe.experts.deepspeed_experts."
 # heat, while each batch's capacity is its own maximum (noise on every slot), and moving weights and
 # the replica split cost time too. Measured on the example model: a 3 % expected gain was a loss.
 MIN_GAIN = 0.10
-
-
-def _dist_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _flat(module: torch.nn.Module) -> torch.Tensor:
@@ -99,9 +95,9 @@ class Serving:
         self.R = config.inference.replica_slots if enabled and config.mode == "balance" else 0
         self.S_max = self.H + self.R
         self.ep_group = self.moes[0].deepspeed_moe.ep_group
-        self.rank = dist.get_rank(self.ep_group) if _dist_ready() and self.G > 1 else 0
+        self.rank = dist.get_rank(self.ep_group) if dist_ready() and self.G > 1 else 0
         # global ranks of this rank's EP group (ep_size 1: the rank itself)
-        self.ep_ranks = dist.get_process_group_ranks(self.ep_group) if _dist_ready() and self.G > 1 else [dist_rank()]
+        self.ep_ranks = dist.get_process_group_ranks(self.ep_group) if dist_ready() and self.G > 1 else [dist_rank()]
         # collectives on the accelerator (NCCL takes no host tensors)
         self.device = torch.device(get_accelerator().current_device_name())
         self.replans, self.weight_moves, self.failed_moves = 0, 0, 0
@@ -117,7 +113,7 @@ class Serving:
         for layer, moe in enumerate(self.moes):
             self._replicate(layer, moe, record=enabled)
         if enabled:
-            self.balancer = Balancer(config, self.gates, self.G, reduce=self._reduce_fn(), device_tally=True,
+            self.balancer = Balancer(config, self.gates, self.G, reduce=reduce_over(), device_tally=True,
                                      train_controls=False, rank_to_node=self.rank_to_node, tally_device=self.device,
                                      logger=JsonlLogger(config.log.dir, config.log.max_mb) if dist_rank() == 0 else NullLogger())
             self.balancer.extra_metrics = lambda: {"replans": self.replans, "weight_moves": self.weight_moves}
@@ -133,16 +129,10 @@ class Serving:
 
     # ------------------------------------------------------------------ set-up
     def _agree_at_start_up(self) -> None:
-        mine = {"config": self.config.to_dict(), "experts": self.E, "devices": self.G, "layers": self.L,
-                "top_k": [m.deepspeed_moe.gate.k for m in self.moes]}
-        host = socket.gethostname()
-        if _dist_ready() and dist.get_world_size() > 1:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (mine, host))
-        else:
-            gathered = [(mine, host)]
-        check_agreement([g for g, _ in gathered], dist_rank())
-        self.rank_to_node = node_map([h for _, h in gathered])
+        gathered, rank = gather_startup({"config": self.config.to_dict(), "experts": self.E, "devices": self.G,
+                                         "layers": self.L, "top_k": [m.deepspeed_moe.gate.k for m in self.moes]})
+        check_agreement([{k: v for k, v in g.items() if k != "host"} for g in gathered], rank)
+        self.rank_to_node = rank_to_node(gathered)
         self.node_G = torch.tensor([self.rank_to_node[r] for r in self.ep_ranks])
         num_nodes = int(self.node_G.max()) + 1
         self.topology, note = resolve_topology(self.config.inference.topology,
@@ -174,10 +164,6 @@ class Serving:
         moe.deepspeed_moe.gate = gate
         self.gates.append(gate)
 
-    def _reduce_fn(self):
-        if not _dist_ready() or dist.get_world_size() == 1:
-            return None
-        return lambda packed_LW: dist.all_reduce(packed_LW)
 
     def expert_module(self, layer: int, j: int) -> torch.nn.Module:
         """This rank's j-th expert module of a layer (the module behind local slot j)."""
@@ -311,7 +297,7 @@ class Serving:
     def _agree(self, ok: bool, key: int) -> bool:
         """Every rank succeeded, and every rank planned the same placement (the view is identical)."""
         flags = torch.tensor([int(ok), key, -key], dtype=torch.long, device=self.device)
-        if _dist_ready() and dist.get_world_size() > 1:
+        if dist_ready() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         if int(flags[1]) != -int(flags[2]):
             raise RuntimeError("easybalance: ranks planned different placements from what should be the same view")
@@ -371,7 +357,7 @@ class Serving:
                        os.path.join(folder, "mp_rank_00_model_states.pt"))
             with open(os.path.join(ckpt_dir, "latest"), "w") as f:
                 f.write(tag)
-        if _dist_ready():
+        if dist_ready():
             dist.barrier()
         return folder
 
@@ -395,7 +381,7 @@ def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[st
         def holds(layer, j):
             moe = moes[layer][1]
             group = moe.deepspeed_moe.ep_group
-            ep_rank = dist.get_rank(group) if _dist_ready() and moe.ep_size > 1 else 0
+            ep_rank = dist.get_rank(group) if dist_ready() and moe.ep_size > 1 else 0
             return ep_rank * moe.num_local_experts + j if j < moe.num_local_experts else -1
     state = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"), map_location="cpu",
                        weights_only=True)["module"]
@@ -444,10 +430,6 @@ def choose_placement(heat_LE: torch.Tensor, current: Placement, home: Placement,
     return best if cost(best) < (1 - MIN_GAIN) * cost(current) else current
 
 
-def dist_rank() -> int:
-    return dist.get_rank() if _dist_ready() else 0
-
-
 def _tag(ckpt_dir: str, tag: Optional[str]) -> str:
     if tag is not None:
         return str(tag)
@@ -488,7 +470,7 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
         for path in eb_config.ignored_options("inference"):
             warnings.warn(f"{path} has no effect in serving ({where})")
     check_one_serving_shape(model)      # before DeepSpeed (and its process group) is touched
-    if not _dist_ready():
+    if not dist_ready():
         deepspeed.init_distributed()
     if "dtype" not in ds_config and "dtype" not in kwargs:
         # deepspeed.init_inference would cast to fp16 by default; serving keeps the weights as they are

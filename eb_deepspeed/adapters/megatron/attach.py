@@ -26,7 +26,6 @@ Pipeline parallelism is not handled yet (a clear error): the view would need eve
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any, Optional
 
 import torch
@@ -34,9 +33,7 @@ import torch.distributed as dist
 
 from ...core.balancer import Balancer, check_agreement
 from ...core.config import EasyBalanceConfig, read_json
-from ...core.record import BalanceLogger, NullLogger
-from ...core.topology import node_map
-from ...observe.monitor import JsonlLogger, MultiLogger, WandbRunLogger
+from ..common import gather_startup, make_logger, rank_to_node, reduce_over, torch_optimizer
 from .router import EBRouter
 
 __all__ = ["attach", "find_routers", "save_state", "load_state"]
@@ -64,30 +61,6 @@ def _config(config: Any) -> EasyBalanceConfig:
     return EasyBalanceConfig.from_ds_config(config)
 
 
-def _make_logger(cfg: EasyBalanceConfig) -> BalanceLogger:
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return NullLogger()
-    loggers: list[BalanceLogger] = [JsonlLogger(cfg.log.dir, cfg.log.max_mb)]
-    if cfg.log.wandb:
-        try:
-            import wandb
-        except ImportError:
-            wandb = None
-        if wandb is not None and wandb.run is not None:    # the user's own W&B run, if any
-            loggers.append(WandbRunLogger())
-    return MultiLogger(loggers)
-
-
-def _torch_optimizer(optimizer) -> Optional[torch.optim.Optimizer]:
-    """The torch optimizer inside Megatron's wrappers (first of a ChainedOptimizer), or None."""
-    for _ in range(8):
-        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
-            break
-        chained = getattr(optimizer, "chained_optimizers", None)
-        optimizer = chained[0] if chained else getattr(optimizer, "optimizer", None)
-    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-
-
 def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
     """Turn the model's routers into EBRouters and build their balancer (None when the block is off).
 
@@ -110,13 +83,9 @@ def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
                          "moe_router_enable_expert_bias off (two biases would fight)")
     E = int(routers[0].config.num_moe_experts)
     G = ps.get_expert_model_parallel_world_size()
-    mine = {"config": cfg.to_dict(), "experts": sorted({int(r.config.num_moe_experts) for r in routers}),
-            "devices": G, "layers": len(routers), "host": socket.gethostname()}
-    gathered, rank = [mine], 0
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        rank = dist.get_rank()
+    gathered, rank = gather_startup({"config": cfg.to_dict(), "layers": len(routers), "devices": G,
+                                     "experts": sorted({int(r.config.num_moe_experts) for r in routers})})
+    mine = gathered[rank]
     check_agreement([{k: v for k, v in g.items() if k != "host"} for g in gathered], rank)
     if mine["experts"] != [E]:
         raise ValueError(f"every MoE layer must have the same num_moe_experts for the cross-layer view, "
@@ -127,13 +96,10 @@ def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
             router.__class__ = EBRouter
         router.eb_init(index)
     group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    reduce = (lambda packed_LW: dist.all_reduce(packed_LW, group=group)) \
-        if dist.is_initialized() and dist.get_world_size(group) > 1 else None
     device = routers[0].weight.device
-    balancer = Balancer(cfg, routers, G, reduce=reduce, rank_to_node=node_map([g["host"] for g in gathered]),
-                        tally_device=device if device.type != "meta" else "cpu")
-    balancer.logger = _make_logger(cfg)
-    inner = _torch_optimizer(optimizer)
+    balancer = Balancer(cfg, routers, G, reduce=reduce_over(group), rank_to_node=rank_to_node(gathered),
+                        tally_device=device if device.type != "meta" else "cpu", logger=make_logger(cfg))
+    inner = torch_optimizer(optimizer)
     if optimizer is not None and inner is None:
         raise ValueError(f"no torch optimizer inside {type(optimizer).__name__} to hook; pass optimizer=None and "
                          "call balancer.step() after each optimizer step")

@@ -29,7 +29,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from ...core.policies import device_balance_loss
-from ...core.tally import TallyRecorder, in_backward
+from ...core.tally import TallyRecorder, in_backward, routes_from_mask
 
 __all__ = ["EBRouter"]
 
@@ -111,24 +111,14 @@ class EBRouter(TopKRouter):
     def _record(self, logits_TE, routing_map_TE, padding_mask) -> None:
         with torch.no_grad():
             valid_T = None if padding_mask is None else ~padding_mask.reshape(-1).to(torch.bool)
-            kept_TE = routing_map_TE if valid_T is None else routing_map_TE & valid_T[:, None]
             # with capacity dropping the routing map holds the kept routes; the demand is the top-k choice
-            demand_TE = kept_TE if self.config.moe_expert_capacity_factor is None else self._demand(logits_TE)
+            demand_TE = routing_map_TE if self.config.moe_expert_capacity_factor is None else self._demand(logits_TE)
             if valid_T is not None:
                 demand_TE = demand_TE & valid_T[:, None]
-            routed_E = demand_TE.sum(0).to(torch.float64)
-            token_R, expert_R = kept_TE.nonzero(as_tuple=True)
-            nonfinite = (~torch.isfinite(logits_TE.sum(1))).sum()
-            tokens = int(kept_TE.shape[0]) if valid_T is None else valid_T.sum()
-            token_w_R = None
-            if self.token_weights_T is not None:
-                if self.token_weights_T.numel() != kept_TE.shape[0]:
-                    raise ValueError(f"layer {self.layer_index}: sequence-length weights cover "
-                                     f"{self.token_weights_T.numel()} tokens, the batch has {kept_TE.shape[0]}")
-                token_w_R = self.token_weights_T.reshape(-1).to(torch.float64)[token_R]
             # Megatron attaches its aux losses to the probabilities; the tally's aux field stays 0 here
-            self.tally.record(routed_E, expert_R, tokens, nonfinite, torch.zeros((), device=logits_TE.device),
-                              token_w_R)
+            self.tally.record_routes(routes_from_mask(routing_map_TE, self.topk), routed_E=demand_TE.sum(0),
+                                     logits_TE=logits_TE, valid_T=valid_T, token_weights_T=self.token_weights_T,
+                                     layer=self.layer_index)
 
     def _biased_routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor]):
         """Megatron's routing with the top-k chosen on scores + bias (its z-loss, capacity dropping and

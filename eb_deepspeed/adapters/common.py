@@ -1,0 +1,96 @@
+"""The adapter kit: what every adapter (DeepSpeed-MoE, AutoEP, Megatron-Core, serving) shares.
+
+    gathered, rank = gather_startup({"config": cfg.to_dict(), ...})   # one all-gather at start-up
+    check_agreement([...], rank); rank_to_node(gathered)
+    reduce = reduce_over(group)                  # the per-step all-reduce (None: nothing to reduce)
+    logger = make_logger(cfg, monitor=engine.monitor)
+    inner = torch_optimizer(engine.optimizer)    # the torch optimizer inside the framework's wrappers
+
+Routes reach the tally through one door, `core.tally.TallyRecorder.record_routes`. An adapter holds only
+what differs between frameworks: which layer class, where its routes come from, and how the bias and the
+balance loss reach its router. World size 1 (no process group) works everywhere: no communication.
+"""
+from __future__ import annotations
+
+import socket
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..core.config import EasyBalanceConfig
+from ..core.record import BalanceLogger, NullLogger
+from ..core.topology import node_map
+from ..observe.monitor import DeepSpeedMonitorLogger, JsonlLogger, MultiLogger, WandbRunLogger
+
+__all__ = ["dist_ready", "dist_rank", "gather_startup", "rank_to_node", "reduce_over", "make_logger",
+           "torch_optimizer"]
+
+
+def dist_ready() -> bool:
+    """A default process group exists (False at world size 1 without one)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def dist_rank() -> int:
+    return dist.get_rank() if dist_ready() else 0
+
+
+def gather_startup(mine: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+    """Every rank's start-up summary (one all-gather over every rank) and this rank's index.
+
+    `mine` gets this rank's host name under "host" (the node map; leave it out of agreement checks).
+    Every rank then evaluates the same list, so a disagreement raises the same error everywhere instead
+    of hanging the first per-step reduce.
+    """
+    mine = {**mine, "host": socket.gethostname()}
+    if not dist_ready() or dist.get_world_size() == 1:
+        return [mine], 0
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered, dist.get_rank()
+
+
+def rank_to_node(gathered: list[dict[str, Any]]) -> list[int]:
+    """Node index of every rank, from the host names `gather_startup` collected."""
+    return node_map([g["host"] for g in gathered])
+
+
+def reduce_over(group=None) -> Optional[Callable[[torch.Tensor], None]]:
+    """The per-step reduce: an in-place all-reduce (sum) over `group` (None: every rank); None when that
+    group is one rank, or there is no process group (world size 1: no communication)."""
+    if not dist_ready() or dist.get_world_size(group) == 1:
+        return None
+    return lambda packed_LW: dist.all_reduce(packed_LW, group=group)
+
+
+def make_logger(cfg: EasyBalanceConfig, monitor=None) -> BalanceLogger:
+    """Rank 0's balance logger: the JSONL log, plus W&B when `log.wandb` is on — through DeepSpeed's own
+    monitor when the engine has one enabled (`monitor`), else the user's `wandb.run` if one is open.
+    Other ranks get the no-op logger."""
+    if dist_rank() != 0:
+        return NullLogger()
+    loggers: list[BalanceLogger] = [JsonlLogger(cfg.log.dir, cfg.log.max_mb)]
+    if cfg.log.wandb:
+        if monitor is not None:
+            if getattr(monitor, "enabled", False):
+                loggers.append(DeepSpeedMonitorLogger(monitor))
+        else:
+            try:
+                import wandb
+            except ImportError:
+                wandb = None
+            if wandb is not None and wandb.run is not None:
+                loggers.append(WandbRunLogger())
+    return MultiLogger(loggers)
+
+
+def torch_optimizer(optimizer) -> Optional[torch.optim.Optimizer]:
+    """The torch optimizer inside a framework's wrappers (DeepSpeed's FP16/BF16/ZeRO `.optimizer`,
+    Megatron's `.optimizer` or the first of a `ChainedOptimizer`), or None."""
+    for _ in range(8):
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            break
+        chained = getattr(optimizer, "chained_optimizers", None)
+        optimizer = chained[0] if chained else getattr(optimizer, "optimizer", None)
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
