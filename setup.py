@@ -1,6 +1,6 @@
 """eb_deepspeed: cross-layer load balancing for Mixture-of-Experts models in DeepSpeed.
 
-Install (CPU):  bash launch/setup_cpu.sh      (pins torch==2.13.0 first, then `pip install -e .[test,wandb,plots]`)
+Install (CPU):  bash launch/setup_cpu.sh      (pins torch==2.13.0 first, then `pip install -e .[test,wandb,plots,megatron,hf]`)
 Install (GPU):  pip install -e .              (with the CUDA torch your cluster already has)
 """
 from setuptools import find_packages, setup
@@ -8,7 +8,7 @@ from setuptools import find_packages, setup
 setup(
     name="eb-deepspeed",
     version="0.1.0",
-    description="Cross-layer load balancing (EasyBalance) for DeepSpeed / Megatron-Core MoE models",
+    description="Cross-layer load balancing (EasyBalance) for DeepSpeed (MoE and AutoEP) / Megatron-Core MoE models",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["eb_deepspeed", "eb_deepspeed.*"]),
@@ -26,6 +26,8 @@ setup(
         "wandb": ["wandb"],
         "plots": ["matplotlib"],
         "megatron": ["megatron-core==0.16.1"],   # the version tests/megatron_shim.py was checked with
+        # Hugging Face MoE models under DeepSpeed's AutoEP: DeepSpeed 0.19.8's AutoEP fails with transformers >= 5.23
+        "hf": ["transformers==5.22.2"],
     },
     entry_points={"console_scripts": ["eb=eb_deepspeed.tools.cli:main"]},
 )

@@ -12,11 +12,11 @@ PY="${PYTHON:-python3}"
 stamp="$EB_VENV/.eb_setup_stamp"
 want="$(cat "$EB_ROOT/setup.py" "$EB_ROOT/launch/setup_cpu.sh" | sha1sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "[eb setup] creating $EB_VENV (torch==2.13.0 CPU, deepspeed, megatron-core, wandb, pytest, matplotlib)"
+  echo "[eb setup] creating $EB_VENV (torch==2.13.0 CPU, deepspeed, megatron-core, transformers, wandb, pytest, matplotlib)"
   "$PY" -m venv "$EB_VENV"
   "$EB_VENV/bin/python" -m pip install -q --upgrade pip
   "$EB_VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$EB_VENV/bin/python" -m pip install -q -e "$EB_ROOT[test,wandb,plots,megatron]"
+  "$EB_VENV/bin/python" -m pip install -q -e "$EB_ROOT[test,wandb,plots,megatron,hf]"
   echo "$want" > "$stamp"
 fi
 export PATH="$EB_VENV/bin:$PATH"

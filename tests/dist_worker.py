@@ -758,12 +758,13 @@ def scenario_mixed_ep(p):
     return out
 
 
-def main():
+def main(scenarios: dict | None = None):
+    """Run argv's scenario from `scenarios` (a worker module's globals; default this module's)."""
     scenario, out_dir, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     params["out"] = out_dir
     faulthandler.dump_traceback_later(params.pop("stacks_after", 600))   # a hung rank says where
     deepspeed.init_distributed(dist_backend="gloo")
-    result = globals()[f"scenario_{scenario}"](params)
+    result = (scenarios or globals())[f"scenario_{scenario}"](params)
     torch.save(result, os.path.join(out_dir, f"rank{torch.distributed.get_rank()}.pt"))
     torch.distributed.barrier()
 

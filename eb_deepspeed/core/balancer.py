@@ -351,9 +351,10 @@ class Balancer:
 
 
 def _differences(saved: dict, now: dict, path: str) -> list[str]:
-    """`path.key saved -> now` for every leaf that differs between two config dicts."""
+    """`path.key saved -> now` for every leaf that differs between two config dicts (a key the saved config
+    lacks is an option its version did not have: not a difference)."""
     out = []
-    for key in sorted(set(saved) | set(now)):
+    for key in sorted(set(saved) & set(now)):
         a, b = saved.get(key), now.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             out += _differences(a, b, f"{path}.{key}")

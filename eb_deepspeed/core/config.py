@@ -75,6 +75,7 @@ class AuxConfig:
     bias_rate: float = 0.03                          # bias: sign-update rate u (logits; measured, docs/training.md)
     device_weight: float = 0.5                       # bias: weight of the device (window pressure) term
     aux_scale: float = 1.0                           # bias: weight of every layer's l_aux
+    loss_coeff: float = 0.01                         # AutoEP: coefficient of the balance loss easybalance attaches
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
 
 
@@ -197,7 +198,7 @@ class EasyBalanceConfig:
             else:
                 out += [f"easybalance.{key}.{k}" for k in sorted(sub)]
         if self.mode == "balance" and context == "train":
-            used = set(POLICIES[self.aux.policy].options) | {"policy"}
+            used = set(POLICIES[self.aux.policy].options) | {"policy", "loss_coeff"}
             out += [f"easybalance.aux.{k}" for k in sorted(changed_in["aux"] - used)]
         return out
 
@@ -212,7 +213,8 @@ class EasyBalanceConfig:
             "aux": {"policy": self.aux.policy, "weight_range": list(self.aux.weight_range),
                     "smoothing": self.aux.smoothing, "gain": self.aux.gain, "mean_one": self.aux.mean_one,
                     "target": self.aux.target, "device_scale": self.aux.device_scale, "bias_rate": self.aux.bias_rate,
-                    "device_weight": self.aux.device_weight, "aux_scale": self.aux.aux_scale},
+                    "device_weight": self.aux.device_weight, "aux_scale": self.aux.aux_scale,
+                    "loss_coeff": self.aux.loss_coeff},
             "inference": {"replica_slots": inf.replica_slots, "split": inf.split, "topology": inf.topology,
                           "weights": {"intra": inf.weights.intra, "cross": inf.weights.cross, "comm": inf.weights.comm},
                           "decision_batch": inf.decision_batch, "replan_threshold": inf.replan_threshold,
@@ -334,7 +336,7 @@ def _log(block: Any, path: str) -> LogConfig:
 
 def _aux(block: Any, path: str) -> AuxConfig:
     block = dict(_mapping(block, path))
-    _reject_unknown(block, path, ["policy", *{o for p in POLICIES.values() for o in p.options}])
+    _reject_unknown(block, path, ["policy", "loss_coeff", *{o for p in POLICIES.values() for o in p.options}])
     d = AuxConfig()
     policy = _choice(block.get("policy", d.policy), f"{path}.policy", tuple(POLICIES))
     rng = block.get("weight_range", list(d.weight_range))
@@ -366,9 +368,13 @@ def _aux(block: Any, path: str) -> AuxConfig:
     aux_scale = _number(block.get("aux_scale", d.aux_scale), f"{path}.aux_scale")
     if aux_scale < 0:
         raise ConfigError(f"{path}.aux_scale ({aux_scale}) must be >= 0")
+    loss_coeff = _number(block.get("loss_coeff", d.loss_coeff), f"{path}.loss_coeff")
+    if not 0.0 <= loss_coeff <= 1e6:
+        raise ConfigError(f"{path}.loss_coeff ({loss_coeff}) must be in [0, 1e6]")
     return AuxConfig(policy=policy, weight_range=(lo, hi), smoothing=smoothing, gain=gain, mean_one=mean_one,
                      target=target, device_scale=device_scale, bias_rate=rate,
-                     device_weight=device_weight, aux_scale=aux_scale, explicit=frozenset(block))
+                     device_weight=device_weight, aux_scale=aux_scale, loss_coeff=loss_coeff,
+                     explicit=frozenset(block))
 
 
 def _inference(block: Any, path: str) -> InferenceConfig:

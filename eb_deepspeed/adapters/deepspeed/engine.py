@@ -9,7 +9,8 @@ Shape legend: L MoE layers (the whole model's), E experts per layer, G EP ranks,
 The balancing loop itself is `core.Balancer`; this file only connects it to DeepSpeed-MoE models: the gate
 swap (`CrossLayerGate`), and one **all-gather at start-up** that checks that every rank agrees on the model
 and config (a rank that disagrees would hang the per-step reduce) and learns the pipeline layout and node
-map. The step hook, the per-step reduce and the checkpoint state are `hooks.py` (any DeepSpeed engine's).
+map. The step hook, the per-step reduce and the checkpoint state are `hooks.py` (shared with the AutoEP
+adapter, to which `initialize` hands models with an enabled `expert_parallel` section).
 With world size 1 there is no communication at all.
 """
 from __future__ import annotations
@@ -186,6 +187,20 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
     for path in eb_config.ignored_options("train"):
         warnings.warn(f"{path} has no effect in training ({where})")
 
+    from ..autoep.engine import autoep_enabled
+    if autoep_enabled(ds_config):           # a Hugging Face model that DeepSpeed's AutoEP converts
+        from .. import autoep
+        autoep.check_versions()
+        autoep.check_autoep_config(ds_config, eb_config)
+        if find_moe_layers(model):
+            raise ValueError("easybalance: the model has deepspeed.moe.layer.MoE layers and an enabled "
+                             "expert_parallel (AutoEP) section; use one of the two. Nothing was changed")
+        out = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
+        autoep.attach(out[0], eb_config)
+        return out
+    if "loss_coeff" in eb_config.aux.explicit and eb_config.aux.loss_coeff != EasyBalanceConfig().aux.loss_coeff:
+        warnings.warn("easybalance.aux.loss_coeff has no effect on deepspeed.moe.layer.MoE models (their l_aux "
+                      "keeps your own coefficient); it weighs the loss easybalance attaches to AutoEP models")
     check_shapes(model)                     # before anything changes: the model and DeepSpeed untouched
     gates = swap_gates(model)
     if not gates and not isinstance(model, PipelineModule):   # a pipeline stage may hold none; checked across ranks

@@ -1,0 +1,7 @@
+"""The AutoEP adapter: Hugging Face MoE models converted by DeepSpeed's AutoEP (`expert_parallel` section),
+balanced by `eb_deepspeed.initialize` like DeepSpeed-MoE models. Importing it imports deepspeed."""
+from .engine import attach, check_autoep_config, check_versions, expert_to_device, find_autoep_layers
+from .layer import AutoEPBalance, attach_loss
+
+__all__ = ["attach", "check_autoep_config", "check_versions", "expert_to_device", "find_autoep_layers",
+           "AutoEPBalance", "attach_loss"]

@@ -1,0 +1,164 @@
+"""One rank of a multi-process AutoEP test: `python autoep_worker.py SCENARIO OUT_DIR PARAMS_JSON`.
+
+Started by `conftest.launch(..., worker="autoep_worker.py")`. Every scenario converts a tiny random Hugging Face
+MoE model (examples/hf_moe.py) with DeepSpeed's real AutoEP on gloo ranks and saves what the test asserts on
+to OUT_DIR/rank{R}.pt.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import deepspeed
+from deepspeed.moe.utils import configure_moe_param_groups
+
+import eb_deepspeed
+from hf_moe import autoep_section, hf_moe_model, zipf_tokens
+
+MICRO, SEQ = 2, 16
+
+
+def config(family: str, zero: int = 0, accum: int = 1, block: dict | None = None, out: str = ".") -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accum, "steps_per_print": 10**6,
+           "zero_optimization": {"stage": zero}, "expert_parallel": autoep_section(family, 2)}
+    if block is not None:
+        cfg["easybalance"] = {"log": {"dir": os.path.join(out, "balance")}, **block}
+    return cfg
+
+
+def engine_for(family: str, cfg: dict, use_eb: bool = True, seed: int = 0, checkpointing: str = "none"):
+    torch.manual_seed(seed)                      # seeded once, as a user does; no reseeding between steps
+    model = hf_moe_model(family, layers=2, hidden=32, experts=4, k=2, ffn=32, seq_len=SEQ)
+    if checkpointing != "none":
+        model.gradient_checkpointing_enable({"use_reentrant": checkpointing == "reentrant"})
+    init = eb_deepspeed.initialize if use_eb else deepspeed.initialize
+    engine, _, _, _ = init(model=model, config=cfg,
+                           optimizer=lambda ps: torch.optim.AdamW(configure_moe_param_groups(list(ps)), lr=1e-2))
+    return engine
+
+
+def batch(step: int, micro: int, pad: bool = False):
+    """Different ids on every rank; with `pad`, the last 5 positions of the first row are padding."""
+    g = torch.Generator().manual_seed(1000 * step + 100 * micro + dist.get_rank())
+    ids = zipf_tokens(MICRO, SEQ, g)
+    mask = torch.ones_like(ids)
+    if pad:
+        mask[0, -5:] = 0
+    labels = torch.where(mask > 0, ids, -100)
+    return ids, mask, labels
+
+
+def named_grads(engine) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+
+
+def train(engine, steps: int, grads: bool = False, pad: bool = False, between=None):
+    losses, all_grads = [], []
+    for step in range(steps):
+        for micro in range(engine.gradient_accumulation_steps()):
+            ids, mask, labels = batch(step, micro, pad)
+            out = engine(input_ids=ids, attention_mask=mask, labels=labels)
+            engine.backward(out.loss)
+            losses.append(out.loss.detach().clone())
+            if grads and engine.zero_optimization_stage() == 0:
+                all_grads.append(named_grads(engine))
+            engine.step()
+        if between is not None:
+            between(step)
+    return losses, all_grads
+
+
+def scenario_equivalence(p):
+    """Plain AutoEP, the block absent, and `observe`: the same losses, gradients and weights."""
+    family, zero, accum = p["family"], p["zero"], p["accum"]
+    out = {}
+    for name, block, use_eb in (("plain", None, False), ("no_block", None, True), ("observe", {"mode": "observe"}, True)):
+        engine = engine_for(family, config(family, zero, accum, block, p["out"]), use_eb)
+        losses, grads = train(engine, 3, grads=True)
+        params = {n: t.detach().clone() for n, t in engine.module.state_dict().items()}
+        out[name] = {"losses": losses, "grads": grads, "params": params,
+                     "has_balancer": hasattr(engine, "easybalance")}
+        if name == "observe":
+            out[name]["routed"] = float(engine.easybalance.view.last.routed_LE.sum())
+    return out
+
+
+def scenario_tally(p):
+    """`balance` on a family: the view's counts against an independent count of the router's choices (the
+    test marks the phases itself: forwards counted, eval forwards and backward re-runs not)."""
+    family, checkpointing, accum, pad = p["family"], p["checkpointing"], p["accum"], p["pad"]
+    engine = engine_for(family, config(family, 0, accum, {"mode": "balance", "warmup_batches": 1}, p["out"]),
+                        checkpointing=checkpointing)
+    balancer = engine.easybalance
+    layers = [g.layer for g in balancer.gates]
+    phase = {"now": None}
+    own_LE = torch.zeros(len(layers), 4, dtype=torch.float64)
+    valid = {"T": None}
+
+    def counter(index):
+        def hook(router, args, output):
+            if phase["now"] == "forward":
+                selected = output[1]
+                if valid["T"] is not None:
+                    selected = selected[valid["T"]]
+                own_LE[index] += torch.bincount(selected.flatten(), minlength=4).double()
+        return hook
+
+    for index, layer in enumerate(layers):
+        layer.router.register_forward_hook(counter(index))
+    view_LE, own_steps, spreads, losses = [], [], [], []
+    for step in range(4):
+        own_LE.zero_()
+        for micro in range(accum):
+            ids, mask, labels = batch(step, micro, pad)
+            valid["T"] = mask.reshape(-1) > 0
+            phase["now"] = "forward"
+            out = engine(input_ids=ids, attention_mask=mask, labels=labels)
+            phase["now"] = "backward"
+            engine.backward(out.loss)
+            losses.append(float(out.loss))
+            phase["now"] = "eval"
+            engine.eval()
+            with torch.no_grad():
+                engine(input_ids=ids, attention_mask=mask)
+            engine.train()
+            engine.step()
+        dist.all_reduce(own_LE)
+        own_steps.append(own_LE.clone())
+        view_LE.append(balancer.view.last.routed_LE.clone())
+        spreads.append(balancer.bias_spreads())
+    return {"view": view_LE, "own": own_steps, "spreads": spreads, "losses": losses,
+            "tokens": float(balancer.view.last.tokens_L[0]), "family": family,
+            "grad_norm": float(sum(layer.router.gate.weight.detach().norm() for layer in layers))}
+
+
+def scenario_checkpoint(p):
+    """`balance` at a ZeRO stage: save, load into a fresh engine (same state), and into plain AutoEP."""
+    family, zero = p["family"], p["zero"]
+    ckpt = os.path.join(p["out"], "ckpt")
+    cfg = config(family, zero, 1, {"mode": "balance", "warmup_batches": 1}, p["out"])
+    engine = engine_for(family, cfg)
+    train(engine, 4)
+    engine.save_checkpoint(ckpt, client_state={"step": 4})
+    saved = engine.easybalance.state_dict()
+    next_loss, _ = train(engine, 1)
+    fresh = engine_for(family, cfg, seed=5)
+    path, client = fresh.load_checkpoint(ckpt)
+    loaded = fresh.easybalance.state_dict()
+    bias_of_gates = [g.bias_E.clone() for g in fresh.easybalance.gates]
+    fresh_loss, _ = train(fresh, 1)
+    plain = engine_for(family, config(family, zero, 1), use_eb=False, seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain_path, _ = plain.load_checkpoint(ckpt)
+    return {"saved": saved, "loaded": loaded, "client_step": client["step"], "path": path,
+            "next_loss": float(next_loss[0]), "fresh_loss": float(fresh_loss[0]), "plain_path": plain_path,
+            "bias_of_gates": bias_of_gates}
+
+
+if __name__ == "__main__":
+    from dist_worker import main
+    main(globals())

@@ -1,0 +1,66 @@
+"""Hugging Face MoE models under DeepSpeed's real AutoEP on 2 gloo ranks: observe equals plain AutoEP, the tally
+equals an independent count (checkpointing, accumulation, padding, eval forwards), every preset family trains
+in balance mode, checkpoints round-trip the balancer at ZeRO 0 and 3."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+
+
+def run(tmp_path, scenario, **params):
+    from conftest import launch
+    return launch(scenario, 2, tmp_path, worker="autoep_worker.py", **params)
+
+
+def assert_same(a: dict, b: dict, what: str):
+    assert a.keys() == b.keys(), what
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{what}: {key} differs"
+
+
+@pytest.mark.parametrize("family, zero, accum", [("mixtral", 0, 2), ("qwen3_moe", 3, 1)])
+def test_observe_and_no_block_give_plain_autoeps_losses_gradients_and_weights(tmp_path, family, zero, accum):
+    for rank in run(tmp_path, "equivalence", family=family, zero=zero, accum=accum):
+        plain = rank["plain"]
+        assert not plain["has_balancer"] and not rank["no_block"]["has_balancer"] and rank["observe"]["has_balancer"]
+        assert rank["observe"]["routed"] > 0                 # observe did watch
+        for name in ("no_block", "observe"):
+            assert [float(x) for x in rank[name]["losses"]] == [float(x) for x in plain["losses"]], name
+            assert len(rank[name]["grads"]) == len(plain["grads"])
+            for step, (g, g_plain) in enumerate(zip(rank[name]["grads"], plain["grads"])):
+                assert_same(g, g_plain, f"{name} micro-step {step} grads")
+            assert_same(rank[name]["params"], plain["params"], f"{name} weights after 3 steps")
+        if zero == 0:
+            assert len(plain["grads"]) == 3 * accum and plain["grads"][0]
+
+
+@pytest.mark.parametrize("family, checkpointing, accum, pad", [
+    ("mixtral", "non_reentrant", 2, True),
+    ("qwen3_moe", "reentrant", 1, False),
+    ("deepseek_v3", "none", 1, True),
+])
+def test_the_view_counts_each_route_of_the_routers_once(tmp_path, family, checkpointing, accum, pad):
+    ranks = run(tmp_path, "tally", family=family, checkpointing=checkpointing, accum=accum, pad=pad)
+    for rank in ranks:
+        for step, (view_LE, own_LE) in enumerate(zip(rank["view"], rank["own"])):
+            assert own_LE.sum() > 0
+            assert torch.equal(view_LE, own_LE), f"{family} step {step}: view {view_LE} vs routes {own_LE}"
+        # tokens of one step over both ranks: 2 rows x 16 per micro-batch, minus 5 padded per micro-batch
+        assert rank["tokens"] == 2 * accum * (2 * 16 - (5 if pad else 0))
+        assert max(rank["spreads"][-1]) > 0                  # the default policy's bias moved
+        assert all(torch.isfinite(torch.tensor(rank["losses"])))
+    assert ranks[0]["spreads"] == ranks[1]["spreads"]        # one view, the same controls on every rank
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_checkpoint_round_trips_the_balancer_and_plain_autoep_loads_it(tmp_path, zero):
+    for rank in run(tmp_path, "checkpoint", family="mixtral", zero=zero):
+        saved, loaded = rank["saved"], rank["loaded"]
+        assert rank["path"] is not None and rank["client_step"] == 4 and rank["plain_path"] is not None
+        assert saved["view"]["steps"] == loaded["view"]["steps"] == 4
+        for key in ("heat_LE", "pressure_LG"):
+            assert torch.equal(saved["view"][key], loaded["view"][key]), key
+        assert torch.equal(saved["aux"]["bias_LE"], loaded["aux"]["bias_LE"]) and saved["aux"]["bias_LE"].abs().sum() > 0
+        for layer, bias_E in enumerate(rank["bias_of_gates"]):      # the restored bias reached every router
+            assert torch.equal(bias_E.double(), loaded["aux"]["bias_LE"][layer].float().double())
+        assert rank["fresh_loss"] == pytest.approx(rank["next_loss"], rel=1e-5)   # same model, same state
