@@ -14,8 +14,9 @@ SERVE = ["infer_cpu_2rank.json"]
 
 
 def test_every_shipped_config_is_covered():
-    # megatron_cpu.json is the Megatron-Core example's (tests/test_megatron_job.py runs it)
-    assert sorted(TRAIN + SERVE + ["megatron_cpu.json"]) == CONFIGS
+    # megatron_cpu.json is the Megatron-Core example's (tests/test_megatron_job.py runs it), train_hf_cpu_2rank.json
+    # the HF AutoEP example's (tests/test_hf_job.py runs it)
+    assert sorted(TRAIN + SERVE + ["megatron_cpu.json", "train_hf_cpu_2rank.json"]) == CONFIGS
 
 
 def test_the_shipped_configs_initialize_a_tiny_model_train_and_serve_on_cpu(run_dist):

@@ -2,6 +2,7 @@
 
     eb bench gate --json      # CrossLayerGate vs DeepSpeed's TopKGate, forward + backward
     eb bench train --json     # aux policies fixed / cross_layer / bias (+ no balancing), same seed and data
+    eb bench train --framework autoep --json   # an HF Mixtral under AutoEP: plain, HF's aux loss, easybalance
     eb bench plan --json      # planner time at 61 x 256 x 64, steering time vs one MoE layer forward
     eb bench optimum --json   # planner vs a brute-force optimum on tiny inputs, with and without refinement
 
@@ -21,7 +22,8 @@ import torch
 
 from ..planning.oracle import brute_force_optimum, steered_max_load
 
-__all__ = ["bench_gate", "bench_train", "bench_plan", "bench_optimum", "free_port", "pareto_loads", "TRAIN_ROWS"]
+__all__ = ["bench_gate", "bench_train", "bench_train_autoep", "bench_plan", "bench_optimum", "free_port", "pareto_loads",
+           "TRAIN_ROWS", "AUTOEP_ROWS"]
 
 
 def _sync(device: torch.device) -> None:
@@ -201,6 +203,97 @@ def bench_train(steps: int = 200, coeff: float = 0.01, capacity_factor: float = 
             "layers": layers, "ranks": num_gpus, "rows": rows, "against_fixed": verdicts,
             "target": "drop rate and p90 device max/mean excess cut >= 30% vs fixed, val loss <= +1%",
             "targets": {f"{name}_meets_target": v["meets_target"] for name, v in verdicts.items()}}
+
+
+# (row name, arguments of examples/train_hf_moe.py): plain AutoEP is `observe` (bit-identical to it, and it measures),
+# HF's pooled aux loss at Mixtral's default coefficient, and easybalance's default.
+AUTOEP_ROWS = (("plain", ("--mode", "observe")), ("hf_aux", ("--mode", "observe", "--hf-aux-coef", "0.001")),
+               ("easybalance", ("--mode", "balance")))
+
+
+def bench_train_autoep(steps: int = 60, seeds=(1, 2, 3), lr: float = 1e-3, data: str = "stdlib", micro_batch: int = 8,
+                       seq_len: int = 128, ffn: int = 128, out_dir: str = "runs/bench_train_autoep", num_gpus: int = 2,
+                       rows=AUTOEP_ROWS, progress: bool = True, extra: tuple[str, ...] = ()) -> dict[str, object]:
+    """Train the tiny HF Mixtral of examples/train_hf_moe.py under AutoEP once per row and seed (real deepspeed
+    launcher, `num_gpus` CPU ranks), rows interleaved seed by seed, and compare.
+
+    Per run: each layer's expert max/mean of every step averaged over the last 10 steps (and of the 10 steps'
+    routes summed), the device max/mean (the dropless straggler), the training LM loss over the last 10 steps,
+    tokens/s. Targets, on the means over seeds: (a) every layer's per-step expert max/mean <= 1.5 under
+    easybalance; (b) its loss no worse than plain AutoEP's and within +1 % of HF's aux-loss row; (c) its
+    tokens/s >= 1.2x plain's.
+    """
+    root = _repo_root()
+    runs: dict[str, list[dict]] = {name: [] for name, _ in rows}
+    for seed in seeds:
+        for name, row_args in rows:
+            run_dir = os.path.join(out_dir, f"{name}_seed{seed}")
+            port = free_port()
+            cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus), "--master_port",
+                   str(port), os.path.join(root, "examples", "train_hf_moe.py"), "--deepspeed_config",
+                   os.path.join(root, "configs", "train_hf_cpu_2rank.json"), "--run-dir", run_dir, "--steps", str(steps),
+                   "--seed", str(seed), "--lr", str(lr), "--data", data, "--micro-batch", str(micro_batch),
+                   "--seq-len", str(seq_len), "--ffn", str(ffn), "--no-report", *row_args, *extra]
+            if progress:
+                print(f"[eb bench train autoep] {name}, seed {seed} ...", file=sys.stderr, flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  env=dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1"))
+            unlink_shm_buffers(port)
+            if proc.returncode != 0:
+                raise RuntimeError(f"row {name} seed {seed} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                                   f"{proc.stderr[-2000:]}")
+            with open(os.path.join(run_dir, "summary.json")) as f:
+                summary = json.load(f)
+            runs[name].append({k: summary[k] for k in ("seed", "last10_lm_loss", "tokens_per_s",
+                                                       "last10_expert_max_over_mean", "last10_sum_expert_max_over_mean",
+                                                       "last10_device_max_over_mean")})
+            if progress:
+                r = runs[name][-1]
+                print(f"  loss {r['last10_lm_loss']:.4f}, tokens/s {r['tokens_per_s']:.0f}, expert max/mean "
+                      + " ".join(f"{v:.2f}" for v in r["last10_expert_max_over_mean"]), file=sys.stderr, flush=True)
+
+    def mean(values):
+        return sum(values) / len(values)
+
+    table = {}
+    for name, per_seed in runs.items():
+        layers = len(per_seed[0]["last10_expert_max_over_mean"])
+        table[name] = {
+            "lm_loss": round(mean([r["last10_lm_loss"] for r in per_seed]), 4),
+            "tokens_per_s": round(mean([r["tokens_per_s"] for r in per_seed]), 1),
+            **{key: [round(mean([r[key][layer] for r in per_seed]), 3) for layer in range(layers)]
+               for key in ("last10_expert_max_over_mean", "last10_sum_expert_max_over_mean",
+                           "last10_device_max_over_mean")},
+            "seeds": per_seed}
+    ours, plain, hf = table["easybalance"], table["plain"], table.get("hf_aux")
+    worst = max(ours["last10_expert_max_over_mean"])
+    loss_vs_plain = ours["lm_loss"] / plain["lm_loss"] - 1.0
+    loss_vs_hf = None if hf is None else ours["lm_loss"] / hf["lm_loss"] - 1.0
+    speed = ours["tokens_per_s"] / plain["tokens_per_s"]
+    return {"benchmark": "train", "framework": "autoep", "steps": steps, "seeds": list(seeds), "lr": lr, "data": data,
+            "micro_batch": micro_batch, "seq_len": seq_len, "ffn": ffn, "ranks": num_gpus, "rows": table,
+            "easybalance_worst_layer_expert_max_over_mean": worst,
+            "loss_change_vs_plain": round(loss_vs_plain, 4),
+            "loss_change_vs_hf_aux": None if loss_vs_hf is None else round(loss_vs_hf, 4),
+            "tokens_per_s_ratio_vs_plain": round(speed, 4),
+            "target": "every layer's expert max/mean (last 10 steps) <= 1.5; loss <= plain and <= +1% of HF aux; "
+                      "tokens/s >= 1.2x plain",
+            "targets": {"expert_max_over_mean_le_1.5": bool(worst <= 1.5),
+                        "loss_no_worse_than_plain": bool(loss_vs_plain <= 0.0),
+                        "loss_within_1pct_of_hf_aux": bool(loss_vs_hf is not None and loss_vs_hf <= 0.01),
+                        "tokens_per_s_ge_1.2x_plain": bool(speed >= 1.2)}}
+
+
+def format_autoep_table(result: dict[str, object]) -> str:
+    lines = ["row | lm_loss | tokens/s | expert max/mean per layer (per step) | (10 steps summed) | device max/mean",
+             "--- | --- | --- | --- | --- | ---"]
+    for name, row in result["rows"].items():
+        lines.append(" | ".join([name, f"{row['lm_loss']:.4f}", f"{row['tokens_per_s']:.0f}",
+                                 " ".join(f"{v:.2f}" for v in row["last10_expert_max_over_mean"]),
+                                 " ".join(f"{v:.2f}" for v in row["last10_sum_expert_max_over_mean"]),
+                                 " ".join(f"{v:.2f}" for v in row["last10_device_max_over_mean"])]))
+    lines.append("targets: " + ", ".join(f"{k} {v}" for k, v in result["targets"].items()))
+    return "\n".join(lines)
 
 
 def format_train_table(result: dict[str, object]) -> str:

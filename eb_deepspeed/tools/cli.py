@@ -3,7 +3,7 @@
     eb report RUN_DIR [--out DIR]     PNG balance curves + heatmap from RUN_DIR/balance.jsonl
     eb report --compare RUN_A RUN_B ... [--out FILE]   the runs' summary curves overlaid in one PNG
     eb bench gate [--json]            CrossLayerGate vs DeepSpeed's TopKGate overhead
-    eb bench train [--json] [--framework megatron]   aux policies side by side on the example model (2 CPU ranks)
+    eb bench train [--json] [--framework megatron|autoep]   aux policies side by side on the example model (2 CPU ranks)
     eb bench train --sweep [--quick]  policies x coefficients x seeds, mean +- std, Pareto plot
     eb bench noise --run DIR          persistent skew vs step noise of a run's view: the cross_layer gain rule
     eb bench plan [--json]            planner time (61 x 256 x 64, both dispatch models) and steering vs an MoE layer
@@ -62,6 +62,15 @@ def _bench(args) -> int:
                                    steps=args.steps if args.steps_given else None,
                                    layers=args.layers if args.layers_given else None)
         print(format_sweep_table(result), file=sys.stderr if args.json else sys.stdout)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        return 0
+    if args.what == "train" and args.framework == "autoep":
+        from .bench import bench_train_autoep, format_autoep_table
+        result = bench_train_autoep(steps=args.steps if args.steps_given else 60, out_dir=args.out if args.out !=
+                                    "runs/bench_train" else "runs/bench_train_autoep",
+                                    seeds=tuple(range(1, (args.sweep_seeds or 3) + 1)), data=args.data, ffn=args.ffn)
+        print(format_autoep_table(result), file=sys.stderr if args.json else sys.stdout)
         if args.json:
             print(json.dumps(result, indent=2))
         return 0
@@ -264,13 +273,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234, help="train: the example's seed (1234)")
     p.add_argument("--layers", type=counting, default=None,
                    help="train: MoE layers of the example model (4; the sweep: 8, top-1 and top-2 alternating)")
-    p.add_argument("--framework", choices=["deepspeed", "megatron"], default="deepspeed",
-                   help="train: the DeepSpeed example or the Megatron-Core one (examples/megatron_train_moe.py)")
+    p.add_argument("--framework", choices=["deepspeed", "megatron", "autoep"], default="deepspeed",
+                   help="train: the DeepSpeed example, the Megatron-Core one (examples/megatron_train_moe.py), or an HF "
+                        "Mixtral under DeepSpeed's AutoEP (examples/train_hf_moe.py: plain, HF's aux loss, easybalance)")
+    p.add_argument("--data", choices=["stdlib", "zipf"], default="stdlib",
+                   help="train --framework autoep: the stdlib sources, or i.i.d. Zipf-distributed token ids")
+    p.add_argument("--ffn", type=counting, default=128, help="train --framework autoep: each expert's hidden size (128)")
     p.add_argument("--sweep", action="store_true",
                    help="train: policies x coefficients x seeds with a Pareto plot (~45 min; docs/benchmarks.md)")
     p.add_argument("--quick", action="store_true", help="train --sweep: the small version the tests run")
     p.add_argument("--coeffs", type=float, nargs="+", default=None, help="train --sweep: aux coefficients")
-    p.add_argument("--sweep-seeds", type=counting, default=None, help="train --sweep: seeds 1..N")
+    p.add_argument("--sweep-seeds", type=counting, default=None, help="train --sweep (and --framework autoep, 3): seeds 1..N")
     p.add_argument("--from", dest="from_json", default=None,
                    help="train --sweep: re-judge and re-draw a saved result's runs (no training)")
     p.add_argument("--policies", nargs="+", default=None, choices=_Choices(_sweep_policies), metavar="POLICY",
@@ -325,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.layers = args.steps or 200, args.layers or 4
         sweep_only = [flag for flag, value in (("--quick", args.quick), ("--coeffs", args.coeffs),
                                                 ("--from", args.from_json), ("--policies", args.policies),
-                                                ("--sweep-seeds", args.sweep_seeds)) if value]
+                                                ("--sweep-seeds", args.sweep_seeds and args.framework != "autoep"))
+                      if value]
         if sweep_only and not (args.what == "train" and args.sweep):
             parser.error(f"{', '.join(sweep_only)}: only with bench train --sweep")
         if args.run is not None and args.what != "noise":
