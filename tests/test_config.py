@@ -131,3 +131,13 @@ def test_the_readme_block_of_defaults_warns_about_nothing_and_a_changed_key_stil
     doc["easybalance"]["aux"].update(policy="fixed", gain=0.5)  # the fixed policy has no gain
     assert EasyBalanceConfig.from_ds_config(doc).ignored_options("train") == [
         "easybalance.inference.replica_slots", "easybalance.aux.gain"]
+
+
+def test_a_config_file_with_a_key_given_twice_is_refused_as_deepspeed_refuses_it(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, "easybalance": {"mode": "observe", "mode": "balance"}}')
+    with pytest.raises(ConfigError, match=r"ds\.json: duplicate keys in the DeepSpeed config: \['mode'\]"):
+        EasyBalanceConfig.from_ds_config(str(path))
+    path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    with pytest.raises(ConfigError, match=r"\['train_batch_size'\]"):
+        EasyBalanceConfig.from_ds_config(str(path))

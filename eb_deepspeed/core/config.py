@@ -241,11 +241,22 @@ def read_json(ds_config):
         return ds_config
     try:
         with open(ds_config, encoding="utf-8") as f:
-            return json.load(f)
+            return json.load(f, object_pairs_hook=lambda pairs: _unique_keys(pairs, ds_config))
     except OSError as e:
         raise ConfigError(f"{ds_config}: cannot read the DeepSpeed config ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{ds_config}: not a JSON DeepSpeed config ({e})") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]], source) -> dict[str, Any]:
+    """One JSON object; a key given twice is refused, as DeepSpeed refuses it (otherwise the last would win)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = sorted({k for k, _ in pairs if k in seen or seen.add(k)})
+        raise ConfigError(f"{source}: duplicate keys in the DeepSpeed config: {twice} (DeepSpeed refuses them too; "
+                          "keep one of each)")
+    return out
 
 
 def _mapping(value: Any, path: str) -> Mapping[str, Any]:
