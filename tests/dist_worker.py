@@ -453,6 +453,35 @@ def scenario_nonfinite(p):
             "nonfinite": engine.easybalance.metrics()["nonfinite_tokens"]}
 
 
+def scenario_nan_note(p):
+    """The documented `note(lm_loss=loss.item())` with a NaN loss on rank 1 only: both ranks train on."""
+    rank = torch.distributed.get_rank()
+    cfg = base_config(easybalance={"mode": "observe", "log": {"dir": os.path.join(p["out"], "log"), "interval": 1}})
+    engine = make_engine(make_model(ep_size=2), cfg)
+    noted = []
+    for step in range(3):
+        loss = train_step(engine, step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine.easybalance.note(lm_loss=float("nan") if rank == 1 and step == 1 else float(loss))
+        noted.append(engine.easybalance.record()["lm_loss"])
+    return {"steps": int(engine.easybalance.view.steps), "noted": noted}
+
+
+def scenario_log_dir_is_a_file(p):
+    """easybalance.log.dir names an existing file: rank 0 alone opens the log, and every rank gets one error."""
+    path = os.path.join(p["out"], "not_a_dir")
+    if torch.distributed.get_rank() == 0:
+        with open(path, "w") as f:
+            f.write("x")
+    torch.distributed.barrier()
+    try:
+        make_engine(make_model(ep_size=2), base_config(easybalance={"log": {"dir": path}}))
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
 def scenario_killed_rank(p):
     """Rank 1 dies mid-training (os._exit, as a kill would): rank 0 gets an error from its next collective
     within seconds instead of waiting out a timeout, and says how long it took."""

@@ -3,6 +3,7 @@ and nothing half-applied. Property tests (hypothesis) over the config parser and
 import copy
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -285,6 +286,25 @@ def test_the_log_rotates_past_max_mb_and_readers_see_both_parts(tmp_path):
     assert main.stat().st_size <= 0.01 * 2 ** 20 and old.stat().st_size <= 0.01 * 2 ** 20
     steps = [r["step"] for r in read_log(str(tmp_path))]
     assert steps == list(range(steps[0], 31)) and 1 < steps[0] < 25    # oldest records rotated out, no gaps
+
+
+def test_the_log_writer_never_follows_a_link_nor_writes_into_a_non_regular_file(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\nno newline at the end")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "balance.jsonl").symlink_to(target)
+    with pytest.raises(ValueError, match="balance.jsonl is a symbolic link"):
+        JsonlLogger(str(run))
+    assert target.read_text() == "keep me\nno newline at the end"      # not truncated, not appended to
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "balance.jsonl")
+    with pytest.raises(ValueError, match="not a regular file"):
+        JsonlLogger(str(fifo))
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match=r"easybalance\.log\.dir \('.*a_file'\) names a file, not a directory"):
+        JsonlLogger(str(tmp_path / "a_file"))
 
 
 def test_a_killed_writer_loses_only_its_partial_record(tmp_path):

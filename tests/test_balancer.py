@@ -1,4 +1,6 @@
 """The framework-neutral loop in one process: gates that only speak the BalancedGate protocol."""
+import warnings
+
 import pytest
 import torch
 
@@ -127,8 +129,8 @@ def test_every_record_key_is_in_the_one_table():
     assert set(balancer.record()) == table - {"run_start"} and balancer.record()["lm_loss"] == 2.5
 
 
-@pytest.mark.parametrize("kwargs, message", [(dict(loss=1.0), "takes lm_loss"), (dict(lm_loss=float("nan")), "finite"),
-                                             (dict(lm_loss="2"), "finite")])
+@pytest.mark.parametrize("kwargs, message", [(dict(loss=1.0), "takes lm_loss"), (dict(lm_loss="2"), "finite"),
+                                             (dict(lm_loss=True), "finite")])
 def test_notes_are_checked(kwargs, message):
     gates = [ToyGate()]
     balancer = Balancer(config(mode="observe"), gates, 2)
@@ -137,6 +139,29 @@ def test_notes_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         balancer.note(**kwargs)
     assert "lm_loss" not in balancer.record() and "loss" not in balancer.record()   # a refused note logs nothing
+
+
+def test_a_non_finite_note_is_recorded_as_null_with_one_warning_and_never_raised(tmp_path):
+    from eb_deepspeed.observe.monitor import JsonlLogger, flatten_record
+    from eb_deepspeed.observe.report import render_report
+    gates = [ToyGate()]
+    balancer = Balancer(config(mode="observe"), gates, 2, logger=JsonlLogger(str(tmp_path)))
+    for step, loss in enumerate([2.5, float("nan"), float("inf"), 2.0]):
+        gates[0].forward(torch.tensor([0, 1, 2, 3]))
+        if step == 1:
+            with pytest.warns(UserWarning, match=r"note\(lm_loss=nan\) at step 1: recorded as null"):
+                balancer.note(lm_loss=loss)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")             # the second non-finite value warns no more
+                balancer.note(lm_loss=loss)
+        balancer.step()
+        if step in (1, 2):
+            assert balancer.record()["lm_loss"] is None and "easybalance/lm_loss" not in flatten_record(balancer.record())
+        balancer.flush_log()
+    assert balancer.record()["lm_loss"] == 2.0
+    balancer.logger.close()
+    assert render_report(str(tmp_path))                    # the report draws a loss curve with a gap
 
 
 class ListLogger(R.BalanceLogger):
@@ -374,3 +399,28 @@ def test_the_non_finite_warning_repeats_once_per_log_interval_while_it_lasts():
     assert "at 1 step(s) up to step 1" in messages[0] and "at 10 step(s) up to step 11" in messages[1]
     record = balancer.record()
     assert record["device_util_std"] is None and record["device_max_over_mean"] == [None]
+
+
+@pytest.mark.parametrize("part, key, value, says", [
+    ("aux", "weight_L", -1e6, r"aux weight_L holds values in \[-1e\+06, -1e\+06\], outside the plausible \[0, 1e\+06\]"),
+    ("aux", "bias_LE", 1e30, r"aux bias_LE .*outside the plausible \[-10000, 10000\]"),
+    ("aux", "updates", -3, r"aux updates is -3, expected an integer >= 0"),
+    ("view", "heat_LE", -1.0, r"load view heat_LE .*outside the plausible \[0, inf\]"),
+    ("view", "updates_L", -2.0, r"load view updates_L .*outside the plausible \[0, inf\]"),
+    ("view", "pressure_LG", -0.5, r"load view pressure_LG"),
+])
+def test_a_finite_but_impossible_state_is_refused_naming_its_field_and_nothing_changes(part, key, value, says):
+    state = _trained({"aux": {"policy": "bias"}}).state_dict()
+    if isinstance(state[part][key], torch.Tensor):
+        state[part][key] = torch.full_like(state[part][key], value)
+    else:
+        state[part][key] = value
+    gates = [ToyGate(), ToyGate()]
+    fresh = Balancer(config(aux={"policy": "bias"}), gates, 2)
+    before = fresh.state_dict()
+    assert fresh.state_problem(state) is not None
+    with pytest.raises(ValueError, match=says):
+        fresh.load_state_dict(state)
+    after = fresh.state_dict()
+    assert torch.equal(after["view"]["pressure_LG"], before["view"]["pressure_LG"])
+    assert torch.equal(after["aux"]["bias_LE"], before["aux"]["bias_LE"]) and after["view"]["steps"] == 0

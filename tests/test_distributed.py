@@ -164,6 +164,20 @@ def test_a_killed_rank_ends_its_peers_job_in_seconds_and_the_view_keeps_its_last
     assert rank0["steps"] == 2           # the step in progress never reached the view
 
 
+def test_a_nan_loss_noted_on_one_rank_is_recorded_and_the_job_goes_on(run_dist):
+    ranks = run_dist("nan_note", 2)
+    assert [rank["steps"] for rank in ranks] == [3, 3]
+    assert ranks[1]["noted"][1] is None and ranks[0]["noted"][1] is not None
+    assert all(isinstance(v, float) for v in ranks[1]["noted"][::2])
+
+
+def test_a_log_dir_that_is_a_file_is_one_clear_error_on_every_rank(run_dist):
+    ranks = run_dist("log_dir_is_a_file", 2, timeout=240)
+    for rank in ranks:
+        assert rank["error"] is not None and "start-up failed on rank 0: easybalance.log.dir" in rank["error"]
+        assert "names a file, not a directory" in rank["error"]
+
+
 def test_nonfinite_router_logits_on_one_rank_leave_every_view_finite_and_unchanged(run_dist):
     ranks = run_dist("nonfinite", 2)
     for rank in ranks:

@@ -1,9 +1,8 @@
 """The adapter kit: what every adapter (DeepSpeed-MoE, AutoEP, Megatron-Core, serving) shares.
 
-    gathered, rank = gather_startup({"config": cfg.to_dict(), ...})   # one all-gather at start-up
+    gathered, rank, logger = gather_startup({"config": cfg.to_dict(), ...}, prepare=lambda: make_logger(cfg))
     check_agreement([...], rank); rank_to_node(gathered)
     reduce = reduce_over(group)                  # the per-step all-reduce (None: nothing to reduce)
-    logger = make_logger(cfg, monitor=engine.monitor)
     inner = torch_optimizer(engine.optimizer)    # the torch optimizer inside the framework's wrappers
 
 Routes reach the tally through one door, `core.tally.TallyRecorder.record_routes`. An adapter holds only
@@ -36,19 +35,35 @@ def dist_rank() -> int:
     return dist.get_rank() if dist_ready() else 0
 
 
-def gather_startup(mine: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
-    """Every rank's start-up summary (one all-gather over every rank) and this rank's index.
+def gather_startup(mine: dict[str, Any], prepare: Optional[Callable[[], Any]] = None
+                   ) -> tuple[list[dict[str, Any]], int, Any]:
+    """Every rank's start-up summary (one all-gather over every rank), this rank's index, and what `prepare`
+    returned.
 
     `mine` gets this rank's host name under "host" (the node map; leave it out of agreement checks).
-    Every rank then evaluates the same list, so a disagreement raises the same error everywhere instead
-    of hanging the first per-step reduce.
+    prepare: this rank's start-up work that can fail on one rank alone (rank 0 opening the balance log): run
+    before the all-gather, its failure travels in it, and every rank raises the same error instead of one
+    rank dying while the others wait in their first collective. Every rank then evaluates the same list,
+    so a disagreement raises the same error everywhere instead of hanging the first per-step reduce.
     """
-    mine = {**mine, "host": socket.gethostname()}
+    result, problem = None, None
+    if prepare is not None:
+        try:
+            result = prepare()
+        except (OSError, ValueError) as e:
+            problem = str(e)
+    mine = {**mine, "host": socket.gethostname(), "problem": problem}
     if not dist_ready() or dist.get_world_size() == 1:
-        return [mine], 0
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return gathered, dist.get_rank()
+        gathered, rank = [mine], 0
+    else:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        rank = dist.get_rank()
+    failed = [(r, g.pop("problem")) for r, g in enumerate(gathered)]
+    failed = [(r, text) for r, text in failed if text]
+    if failed:
+        raise ValueError("easybalance: start-up failed on " + "; ".join(f"rank {r}: {text}" for r, text in failed))
+    return gathered, rank, result
 
 
 def rank_to_node(gathered: list[dict[str, Any]]) -> list[int]:

@@ -129,7 +129,8 @@ class Balancer:
         self._nonfinite_warned_at: Optional[int] = None     # view step of the last non-finite warning
         self._nonfinite_steps, self._nonfinite_layers = 0, set()
         self.extra_metrics: Optional[Callable[[], dict]] = None   # an adapter's own numbers for the record
-        self._notes: dict[str, float] = {}                          # the user's scalars for the next record (`note`)
+        self._notes: dict[str, Optional[float]] = {}                # the user's scalars for the next record (`note`)
+        self._nonfinite_notes: set[str] = set()                     # keys already warned about
         self._logged_step = 0
         self._run_start: Optional[int] = 0    # put on the next record: where this run's log starts
         self.apply_controls()
@@ -261,12 +262,21 @@ class Balancer:
     def note(self, **scalars: float) -> None:
         """Scalars of the training loop to log beside the balance numbers, e.g. `note(lm_loss=loss.item())`
         before `engine.step()`: they go into the next records (JSONL, W&B, `eb report`'s summary) until
-        noted again. Keys must be in `record.NOTES`; values must be finite numbers."""
+        noted again. Keys must be in `record.NOTES`; values must be real numbers. A NaN or infinite value (a
+        diverging step on one rank) is recorded as null with one warning per key, never raised: the loop
+        goes on, as it does for non-finite router logits."""
         for key, value in scalars.items():
             if key not in NOTES:
                 raise ValueError(f"note({key}=...): the balance record takes {', '.join(NOTES)}")
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"note({key}={value!r}): a finite number is needed")
+            if not math.isfinite(float(value)):
+                if key not in self._nonfinite_notes:
+                    self._nonfinite_notes.add(key)
+                    warnings.warn(f"easybalance: note({key}={float(value)}) at step {self.view.steps}: recorded as null "
+                                  "(warned once per key)")
+                self._notes[key] = None
+                continue
             self._notes[key] = float(value)
 
     def bias_spreads(self) -> list[float]:

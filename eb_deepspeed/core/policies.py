@@ -252,6 +252,13 @@ POLICIES: dict[str, AuxPolicy] = {p.name: p for p in (FixedPolicy(), CrossLayerP
 
 
 _SINCE_DEVICE_LOSS = ("layer_w_L", "log_w_L")     # state keys that older checkpoints lack
+# What a saved control state can hold (every config bound, with room): aux weights are aux_scale or the
+# weight_range's values (<= 1e6), never negative; a bias of 1e4 logits is far past any a run can use (a softmax
+# saturates near 100: past that every token of a layer goes to one expert), so more is a damaged state; the
+# per-layer weights are positive and the integrator is their log.
+BIAS_BOUND = 1e4
+STATE_RANGES = {"weight_L": (0.0, 1e6), "bias_LE": (-BIAS_BOUND, BIAS_BOUND), "layer_w_L": (1e-12, 1e6),
+                "log_w_L": (-28.0, 14.0)}
 
 
 class AuxController:
@@ -307,11 +314,13 @@ class AuxController:
     def state_problem(self, state: object) -> str | None:
         """Why `state` cannot be this controller's (None: it can)."""
         if not isinstance(state, dict) or not isinstance(state.get("policy"), str) \
-                or not isinstance(state.get("updates"), int):
+                or not isinstance(state.get("updates"), int) or isinstance(state.get("updates"), bool):
             return "the aux state is not a dict with a policy and an update count"
+        if state["updates"] < 0:
+            return f"the checkpointed aux updates is {state['updates']}, expected an integer >= 0"
         shapes = {"weight_L": tuple(self.weight_L.shape), "bias_LE": tuple(self.bias_LE.shape)}
         shapes.update({key: tuple(self.layer_w_L.shape) for key in _SINCE_DEVICE_LOSS if key in state})
-        return tensor_problem(state, "aux", shapes)
+        return tensor_problem(state, "aux", shapes, STATE_RANGES)
 
     def load_state_dict(self, state: dict[str, object]) -> list[str]:
         """Restore the saved weights and bias, made to obey the current config; returns what that changed.

@@ -24,6 +24,7 @@ scratch slot.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -319,8 +320,11 @@ def in_backward() -> bool:
     return current is not None and current() != -1
 
 
-def tensor_problem(state: dict, what: str, shapes: dict[str, tuple[int, ...]]) -> str | None:
-    """Why the tensors of a checkpointed `state` do not fit `shapes` (missing, wrong shape, non-finite)."""
+def tensor_problem(state: dict, what: str, shapes: dict[str, tuple[int, ...]],
+                   ranges: Optional[dict[str, tuple[float, float]]] = None) -> str | None:
+    """Why the tensors of a checkpointed `state` do not fit `shapes` (missing, wrong shape, non-finite), or lie
+    outside their plausible `ranges` ({key: (lo, hi)}, both included): a finite but impossible value (a
+    negative count, a bias that puts every token on one expert) is refused as a damaged state, naming it."""
     for key, shape in shapes.items():
         t = state.get(key)
         if not isinstance(t, torch.Tensor) or t.is_complex():
@@ -329,4 +333,8 @@ def tensor_problem(state: dict, what: str, shapes: dict[str, tuple[int, ...]]) -
             return f"the checkpointed {what} {key} has shape {tuple(t.shape)}, this model {shape}"
         if not bool(torch.isfinite(t).all()):
             return f"the checkpointed {what} {key} holds NaN or inf"
+        lo, hi = (ranges or {}).get(key, (-math.inf, math.inf))
+        if t.numel() and (float(t.min()) < lo or float(t.max()) > hi):
+            return (f"the checkpointed {what} {key} holds values in [{float(t.min()):.4g}, {float(t.max()):.4g}], "
+                    f"outside the plausible [{lo:g}, {hi:g}]")
     return None

@@ -12,6 +12,8 @@ garbage.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import metrics as M
@@ -292,7 +294,9 @@ class LoadView:
             shapes["expert_to_device_E"] = (self.E, )
         else:
             return "the checkpointed load view has no per-layer shapes (saved before them); this model's layers differ"
-        problem = tensor_problem(state, "load view", shapes)
+        # counts and loads are never negative; every field of the last tally is a count or a non-negative loss
+        ranges = {key: (0.0, math.inf) for key in ("heat_LE", "pressure_LG", "updates_L", "last_tally", "last_load_LG")}
+        problem = tensor_problem(state, "load view", shapes, ranges)
         if problem is None and "experts_L" in state:
             for key, mine in (("experts_L", self.experts_L), ("devices_L", self.devices_L)):
                 if not torch.equal(state[key].to(torch.long), mine):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import warnings
 from typing import Any, Iterable
 
@@ -49,51 +50,65 @@ class JsonlLogger(BalanceLogger):
     """
 
     def __init__(self, directory: str, max_mb: float = 256.0):
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise ValueError(f"easybalance.log.dir ({directory!r}) names a file, not a directory")
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, JSONL_NAME)
         self.max_bytes = int(max_mb * 2 ** 20)
-        _cut_partial_line(self.path)
-        self._file = open(self.path, "a", encoding="utf-8")
-        self._size = self._file.tell()
+        self._file = _open_append(self.path)
+        _cut_partial_line(self._file)
+        self._size = self._file.seek(0, os.SEEK_END)
 
     def log(self, record: dict[str, Any], step: int) -> None:
-        line = json.dumps(record, separators=(",", ":")) + "\n"
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8")
         if self._size and self._size + len(line) > self.max_bytes:
             self._file.close()
             os.replace(self.path, self.path + ".1")
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._file = _open_append(self.path)
             self._size = 0
         self._file.write(line)
-        self._file.flush()
         self._size += len(line)
 
     def close(self) -> None:
         self._file.close()
 
 
-def _cut_partial_line(path: str) -> None:
-    """Truncate `path` after its last newline (a record cut short by a killed writer)."""
-    if not os.path.exists(path):
+def _open_append(path: str):
+    """`path` opened to append bytes (created if absent), never through a link and only as a regular file: a
+    log is written where it is named, never over a link's target or into a device or FIFO."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if os.path.islink(path):
+            raise ValueError(f"{path} is a symbolic link: easybalance writes its log only to a regular file") from None
+        raise ValueError(f"{path}: cannot open the balance log ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is not a regular file: easybalance writes its log only to a regular file")
+    return os.fdopen(fd, "rb+", buffering=0)
+
+
+def _cut_partial_line(f) -> None:
+    """Truncate the open log `f` after its last newline (a record cut short by a killed writer)."""
+    size = f.seek(0, os.SEEK_END)
+    if size == 0:
         return
-    with open(path, "rb+") as f:
-        size = f.seek(0, os.SEEK_END)
-        if size == 0:
-            return
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return
-        end = size
-        while end > 0:                       # back to the last newline, a block at a time
-            start = max(0, end - 65536)
-            f.seek(start)
-            block = f.read(end - start)
-            cut = block.rfind(b"\n")
-            if cut >= 0:
-                end = start + cut + 1
-                break
-            end = start
-        f.truncate(end)
-    warnings.warn(f"easybalance: {path} ended in a partial record (a killed run); cut it off ({size - end} bytes)")
+    f.seek(size - 1)
+    if f.read(1) == b"\n":
+        return
+    end = size
+    while end > 0:                       # back to the last newline, a block at a time
+        start = max(0, end - 65536)
+        f.seek(start)
+        block = f.read(end - start)
+        cut = block.rfind(b"\n")
+        if cut >= 0:
+            end = start + cut + 1
+            break
+        end = start
+    f.truncate(end)
+    f.seek(end)
+    warnings.warn(f"easybalance: {f.name} ended in a partial record (a killed run); cut it off ({size - end} bytes)")
 
 
 def flatten_record(record: dict[str, Any], prefix: str = "easybalance") -> dict[str, float]:

@@ -125,7 +125,8 @@ def attach(engine, config: EasyBalanceConfig) -> Balancer:
     layers = [m for _, m in named]
     shapes = [(int(m.num_experts), int(m.ep_size), int(m.top_k), m.router.score_func) for m in layers]
     maps = [expert_to_device(m).tolist() for m in layers]
-    gathered, rank = gather_startup({"config": config.to_dict(), "shapes": shapes, "maps": maps})
+    gathered, rank, logger = gather_startup({"config": config.to_dict(), "shapes": shapes, "maps": maps},
+                                            prepare=lambda: make_logger(config, monitor=getattr(engine, "monitor", None)))
     check_agreement([{k: v for k, v in g.items() if k != "host"} for g in gathered], rank)
     if not layers:
         raise ValueError("easybalance is enabled but DeepSpeed's AutoEP converted no MoE layer of the model "
@@ -146,7 +147,7 @@ def attach(engine, config: EasyBalanceConfig) -> Balancer:
     balancer = Balancer(config, gates, devices.pop(), reduce=reduce_for(engine),
                         expert_to_device_E=torch.tensor(maps), rank_to_node=rank_to_node(gathered),
                         tally_device=get_accelerator().current_device_name(),
-                        logger=make_logger(config, monitor=getattr(engine, "monitor", None)))
+                        logger=logger)
     engine.module.register_forward_pre_hook(_padding_hook(gates), with_kwargs=True)
     hook = StepHook(engine, balancer)
     wrap_checkpointing(engine, balancer, hook)

@@ -82,9 +82,10 @@ def _layout(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> d
     stage = int(engine.stage_id) if is_pipeline(engine) else 0
     largest = max((e for _, e in shapes), default=0)          # 0: this rank holds no MoE layer
     copies = _copy_devices(gates, shapes, largest) if largest > 1 else None
-    gathered, rank = gather_startup({"stage": stage, "top_k": [g.k for g in gates], "shapes": shapes,
-                                     "config": config.to_dict(), "largest": largest,
-                                     "nested": largest <= 1 or copies is not None})
+    gathered, rank, logger = gather_startup(
+        {"stage": stage, "top_k": [g.k for g in gates], "shapes": shapes, "config": config.to_dict(),
+         "largest": largest, "nested": largest <= 1 or copies is not None},
+        prepare=lambda: make_logger(config, monitor=getattr(engine, "monitor", None)))
     check_agreement([{"config": g["config"]} for g in gathered], rank)
     # Per pipeline stage: the same layers on every rank of the stage; stages in order give global indices.
     first_of_stage: dict[int, int] = {}
@@ -110,7 +111,7 @@ def _layout(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> d
                              "expert-parallel groups and a layer of the largest ep_size on every rank")
     return {"layers": [offset[stage] + i for i in range(len(gates))], "num_layers": len(model_shapes),
             "experts": [e for e, _ in model_shapes], "devices": [d for _, d in model_shapes],
-            "copy_devices": copies if mixed else None, "rank_to_node": rank_to_node(gathered)}
+            "copy_devices": copies if mixed else None, "rank_to_node": rank_to_node(gathered), "logger": logger}
 
 
 def _copy_devices(gates: list[CrossLayerGate], shapes: list[tuple[int, int]],
@@ -148,7 +149,7 @@ def attach(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> Ba
                         num_layers=layout["num_layers"], num_experts=layout["experts"],
                         rank_to_node=layout["rank_to_node"], device_tally=copies is not None,
                         tally_device=get_accelerator().current_device_name(),
-                        logger=make_logger(config, monitor=getattr(engine, "monitor", None)))
+                        logger=layout["logger"])
     for gate, layer in zip(gates, layout["layers"]):
         gate.layer_index = layer                  # the model's layer, not the pipeline stage's
     hook = StepHook(engine, balancer)

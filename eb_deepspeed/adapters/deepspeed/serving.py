@@ -115,7 +115,7 @@ class Serving:
         if enabled:
             self.balancer = Balancer(config, self.gates, self.G, reduce=reduce_over(), device_tally=True,
                                      train_controls=False, rank_to_node=self.rank_to_node, tally_device=self.device,
-                                     logger=JsonlLogger(config.log.dir, config.log.max_mb) if dist_rank() == 0 else NullLogger())
+                                     logger=self._logger)
             self.balancer.extra_metrics = lambda: {"replans": self.replans, "weight_moves": self.weight_moves}
 
     @property
@@ -129,8 +129,11 @@ class Serving:
 
     # ------------------------------------------------------------------ set-up
     def _agree_at_start_up(self) -> None:
-        gathered, rank = gather_startup({"config": self.config.to_dict(), "experts": self.E, "devices": self.G,
-                                         "layers": self.L, "top_k": [m.deepspeed_moe.gate.k for m in self.moes]})
+        log = self.config.log
+        gathered, rank, self._logger = gather_startup(
+            {"config": self.config.to_dict(), "experts": self.E, "devices": self.G, "layers": self.L,
+             "top_k": [m.deepspeed_moe.gate.k for m in self.moes]},
+            prepare=lambda: JsonlLogger(log.dir, log.max_mb) if dist_rank() == 0 else NullLogger())
         check_agreement([{k: v for k, v in g.items() if k != "host"} for g in gathered], rank)
         self.rank_to_node = rank_to_node(gathered)
         self.node_G = torch.tensor([self.rank_to_node[r] for r in self.ep_ranks])

@@ -83,8 +83,9 @@ def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
                          "moe_router_enable_expert_bias off (two biases would fight)")
     E = int(routers[0].config.num_moe_experts)
     G = ps.get_expert_model_parallel_world_size()
-    gathered, rank = gather_startup({"config": cfg.to_dict(), "layers": len(routers), "devices": G,
-                                     "experts": sorted({int(r.config.num_moe_experts) for r in routers})})
+    gathered, rank, logger = gather_startup({"config": cfg.to_dict(), "layers": len(routers), "devices": G,
+                                             "experts": sorted({int(r.config.num_moe_experts) for r in routers})},
+                                            prepare=lambda: make_logger(cfg))
     mine = gathered[rank]
     check_agreement([{k: v for k, v in g.items() if k != "host"} for g in gathered], rank)
     if mine["experts"] != [E]:
@@ -98,7 +99,7 @@ def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
     group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
     device = routers[0].weight.device
     balancer = Balancer(cfg, routers, G, reduce=reduce_over(group), rank_to_node=rank_to_node(gathered),
-                        tally_device=device if device.type != "meta" else "cpu", logger=make_logger(cfg))
+                        tally_device=device if device.type != "meta" else "cpu", logger=logger)
     inner = torch_optimizer(optimizer)
     if optimizer is not None and inner is None:
         raise ValueError(f"no torch optimizer inside {type(optimizer).__name__} to hook; pass optimizer=None and "
