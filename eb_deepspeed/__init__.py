@@ -5,9 +5,11 @@
                                                       config="ds_config.json")
     engine.easybalance.metrics()
 
-The `"easybalance"` block of the ds_config switches it on; see README.md and docs/. Layout:
-`core` (framework-neutral loop), `planning` (placement, steering), `adapters.deepspeed`,
-`observe` (logs, W&B, plots), `sim` (cluster simulator), `tools` (the `eb` CLI, benchmarks).
+The `"easybalance"` block of the ds_config switches it on; see README.md and docs/. The same `initialize`
+takes models built from `deepspeed.moe.layer.MoE` and Hugging Face MoE models that DeepSpeed's AutoEP converts
+(an enabled `"expert_parallel"` section). Layout: `core` (framework-neutral loop), `planning` (placement,
+steering), `adapters` (`common`, `deepspeed`, `autoep`, `megatron`), `observe` (logs, W&B, plots), `sim`
+(cluster simulator), `tools` (the `eb` CLI, benchmarks).
 """
 from .core._lazy import lazy_exports
 
