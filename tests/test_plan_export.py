@@ -152,3 +152,17 @@ def test_eb_plan_writes_no_file_when_a_document_cannot_be_made(tmp_path, monkeyp
     assert main(["plan", str(tmp_path / "d.pt"), "--devices", "2", "--slots", "5", "--out", str(tmp_path / "a.json"),
                  "--sglang", str(tmp_path / "b.json")]) == 2
     assert not (tmp_path / "a.json").exists() and not (tmp_path / "b.json").exists()
+
+
+def test_eb_plan_never_writes_over_its_input_or_one_output_over_the_other(tmp_path):
+    from eb_deepspeed.core.record import EXPERT_COUNTS
+    log = tmp_path / "balance.jsonl"
+    log.write_text(json.dumps({"step": 1, EXPERT_COUNTS: (pareto_loads(2, 8, 1) * 100).round().tolist()}) + "\n")
+    before = log.read_text()
+    (tmp_path / "link.json").symlink_to(log)
+    for args in (["--out", str(log)], ["--sglang", str(tmp_path / "link.json")],
+                 ["--out", str(tmp_path / "p.json"), "--sglang", str(tmp_path / "p.json")]):
+        source = str(tmp_path) if "--sglang" in args[:1] else str(log)
+        assert main(["plan", source, "--devices", "2", "--slots", "5", *args]) == 2, args
+    assert log.read_text() == before and not (tmp_path / "p.json").exists()
+    assert main(["plan", str(log), "--devices", "2", "--slots", "5", "--out", str(tmp_path / "p.json")]) == 0

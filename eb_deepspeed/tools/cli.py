@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 __all__ = ["main"]
@@ -154,12 +155,27 @@ def _simulate(args) -> int:
     return 0
 
 
+def _refuse_overwriting_inputs(source: str, outputs: list) -> None:
+    """An output file that is the input (a balance log, or a log inside the input run directory), or a second
+    output: refused before anything is read or written (links resolved), so `--out LOG` never replaces a log."""
+    inputs = [source]
+    if os.path.isdir(source):
+        inputs += [os.path.join(source, name) for name in os.listdir(source)]
+    seen = {os.path.realpath(p): f"the input {p}" for p in inputs}
+    for path in (p for p in outputs if p):
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ValueError(f"{path}: would write over {seen[real]}; name another output file")
+        seen[real] = f"the other output {path}"
+
+
 def _plan(args) -> int:
     from ..planning.export import (balance_table, format_balance_table, placement_json, sglang_mapping,
                                    trivial_placement)
     from ..planning.placement import plan_placement
     from ..sim.traces import load_trace
 
+    _refuse_overwriting_inputs(args.load, [args.out, args.sglang])
     trace_NLE = load_trace(args.load)
     if args.last:
         trace_NLE = trace_NLE[-args.last:]
