@@ -162,9 +162,7 @@ def _padding_hook(gates: list[AutoEPBalance]):
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         valid_T = None
         if module.training and isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            valid_T = mask.reshape(-1) != 0
-            if bool(valid_T.all()):       # (one host sync per forward, as the layers' all-to-all splits do)
-                valid_T = None
+            valid_T = mask.reshape(-1) != 0       # kept on the device: no host sync to ask whether any is padding
         for gate in gates:
             gate.valid_T = valid_T
     return hook
