@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 __all__ = ["Tally", "TallyLayout", "TallyRecorder", "PER_EXPERT_FIELDS", "PER_LAYER_FIELDS", "tensor_problem", "in_backward",
-           "widen_row", "nonfinite_tokens", "routes_from_mask"]
+           "widen_row", "nonfinite_tokens", "routes_from_mask", "route_counts"]
 
 PER_EXPERT_FIELDS = ("routed", "kept", "load")
 PER_LAYER_FIELDS = ("tokens", "nonfinite", "aux", "forwards")
@@ -254,11 +254,8 @@ class TallyRecorder:
                     logits_TE = logits_TE[valid_T[:, 0]]
             if nonfinite is None:
                 nonfinite = nonfinite_tokens(logits_TE) if logits_TE is not None else expert_TK.new_zeros(())
-            if routed_E is None:       # dropless: every route is kept (index 0 takes the -1s)
-                routed_E = torch.zeros(self.layout.num_experts + 1, dtype=torch.float64, device=expert_TK.device)
-                routed_E = routed_E.index_add_(0, expert_TK.reshape(-1) + 1,
-                                               torch.ones(expert_TK.numel(), dtype=torch.float64,
-                                                          device=expert_TK.device))[1:]
+            if routed_E is None:       # dropless: every route is kept
+                routed_E = route_counts(expert_TK, self.layout.num_experts)
             if tokens is None:
                 tokens = T if valid_T is None else valid_T.sum()
             K = expert_TK.shape[1]
@@ -299,6 +296,13 @@ def nonfinite_tokens(logits_TE: torch.Tensor) -> torch.Tensor:
     the row holds one: one reduction, no [T, E] mask). No autograd node."""
     with torch.no_grad():
         return (~torch.isfinite(logits_TE.sum(dim=1))).sum()
+
+
+def route_counts(expert_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes per expert [T, K] -> [E] float64; -1 (no route) counts nowhere (it lands on a dropped slot 0)."""
+    counts = torch.zeros(num_experts + 1, dtype=torch.float64, device=expert_TK.device)
+    flat_R = expert_TK.reshape(-1).long() + 1
+    return counts.index_add_(0, flat_R, torch.ones(flat_R.numel(), dtype=torch.float64, device=flat_R.device))[1:]
 
 
 def routes_from_mask(mask_TE: torch.Tensor, k: int) -> torch.Tensor:

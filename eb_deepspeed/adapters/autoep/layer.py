@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ...core.policies import device_balance_loss
-from ...core.tally import TallyRecorder, in_backward
+from ...core.tally import TallyRecorder, in_backward, route_counts
 
 __all__ = ["AutoEPBalance", "attach_loss"]
 
@@ -91,9 +91,9 @@ class AutoEPBalance:
         self._uncounted = 0       # training forwards without autograd whose reentrant re-run has not come yet
         self.bias_E: Optional[torch.Tensor] = None              # the selection bias, logit units (None: off)
         self._bias_TE: Optional[torch.Tensor] = None            # this forward's bias in score units, to fill
-        self.handles = [router.register_forward_pre_hook(self._before_router),
-                        router.gate.register_forward_hook(self._keep_logits),
-                        router.register_forward_hook(self._after_router)]
+        router.register_forward_pre_hook(self._before_router)
+        router.gate.register_forward_hook(self._keep_logits)
+        router.register_forward_hook(self._after_router)
 
     # ------------------------------------------------------------------ BalancedGate
     def take_tally(self, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -119,10 +119,6 @@ class AutoEPBalance:
     def set_token_weights(self, weights_T: Optional[torch.Tensor]) -> None:
         self.token_weights_T = weights_T
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
     # ------------------------------------------------------------------ hooks
     def _before_router(self, router, args):
         """With a bias: the router's `expert_bias` argument becomes a [T, E] tensor that `_keep_logits` fills."""
@@ -138,11 +134,10 @@ class AutoEPBalance:
         if bias_TE is not None:         # in score units, the logit bias's effect on the top-k (module doc)
             with torch.no_grad():
                 logits_TE = logits_TE.float()
-                bias_E = self.bias_E.to(logits_TE.device)
                 if self.score_func == "sigmoid":
-                    bias_TE.copy_(torch.sigmoid(logits_TE + bias_E) - torch.sigmoid(logits_TE))
+                    bias_TE.copy_(torch.sigmoid(logits_TE + self.bias_E) - torch.sigmoid(logits_TE))
                 else:
-                    bias_TE.copy_(F.softmax(logits_TE, dim=1) * torch.expm1(bias_E))
+                    bias_TE.copy_(F.softmax(logits_TE, dim=1) * torch.expm1(self.bias_E))
 
     def _counts_now(self) -> bool:
         """Whether this router forward's routes go into the tally (see the module doc)."""
@@ -172,11 +167,8 @@ class AutoEPBalance:
             return None
         with torch.set_grad_enabled(attaching):
             probs_TE = self._probs(logits_TE if valid_T is None else logits_TE[valid_T])
-            routed_E = tokens_E if valid_T is None else \
-                torch.zeros(self.num_experts + 1, dtype=tokens_E.dtype, device=tokens_E.device).index_add_(
-                    0, torch.where(valid_T[:, None], selected_TK, -1).reshape(-1) + 1,
-                    torch.ones(selected_TK.numel(), dtype=tokens_E.dtype, device=tokens_E.device))[1:]
-            routed_E = routed_E.detach()
+            routed_E = tokens_E.detach() if valid_T is None else \
+                route_counts(torch.where(valid_T[:, None], selected_TK, -1), self.num_experts)
             if self._identity_E.device != routed_E.device:      # the maps move to the routes' device once
                 self._identity_E = self._identity_E.to(routed_E.device)
                 self.expert_to_device_E = self.expert_to_device_E.to(routed_E.device)
@@ -189,7 +181,7 @@ class AutoEPBalance:
         loss = self.aux_weight * l_aux
         if self.device_loss_weight > 0:
             loss = loss + self.device_loss_weight * device_balance_loss(
-                probs_TE, routed_E, self.expert_to_device_E.to(routed_E.device), self.num_devices, self.k)
+                probs_TE, routed_E, self.expert_to_device_E, self.num_devices, self.k)
         return (attach_loss(top_scores_TK, self.loss_coeff * loss, self.grad_scale), selected_TK, tokens_E)
 
     def _probs(self, logits_TE: torch.Tensor) -> torch.Tensor:
