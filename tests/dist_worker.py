@@ -427,6 +427,25 @@ def scenario_disagree(p):
     return {"error": None}
 
 
+def scenario_block_on_off(p):
+    """Rank 0 has the block on, rank 1 off (training), then rank 0 serves with a block and rank 1 without one:
+    each time every rank raises the same error at start-up instead of one waiting for the other."""
+    rank = torch.distributed.get_rank()
+    log = {"log": {"dir": os.path.join(p["out"], "log")}}
+    errors = {}
+    try:
+        block = {"mode": "observe", **log} if rank == 0 else {"enabled": False}
+        make_engine(make_model(ep_size=2), base_config(easybalance=block))
+    except ValueError as e:
+        errors["train"] = str(e)
+    try:
+        eb_deepspeed.init_inference(make_model(drop_tokens=False, ep_size=2),
+                                    config={"easybalance": _serve_block(p)} if rank == 0 else None)
+    except ValueError as e:
+        errors["serve"] = str(e)
+    return {"errors": errors}
+
+
 def scenario_nonfinite(p):
     """NaN hidden states reach one rank's gate: the view stays finite, unchanged, identical."""
     rank = torch.distributed.get_rank()

@@ -171,6 +171,13 @@ def test_a_nan_loss_noted_on_one_rank_is_recorded_and_the_job_goes_on(run_dist):
     assert all(isinstance(v, float) for v in ranks[1]["noted"][::2])
 
 
+def test_ranks_that_disagree_on_whether_the_block_is_on_get_one_error_each_instead_of_a_hang(run_dist):
+    ranks = run_dist("block_on_off", 2, timeout=240)
+    for rank in ranks:
+        for what in ("train", "serve"):
+            assert "easybalance is enabled on ranks [0] and off on ranks [1]" in rank["errors"].get(what, ""), what
+
+
 def test_a_log_dir_that_is_a_file_is_one_clear_error_on_every_rank(run_dist):
     ranks = run_dist("log_dir_is_a_file", 2, timeout=240)
     for rank in ranks:

@@ -22,8 +22,8 @@ from ..core.record import BalanceLogger, NullLogger
 from ..core.topology import node_map
 from ..observe.monitor import DeepSpeedMonitorLogger, JsonlLogger, MultiLogger, WandbRunLogger
 
-__all__ = ["dist_ready", "dist_rank", "gather_startup", "rank_to_node", "reduce_over", "make_logger",
-           "torch_optimizer"]
+__all__ = ["dist_ready", "dist_rank", "gather_startup", "join_startup_off", "rank_to_node", "reduce_over",
+           "make_logger", "torch_optimizer"]
 
 
 def dist_ready() -> bool:
@@ -35,10 +35,14 @@ def dist_rank() -> int:
     return dist.get_rank() if dist_ready() else 0
 
 
-def gather_startup(mine: dict[str, Any], prepare: Optional[Callable[[], Any]] = None
+def gather_startup(mine: dict[str, Any], prepare: Optional[Callable[[], Any]] = None, *, enabled: bool = True
                    ) -> tuple[list[dict[str, Any]], int, Any]:
     """Every rank's start-up summary (one all-gather over every rank), this rank's index, and what `prepare`
     returned.
+
+    enabled: whether this rank's block is on. A rank whose block is off joins the same all-gather
+    (`join_startup_off`), so ranks that read different blocks get one error each instead of one waiting here
+    and the other in the framework's first collective.
 
     `mine` gets this rank's host name under "host" (the node map; leave it out of agreement checks).
     prepare: this rank's start-up work that can fail on one rank alone (rank 0 opening the balance log): run
@@ -52,18 +56,30 @@ def gather_startup(mine: dict[str, Any], prepare: Optional[Callable[[], Any]] = 
             result = prepare()
         except (OSError, ValueError) as e:
             problem = str(e)
-    mine = {**mine, "host": socket.gethostname(), "problem": problem}
+    mine = {**mine, "host": socket.gethostname(), "problem": problem, "enabled": enabled}
     if not dist_ready() or dist.get_world_size() == 1:
         gathered, rank = [mine], 0
     else:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         rank = dist.get_rank()
+    on = [r for r, g in enumerate(gathered) if g.pop("enabled")]
+    if 0 < len(on) < len(gathered):
+        off = [r for r in range(len(gathered)) if r not in on]
+        raise ValueError(f"easybalance is enabled on ranks {on} and off on ranks {off}: every rank must read the "
+                         "same easybalance block (one ds_config for the whole job); stopped before the first step")
     failed = [(r, g.pop("problem")) for r, g in enumerate(gathered)]
     failed = [(r, text) for r, text in failed if text]
     if failed:
         raise ValueError("easybalance: start-up failed on " + "; ".join(f"rank {r}: {text}" for r, text in failed))
     return gathered, rank, result
+
+
+def join_startup_off() -> None:
+    """A rank whose block is off (or absent) joins the start-up all-gather of the ranks whose block is on:
+    when every rank agrees it is off this is the only communication easybalance adds; when they disagree
+    every rank raises the same error (see `gather_startup`). No-op without a process group."""
+    gather_startup({}, enabled=False)
 
 
 def rank_to_node(gathered: list[dict[str, Any]]) -> list[int]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ...core.balancer import Balancer, check_agreement
 from ...core.config import EasyBalanceConfig, strip_block
-from ..common import gather_startup, make_logger, rank_to_node
+from ..common import gather_startup, join_startup_off, make_logger, rank_to_node
 from .gate import CrossLayerGate
 from .hooks import STATE_KEY, StepHook, is_pipeline, reduce_for, wrap_checkpointing
 
@@ -164,7 +164,8 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
 
     Takes every argument `deepspeed.initialize` takes and returns the same 4-tuple
     `(engine, optimizer, dataloader, lr_scheduler)`. With no block, or `"enabled": false`, this
-    is plain `deepspeed.initialize` (the block is only removed from a copy of the config).
+    is plain `deepspeed.initialize` (the block is only removed from a copy of the config) plus one
+    start-up all-gather in which every rank confirms its block is off too.
     Otherwise each `MoE` layer's gate becomes a `CrossLayerGate`, and `engine.easybalance`
     holds the balancer (view, metrics, checkpoint state), stepped once per optimizer step.
     """
@@ -181,7 +182,9 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
     ds_config = strip_block(config)
 
     if not eb_config.enabled:
-        return deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
+        out = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
+        join_startup_off()              # a rank whose block is on waits for this rank in the start-up all-gather
+        return out
     if model is None:
         raise ValueError("eb_deepspeed.initialize needs `model` when easybalance is enabled")
     where = f'mode "{eb_config.mode}"' + (f', aux.policy "{eb_config.aux.policy}"' if eb_config.mode == "balance" else "")

@@ -48,7 +48,7 @@ from ...core.topology import resolve_topology
 from ...observe.monitor import JsonlLogger
 from ...planning.placement import (SPREAD_WEIGHT, Placement, expected_padded_cost, expected_slot_ratio, plan_placement,
                                    static_placement)
-from ..common import dist_rank, dist_ready, gather_startup, rank_to_node, reduce_over
+from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node, reduce_over
 from .engine import find_moe_layers
 from .replicas import ReplicaGate, SlotTable
 
@@ -109,6 +109,8 @@ class Serving:
         self.balancer: Optional[Balancer] = None
         if enabled:
             self._agree_at_start_up()
+        else:
+            join_startup_off()          # a rank whose block is on waits for this rank in the start-up all-gather
         self.gates: list[ReplicaGate] = []
         for layer, moe in enumerate(self.moes):
             self._replicate(layer, moe, record=enabled)

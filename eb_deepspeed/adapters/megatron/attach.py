@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ...core.balancer import Balancer, check_agreement
 from ...core.config import EasyBalanceConfig, read_json
-from ..common import gather_startup, make_logger, rank_to_node, reduce_over, torch_optimizer
+from ..common import gather_startup, join_startup_off, make_logger, rank_to_node, reduce_over, torch_optimizer
 from .router import EBRouter
 
 __all__ = ["attach", "find_routers", "save_state", "load_state"]
@@ -70,6 +70,7 @@ def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
     from megatron.core import parallel_state as ps
     cfg = _config(config)
     if not cfg.enabled:
+        join_startup_off()              # a rank whose block is on waits for this rank in the start-up all-gather
         return None
     routers = [r for _, r in find_routers(model)]
     if not routers:
