@@ -18,12 +18,12 @@ Every mistake raises `ConfigError` naming the JSON path, e.g.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
+from .files import MAX_JSON_DEPTH, json_too_deep, load_json
 from .policies import POLICIES
 from .topology import TOPOLOGIES
 
@@ -236,16 +236,23 @@ INT_MAX = 2 ** 31 - 1     # the largest integer any option takes (counts, interv
 
 
 def read_json(ds_config):
-    """A dict as it is; a path read as JSON, with a ConfigError naming the file when that fails."""
+    """A dict as it is, once checked to nest at most MAX_JSON_DEPTH deep; a path read as JSON (`load_json`: a
+    regular file of at most MAX_JSON_BYTES), with a ConfigError naming the file when that fails."""
     if not isinstance(ds_config, (str, os.PathLike)):
+        too_deep = json_too_deep(ds_config)
+        if too_deep:
+            raise ConfigError(f"ds_config: nested deeper than {MAX_JSON_DEPTH} levels (at {too_deep}; a DeepSpeed "
+                              "config nests a few)")
         return ds_config
     try:
-        with open(ds_config, encoding="utf-8") as f:
-            return json.load(f, object_pairs_hook=lambda pairs: _unique_keys(pairs, ds_config))
+        return load_json(ds_config, "a JSON DeepSpeed config",
+                         object_pairs_hook=lambda pairs: _unique_keys(pairs, ds_config))
     except OSError as e:
         raise ConfigError(f"{ds_config}: cannot read the DeepSpeed config ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{ds_config}: not a JSON DeepSpeed config ({e})") from None
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]], source) -> dict[str, Any]:

@@ -8,12 +8,15 @@ Shape legend: L layers, G EP ranks.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import warnings
 from typing import Any, Iterator, Optional, Sequence
 
 from ..core import record as R
+from ..core.files import open_regular
 
 __all__ = ["read_log", "iter_log", "log_path", "render_report", "render_compare", "heatmap_figure", "curve_figure",
            "CURVES", "SUMMARY", "JSONL_NAME"]
@@ -28,6 +31,9 @@ SMOOTH = 5          # records in the trailing mean drawn over the faint logged v
 ZERO_MEANS_OFF = ("bias_spread", )   # all zero: the policy has no such control, so no PNG
 FILE_NAMES = {"layer_token_drop_rate": "token_drop_rate.png"}
 MAX_POINTS = 2000   # records drawn per curve: a longer log is thinned evenly while it is read
+# The longest line read as one record: the largest real one (expert_counts_LE of 61 layers x 256 experts,
+# pressure_LG of 61 x 64) is about 200 KiB; 16 MiB is 80 times that. A longer line is refused, not read.
+MAX_RECORD_BYTES = 16 * 2 ** 20
 # Scalars of the summary figure.
 SUMMARY = ("device_util_std", "token_drop_rate", "device_max_over_mean_p90")
 
@@ -40,8 +46,10 @@ def log_path(run_dir: str) -> str:
 def iter_log(run_dir: str) -> Iterator[dict[str, Any]]:
     """Stream the records of a balance log, oldest first (the rotated balance.jsonl.1, then balance.jsonl).
 
-    A malformed line raises ValueError naming the file and line; a last line cut short (a killed or
-    still-running writer) is skipped with a warning. Holds one line in memory at a time.
+    A malformed line raises ValueError naming the file and line, and so do a line longer than
+    MAX_RECORD_BYTES and a number no writer logs (an integer of 21 digits or more, 1e999), naming its key;
+    a last line cut short (a killed or still-running writer) is skipped with a warning. Only regular files
+    are read (a link to a device or FIFO is a ValueError, never a hang). Holds one line in memory at a time.
     """
     path = log_path(run_dir)
     if not os.path.exists(path):
@@ -52,25 +60,94 @@ def iter_log(run_dir: str) -> Iterator[dict[str, Any]]:
 
 
 def _records_of(path: str) -> Iterator[dict[str, Any]]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        line, lineno = f.readline(), 1
-        while line:
-            following = f.readline()
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except (json.JSONDecodeError, RecursionError) as e:
-                    if not following and not line.endswith("\n"):
-                        warnings.warn(f"{path}:{lineno}: skipped a partial last record (a killed or running writer)")
-                        return
-                    raise ValueError(f"{path}:{lineno}: not a JSON record "
-                                     f"({getattr(e, 'msg', 'nested too deeply')})") from None
-                if not isinstance(record, dict) or isinstance(record.get("step"), bool) \
-                        or not isinstance(record.get("step"), int):
-                    raise ValueError(f"{path}:{lineno}: a balance record is a JSON object with an integer 'step', "
-                                     f"got {type(record).__name__}")
-                yield record
-            line, lineno = following, lineno + 1
+    """The records of one log file (a regular file; lines of at most MAX_RECORD_BYTES)."""
+    with open_regular(path) as f:
+        for lineno in itertools.count(1):
+            raw = _line(f, path, lineno)
+            if not raw:
+                return
+            if not raw.strip():
+                continue
+            try:
+                record, out_of_range = _parse(raw.decode("utf-8", errors="replace"), _long_digits(raw))
+            except (json.JSONDecodeError, RecursionError) as e:
+                if not raw.endswith(b"\n"):     # readline stops short of a newline only at the end of the file
+                    warnings.warn(f"{path}:{lineno}: skipped a partial last record (a killed or running writer)")
+                    return
+                raise ValueError(f"{path}:{lineno}: not a JSON record "
+                                 f"({getattr(e, 'msg', 'nested too deeply')})") from None
+            _check_record(record, out_of_range, f"{path}:{lineno}")
+            yield record
+
+
+def _line(f, path: str, lineno: int) -> bytes:
+    """Line `lineno` of the binary file f (b"" at the end); longer than MAX_RECORD_BYTES, a ValueError."""
+    line = f.readline(MAX_RECORD_BYTES + 1)
+    if len(line) > MAX_RECORD_BYTES:
+        raise ValueError(f"{path}:{lineno}: a record longer than {MAX_RECORD_BYTES // 2 ** 20} MiB, the most a "
+                         "balance record may take (a real one is well under 1 MiB)")
+    return line
+
+
+# Numbers no writer logs: an integer of more than 20 digits (2^63 has 19), a literal that overflows a float64
+# (1e999; the writer logs non-finite values as NaN and Infinity). Every float is checked as it is parsed;
+# integers one by one only on a line holding a run of 21 digits (which no float's repr has), found by a byte
+# map and a search: a Python call per integer would dominate the parse of a record of expert counts.
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_OUT_OF_RANGE = object()    # what _parse puts in place of such a number
+_INT64 = range(-2 ** 63, 2 ** 63)
+
+
+def _long_digits(raw: bytes) -> bool:
+    return b"0" * 21 in raw.translate(_DIGITS_AS_ZERO)
+
+
+def _parse(line: str, long_digits: bool) -> tuple[Any, str]:
+    """(the JSON value of a log line, the text of its first number no writer logs, or ""), each such number
+    replaced by _OUT_OF_RANGE; integers are checked only when the line holds `long_digits`."""
+    first: list[str] = []
+
+    def mark(text: str):
+        first.append(text)
+        return _OUT_OF_RANGE
+
+    def whole(text: str):
+        return int(text) if len(text.lstrip("-")) <= 20 else mark(text)
+
+    def real(text: str):
+        value = float(text)
+        return value if math.isfinite(value) else mark(text)
+
+    record = json.loads(line, parse_float=real, parse_int=whole if long_digits else int)
+    return record, (first[0] if first else "")
+
+
+def _check_record(record: Any, out_of_range: str, where: str) -> None:
+    """A balance record is a JSON object with an integer `step` (in int64) and no number out of range."""
+    if out_of_range and isinstance(record, dict):
+        text = out_of_range if len(out_of_range) <= 40 else out_of_range[:37] + "..."
+        raise ValueError(f"{where}: {_where(record, _OUT_OF_RANGE)} is {text}: out of range (a logged integer has "
+                         "at most 20 digits, a number fits a float64; the writer logs NaN and Infinity by name)")
+    step = record.get("step") if isinstance(record, dict) else None
+    if type(step) is not int:       # not isinstance: true is an int
+        raise ValueError(f"{where}: a balance record is a JSON object with an integer 'step', "
+                         f"got {type(record).__name__}")
+    if step not in _INT64:
+        raise ValueError(f"{where}: step is {step}: out of range (a step fits in 64 bits)")
+
+
+def _where(record: dict, target) -> str:
+    """The JSON path (`key[2][0]`) of `target` in the record (found iteratively, first key first)."""
+    stack = [(v, k) for k, v in reversed(record.items())]
+    while stack:
+        value, where = stack.pop()
+        if value is target:
+            return where
+        if isinstance(value, (list, dict)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack += reversed([(v, f"{where}[{k!r}]" if isinstance(value, dict) else f"{where}[{k}]")
+                               for k, v in items])
+    return "a value"
 
 
 def read_log(run_dir: str, keys: Optional[Sequence[str]] = None,
@@ -106,9 +183,19 @@ def read_log(run_dir: str, keys: Optional[Sequence[str]] = None,
     return kept + [last]
 
 
+MAX_DRAWN = 1e300   # larger magnitudes are gaps: an axis spanning 1.7e308 overflows inside matplotlib
+
+
 def _number(value) -> float:
-    """A logged value as a float; null (a layer left out that step) and anything else odd -> a gap."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
+    """A logged value as a float; null (a layer left out that step), NaN, Infinity and anything else odd
+    -> a gap; beyond +-MAX_DRAWN a gap with a warning."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return float("nan")
+    if -MAX_DRAWN <= value <= MAX_DRAWN:
+        return float(value)
+    if value == value and abs(value) != math.inf:
+        warnings.warn(f"eb report: a logged value beyond +-{MAX_DRAWN:g} is drawn as a gap (no plot axis spans it)")
+    return float("nan")
 
 
 def _plt():

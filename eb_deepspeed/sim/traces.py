@@ -11,9 +11,11 @@ non-negative counts, or a ValueError naming the file and the problem.
 from __future__ import annotations
 
 import os
+import zipfile
 
 import torch
 
+from ..core.files import open_regular
 from ..core.record import EXPERT_COUNTS, PRESSURE
 
 __all__ = ["load_trace", "ranks_in_log"]
@@ -29,14 +31,13 @@ def load_trace(path: str) -> torch.Tensor:
       `expert_load_pass` [layers, physical], plus `physical_to_logical_map` [layers, physical]; or a
       logical `global_expert_load` [layers, experts]);
     * our own balance log (`balance.jsonl`, or its directory: the `expert_counts_LE` of each record).
-    Read with `torch.load(..., weights_only=True)`; malformed files raise ValueError naming the problem.
+    Read with `torch.load(..., weights_only=True)`, only from a regular file, and only when its zip entries
+    expand to at most min(MAX_TRACE_BYTES, max(EXPANSION_FLOOR, MAX_EXPANSION x the file's size)); a trace holds
+    at most MAX_TRACE_COUNTS counts. Malformed files raise ValueError naming the problem.
     """
     if path.endswith(".jsonl") or os.path.isdir(path):
         return _from_balance_log(path)
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle/zip errors differ by cause; all mean "not a torch.save'd dict"
-        raise ValueError(f"{path}: not a torch.save file readable with weights_only=True ({type(e).__name__}: {e})") from None
+    data = _torch_load(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a dict of tensors, got {type(data).__name__}")
 
@@ -64,6 +65,48 @@ def load_trace(path: str) -> torch.Tensor:
                      f"expert_load_window / expert_load_pass (vLLM); keys present: {sorted(data)}")
 
 
+# What one trace may take: 2 GiB, both as the payload of a .pt file and as the float64 counts [N, L, E] (2^28:
+# 10,000 SGLang passes x 61 layers x 288 slots is 1.8e8). A payload may expand to 8 x the file (torch.save
+# stores tensors uncompressed, so a real dump expands to its own size), at least to 64 MiB.
+MAX_TRACE_BYTES = 2 * 2 ** 30
+MAX_TRACE_COUNTS = MAX_TRACE_BYTES // 8
+MAX_EXPANSION, EXPANSION_FLOOR = 8, 64 * 2 ** 20
+
+
+def _torch_load(path: str):
+    """torch.load(weights_only=True) of a regular file of at most MAX_TRACE_BYTES whose zip payload expands
+    to at most min(MAX_TRACE_BYTES, max(EXPANSION_FLOOR, MAX_EXPANSION x its size))."""
+    with open_regular(path, MAX_TRACE_BYTES) as f:
+        size = os.fstat(f.fileno()).st_size
+        payload = _zip_payload(f, path)
+        bound = min(MAX_TRACE_BYTES, max(EXPANSION_FLOOR, MAX_EXPANSION * size))
+        if payload > bound:
+            raise ValueError(f"{path}: its zip entries expand to {payload} bytes, more than the {bound} allowed "
+                             f"for a {size}-byte file (at most {MAX_EXPANSION} x its size, at least "
+                             f"{EXPANSION_FLOOR // 2 ** 20} MiB, never past {MAX_TRACE_BYTES // 2 ** 30} GiB; "
+                             "torch.save stores tensors uncompressed, so a real dump expands to about its own size)")
+        f.seek(0)
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle/zip errors differ by cause; all mean "not a torch.save'd dict"
+            raise ValueError(f"{path}: not a torch.save file readable with weights_only=True "
+                             f"({type(e).__name__}: {e})") from None
+
+
+def _zip_payload(f, path: str) -> int:
+    """The bytes the zip archive f declares its entries expand to (its central directory: torch's reader
+    allocates that much and inflates no further), or 0 for a file that is not a zip (an older torch.save,
+    read as it lies on disk)."""
+    if not zipfile.is_zipfile(f):
+        return 0
+    f.seek(0)
+    try:
+        with zipfile.ZipFile(f) as z:
+            return sum(info.file_size for info in z.infolist())
+    except (zipfile.BadZipFile, ValueError, OSError) as e:
+        raise ValueError(f"{path}: not a torch.save file (a damaged zip: {e})") from None
+
+
 def ranks_in_log(path: str) -> int | None:
     """The EP ranks our own balance log recorded (the width of its last `pressure_LG`), or None for other
     files (SGLang's and vLLM's loads name no ranks) and logs without it."""
@@ -87,10 +130,13 @@ def _from_sglang_records(data: dict, path: str) -> torch.Tensor:
         t = r.get("global_physical_count") if isinstance(r, dict) else None
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"{path}: record {i} has no [layers, physical] 'global_physical_count'")
-        counts.append(_checked(t, f"{path}: record {i}"))
+        counts.append(t)
     if len({tuple(c.shape) for c in counts}) != 1:
         raise ValueError(f"{path}: records differ in shape ({sorted({tuple(c.shape) for c in counts})})")
-    t_NLP = torch.stack(counts)
+    if len(counts) * counts[0].numel() > MAX_TRACE_COUNTS:        # before any record is copied to float64
+        raise ValueError(f"{path}: {len(counts)} records of {tuple(counts[0].shape)} hold more than the "
+                         f"{MAX_TRACE_COUNTS} counts a trace may take")
+    t_NLP = torch.stack([_checked(t, f"{path}: record {i}") for i, t in enumerate(counts)])
     if "last_physical_to_logical_map" not in data:
         raise ValueError(f"{path}: per_pass records count physical experts; 'last_physical_to_logical_map' is missing")
     return _to_logical(t_NLP, data["last_physical_to_logical_map"], f"{path}: last_physical_to_logical_map", path)
@@ -153,9 +199,13 @@ MAX_COUNT = 2.0 ** 53     # tokens an expert gets in one step: exact in float64,
 
 
 def _checked(t: torch.Tensor, what: str) -> torch.Tensor:
-    """The one validation path of every importer: real, float64, finite, non-negative, bounded, not empty."""
+    """The one validation path of every importer: real, float64, finite, non-negative, bounded, not empty, at
+    most MAX_TRACE_COUNTS (a tensor from a file may be a view of a smaller storage: checked before any copy)."""
     if t.is_complex() or t.dtype == torch.bool:
         raise ValueError(f"{what} must hold real token counts, got {t.dtype}")
+    if t.numel() > MAX_TRACE_COUNTS:
+        raise ValueError(f"{what} holds {t.numel()} counts {tuple(t.shape)}, more than the {MAX_TRACE_COUNTS} "
+                         f"({MAX_TRACE_BYTES // 2 ** 30} GiB as float64) a trace may take")
     t = t.to(torch.float64)
     if t.numel() == 0:
         raise ValueError(f"{what} is empty")

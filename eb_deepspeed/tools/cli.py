@@ -45,9 +45,13 @@ def _bench(args) -> int:
                   f"(target <= {result['target']}); with the device loss on: {result['device_loss_ratio']:.3f}")
         return 0
     if args.what == "train" and args.sweep and args.from_json:
+        from ..core.files import load_json
         from .bench_sweep import format_sweep_table, summarize_sweep
-        with open(args.from_json, encoding="utf-8") as f:
-            saved = json.load(f)
+        saved = load_json(args.from_json, "a saved sweep result (JSON)")
+        if not isinstance(saved, dict) or not isinstance(saved.get("runs"), list) \
+                or not all(isinstance(run, dict) for run in saved["runs"]):
+            raise ValueError(f"{args.from_json}: not a saved sweep result (expected an object whose \"runs\" is a "
+                             "list of objects: what `eb bench train --sweep --json` prints)")
         result = summarize_sweep(saved, args.out if args.out != "runs/bench_train" else "runs/bench_sweep")
         print(format_sweep_table(result), file=sys.stderr if args.json else sys.stdout)
         if args.json:
