@@ -636,9 +636,46 @@ def scenario_serve_no_block(p):
     return out
 
 
+def _inject_move_fault(serving, phase: str) -> None:
+    """The first weight move fails on this rank: while it is prepared ("prepare"), when its transfers are
+    posted ("post": `batch_isend_irecv` raises before posting any), while one is waited for ("wait": the
+    first request's wait raises once its transfer completed), or when what arrived is checked ("verify")."""
+    calls = [0]
+
+    def first_call() -> bool:
+        calls[0] += 1
+        return calls[0] == 1
+
+    def fail():
+        raise RuntimeError(f"injected: the link went down ({phase})")
+    if phase in ("prepare", "verify"):
+        name = "_prepare" if phase == "prepare" else "_verify"
+        original = getattr(serving, name)
+        setattr(serving, name, lambda *a: fail() if first_call() else original(*a))
+        return
+    original_batch = torch.distributed.batch_isend_irecv
+
+    class FailingWait:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            self.work.wait()
+            fail()
+
+    def batch(ops):
+        if not first_call():
+            return original_batch(ops)
+        if phase == "post":
+            fail()
+        works = original_batch(ops)
+        return [FailingWait(works[0])] + works[1:]
+    torch.distributed.batch_isend_irecv = batch
+
+
 def scenario_serve_move_fault(p):
-    """A weight move that fails on one rank: every rank keeps the old placement, outputs stay right,
-    and the next re-plan goes through."""
+    """A weight move that fails on one rank (at `p["phase"]`): every rank keeps the old placement, outputs
+    stay right, and the next re-plan goes through."""
     from eb_deepspeed.adapters.deepspeed import Serving
     rank = torch.distributed.get_rank()
     engine = eb_deepspeed.init_inference(_skewed(make_model(drop_tokens=False, ep_size=2)),
@@ -646,14 +683,7 @@ def scenario_serve_move_fault(p):
     plain = _skewed(_plain_eval_model(drop_tokens=False, ep_size=2))
     serving = engine.serving
     if rank == 1:
-        original, calls = Serving._verify, [0]
-
-        def faulty(self, staging):
-            calls[0] += 1
-            if calls[0] == 1:
-                raise RuntimeError("injected: the link went down mid-move")
-            return original(self, staging)
-        serving._verify = faulty.__get__(serving)
+        _inject_move_fault(serving, p.get("phase", "verify"))
     rows = _serve_and_compare(engine, plain, 4, rank)
     return {"rows": rows, "failed": serving.failed_moves, "replans": serving.replans}
 

@@ -26,8 +26,10 @@ so extra slots pay only where they cut the largest slot load by more than they a
 A re-plan moves weights in two phases: every rank fetches the new slots' weights into staging
 buffers (one `batch_isend_irecv`), the ranks agree that every fetch succeeded and that they all
 planned the same placement, then every rank copies and flips its tables before the next forward.
-A failure while preparing the moves or checking what arrived keeps the old placement on every rank;
-a rank dying inside the transfers ends the job as any failed collective does.
+A failure at any point of the move (preparing it, posting or waiting for a transfer, checking what arrived)
+keeps the old placement on every rank: a rank whose transfer failed still completes the others, so no peer
+is left waiting, and reports the failure in the agreement. A rank dying inside the transfers ends the job
+as any failed collective does.
 """
 from __future__ import annotations
 
@@ -254,9 +256,7 @@ class Serving:
             self.failed_moves += 1
             return False
         try:   # phase 1b: every transfer, then a check of what arrived
-            if ops:
-                for request in dist.batch_isend_irecv(ops):
-                    request.wait()
+            _transfer(ops)
             self._verify(staging)
         except Exception as e:   # noqa: BLE001
             ok = self._failed("moving expert weights", e)
@@ -369,6 +369,28 @@ class Serving:
     def _moe_names(self) -> list[str]:
         return [name for name, _ in find_moe_layers(self.module)]
 
+
+
+def _transfer(ops: list) -> None:
+    """Post every transfer of a weight move and wait for each. The peers wait for the matching operations, so
+    this rank completes all of them even when one fails: posting them together failed -> they are posted one
+    by one; a wait failed -> the others are still waited for. Then the first error is raised (and reaches the
+    agreement), instead of this rank leaving a peer in a `wait()` that nothing will ever answer."""
+    if not ops:
+        return
+    errors = []
+    try:
+        requests = dist.batch_isend_irecv(ops)
+    except Exception as e:   # noqa: BLE001 - whatever failed, the peers' operations must still be matched
+        errors.append(e)
+        requests = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+    for request in requests:
+        try:
+            request.wait()
+        except Exception as e:   # noqa: BLE001
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[str] = None, holds=None) -> str:
