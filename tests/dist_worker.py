@@ -717,8 +717,16 @@ def scenario_serve_checkpoint(p):
             if name.startswith("layer_") or name.startswith("mp_rank"):
                 data = torch.load(os.path.join(folder, name), map_location="cpu", weights_only=True)
                 into[name] = data["module"] if name.startswith("mp_rank") else data
+    plain_loads = {}         # plain DeepSpeed engines load what serving saved, both ways that need no optimizer
+    for how, kwargs in (("module_only", {"load_module_only": True}),
+                        ("no_optimizer", {"load_optimizer_states": False, "load_lr_scheduler_states": False})):
+        fresh = make_engine(make_model(seed=7, ep_size=2, drop_tokens=False), base_config(), use_eb=False)
+        fresh.load_checkpoint(back, **kwargs)
+        plain_loads[how] = all(torch.equal(a, b) for a, b in zip(fresh.module.state_dict().values(),
+                                                                 trainer.module.state_dict().values()))
     return {"rows": rows, "original": original, "saved": saved, "replans": engine.serving.replans,
-            "latest": open(os.path.join(back, "latest")).read(), "plain_matches": plain_matches}
+            "latest": open(os.path.join(back, "latest")).read(), "plain_matches": plain_matches,
+            "plain_loads": plain_loads}
 
 
 class _OneMoE(torch.nn.Module):

@@ -89,6 +89,8 @@ def test_a_plain_deepspeed_checkpoint_loads_into_replicas_and_saves_back_to_the_
         assert rank["rows"][-1]["replicated"]          # the reload filled replica slots from the files
         assert rank["plain_matches"]                   # load_moe_checkpoint on a plain model: the trained tensors
         assert rank["latest"] == "served"
+        # plain DeepSpeed loads what serving saved (before: KeyError 'dp_world_size')
+        assert rank["plain_loads"] == {"module_only": True, "no_optimizer": True}
         original, saved = rank["original"], rank["saved"]
         assert set(saved) == set(original) and len(saved) == 1 + 2 * 4   # module + 2 layers x 4 experts, once each
         for name in original:

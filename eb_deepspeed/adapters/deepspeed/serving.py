@@ -334,9 +334,7 @@ class Serving:
                         ops.append(dist.P2POp(dist.irecv, flats[(layer, e)], self.ep_ranks[src]))
                 elif src == self.rank:
                     ops.append(dist.P2POp(dist.isend, _flat(self.expert_module(layer, src_j)), self.ep_ranks[home]))
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+        _transfer(ops)
         out: dict[str, dict[str, torch.Tensor]] = {}
         for (layer, e), flat in flats.items():
             shapes = [(n, t.shape) for n, t in self.expert_module(layer, 0).state_dict().items()]
@@ -349,7 +347,12 @@ class Serving:
 
     def save_checkpoint(self, ckpt_dir: str, tag: str = "served") -> str:
         """Write DeepSpeed's MoE checkpoint layout with the logical experts (every rank of the first EP group
-        its home experts; global rank 0 the non-expert weights and `latest`). Collective."""
+        its home experts; global rank 0 the non-expert weights and `latest`). Collective.
+
+        A DeepSpeed engine of the same model loads it with `load_checkpoint(dir, load_module_only=True)`, or
+        with `load_optimizer_states=False, load_lr_scheduler_states=False` (then its step count starts at 0):
+        serving holds no optimizer or scheduler state, so a default `load_checkpoint` (optimizer states on)
+        fails on the missing optimizer file."""
         state = self.logical_state_dict()
         folder = os.path.join(ckpt_dir, tag)
         os.makedirs(folder, exist_ok=True)
@@ -357,9 +360,12 @@ class Serving:
             for name, tensors in state.items():
                 if name != "module":
                     torch.save(tensors, os.path.join(folder, name))
-        if dist_rank() == 0:
-            torch.save({"module": state["module"], "num_experts": [self.E] * self.L},
-                       os.path.join(folder, "mp_rank_00_model_states.pt"))
+        if dist_rank() == 0:    # the keys a DeepSpeed engine reads with load_module_only=True (or without
+            # optimizer and scheduler states): weights only, no optimizer, scheduler or step count is served
+            world = dist.get_world_size() if dist_ready() else 1
+            torch.save({"module": state["module"], "num_experts": [self.E] * self.L, "dp_world_size": world,
+                        "mp_world_size": 1, "global_steps": 0, "global_samples": 0, "skipped_steps": 0,
+                        "optimizer": None, "lr_scheduler": None}, os.path.join(folder, "mp_rank_00_model_states.pt"))
             with open(os.path.join(ckpt_dir, "latest"), "w") as f:
                 f.write(tag)
         if dist_ready():
