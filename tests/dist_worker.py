@@ -523,6 +523,72 @@ def scenario_killed_rank(p):
 
 
 # ---------------------------------------------------------------------- serving
+def _kill_rank0_while_writing(where: str) -> None:
+    """From now on rank 0 dies by SIGKILL half-way through writing its next checkpoint file: `latest`
+    ("latest": opened, truncated, nothing written yet) or the model-states file ("model": half its bytes)."""
+    import builtins
+    import io
+    import signal
+    if torch.distributed.get_rank() != 0:
+        return
+    real_open, real_save = builtins.open, torch.save
+
+    def killing_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if where == "latest" and "w" in mode and os.path.basename(str(file)).startswith("latest"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return f
+
+    def killing_save(obj, f, *args, **kwargs):
+        if where == "model" and str(f).endswith("mp_rank_00_model_states.pt"):
+            buffer = io.BytesIO()
+            real_save(obj, buffer, *args, **kwargs)
+            with real_open(f, "wb") as out:
+                out.write(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, f, *args, **kwargs)
+    builtins.open, torch.save = killing_open, killing_save
+
+
+def _torn_config(p):
+    return base_config(easybalance={"mode": "balance", "warmup_batches": 1, "aux": {"policy": "bias", "bias_rate": 0.05},
+                                    "log": {"dir": os.path.join(p["out"], "log")}})
+
+
+def scenario_torn_save(p):
+    """Save at step 2, then die (rank 0, SIGKILL) in the middle of the save at step 3 (`p["where"]`, tag
+    `p["tag"]`: None for DeepSpeed's global_step tags). Rank 0 leaves the state a resume must bring back."""
+    rank = torch.distributed.get_rank()
+    engine = make_engine(make_model(ep_size=2), _torn_config(p))
+    for step in range(2):
+        train_step(engine, step)
+    engine.save_checkpoint(p["ckpt"], tag=p["tag"])
+    torch.save(view_state(engine), os.path.join(p["ckpt"], f"..{os.sep}good_state_{p['where']}_rank{rank}.pt"))
+    train_step(engine, 2)
+    _kill_rank0_while_writing(p["where"])
+    try:
+        engine.save_checkpoint(p["ckpt"], tag=p["tag"])
+    except Exception:       # noqa: BLE001 - rank 1: its peer died inside the save
+        pass
+    os._exit(4)
+
+
+def scenario_torn_resume(p):
+    """Resume (tag None: `latest`) from each checkpoint directory a killed save left behind."""
+    rank = torch.distributed.get_rank()
+    out = {}
+    for where, ckpt in p["ckpts"].items():
+        engine = make_engine(make_model(seed=9, ep_size=2), _torn_config(p))
+        try:
+            path, _ = engine.load_checkpoint(ckpt)
+            good = torch.load(os.path.join(ckpt, f"..{os.sep}good_state_{where}_rank{rank}.pt"), weights_only=False)
+            out[where] = {"path": path, "error": None, "state": view_state(engine), "good": good,
+                          "global_steps": int(engine.global_steps)}
+        except ValueError as e:
+            out[where] = {"error": str(e)}
+    return out
+
+
 def _plain_eval_model(seed=0, **kw):
     """DeepSpeed's exact expert-parallel eval forward: groups handed to every layer, eval mode."""
     from eb_deepspeed.adapters.deepspeed import find_moe_layers
@@ -726,6 +792,7 @@ def scenario_serve_checkpoint(p):
                                                                  trainer.module.state_dict().values()))
     return {"rows": rows, "original": original, "saved": saved, "replans": engine.serving.replans,
             "latest": open(os.path.join(back, "latest")).read(), "plain_matches": plain_matches,
+            "marker_left": os.path.exists(os.path.join(back, "served", "eb_save_incomplete")),
             "plain_loads": plain_loads}
 
 

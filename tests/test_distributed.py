@@ -1,6 +1,9 @@
 """Real DeepSpeed engines in real processes (gloo, CPU): equivalence, view identity, checkpoints, errors."""
+import os
+
 import pytest
 import torch
+from conftest import launch
 
 from eb_deepspeed.core.tally import Tally
 
@@ -162,6 +165,22 @@ def test_a_killed_rank_ends_its_peers_job_in_seconds_and_the_view_keeps_its_last
     assert rank1 is None and rank0["error"] is not None
     assert rank0["seconds"] < 120        # gloo's own timeout is 30 minutes: the error came from the dead peer
     assert rank0["steps"] == 2           # the step in progress never reached the view
+
+
+def test_a_kill_during_save_checkpoint_resumes_from_the_last_complete_state_or_refuses_clearly(tmp_path):
+    # default tags, rank 0 killed writing `latest` (before: `latest` left empty, no resume);
+    # one fixed tag, rank 0 killed half-way through the model file (before: a torn file loaded as far as it went)
+    ckpts = {"latest": str(tmp_path / "default_tags" / "ckpt"), "model": str(tmp_path / "fixed_tag" / "ckpt")}
+    for where, tag in (("latest", None), ("model", "fixed")):
+        launch("torn_save", 2, tmp_path, exit_codes={0: -9, 1: 4}, timeout=240, where=where, tag=tag, ckpt=ckpts[where])
+    for rank in launch("torn_resume", 2, tmp_path, timeout=240, ckpts=ckpts):
+        default = rank["latest"]
+        assert default["error"] is None and default["path"].endswith(os.path.join("global_step2", "mp_rank_00_model_states.pt"))
+        assert default["global_steps"] == 2
+        for key in ("heat_LE", "pressure_LG", "bias_LE", "updates_L"):
+            assert torch.equal(default["state"][key], default["good"][key]), key    # the step-2 balancer state
+        assert "fixed is incomplete: a save_checkpoint into it did not finish" in rank["model"]["error"]
+        assert "Nothing was loaded" in rank["model"]["error"]
 
 
 def test_a_nan_loss_noted_on_one_rank_is_recorded_and_the_job_goes_on(run_dist):

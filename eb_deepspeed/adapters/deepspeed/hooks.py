@@ -15,7 +15,8 @@ the per-step hook, the per-step reduce, and the balancer state in DeepSpeed's ch
   rank holds the whole model's view;
 * the balancer state rides in DeepSpeed's checkpoint `client_state` under `STATE_KEY`
   (`wrap_checkpointing`: `save_checkpoint` and `load_checkpoint` are wrapped on the instance; DeepSpeed
-  has no checkpoint hook).
+  has no checkpoint hook). The wrapped save marks a tag incomplete while it is written and moves
+  `latest` atomically once it is whole; the wrapped load refuses an incomplete tag (`_save_guarded`).
 With world size 1 there is no communication at all.
 """
 from __future__ import annotations
@@ -30,11 +31,13 @@ import torch
 import torch.distributed as dist
 
 from ...core.balancer import Balancer
-from ..common import dist_ready, reduce_over, torch_optimizer
+from ..common import dist_rank, dist_ready, reduce_over, torch_optimizer
 
-__all__ = ["STATE_KEY", "StepHook", "wrap_checkpointing", "reduce_for", "is_pipeline", "saved_state"]
+__all__ = ["STATE_KEY", "INCOMPLETE", "StepHook", "wrap_checkpointing", "reduce_for", "is_pipeline", "saved_state",
+           "incomplete_problem", "refuse", "write_atomically"]
 
 STATE_KEY = "easybalance"  # key of the balancer state in DeepSpeed's checkpoint client_state
+INCOMPLETE = "eb_save_incomplete"  # in a checkpoint tag's folder while a save into it runs (`_save_guarded`)
 
 
 def is_pipeline(engine) -> bool:
@@ -132,10 +135,13 @@ def wrap_checkpointing(engine, balancer: Balancer, hook: StepHook) -> None:
         client_state = dict(bound.arguments.get("client_state") or {})
         client_state[STATE_KEY] = balancer.state_dict()
         bound.arguments["client_state"] = client_state
-        return original_save(*bound.args, **bound.kwargs)
+        if _decoupled(engine):           # an asynchronous checkpoint engine commits later: DeepSpeed's own rules
+            return original_save(*bound.args, **bound.kwargs)
+        return _save_guarded(engine, original_save, bound)
 
     def load_checkpoint(*args, **kwargs):
         bound = load_sig.bind(*args, **kwargs)
+        _refuse_incomplete(engine, bound.arguments["load_dir"], bound.arguments.get("tag"))
         path, state = saved_state(engine, bound.arguments["load_dir"], bound.arguments.get("tag"))
         problem = None if state is None else balancer.state_problem(state)
         if problem is not None and mode == "strict":
@@ -162,6 +168,84 @@ def wrap_checkpointing(engine, balancer: Balancer, hook: StepHook) -> None:
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+
+
+def _decoupled(engine) -> bool:
+    check = getattr(getattr(engine, "checkpoint_engine", None), "is_decoupled", None)
+    return bool(check()) if callable(check) else False
+
+
+def _save_guarded(engine, original_save, bound: inspect.BoundArguments):
+    """DeepSpeed's save, made safe against a kill while it writes (DeepSpeed writes its files, and `latest`,
+    in place): rank 0 puts `INCOMPLETE` in the tag's folder before any rank writes (DeepSpeed's save starts
+    and ends with a barrier), removes it once every rank has written, and only then points `latest` at the
+    tag, atomically (temporary file, fsync, rename). A kill at any moment leaves `latest` on the previous
+    complete checkpoint, or the marker in the tag that was being written, which `_refuse_incomplete` reads."""
+    args = bound.arguments
+    save_dir, tag = args["save_dir"], args.get("tag")
+    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")    # DeepSpeed's default tag
+    save_latest = args.get("save_latest", True)
+    args["tag"], args["save_latest"] = tag, False
+    marker = os.path.join(save_dir, tag, INCOMPLETE)
+    if dist_rank() == 0:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        write_atomically(marker, "a save_checkpoint into this folder has not finished (see eb_deepspeed's "
+                                  "docs/reliability.md); eb_deepspeed refuses to load it\n")
+    result = original_save(*bound.args, **bound.kwargs)
+    if dist_rank() == 0:
+        os.remove(marker)
+        if save_latest:
+            write_atomically(os.path.join(save_dir, "latest"), tag)
+    if dist_ready():
+        dist.barrier()                   # `latest` is written before any rank goes on, as in DeepSpeed's save
+    return result
+
+
+def write_atomically(path: str, text: str) -> None:
+    """`path` holds the old text or the new one after a kill at any moment (temporary file, fsync, rename)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def incomplete_problem(load_dir: str, tag: Optional[str], latest_name: str = "latest") -> Optional[str]:
+    """Why the checkpoint a load of (load_dir, tag) would read is not whole, or None: its folder holds
+    `INCOMPLETE` (a save into it never finished), or, for tag None, `latest` is empty (a save outside
+    eb_deepspeed killed while writing it). This rank's files only."""
+    latest = os.path.join(load_dir, latest_name)
+    if tag is None and os.path.isfile(latest):
+        with open(latest, encoding="utf-8", errors="replace") as f:
+            tag = f.read().strip()
+        if not tag:
+            return f"{latest} is empty (a save was stopped while writing it)"
+    if tag and os.path.exists(os.path.join(load_dir, str(tag), INCOMPLETE)):
+        return (f"checkpoint {os.path.join(load_dir, str(tag))} is incomplete: a save_checkpoint into it did not "
+                "finish (killed or failed while it was written; DeepSpeed writes in place, so its files may be "
+                "torn, and what the tag held before is gone)")
+    return None
+
+
+def refuse(load_dir: str, problem: str):
+    """The error for `incomplete_problem`'s answer, naming the tags that can be loaded instead."""
+    complete = sorted(d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d))
+                      and not os.path.exists(os.path.join(load_dir, d, INCOMPLETE))) if os.path.isdir(load_dir) else []
+    return ValueError(f"easybalance: {problem}. Nothing was loaded; load a complete checkpoint with tag= "
+                      f"(complete ones in {load_dir}: {complete or 'none'})")
+
+
+def _refuse_incomplete(engine, load_dir: str, tag: Optional[str]) -> None:
+    """Stop a load on every rank, before anything loads, when any rank finds the checkpoint incomplete
+    (`incomplete_problem`). Collective: one all-gather of what each rank found."""
+    problem = incomplete_problem(load_dir, tag, "latest_universal" if _universal(engine) else "latest")
+    if dist_ready() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, problem)
+        problem = next((p for p in gathered if p), None)
+    if problem:
+        raise refuse(load_dir, problem)
 
 
 def saved_state(engine, load_dir: str, tag: Optional[str]) -> tuple[Optional[str], Any]:

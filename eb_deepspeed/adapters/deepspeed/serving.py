@@ -52,6 +52,7 @@ from ...planning.placement import (SPREAD_WEIGHT, Placement, expected_padded_cos
                                    static_placement)
 from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node, reduce_over
 from .engine import find_moe_layers
+from .hooks import INCOMPLETE, incomplete_problem, refuse, write_atomically
 from .replicas import ReplicaGate, SlotTable
 
 __all__ = ["init_inference", "Serving", "load_moe_checkpoint", "choose_placement", "check_one_serving_shape"]
@@ -355,7 +356,12 @@ class Serving:
         fails on the missing optimizer file."""
         state = self.logical_state_dict()
         folder = os.path.join(ckpt_dir, tag)
-        os.makedirs(folder, exist_ok=True)
+        marker = os.path.join(folder, INCOMPLETE)      # as the training save does: a kill never passes for a checkpoint
+        if dist_rank() == 0:
+            os.makedirs(folder, exist_ok=True)
+            write_atomically(marker, "a save_checkpoint into this folder has not finished\n")
+        if dist_ready():
+            dist.barrier()
         if 0 in self.ep_ranks:                 # the first EP group writes (every EP group holds the same)
             for name, tensors in state.items():
                 if name != "module":
@@ -366,8 +372,11 @@ class Serving:
             torch.save({"module": state["module"], "num_experts": [self.E] * self.L, "dp_world_size": world,
                         "mp_world_size": 1, "global_steps": 0, "global_samples": 0, "skipped_steps": 0,
                         "optimizer": None, "lr_scheduler": None}, os.path.join(folder, "mp_rank_00_model_states.pt"))
-            with open(os.path.join(ckpt_dir, "latest"), "w") as f:
-                f.write(tag)
+        if dist_ready():
+            dist.barrier()
+        if dist_rank() == 0:
+            os.remove(marker)
+            write_atomically(os.path.join(ckpt_dir, "latest"), tag)
         if dist_ready():
             dist.barrier()
         return folder
@@ -407,6 +416,9 @@ def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[st
     holds(l, j) -> logical expert in local module j (-1: none); default DeepSpeed's layout, expert
     EP-rank * local experts + j. Works for a plain DeepSpeed model whose layers have their EP groups.
     """
+    problem = incomplete_problem(ckpt_dir, tag)
+    if problem:
+        raise refuse(ckpt_dir, problem)
     tag = _tag(ckpt_dir, tag)
     folder = os.path.join(ckpt_dir, tag)
     moes = find_moe_layers(module)
