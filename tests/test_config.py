@@ -75,6 +75,7 @@ def test_the_users_dict_is_never_changed():
     ({"ema_alpha": "0.3"}, r"easybalance\.ema_alpha \('0\.3'\) must be a finite number"),
     ({"inference": {"decision_batch": 0}}, r"easybalance\.inference\.decision_batch \(0\) must be >= 1"),
     ({"inference": {"replica_slots": -1}}, r"easybalance\.inference\.replica_slots \(-1\) must be >= 0"),
+    ({"inference": {"replica_slots": 65536}}, r"easybalance\.inference\.replica_slots \(65536\) must be <= 65535"),
     ({"inference": {"replan_threshold": 0.9}}, r"easybalance\.inference\.replan_threshold \(0\.9\) must be >= 1"),
     ({"inference": {"replan_interval": 0}}, r"easybalance\.inference\.replan_interval \(0\) must be >= 1"),
     ({"inference": []}, r"easybalance\.inference must be a JSON object, got list"),

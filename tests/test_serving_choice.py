@@ -33,3 +33,18 @@ def test_serving_returns_to_deepspeeds_layout_when_the_hot_expert_cools():
     balanced = torch.tensor([[40.0, 40, 40, 40]])
     # replicated costs 6 x 40 = 240 on balanced traffic, home 4 x 40 = 160: back home, below any threshold
     assert choose_placement(balanced, replicated, HOME, 1.5, plan) is HOME
+
+
+def test_replica_slots_past_the_planners_slots_a_layer_are_refused_before_any_expert_is_copied():
+    from deepspeed.moe.layer import MoE
+
+    from eb_deepspeed.adapters.deepspeed.serving import Serving
+    from eb_deepspeed.core.config import MAX_REPLICA_SLOTS, EasyBalanceConfig
+    from eb_deepspeed.planning.placement import MAX_SLOTS
+    assert MAX_REPLICA_SLOTS == MAX_SLOTS - 1        # the config's static bound: one rank, one home expert
+    model = torch.nn.Sequential(MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=1, k=1))
+    config = EasyBalanceConfig.from_block({"mode": "balance", "inference": {"replica_slots": MAX_SLOTS - 3}})
+    # 1 rank x (4 home + 65533 replica slots) = 65537 > 65536: refused with the most that fits (65532)
+    with pytest.raises(ValueError, match=r"replica_slots \(65533\).*65536 slots a layer; use at most 65532"):
+        Serving(model, config)
+    assert len(model[0].deepspeed_moe.experts.deepspeed_experts) == 4

@@ -233,6 +233,9 @@ def strip_block(ds_config: Mapping[str, Any] | str | os.PathLike | None) -> dict
 
 # ---------------------------------------------------------------------- typed readers
 INT_MAX = 2 ** 31 - 1     # the largest integer any option takes (counts, intervals, windows)
+# inference.replica_slots: extra slots per rank; a layer's G * (E / G + R) slots must fit the planner's
+# 65536 slots a layer (planning.placement.MAX_SLOTS), so R < 65536 for any G >= 1 (serving checks the product)
+MAX_REPLICA_SLOTS = 2 ** 16 - 1
 
 
 def read_json(ds_config):
@@ -300,13 +303,13 @@ def _number(value: Any, path: str) -> float:
     return number
 
 
-def _int(value: Any, path: str, minimum: int, hint: str = "") -> int:
+def _int(value: Any, path: str, minimum: int, hint: str = "", maximum: int = INT_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{path} ({_short(value)}) must be an integer >= {minimum}{hint}")
     if value < minimum:
         raise ConfigError(f"{path} ({_short(value)}) must be >= {minimum}{hint}")
-    if value > INT_MAX:
-        raise ConfigError(f"{path} ({_short(value)}) must be <= {INT_MAX}")
+    if value > maximum:
+        raise ConfigError(f"{path} ({_short(value)}) must be <= {maximum}")
     return value
 
 
@@ -404,7 +407,8 @@ def _inference(block: Any, path: str) -> InferenceConfig:
     if threshold < 1.0:
         raise ConfigError(f"{path}.replan_threshold ({threshold}) must be >= 1 (a device max/mean)")
     return InferenceConfig(
-        replica_slots=_int(block.get("replica_slots", d.replica_slots), f"{path}.replica_slots", minimum=0),
+        replica_slots=_int(block.get("replica_slots", d.replica_slots), f"{path}.replica_slots", minimum=0,
+                           maximum=MAX_REPLICA_SLOTS),
         split=_choice(block.get("split", d.split), f"{path}.split", SPLITS),
         topology=topology,
         weights=_weights(block.get("weights", {}), f"{path}.weights", TOPOLOGIES[topology].weights),

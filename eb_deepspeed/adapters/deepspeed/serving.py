@@ -48,8 +48,8 @@ from ...core.config import EasyBalanceConfig, strip_block
 from ...core.record import NullLogger
 from ...core.topology import resolve_topology
 from ...observe.monitor import JsonlLogger
-from ...planning.placement import (SPREAD_WEIGHT, Placement, expected_padded_cost, expected_slot_ratio, plan_placement,
-                                   static_placement)
+from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, expected_padded_cost, expected_slot_ratio,
+                                   plan_placement, static_placement)
 from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node, reduce_over
 from .engine import find_moe_layers
 from .hooks import INCOMPLETE, incomplete_problem, refuse, write_atomically
@@ -97,6 +97,10 @@ class Serving:
         enabled = config is not None and config.enabled
         self.R = config.inference.replica_slots if enabled and config.mode == "balance" else 0
         self.S_max = self.H + self.R
+        if self.G * self.S_max > MAX_SLOTS:      # before any expert is copied
+            raise ValueError(f"easybalance.inference.replica_slots ({self.R}): {self.G} ranks x ({self.H} home + "
+                             f"{self.R} replica slots) is more than the planner's {MAX_SLOTS} slots a layer; use at "
+                             f"most {MAX_SLOTS // self.G - self.H}")
         self.ep_group = self.moes[0].deepspeed_moe.ep_group
         self.rank = dist.get_rank(self.ep_group) if dist_ready() and self.G > 1 else 0
         # global ranks of this rank's EP group (ep_size 1: the rank itself)
