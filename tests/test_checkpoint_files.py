@@ -3,7 +3,8 @@ import os
 
 import pytest
 
-from eb_deepspeed.adapters.deepspeed.hooks import INCOMPLETE, incomplete_problem, refuse, write_atomically
+from eb_deepspeed.adapters.common import write_atomically
+from eb_deepspeed.adapters.deepspeed.hooks import INCOMPLETE, incomplete_problem, refuse
 from eb_deepspeed.adapters.deepspeed.serving import load_moe_checkpoint
 
 pytestmark = pytest.mark.unit
@@ -45,3 +46,20 @@ def test_load_moe_checkpoint_refuses_a_folder_a_killed_save_left(tmp_path):
     _checkpoint(tmp_path, "served", incomplete=True)
     with pytest.raises(ValueError, match="served is incomplete.*Nothing was loaded"):
         load_moe_checkpoint(None, str(tmp_path), "served")
+
+
+def test_write_atomically_takes_what_torch_save_takes(tmp_path):
+    import torch
+    write_atomically(str(tmp_path / "state.pt"), {"heat_LE": torch.ones(2, 3)})
+    assert torch.equal(torch.load(tmp_path / "state.pt", weights_only=True)["heat_LE"], torch.ones(2, 3))
+
+
+def test_a_torn_megatron_balancer_state_is_a_clear_error(tmp_path):
+    import torch
+
+    from eb_deepspeed.adapters.megatron.attach import load_state
+    path = tmp_path / "balancer.pt"
+    torch.save({"heat_LE": torch.ones(64, 64)}, path)
+    path.write_bytes(path.read_bytes()[:1000])          # what a kill half-way through a plain torch.save leaves
+    with pytest.raises(ValueError, match="not a readable balancer state.*nothing was loaded"):
+        load_state(None, str(path))

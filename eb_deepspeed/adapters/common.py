@@ -11,6 +11,8 @@ balance loss reach its router. World size 1 (no process group) works everywhere:
 """
 from __future__ import annotations
 
+import io
+import os
 import socket
 from typing import Any, Callable, Optional
 
@@ -23,7 +25,7 @@ from ..core.topology import node_map
 from ..observe.monitor import DeepSpeedMonitorLogger, JsonlLogger, MultiLogger, WandbRunLogger
 
 __all__ = ["dist_ready", "dist_rank", "gather_startup", "join_startup_off", "rank_to_node", "reduce_over",
-           "make_logger", "torch_optimizer"]
+           "make_logger", "torch_optimizer", "write_atomically"]
 
 
 def dist_ready() -> bool:
@@ -125,3 +127,18 @@ def torch_optimizer(optimizer) -> Optional[torch.optim.Optimizer]:
         chained = getattr(optimizer, "chained_optimizers", None)
         optimizer = chained[0] if chained else getattr(optimizer, "optimizer", None)
     return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+def write_atomically(path: str, data: str | bytes | Any) -> None:
+    """Write `data` (text, bytes, or anything `torch.save` takes) to `path` so that after a kill at any moment
+    `path` holds the old content or the new, never a torn file: a temporary file beside it, fsync, rename."""
+    if not isinstance(data, (str, bytes)):
+        buffer = io.BytesIO()
+        torch.save(data, buffer)
+        data = buffer.getvalue()
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from ...core.balancer import Balancer
-from ..common import dist_rank, dist_ready, reduce_over, torch_optimizer
+from ..common import dist_rank, dist_ready, reduce_over, torch_optimizer, write_atomically
 
 __all__ = ["STATE_KEY", "INCOMPLETE", "StepHook", "wrap_checkpointing", "reduce_for", "is_pipeline", "saved_state",
-           "incomplete_problem", "refuse", "write_atomically"]
+           "incomplete_problem", "refuse"]
 
 STATE_KEY = "easybalance"  # key of the balancer state in DeepSpeed's checkpoint client_state
 INCOMPLETE = "eb_save_incomplete"  # in a checkpoint tag's folder while a save into it runs (`_save_guarded`)
@@ -199,16 +199,6 @@ def _save_guarded(engine, original_save, bound: inspect.BoundArguments):
     if dist_ready():
         dist.barrier()                   # `latest` is written before any rank goes on, as in DeepSpeed's save
     return result
-
-
-def write_atomically(path: str, text: str) -> None:
-    """`path` holds the old text or the new one after a kill at any moment (temporary file, fsync, rename)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def incomplete_problem(load_dir: str, tag: Optional[str], latest_name: str = "latest") -> Optional[str]:

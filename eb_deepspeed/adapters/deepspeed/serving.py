@@ -50,9 +50,10 @@ from ...core.topology import resolve_topology
 from ...observe.monitor import JsonlLogger
 from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, expected_padded_cost, expected_slot_ratio,
                                    plan_placement, static_placement)
-from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node, reduce_over
+from ..common import (dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node, reduce_over,
+                      write_atomically)
 from .engine import find_moe_layers
-from .hooks import INCOMPLETE, incomplete_problem, refuse, write_atomically
+from .hooks import INCOMPLETE, incomplete_problem, refuse
 from .replicas import ReplicaGate, SlotTable
 
 __all__ = ["init_inference", "Serving", "load_moe_checkpoint", "choose_placement", "check_one_serving_shape"]

@@ -26,6 +26,7 @@ Pipeline parallelism is not handled yet (a clear error): the view would need eve
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any, Optional
 
 import torch
@@ -33,7 +34,8 @@ import torch.distributed as dist
 
 from ...core.balancer import Balancer, check_agreement
 from ...core.config import EasyBalanceConfig, read_json
-from ..common import gather_startup, join_startup_off, make_logger, rank_to_node, reduce_over, torch_optimizer
+from ..common import (gather_startup, join_startup_off, make_logger, rank_to_node, reduce_over, torch_optimizer,
+                      write_atomically)
 from .router import EBRouter
 
 __all__ = ["attach", "find_routers", "save_state", "load_state"]
@@ -113,15 +115,20 @@ def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
 
 
 def save_state(balancer: Balancer, path: str) -> None:
-    """Write the balancer state (view + controls) to `path` on rank 0 (every rank holds the same)."""
+    """Write the balancer state (view + controls) to `path` on rank 0 (every rank holds the same), atomically:
+    a kill while it is written leaves the previous state file whole."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        torch.save(balancer.state_dict(), path)
+        write_atomically(path, balancer.state_dict())
     if dist.is_initialized():
         dist.barrier()
 
 
 def load_state(balancer: Balancer, path: str) -> bool:
     """Restore a state written by `save_state` (read with weights_only=True); all-or-nothing."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise ValueError(f"{path}: not a readable balancer state (a torn or foreign file: "
+                         f"{type(e).__name__}: {str(e)[:200]}); nothing was loaded") from e
     return balancer.load_state_dict(state)
