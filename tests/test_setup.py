@@ -28,3 +28,13 @@ def test_the_shm_op_is_built_once_into_this_checkout_and_reused():
     assert source_setup() == ext_dir
     assert {path: os.stat(path).st_mtime_ns for path in built} == before   # loaded, not rebuilt
 
+
+
+def test_sourcing_the_setup_leaves_the_callers_shell_options_as_they_were():
+    # before: `set -euo pipefail` stayed in the caller's shell, so its next failing command closed the terminal
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "EB_VENV")}
+    script = ('set +euo pipefail; before="$(set +o)"; source launch/setup_cpu.sh >/dev/null; after="$(set +o)"; '
+              '[ "$before" = "$after" ] && echo same-options; false; echo "still here: $DS_ACCELERATOR"')
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-2:] == ["same-options", "still here: cpu"]
