@@ -107,7 +107,8 @@ def serve(args, rank: int, world: int, node_of_rank: list[int]) -> dict:
 
     E, hidden = 8, 64
     block = {"mode": "balance", "warmup_batches": 2,
-             "inference": {"replica_slots": 1, "split": "exact", "view_interval": 1, "replan_interval": 4}}
+             "inference": {"replica_slots": 1, "split": "exact", "view_interval": 1, "replan_interval": 4},
+             "log": {"dir": os.path.join(args.run_dir, "serve_balance")}}
     plain = _ZipfModel(E, hidden, world, False)
     for _, moe in find_moe_layers(plain):
         moe.set_deepspeed_parallelism()

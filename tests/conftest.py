@@ -39,6 +39,38 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} must carry exactly one of the markers {MARKERS}, has {marks}")
 
 
+# What a test may leave behind: nothing in /dev/shm (DeepSpeed's CPU shm op never unlinks its buffers; a job's
+# launcher must) and nothing new in the checkout (pytest's own caches aside). Checked around every test; the
+# run fails at the end naming each test that left something (the buffers are removed either way).
+SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
+PYTEST_CACHES = {".pytest_cache", ".hypothesis", "__pycache__"}
+LEFT_BEHIND: list[str] = []
+
+
+def _leftovers() -> tuple[set[str], set[str]]:
+    return set(glob.glob(SHM_BUFFERS)), set(os.listdir(ROOT))
+
+
+@pytest.fixture(autouse=True)
+def leaves_nothing_behind(request):
+    shm, tree = _leftovers()
+    yield
+    shm_after, tree_after = _leftovers()
+    new_shm, new_tree = shm_after - shm, tree_after - tree - PYTEST_CACHES
+    for path in new_shm:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    if new_shm or new_tree:
+        LEFT_BEHIND.append(f"{request.node.nodeid}: {len(new_shm)} DeepSpeed shm buffers in /dev/shm {sorted(new_shm)[:2]}, "
+                           f"{sorted(new_tree)} in the checkout")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if LEFT_BEHIND:
+        print("\ntests that left files behind (the run fails):\n  " + "\n  ".join(LEFT_BEHIND), file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def dist_env(world_size: int, rank: int, port: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),

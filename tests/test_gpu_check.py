@@ -18,13 +18,14 @@ def run(*args):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_the_gpu_check_runs_on_cpu_and_writes_one_json_with_its_targets():
-    result = run("--cpu", "--quick")
+def test_the_gpu_check_runs_on_cpu_and_writes_one_json_with_its_targets(tmp_path):
+    out = str(tmp_path / "gpu_check_cpu.json")          # not runs/ in the checkout: a test leaves nothing there
+    result = run("--cpu", "--quick", "--out", out)
     assert result["device"] == "cpu" and result["quick"]
     assert set(result["targets"]) == {"gate_ratio_le_1.05", "steering_ratio_le_0.02", "bf16_parity"}
     assert result["bf16"]["same_routes"] and result["bf16"]["same_gate_values"]   # bf16 parity holds on CPU too
     assert result["gate"]["ratio"] > 0 and result["steering"]["ratio"] > 0
-    with open(os.path.join(ROOT, "runs", "gpu_check_cpu.json")) as f:
+    with open(out) as f:
         assert json.load(f) == result
 
 
