@@ -345,3 +345,174 @@ def test_eb_report_streams_a_long_log_into_a_bounded_number_of_points(tmp_path):
     gaps = {b - a for a, b in zip(steps[:-2], steps[1:-1])}
     assert len(gaps) == 1                                      # evenly spaced
     assert len(render_report(str(tmp_path))) >= 2
+
+
+# ---- the planning API names the argument and what it takes for any other object ----
+
+import numpy as np  # noqa: E402
+
+from eb_deepspeed.planning import expected_padded_cost, expected_slot_ratio, index_maps, steered_load  # noqa: E402
+
+
+def planned():
+    load = torch.rand(3, 8, generator=torch.Generator().manual_seed(0)) + 0.1
+    return load, plan_placement(load, 4, 3)
+
+
+@pytest.mark.parametrize("load, error, message", [
+    (np.array([[1, "a"]], dtype=object), TypeError, "load_LE must be a tensor, NumPy array or nested list of real"),
+    (np.ones((3, 8), dtype=object), TypeError, "load_LE .* got a NumPy array of object"),
+    ("abc", TypeError, "load_LE .* got str"),
+    (None, TypeError, "load_LE .* got NoneType"),
+    ({"a": 1}, TypeError, "load_LE .* got dict"),
+    ([[1.0, 2.0], [3.0]], TypeError, "load_LE .* got list"),
+    (torch.ones(1, 3, 8), ValueError, r"load_LE must be \[layers, experts\] \(2 dimensions\), got shape \(1, 3, 8\)"),
+    (torch.ones(3, 8, dtype=torch.bool), ValueError, "load_LE must hold real numbers, got torch.bool"),
+])
+def test_plan_placement_names_load_le_and_what_it_takes_for_any_other_object(load, error, message):
+    with pytest.raises(error, match=message):
+        plan_placement(load, 4, 3)
+
+
+def test_plan_placement_takes_numpy_arrays_and_nested_lists_as_it_takes_tensors():
+    load, plan = planned()
+    for same in (load.numpy(), load.tolist(), load.double().requires_grad_()):
+        assert torch.equal(plan_placement(same, 4, 3).phy2log, plan.phy2log)
+
+
+@pytest.mark.parametrize("fields, error, message", [
+    (lambda p: dict(phy2log=p.phy2log.double()), TypeError, "previous.phy2log must be a 2-D integer torch tensor, got "
+                                                            "torch.float64"),
+    (lambda p: dict(phy2log=p.phy2log.numpy()), TypeError, "previous.phy2log .* got ndarray"),
+    (lambda p: dict(phy2log=p.phy2log.tolist()), TypeError, "previous.phy2log .* got list"),
+    (lambda p: dict(phy2log=np.array(p.phy2log.tolist(), dtype=object)), TypeError, "previous.phy2log"),
+    (lambda p: dict(phy2log=p.phy2log > 0), TypeError, "previous.phy2log .* torch.bool"),
+    (lambda p: dict(phy2log=p.phy2log[0]), TypeError, r"previous.phy2log .* \(12,\)"),
+    (lambda p: dict(logcnt=None), TypeError, "previous.logcnt"),
+    (lambda p: dict(logcnt=p.logcnt[0]), TypeError, "previous.logcnt"),
+    (lambda p: dict(logcnt=p.logcnt[:, :5]), ValueError, "previous's maps disagree"),
+    (lambda p: dict(log2phy=torch.zeros(1)), TypeError, "previous.log2phy"),
+    (lambda p: dict(num_devices=4.0), ValueError, r"previous.num_devices \(4.0\) must be an integer >= 1"),
+    (lambda p: dict(slots_per_device=3.0), ValueError, r"previous.slots_per_device \(3.0\)"),
+    (lambda p: dict(slots_per_device=0), ValueError, r"previous.slots_per_device \(0\)"),
+])
+def test_plan_placement_names_the_malformed_field_of_a_previous_placement(fields, error, message):
+    load, good = planned()
+    previous = Placement(good.phy2log, good.log2phy, good.logcnt, 4, 3)
+    for name, value in fields(good).items():   # changed after construction, as a caller might
+        setattr(previous, name, value)
+    with pytest.raises(error, match=message):
+        plan_placement(load, 4, 3, previous=previous)
+
+
+def test_a_previous_placement_is_read_from_its_phy2log_alone():
+    # int32 ids, a non-contiguous phy2log and a logcnt that does not count it: the maps are derived afresh
+    load, good = planned()
+    previous = Placement(good.phy2log.int().t().contiguous().t(), good.log2phy, torch.ones_like(good.logcnt), 4, 3)
+    assert_legal(plan_placement(load, 4, 3, previous=previous), 8)
+
+
+@pytest.mark.parametrize("args, error, message", [
+    (lambda p: (p.phy2log.numpy(), p.log2phy, p.logcnt, 4, 3), TypeError, "Placement.phy2log must be a 2-D integer"),
+    (lambda p: (p.phy2log.double(), p.log2phy, p.logcnt, 4, 3), TypeError, "Placement.phy2log .* torch.float64"),
+    (lambda p: (p.phy2log, p.log2phy, p.logcnt.tolist(), 4, 3), TypeError, "Placement.logcnt"),
+    (lambda p: (p.phy2log, p.log2phy, p.logcnt, 5, 3), ValueError, r"Placement's maps disagree: phy2log \(3, 12\)"),
+    (lambda p: (p.phy2log, p.log2phy, p.logcnt, 4, True), ValueError, r"Placement.slots_per_device \(True\)"),
+])
+def test_a_placement_is_refused_at_construction_unless_its_maps_are_integer_tensors_of_matching_shapes(
+        args, error, message):
+    with pytest.raises(error, match=message):
+        Placement(*args(planned()[1]))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(refine_rounds=1.5), r"refine_rounds \(1.5\) must be an integer or None"),
+    (dict(refine_rounds="2"), r"refine_rounds \('2'\) must be an integer or None"),
+    (dict(refine_iters=None), r"refine_iters \(None\) must be an integer"),
+    (dict(refine_work=100.5), r"refine_work \(100.5\) must be an integer"),
+    (dict(slot_budget=30.5), r"slot_budget \(30.5\) must be an integer or None"),
+    (dict(slot_budget="30"), r"slot_budget \('30'\) must be an integer or None"),
+    (dict(stickiness=True), r"stickiness \(True\) must be a number"),
+])
+def test_plan_placement_refuses_options_of_the_wrong_type_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_placement(planned()[0], 4, 3, **kwargs)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (lambda c, d, n: (np.array(c.tolist(), dtype=object), d, n), TypeError,
+     "counts_GE must be a tensor, NumPy array or nested list of integers"),
+    (lambda c, d, n: (None, d, n), TypeError, "counts_GE .* got NoneType"),
+    (lambda c, d, n: ("abc", d, n), TypeError, "counts_GE .* got str"),
+    (lambda c, d, n: ([[1, 2, 3], [4]], d, n), TypeError, "counts_GE .* got list"),
+    (lambda c, d, n: (c, np.array(d.tolist(), dtype=object), n), TypeError, "devices_ER"),
+    (lambda c, d, n: (c, d, [0.5, 0.0]), ValueError, "node_G must hold whole numbers"),
+    (lambda c, d, n: (c[:0], d, n), ValueError, "at least one rank"),
+])
+def test_steer_names_the_map_that_is_not_an_array_of_integers(change, error, message):
+    with pytest.raises(error, match=message):
+        steer(*change(*steer_args()))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(pressure_G=torch.tensor([True, False])), ValueError, "pressure_G must hold real numbers, got torch.bool"),
+    (dict(pressure_G=np.array(["a", "b"], dtype=object)), TypeError, "pressure_G must be a tensor"),
+    (dict(weight_G="ab"), TypeError, "weight_G must be a tensor.* got str"),
+    (dict(weights=(1.0, 2.0)), ValueError, r"weights \(\(1.0, 2.0\)\) must be three finite non-negative numbers"),
+    (dict(weights="abc"), ValueError, r"weights \('abc'\) must be three"),
+    (dict(weights=(None, 1, 1)), ValueError, "weights"),
+    (dict(rounds=1.5), ValueError, r"rounds \(1.5\) an integer >= 0"),
+    (dict(rounds="2"), ValueError, r"rounds \('2'\) an integer >= 0"),
+    (dict(decision_batch="8"), ValueError, r"decision_batch \('8'\) must be a number >= 1"),
+    (dict(aggregation="x"), ValueError, r"aggregation \('x'\) a finite number"),
+    (dict(topology=["pcie"]), ValueError, r"topology \(\['pcie'\]\) must be one of"),
+])
+def test_steer_names_the_option_of_the_wrong_type(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        steer(*steer_args(), **kwargs)
+
+
+def test_steer_takes_numpy_arrays_and_nested_lists_as_it_takes_tensors():
+    counts, devices, nodes = steer_args()
+    split = steer(counts, devices, nodes, pressure_G=torch.tensor([1.0, 0.0]))
+    assert torch.equal(steer(counts.numpy(), devices.tolist(), nodes.numpy(), pressure_G=[1.0, 0.0]), split)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((2, 8, 0), r"num_devices \(0\) must be an integer >= 1"),
+    ((0, 8, 4), r"num_layers \(0\) must be an integer >= 1"),
+    ((2, 0, 4), r"num_experts \(0\) must be an integer >= 1"),
+    ((-1, 8, 4), r"num_layers \(-1\)"),
+    ((2.0, 8, 4), r"num_layers \(2.0\)"),
+    ((True, 8, 4), r"num_layers \(True\)"),
+    ((10 ** 6, 10 ** 6, 1), "more than the planner takes"),
+])
+def test_static_placement_refuses_sizes_that_are_not_positive_integers_it_can_hold(args, message):
+    with pytest.raises(ValueError, match=message):
+        static_placement(*args)
+
+
+@pytest.mark.parametrize("measure", [expected_slot_ratio, expected_padded_cost])
+@pytest.mark.parametrize("heat, error, message", [
+    (torch.rand(3, 5), ValueError, r"heat_LE must be \[layers, experts\] = \(3, 8\) for this plan, got \(3, 5\)"),
+    (torch.rand(2, 8), ValueError, r"heat_LE must be \[layers, experts\] = \(3, 8\) for this plan, got \(2, 8\)"),
+    (torch.rand(8), ValueError, r"heat_LE must be \[layers, experts\] \(2 dimensions\)"),
+    (torch.full((3, 8), float("nan")), ValueError, "heat_LE must be finite and non-negative"),
+    (-torch.ones(3, 8), ValueError, "heat_LE must be finite and non-negative"),
+    (torch.ones(3, 8, dtype=torch.bool), ValueError, "heat_LE must hold real numbers"),
+    (np.ones((3, 8), dtype=object), TypeError, "heat_LE must be a tensor"),
+])
+def test_the_padded_cost_measures_name_a_heat_that_does_not_fit_the_plan(measure, heat, error, message):
+    with pytest.raises(error, match=message):
+        measure(heat, planned()[1])
+
+
+def test_the_measures_refuse_what_is_not_a_placement_and_index_maps_ids_it_cannot_hold():
+    load, plan = planned()
+    for measure in (expected_slot_ratio, expected_padded_cost, steered_load):
+        with pytest.raises(TypeError, match="plan must be a Placement, got str"):
+            measure("plan", load) if measure is steered_load else measure(load, "plan")
+    with pytest.raises(ValueError, match=r"load_LE must be \[layers, experts\] = \(3, 8\) for this plan"):
+        steered_load(plan, torch.rand(3, 5))
+    with pytest.raises(ValueError, match=r"phy2log must be .* with expert ids in \[-1, 8\)"):
+        index_maps(torch.tensor([[0, 9]]), 8, 2, 1)

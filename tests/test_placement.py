@@ -213,3 +213,78 @@ def test_padded_dispatch_cost_prefers_replicas_only_where_they_cut_the_largest_s
     assert expected_padded_cost(balanced, replicated).tolist() == [240.0]
     # slot max/mean is capacity over ideal: 80 / (160 / 4) = 2 for the home layout
     assert expected_slot_ratio(skewed, home).tolist() == [2.0]
+
+
+# ---- memory and time linear in what is planned ----
+
+PLAN_UNDER_A_LIMIT = """
+import resource, sys
+import torch
+from eb_deepspeed.planning.placement import plan_placement
+L, E, G, S, headroom = (int(a) for a in sys.argv[1:])
+load = torch.exp(torch.randn(L, E, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+plan_placement(load[:, :8], 8, 1)   # lazy imports and allocator pools count against the start, not the plan
+with open("/proc/self/statm") as f:
+    used = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + headroom, resource.RLIM_INFINITY))
+plan = plan_placement(load, G, S)
+assert bool((plan.logcnt >= 1).all()) and int(plan.logcnt.sum()) == L * G * S
+"""
+
+
+@pytest.mark.parametrize("L, E, G, S", [(1, 8192, 8192, 1), (1, 4096, 2, 2048)])
+def test_planning_many_devices_or_many_slots_each_fits_in_256_mib(L, E, G, S):
+    # Before: step 2 kept a dense [L x variants x (E + 1), G] float64 penalty (2 GiB for 8192 x 8192) and the
+    # local searches screened [L, S, (G - 1) x S] slot pairs (128 MiB each for G = 2, S = 2048). Now memory is
+    # linear in L x (E + P): the plan needs a few MiB here, so 256 MiB of address space above the start is ample.
+    import os
+    import subprocess
+    import sys
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("reads the address space from /proc")
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", PLAN_UNDER_A_LIMIT, *map(str, (L, E, G, S, 256 << 20))], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_more_layers_x_slots_x_devices_than_step_2_scans_in_a_minute_is_refused_before_any_allocation():
+    # 8 layers x 65536 slots x 65536 devices = 2**35 > MAX_SCAN (2**34); before, this allocated 256 GiB
+    with pytest.raises(ValueError, match=r"8 layers x 65536 slots over 65536 devices is more than the planner takes"):
+        plan_placement(torch.ones(8, 16), 65536, 1)
+
+
+def test_uniform_counts_by_bisection_hand_out_the_same_replicas_as_one_at_a_time(monkeypatch):
+    from eb_deepspeed.planning import uniform
+
+    def one_at_a_time(load_LE, slots, max_replicas):   # the D'Hondt loop, the reference
+        cnt = np.ones(load_LE.shape, dtype=np.int64)
+        rows = np.arange(len(load_LE))
+        for _ in range(min(slots, load_LE.shape[1] * max_replicas) - load_LE.shape[1]):
+            share = np.where(cnt < max_replicas, load_LE / cnt, -1.0)
+            cnt[rows, share.argmax(1)] += 1
+        return cnt
+
+    monkeypatch.setattr(uniform, "ONE_AT_A_TIME", 0)
+    rng = np.random.default_rng(0)
+    for kind in range(5):   # ties between experts and within one (zero loads, denormals), any counts
+        for _ in range(40):
+            L, E, G = rng.integers(1, 4), rng.integers(1, 10), rng.integers(1, 8)
+            load = [rng.random((L, E)), rng.integers(0, 3, (L, E)) * 6.0, np.zeros((L, E)),
+                    rng.choice([0.0, 5e-324, 1e-310, 1.0, 3.0], (L, E)), np.exp(rng.normal(0, 30, (L, E)))][kind]
+            slots = int(rng.integers(E, E * G + 3))
+            assert (uniform.uniform_counts(load, slots, G) == one_at_a_time(load, slots, G)).all(), (load, slots, G)
+
+
+@pytest.mark.parametrize("dispatch", ["steered", "uniform"])
+def test_the_sparse_replica_tables_plan_exactly_as_the_dense_ones(monkeypatch, dispatch):
+    # large inputs keep sorted keys instead of dense [rows, devices or nodes, experts] tables: force them here
+    from eb_deepspeed.planning import slots
+    load = skewed(4, 24, 5)
+    previous = plan_placement(skewed(4, 24, 6), 8, 4, num_nodes=2)
+    dense = plan_placement(load, 8, 4, num_nodes=2, previous=previous, dispatch=dispatch, node_spread=True)
+    monkeypatch.setattr(slots, "DENSE_PER_SLOT", 0)
+    monkeypatch.setattr(slots, "DENSE_ANYWAY", 0)
+    sparse = plan_placement(load, 8, 4, num_nodes=2, previous=previous, dispatch=dispatch, node_spread=True)
+    assert torch.equal(dense.phy2log, sparse.phy2log) and dense.moves == sparse.moves

@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .slots import real_tensor
+
 __all__ = ["steer_flows", "steered_load"]
 
 
@@ -93,8 +95,13 @@ def steered_load(plan, load_LE: torch.Tensor, iters: int = 100) -> torch.Tensor:
 
     plan: a `placement.Placement`; load_LE: [L, E] tokens per layer and expert.
     """
+    if not hasattr(plan, "phy2log") or not hasattr(plan, "logcnt"):
+        raise TypeError(f"plan must be a Placement, got {type(plan).__name__}")
+    load_LE = real_tensor("load_LE", load_LE, "[layers, experts]")
+    if load_LE.shape != plan.logcnt.shape:
+        raise ValueError(f"load_LE must be [layers, experts] = {tuple(plan.logcnt.shape)} for this plan, got "
+                         f"{tuple(load_LE.shape)}")
     L, P = plan.phy2log.shape
     S = plan.slots_per_device
-    x_LP = steer_flows(np.ones((L, P)), plan.phy2log.numpy(), torch.as_tensor(load_LE, dtype=torch.float64).numpy(),
-                       S, iters)
+    x_LP = steer_flows(np.ones((L, P)), plan.phy2log.numpy(), load_LE.numpy(), S, iters)
     return torch.from_numpy(x_LP.reshape(L, P // S, S).sum(2))

@@ -43,13 +43,16 @@ import torch
 
 from .flows import steer_flows
 from .refine import refine_for_steering
-from .slots import holds_mask
-from .uniform import count_variants, node_counts, refine_uniform, slot_shares
+from .slots import SlotCounts, holds_mask, integer_tensor, is_integer, is_real, real_tensor
+from .uniform import count_variants, refine_uniform, slot_shares
 from .uniform import device_loads as _uniform_loads
 
-# Sizes the planner takes: its work grows with layers x slots (the refinement copies candidates of them).
+# Sizes the planner takes. Its memory is linear in layers x (slots + experts) (a few hundred bytes a slot);
+# its time grows with layers x slots (each refinement round) and with layers x slots x devices (step 2 looks
+# at every device of every layer for each replica rank), which MAX_SCAN bounds.
 MAX_SLOTS = 1 << 16
 MAX_LAYER_SLOTS = 1 << 24
+MAX_SCAN = 1 << 34
 MAX_STICKINESS = 1e3
 DISPATCH = ("steered", "uniform", "padded")   # how a runtime splits (and pads) an expert's tokens over its replicas
 # The default weight of node spread under steered dispatch: a layer gives up at most 1 % of its mean device
@@ -74,12 +77,16 @@ class Placement:
     device_load_LG: torch.Tensor | None = None  # expected load per device, even split over replicas
     steered_load_LG: torch.Tensor | None = None  # expected load per device after steering (refined plans)
 
+    def __post_init__(self):
+        _check_maps(self, "Placement")
+
     @property
     def num_experts(self) -> int:
         return self.logcnt.shape[1]
 
     def holds(self) -> torch.Tensor:
-        """holds_LGE [L, G, E] bool: device g holds a replica of expert e."""
+        """holds_LGE [L, G, E] bool: device g holds a replica of expert e. Dense, L x G x E: for small plans
+        and tests (the planner counts replicas with `slots.SlotCounts`)."""
         return torch.from_numpy(holds_mask(self.phy2log.numpy(), self.slots_per_device, self.num_experts))
 
     def expert_devices(self) -> torch.Tensor:
@@ -89,8 +96,14 @@ class Placement:
 
 def static_placement(num_layers: int, num_experts: int, num_devices: int) -> Placement:
     """DeepSpeed's layout: one replica per expert, expert e on device e // (E / G)."""
+    for name, value in (("num_layers", num_layers), ("num_experts", num_experts), ("num_devices", num_devices)):
+        if not is_integer(value) or value < 1:
+            raise ValueError(f"{name} ({value!r}) must be an integer >= 1")
     if num_experts % num_devices:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by num_devices ({num_devices})")
+    if num_experts > MAX_SLOTS or num_layers * num_experts > MAX_LAYER_SLOTS:
+        raise ValueError(f"{num_layers} layers x {num_experts} slots is more than the planner takes ({MAX_SLOTS} slots "
+                         f"per layer, {MAX_LAYER_SLOTS} in all)")
     S = num_experts // num_devices
     phy2log = torch.arange(num_experts).expand(num_layers, num_experts).clone()
     return index_maps(phy2log, num_experts, num_devices, S)
@@ -106,7 +119,7 @@ def replica_counts(load_LE: torch.Tensor, slots_L: torch.Tensor | int, max_repli
     With a budget: one global threshold tau on load relative to the layer mean (bisection), then
     the few slots the ceil cannot hit exactly go to the highest relative load per replica.
     """
-    load_LE = load_LE.to(torch.float64).clamp_min(0)
+    load_LE = real_tensor("load_LE", load_LE, "[layers, experts]")
     L, E = load_LE.shape
     slots_L = torch.as_tensor(slots_L, dtype=torch.long).expand(L)
     cap_L = torch.minimum(slots_L, torch.full_like(slots_L, E * max_replicas))
@@ -175,16 +188,16 @@ def _apportion(load_LE: np.ndarray, slots_L: np.ndarray, max_replicas: int) -> n
 
 
 def assign_replicas(load_LE: torch.Tensor, cnt_LE: torch.Tensor, G: int, S: int, node_G: np.ndarray,
-                    was_LGE: np.ndarray | None, stickiness: float) -> np.ndarray:
+                    was: SlotCounts | None, stickiness: float) -> np.ndarray:
     """Step 2: put every replica on a device. Returns phy_LP [L, G * S] (expert per slot, -1 empty).
 
     load_LE: [L, E] loads; cnt_LE: [L, E] replica counts (step 1); node_G: [G] node of each device
     (or [L, G], per layer; all zeros = no spread);
-    was_LGE: [L, G', E] devices of `previous` holding each expert (None without one).
+    was: the replicas `previous` held per (layer, device, expert) (`SlotCounts`, None without one).
     Replicas go in descending load per replica, one replica rank per step for all layers at once,
     each to the least loaded device with a free slot that does not hold its expert yet, preferring
     nodes that do not hold it yet and, within `stickiness` x the layer's mean device load, the
-    device that held it before.
+    device that held it before. Work: P steps of O(L x G) each; memory O(L x (E + P)).
     """
     L, E = load_LE.shape
     P = G * S
@@ -194,6 +207,7 @@ def assign_replicas(load_LE: torch.Tensor, cnt_LE: torch.Tensor, G: int, S: int,
 
     # Replicas sorted by load per replica, padded to P per layer (expert -1 = empty): sort the experts,
     # then position p of a layer belongs to the expert whose cumulative replica count first exceeds p.
+    # An expert's replicas are consecutive.
     order_LE = torch.argsort(weight_LE, dim=1, descending=True, stable=True)
     ends_LE = cnt_LE.gather(1, order_LE).cumsum(1)
     pos_LE = torch.searchsorted(ends_LE, torch.arange(P).expand(L, P).contiguous(), right=True)
@@ -205,39 +219,44 @@ def assign_replicas(load_LE: torch.Tensor, cnt_LE: torch.Tensor, G: int, S: int,
     # where NumPy's per-call overhead is several times smaller than torch's.
     dev_load_LG = np.zeros((L, G))
     used_LG = np.zeros((L, G), dtype=np.int64)
-    # penalty_XG: one row per (layer, expert) (row l * (E + 1) + e + 1; row 0 of a layer = "empty"):
-    # HUGE on devices that already hold the expert (forbidden), `big` on the other devices of their
-    # nodes (spread replicas across nodes first), minus the stickiness bonus where `previous` held it.
+    # pen_LG: each layer's penalties for its current expert, reset where a layer's next expert starts:
+    # HUGE on devices that already hold it (forbidden), `big` on the other devices of their nodes
+    # (spread replicas across nodes first), minus the stickiness bonus where `previous` held it.
     HUGE, big = 1e30, float(load_LE.sum()) * 4 + 1.0
-    penalty_XG = np.zeros((L * (E + 1), G))
-    if was_LGE is not None:
-        bonus_L11 = (stickiness * load_LE.sum(1) / G).numpy()[:, None, None]
-        penalty_XG.reshape(L, E + 1, G)[:, 1:] -= was_LGE.transpose(0, 2, 1) * bonus_L11
+    pen_LG = np.zeros((L, G))
     rep_expert = np.ascontiguousarray(rep_expert_LP.numpy().T)             # [P, L]: one contiguous row per step
     rep_w = np.ascontiguousarray(rep_w_LP.numpy().T)
-    rows_PL = np.arange(L)[None, :] * (E + 1) + rep_expert + 1
+    starts_PL = (rep_expert >= 0) & np.concatenate([np.ones((1, L), bool), rep_expert[1:] != rep_expert[:-1]])
+    step_F, layer_F = np.nonzero(starts_PL)
+    first_P = np.searchsorted(step_F, np.arange(P + 1))                      # the starts of step i: [first[i], first[i+1])
+    if was is not None:   # (layer, device) of the bonus at each start, grouped by step the same way
+        q, bonus_dev = was.holders(layer_F, rep_expert[step_F, layer_F])
+        bonus_layer, bonus_first = layer_F[q], np.searchsorted(q, first_P)
+        bonus = -(stickiness * load_LE.sum(1) / G).numpy()[bonus_layer]
     phy = np.full((L, P + 1), -1, dtype=np.int64)  # column P: where illegal replicas are parked
     lidx = np.arange(L)
-    one_map = node_LG.strides[0] == 0                                      # the same node map for every layer
-    node_mark_GG = (node_LG[0][:, None] == node_LG[0][None, :]) * big if one_map else None
 
     for i in range(P):
-        e_L, row_L = rep_expert[i], rows_PL[i]
-        key_LG = dev_load_LG + penalty_XG[row_L]   # a full device's load carries HUGE (below)
+        e_L = rep_expert[i]
+        pen_LG[layer_F[first_P[i]:first_P[i + 1]]] = 0.0
+        if was is not None:
+            at = slice(bonus_first[i], bonus_first[i + 1])
+            pen_LG[bonus_layer[at], bonus_dev[at]] = bonus[at]
+        key_LG = dev_load_LG + pen_LG   # a full device's load carries HUGE (below)
         best_L = key_LG.argmin(1)
         # A surplus replica with nowhere legal to go is dropped (its expert keeps its other replicas).
         ok_L = (e_L >= 0) & (key_LG[lidx, best_L] < HUGE / 2)
         if ok_L.all():
-            okl, okb, e_ok, w_ok, rows = lidx, best_L, e_L, rep_w[i], row_L
+            okl, okb, e_ok, w_ok = lidx, best_L, e_L, rep_w[i]
         else:
-            okl, okb, e_ok, w_ok, rows = lidx[ok_L], best_L[ok_L], e_L[ok_L], rep_w[i][ok_L], row_L[ok_L]
+            okl, okb, e_ok, w_ok = lidx[ok_L], best_L[ok_L], e_L[ok_L], rep_w[i][ok_L]
         used = used_LG[okl, okb]
         phy[okl, okb * S + used] = e_ok
         used_LG[okl, okb] = used + 1
         dev_load_LG[okl, okb] += w_ok + (used + 1 == S) * HUGE
-        penalty_XG[rows, okb] += HUGE
+        pen_LG[okl, okb] += HUGE
         if num_nodes > 1:
-            penalty_XG[rows] += node_mark_GG[okb] if one_map else (node_LG[okl] == node_LG[okl, okb][:, None]) * big
+            pen_LG[okl] += (node_LG[okl] == node_LG[okl, okb][:, None]) * big
     return np.ascontiguousarray(phy[:, :P])
 
 
@@ -271,50 +290,14 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     that leave their node), weighed against the slowest device when each layer picks its candidate,
     so spread gives way where it costs more balance than that. None = SPREAD_WEIGHT (0.1) for
     "steered" (steering keeps tokens node-local), False for "uniform" (balance only).
-    Raises ValueError on bad shapes or values; never returns a placement that leaves an expert out
-    or puts two replicas of one expert on one device.
+    Raises TypeError / ValueError naming the argument on bad types, shapes or values (`_checked_inputs`);
+    never returns a placement that leaves an expert out or puts two replicas of one expert on one device.
     """
-    load_LE = torch.as_tensor(load_LE)
-    if load_LE.is_complex() or load_LE.dtype == torch.bool:
-        raise ValueError(f"load_LE must hold real numbers, got {load_LE.dtype}")
-    load_LE = load_LE.to(torch.float64)
-    if load_LE.dim() != 2 or 0 in load_LE.shape:
-        raise ValueError(f"load_LE must be [layers, experts] with at least one of each, got shape {tuple(load_LE.shape)}")
-    if not bool(torch.isfinite(load_LE).all()) or bool((load_LE < 0).any()):
-        raise ValueError("load_LE must be finite and non-negative")
+    load_LE, G, S, previous = _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
+                                              slot_budget, stickiness, refine_rounds, refine_iters, refine_work,
+                                              dispatch, node_spread)
     L, E = load_LE.shape
-    for name, value in (("num_devices", num_devices), ("slots_per_device", slots_per_device), ("num_nodes", num_nodes)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"{name} ({value!r}) must be an integer")
-    G, S = int(num_devices), int(slots_per_device)
     P = G * S
-    if G < 1 or S < 1:
-        raise ValueError(f"num_devices ({G}) and slots_per_device ({S}) must be >= 1")
-    if P < E:
-        raise ValueError(f"num_devices * slots_per_device ({G} * {S} = {P}) must be >= num_experts ({E}): "
-                         "every expert needs a slot")
-    if P > MAX_SLOTS or L * P > MAX_LAYER_SLOTS:
-        raise ValueError(f"{L} layers x {P} slots is more than the planner takes ({MAX_SLOTS} slots per layer, "
-                         f"{MAX_LAYER_SLOTS} in all)")
-    if num_nodes < 1 or G % num_nodes:
-        raise ValueError(f"num_nodes ({num_nodes}) must divide num_devices ({G})")
-    if slot_budget is not None and not L * E <= slot_budget <= L * P:
-        raise ValueError(f"slot_budget ({slot_budget}) must be in [layers * experts, layers * slots] = "
-                         f"[{L * E}, {L * P}]")
-    if (refine_rounds is not None and refine_rounds < 0) or refine_iters < 1 or refine_work < 1:
-        raise ValueError(f"refine_rounds ({refine_rounds}) must be >= 0 or None, refine_iters ({refine_iters}) "
-                         f"and refine_work ({refine_work}) >= 1")
-    if not (isinstance(stickiness, (int, float)) and 0.0 <= float(stickiness) <= MAX_STICKINESS):
-        raise ValueError(f"stickiness ({stickiness!r}) must be a number in [0, {MAX_STICKINESS}] (a fraction of the "
-                         "mean device load)")
-    if dispatch not in DISPATCH:
-        raise ValueError(f"dispatch ({dispatch!r}) must be one of {list(DISPATCH)}")
-    if not (node_spread is None or isinstance(node_spread, bool)
-            or (isinstance(node_spread, (int, float)) and 0.0 <= float(node_spread) < math.inf)):
-        raise ValueError(f"node_spread ({node_spread!r}) must be True, False, None or a weight >= 0 (a fraction of "
-                         "the mean device load per unit of cross-node route fraction)")
-    if previous is not None:
-        _check_previous(previous, L, E, G)
     # The penalties below are absolute (a forbidden device costs 1e30): plan in units where the largest
     # load is 1 when loads are far from that, and report the loads in the caller's units.
     peak = float(load_LE.max())
@@ -334,18 +317,18 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     none_G = np.zeros(G, dtype=np.int64)
     weighed = not isinstance(node_spread, bool) and num_nodes > 1
     spread_G = none_G if node_spread is False else node_G
-    was_LGE = previous.holds().numpy() if previous is not None else None   # any slots per device
+    was = None if previous is None else SlotCounts.devices(previous.phy2log.numpy(), previous.slots_per_device, E)
     load = load_LE.numpy()
     small = L * P <= EXTRA_WORK
     if dispatch in ("uniform", "padded"):
         # Steps 1u-3u: balance without steering (spread over nodes, and not, where spread is weighed);
         # padded: the counts that minimise the largest share stay, only swaps balance the devices.
-        cands = _uniform_phy(load_LE, G, S, [spread_G, none_G] if weighed else [spread_G], was_LGE, slot_budget,
+        cands = _uniform_phy(load_LE, G, S, [spread_G, none_G] if weighed else [spread_G], was, slot_budget,
                              stickiness, refine_rounds, fixed_counts=dispatch == "padded")
         x_LP = None
     else:
         # Steps 1u-3u, then 3: the plan that balances without steering, improved for steering.
-        uni = _uniform_phy(load_LE, G, S, [spread_G, none_G] if weighed and small else [spread_G], was_LGE,
+        uni = _uniform_phy(load_LE, G, S, [spread_G, none_G] if weighed and small else [spread_G], was,
                            slot_budget, stickiness, refine_rounds, steered=True)
         if refine_rounds is None:   # about the same refinement time at every size: fewer rounds on larger inputs
             rounds = int(np.clip((1 << 16) // (L * P), 1, 64))
@@ -353,15 +336,15 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
             rounds = refine_rounds
         cands, x_LP = [uni[0]], None
         if rounds > 0:
-            phy, x_LP = refine_for_steering(uni[0].copy(), load, G, S, spread_G, was_LGE, stickiness, rounds,
+            phy, x_LP = refine_for_steering(uni[0].copy(), load, G, S, spread_G, was, stickiness, rounds,
                                            refine_iters, refine_work)
             cands = [phy]
         if small:
             # Also from the load-proportional greedy start (steps 1-3), and the no-spread plan.
             cnt_LE = replica_counts(load_LE, P, G, slot_budget)
-            phy = assign_replicas(load_LE, cnt_LE, G, S, spread_G, was_LGE, stickiness)
+            phy = assign_replicas(load_LE, cnt_LE, G, S, spread_G, was, stickiness)
             if rounds > 0:
-                phy, _ = refine_for_steering(phy, load, G, S, spread_G, was_LGE, stickiness, rounds, refine_iters,
+                phy, _ = refine_for_steering(phy, load, G, S, spread_G, was, stickiness, rounds, refine_iters,
                                              refine_work)
             cands += [phy] + uni[1:]
     # Keeping a layer as it is moves nothing: `previous` is a candidate where it obeys this call's rules
@@ -378,7 +361,7 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
         cands.append(keep_LP)
     # Each layer keeps its best candidate under the runtime's dispatch, weighing node spread and weight moves.
     weight = 0.0 if isinstance(node_spread, bool) else float(node_spread)
-    phy, x_LP = _choose(np.stack(cands), load, G, S, node_G, weight, was_LGE, stickiness, dispatch, x_LP,
+    phy, x_LP = _choose(np.stack(cands), load, G, S, node_G, weight, was, stickiness, dispatch, x_LP,
                         refine_iters, refine_work)
     plan = index_maps(torch.from_numpy(np.ascontiguousarray(phy)), E, G, S, load_LE, previous)
     if x_LP is not None:
@@ -387,7 +370,7 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     return plan
 
 
-def _uniform_phy(load_LE, G, S, nodes_list, was_LGE, slot_budget, stickiness, refine_rounds,
+def _uniform_phy(load_LE, G, S, nodes_list, was, slot_budget, stickiness, refine_rounds,
                  steered: bool = False, fixed_counts: bool = False) -> list[np.ndarray]:
     """One phy_LP of steps 1u, 2, 3u (see `uniform.py`) per node map in nodes_list ([G] each; zeros = no
     spread), planned side by side. On small inputs several replica-count variants are placed and refined
@@ -405,35 +388,35 @@ def _uniform_phy(load_LE, G, S, nodes_list, was_LGE, slot_budget, stickiness, re
     rows = n * V * L
     load_N = np.tile(load, (n * V, 1))
     node_NG = np.repeat(np.stack(nodes_list), V * L, 0)
-    was = None if was_LGE is None else np.tile(was_LGE, (n * V, 1, 1))
+    was_N = None if was is None else was.select(np.tile(np.arange(L), n * V))
     phy = assign_replicas(torch.from_numpy(load_N), torch.from_numpy(np.tile(np.concatenate(variants), (n, 1))), G, S,
-                          node_NG, was, stickiness)
+                          node_NG, was_N, stickiness)
     # about the same search time at every size: fewer rounds on larger inputs (a steered start, fewer still)
     work, least = ((1 << 16), 0) if steered else ((1 << 18), 4)
     rounds = int(np.clip(work // (rows * P), least, 8 * G)) if refine_rounds is None else refine_rounds
     if rounds > 0:
-        phy = refine_uniform(phy, load_N, G, S, rounds, node_NG if node_NG.max() > 0 else None, was, stickiness,
+        phy = refine_uniform(phy, load_N, G, S, rounds, node_NG if node_NG.max() > 0 else None, was_N, stickiness,
                              swaps_only=fixed_counts)
     phy = phy.reshape(n, V, L, P)
     if V == 1:
         return list(phy[:, 0])
     # each layer keeps its best variant under the even split (weight moves priced)
-    return [_choose(phy[i], load, G, S, nodes_list[i], 0.0, was_LGE, stickiness, "uniform", None, 1, 1)[0]
+    return [_choose(phy[i], load, G, S, nodes_list[i], 0.0, was, stickiness, "uniform", None, 1, 1)[0]
             for i in range(n)]
 
 
-def _move_cost(phy_NP, was_NGE, load_NE, G: int, S: int, stickiness: float) -> np.ndarray:
-    """[N] weight copies against `previous`, priced: stickiness x the mean device load / P each."""
+def _move_cost(phy_NP, was_N: SlotCounts, load_NE, G: int, S: int, stickiness: float) -> np.ndarray:
+    """[N] weight copies against `previous` (was_N: its replicas for each row), priced: stickiness x the
+    mean device load / P each."""
     P = phy_NP.shape[1]
-    moves = (holds_mask(phy_NP, S, load_NE.shape[1]) & ~was_NGE).sum((1, 2))
+    moves = SlotCounts.devices(phy_NP, S, load_NE.shape[1]).new_pairs(was_N)
     return moves * stickiness * load_NE.sum(1) / G / P
 
 
 def _node_coverage(phy_CLP: np.ndarray, node_G: np.ndarray, S: int, E: int) -> np.ndarray:
     """[C, L] the (expert, node) pairs each candidate layer covers."""
     C, L, P = phy_CLP.shape
-    on = node_counts(phy_CLP.reshape(C * L, P), np.broadcast_to(node_G, (C * L, len(node_G))), S, E) > 0
-    return on.sum((1, 2)).reshape(C, L)
+    return _per_node(phy_CLP.reshape(C * L, P), node_G, S, E).groups_holding().sum(1).reshape(C, L)
 
 
 def cross_node_fraction(phy_NP: np.ndarray, load_NE: np.ndarray, node_G: np.ndarray, S: int) -> np.ndarray:
@@ -441,12 +424,12 @@ def cross_node_fraction(phy_NP: np.ndarray, load_NE: np.ndarray, node_G: np.ndar
     go to a replica on their own node whenever their expert has one there."""
     N, P = phy_NP.shape
     nodes = int(node_G.max()) + 1
-    covered_NE = (node_counts(phy_NP, np.broadcast_to(node_G, (N, len(node_G))), S, load_NE.shape[1]) > 0).sum(1) / nodes
+    covered_NE = _per_node(phy_NP, node_G, S, load_NE.shape[1]).groups_holding() / nodes
     total = load_NE.sum(1)
     return np.where(total > 0, (load_NE * (1 - covered_NE)).sum(1) / np.where(total > 0, total, 1), 0.0)
 
 
-def _choose(phy_CLP, load_LE, G, S, node_G, spread_weight, was_LGE, stickiness, dispatch, x0_LP, iters, work):
+def _choose(phy_CLP, load_LE, G, S, node_G, spread_weight, was, stickiness, dispatch, x0_LP, iters, work):
     """Per layer the best of C candidate placements: the slowest device under `dispatch` (steered: after
     `flows.steer_flows`), plus spread_weight x the mean device load x the cross-node route fraction,
     plus priced weight moves. Returns (phy_LP, x_LP: tokens per slot after steering, or None)."""
@@ -470,8 +453,9 @@ def _choose(phy_CLP, load_LE, G, S, node_G, spread_weight, was_LGE, stickiness, 
         score = (slot_shares(phy_NP, load_NE).max(1) * S).reshape(C, L)
     if spread_weight > 0 and node_G.max() > 0:
         score = score + spread_weight * mean * cross_node_fraction(phy_NP, load_NE, node_G, S).reshape(C, L)
-    if was_LGE is not None:
-        score = score + _move_cost(phy_NP, np.tile(was_LGE, (C, 1, 1)), load_NE, G, S, stickiness).reshape(C, L)
+    if was is not None:
+        score = score + _move_cost(phy_NP, was.select(np.tile(np.arange(L), C)), load_NE, G, S,
+                                   stickiness).reshape(C, L)
     tol = 1e-9 * mean + 1e-12
     sq = np.where(score <= score.min(0) + tol, (y_NG ** 2).sum(1).reshape(C, L), np.inf)
     pick = sq.argmin(0)
@@ -481,29 +465,108 @@ def _choose(phy_CLP, load_LE, G, S, node_G, spread_weight, was_LGE, stickiness, 
     return phy, x
 
 
-def _check_previous(previous, L: int, E: int, G: int) -> None:
-    """A `previous` placement of this model's layers, experts and devices, with legal index maps."""
+def _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous, slot_budget, stickiness,
+                    refine_rounds, refine_iters, refine_work, dispatch, node_spread):
+    """`plan_placement`'s arguments checked: (load_LE float64 [L, E], G, S, previous with clean index maps or
+    None); TypeError / ValueError naming the argument and what is valid."""
+    load_LE = real_tensor("load_LE", load_LE, "[layers, experts]")
+    if 0 in load_LE.shape:
+        raise ValueError(f"load_LE must be [layers, experts] with at least one of each, got shape {tuple(load_LE.shape)}")
+    L, E = load_LE.shape
+    for name, value in (("num_devices", num_devices), ("slots_per_device", slots_per_device), ("num_nodes", num_nodes),
+                        ("refine_iters", refine_iters), ("refine_work", refine_work), ("refine_rounds", refine_rounds),
+                        ("slot_budget", slot_budget)):
+        optional = name in ("refine_rounds", "slot_budget")
+        if not is_integer(value) and not (optional and value is None):
+            raise ValueError(f"{name} ({value!r}) must be an integer" + (" or None" if optional else ""))
+    G, S = int(num_devices), int(slots_per_device)
+    P = G * S
+    if G < 1 or S < 1:
+        raise ValueError(f"num_devices ({G}) and slots_per_device ({S}) must be >= 1")
+    if P < E:
+        raise ValueError(f"num_devices * slots_per_device ({G} * {S} = {P}) must be >= num_experts ({E}): "
+                         "every expert needs a slot")
+    if P > MAX_SLOTS or L * P > MAX_LAYER_SLOTS or L * P * G > MAX_SCAN:
+        raise ValueError(f"{L} layers x {P} slots over {G} devices is more than the planner takes ({MAX_SLOTS} slots "
+                         f"per layer, {MAX_LAYER_SLOTS} in all, layers x slots x devices <= {MAX_SCAN})")
+    if num_nodes < 1 or G % num_nodes:
+        raise ValueError(f"num_nodes ({num_nodes}) must divide num_devices ({G})")
+    if slot_budget is not None and not L * E <= slot_budget <= L * P:
+        raise ValueError(f"slot_budget ({slot_budget}) must be in [layers * experts, layers * slots] = "
+                         f"[{L * E}, {L * P}]")
+    if (refine_rounds is not None and refine_rounds < 0) or refine_iters < 1 or refine_work < 1:
+        raise ValueError(f"refine_rounds ({refine_rounds}) must be >= 0 or None, refine_iters ({refine_iters}) "
+                         f"and refine_work ({refine_work}) >= 1")
+    if not (is_real(stickiness) and 0.0 <= float(stickiness) <= MAX_STICKINESS):
+        raise ValueError(f"stickiness ({stickiness!r}) must be a number in [0, {MAX_STICKINESS}] (a fraction of the "
+                         "mean device load)")
+    if not isinstance(dispatch, str) or dispatch not in DISPATCH:
+        raise ValueError(f"dispatch ({dispatch!r}) must be one of {list(DISPATCH)}")
+    if not (node_spread is None or isinstance(node_spread, bool)
+            or (is_real(node_spread) and 0.0 <= float(node_spread) < math.inf)):
+        raise ValueError(f"node_spread ({node_spread!r}) must be True, False, None or a weight >= 0 (a fraction of "
+                         "the mean device load per unit of cross-node route fraction)")
+    return load_LE, G, S, None if previous is None else _checked_previous(previous, L, E, G)
+
+
+def _checked_previous(previous, L: int, E: int, G: int) -> Placement:
+    """`previous` as a Placement of this model's layers, experts and devices, its maps derived afresh from
+    its phy2log (on the CPU, int64); ValueError / TypeError naming what is wrong."""
     if not isinstance(previous, Placement):
         raise ValueError(f"previous must be a Placement, got {type(previous).__name__}")
+    _check_maps(previous, "previous")
     phy = previous.phy2log
-    if phy.dim() != 2 or phy.shape[0] != L or previous.num_devices != G or previous.num_experts != E \
-            or phy.shape[1] != G * previous.slots_per_device:
+    if phy.shape[0] != L or previous.num_devices != G or previous.num_experts != E:
         raise ValueError(f"previous placement must have the same layers, experts and devices ({L}, {E}, {G}), got "
                          f"phy2log {tuple(phy.shape)} for {previous.num_devices} devices x "
                          f"{previous.slots_per_device} slots and {previous.num_experts} experts")
     if bool((phy < -1).any()) or bool((phy >= E).any()):
         raise ValueError(f"previous placement holds expert ids outside [-1, {E})")
+    return index_maps(phy.detach().cpu().long(), E, G, previous.slots_per_device)
+
+
+def _check_maps(plan: Placement, who: str) -> None:
+    """Integer index maps of matching shapes and positive integer sizes (their values are not read)."""
+    for name, least in (("num_devices", 1), ("slots_per_device", 1), ("moves", 0)):
+        value = getattr(plan, name)
+        if not is_integer(value) or value < least:
+            raise ValueError(f"{who}.{name} ({value!r}) must be an integer >= {least}")
+    for name, dims in (("phy2log", 2), ("log2phy", 3), ("logcnt", 2)):
+        t = getattr(plan, name)
+        if not (isinstance(t, torch.Tensor) and t.dim() == dims and not t.is_floating_point() and not t.is_complex()
+                and t.dtype != torch.bool):
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{who}.{name} must be a {dims}-D integer torch tensor, got {got}")
+    (L, P), (Lc, E) = plan.phy2log.shape, plan.logcnt.shape
+    if Lc != L or plan.log2phy.shape[:2] != (L, E) or P != plan.num_devices * plan.slots_per_device:
+        raise ValueError(f"{who}'s maps disagree: phy2log {tuple(plan.phy2log.shape)} (must be [layers, num_devices x "
+                         f"slots_per_device] = [L, {plan.num_devices} x {plan.slots_per_device}]), log2phy "
+                         f"{tuple(plan.log2phy.shape)} ([L, E, R]), logcnt {tuple(plan.logcnt.shape)} ([L, E])")
+
+
+def _per_node(phy_NP: np.ndarray, node_G: np.ndarray, S: int, E: int) -> SlotCounts:
+    """Replicas per (row, node, expert)."""
+    return SlotCounts(phy_NP, node_G[np.arange(phy_NP.shape[1]) // S], int(node_G.max()) + 1, E)
+
+
+def _replicas(plan: Placement) -> SlotCounts:
+    """Replicas per (layer, device, expert)."""
+    return SlotCounts.devices(plan.phy2log.numpy(), plan.slots_per_device, plan.num_experts)
+
+
+def _one_per_device(plan: Placement) -> bool:
+    return int(_replicas(plan).triples()[3].max(initial=0)) <= 1
 
 
 def _is_legal(plan: Placement) -> bool:
     """Every expert has a replica and no device holds two of one expert."""
-    return bool((plan.logcnt >= 1).all()) and bool((plan.holds().sum(1) == plan.logcnt).all())
+    return bool((plan.logcnt >= 1).all()) and _one_per_device(plan)
 
 
 def _assert_legal(plan: Placement) -> None:
     """The placement's own invariants (internal: a failure here is a planner bug, not a user error)."""
     assert bool((plan.logcnt >= 1).all()), "an expert was left without a replica"
-    assert bool((plan.holds().sum(1) == plan.logcnt).all()), "a device holds two replicas of one expert"
+    assert _one_per_device(plan), "a device holds two replicas of one expert"
 
 
 def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Tensor | None = None,
@@ -511,7 +574,11 @@ def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Ten
     """Step 4: a Placement from phy2log [L, P] (-1 = empty): log2phy [L, E, R] (its inverse), logcnt
     [L, E]; with load_LE [L, E] the expected load per device with an even split; with `previous`
     the weight moves against it."""
+    phy2log = integer_tensor("phy2log", phy2log, "[layers, slots]")
     L, P = phy2log.shape
+    if L < 1 or P != G * S or bool((phy2log < -1).any()) or bool((phy2log >= E).any()):
+        raise ValueError(f"phy2log must be [layers, num_devices x slots_per_device] = [>= 1, {G} x {S}] with expert "
+                         f"ids in [-1, {E}), got shape {(L, P)}")
     logcnt = torch.zeros(L, E + 1, dtype=torch.long).scatter_add_(1, phy2log + 1, torch.ones_like(phy2log))[:, 1:]
     R = max(1, int(logcnt.max()))
     # slots sorted by expert: each expert's replicas become consecutive; rank within the expert = column
@@ -520,27 +587,27 @@ def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Ten
     sorted_exp = phy2log.gather(1, order)
     first = torch.cumsum(torch.cat([torch.zeros(L, 1, dtype=torch.long), logcnt], 1), 1)[:, :-1]  # [L, E]
     rank = torch.arange(P)[None, :] - first.gather(1, sorted_exp.clamp_min(0))
-    log2phy = torch.full((L, E + 1, R), -1, dtype=torch.long)
+    log2phy = torch.full((L, E, R), -1, dtype=torch.long)
     valid = sorted_exp >= 0
     li = torch.arange(L)[:, None].expand(L, P)
     log2phy[li[valid], sorted_exp[valid], rank[valid]] = order[valid]
-    plan = Placement(phy2log=phy2log, log2phy=log2phy[:, :E], logcnt=logcnt, num_devices=G, slots_per_device=S)
+    plan = Placement(phy2log=phy2log, log2phy=log2phy, logcnt=logcnt, num_devices=G, slots_per_device=S)
     if load_LE is not None:
         per_rep = torch.where(phy2log >= 0, (load_LE / logcnt.clamp_min(1)).gather(1, phy2log.clamp_min(0)), 0.0)
         plan.device_load_LG = per_rep.view(L, G, S).sum(2)
     if previous is not None:
-        plan.moves = int((plan.holds() & ~previous.holds()).sum())
+        plan.moves = int(_replicas(plan).new_pairs(_replicas(previous)).sum())
     return plan
 
 
 def expected_slot_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
     """[L] max / mean of the expected load per physical slot when each expert's routes split evenly
     over its replicas (with padded dispatch, DeepSpeed's, every slot is padded to the largest: this is
-    capacity over ideal)."""
-    heat_LE = torch.as_tensor(heat_LE, dtype=torch.float64)
+    capacity over ideal). heat_LE: [L, E] expected routes."""
+    heat_LE = _checked_heat(heat_LE, plan)
     L, P = plan.phy2log.shape
     mean_L = heat_LE.sum(1) / P
-    return torch.where(mean_L > 0, expected_padded_cost(heat_LE, plan) / P / mean_L.clamp_min(1e-300),
+    return torch.where(mean_L > 0, _padded_cost(heat_LE, plan) / P / mean_L.clamp_min(1e-300),
                        torch.ones(L, dtype=torch.float64))
 
 
@@ -548,8 +615,22 @@ def expected_padded_cost(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor
     """[L] slots x the expected largest slot load: what a padded dispatch (DeepSpeed's MOELayer pads every
     slot to the capacity) computes and sends per layer, in routes, with each expert's routes split
     evenly over its replicas. heat_LE: [L, E] expected routes."""
-    heat_LE = torch.as_tensor(heat_LE, dtype=torch.float64)
+    return _padded_cost(_checked_heat(heat_LE, plan), plan)
+
+
+def _padded_cost(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
     P = plan.phy2log.shape[1]
     per_replica_LE = heat_LE / plan.logcnt.clamp_min(1)
     slot_LP = torch.where(plan.phy2log >= 0, per_replica_LE.gather(1, plan.phy2log.clamp_min(0)), 0.0)
     return P * slot_LP.amax(1)
+
+
+def _checked_heat(heat_LE, plan) -> torch.Tensor:
+    """heat_LE as float64 [L, E] for `plan`'s layers and experts (finite, non-negative)."""
+    if not isinstance(plan, Placement):
+        raise TypeError(f"plan must be a Placement, got {type(plan).__name__}")
+    heat_LE = real_tensor("heat_LE", heat_LE, "[layers, experts]")
+    if heat_LE.shape != plan.logcnt.shape:
+        raise ValueError(f"heat_LE must be [layers, experts] = {tuple(plan.logcnt.shape)} for this plan, got "
+                         f"{tuple(heat_LE.shape)}")
+    return heat_LE

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .flows import steer_flows
-from .slots import holds_mask
+from .slots import SlotCounts, move_slots, row_chunks
 
 __all__ = ["refine_for_steering"]
 
@@ -33,7 +33,7 @@ class _Search:
     G: int
     S: int
     node_G: np.ndarray
-    was_LGE: np.ndarray | None     # [L, G', E] devices of `previous` that held each expert, or None
+    was: SlotCounts | None         # the replicas `previous` held per (layer, device, expert), or None
     iters: int
     work: int
 
@@ -56,13 +56,13 @@ class _Search:
         """(slowest device + priced weight moves, sum of squared device loads), each [N]."""
         y_NG = x_NP.reshape(len(x_NP), self.G, self.S).sum(2)
         cost_N = np.zeros(len(x_NP))
-        if self.was_LGE is not None:
-            cost_N = (holds_mask(phy_NP, self.S, self.E) & ~self.was_LGE[rows_N]).sum((1, 2)) * move_cost_L[rows_N]
+        if self.was is not None:
+            cost_N = SlotCounts.devices(phy_NP, self.S, self.E).new_pairs(self.was.select(rows_N)) * move_cost_L[rows_N]
         return y_NG.max(1) + cost_N, (y_NG ** 2).sum(1)
 
 
 def refine_for_steering(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, node_G: np.ndarray,
-                        was_LGE: np.ndarray | None, stickiness: float, rounds: int, iters: int,
+                        was: SlotCounts | None, stickiness: float, rounds: int, iters: int,
                         work: int, partners: int = 8) -> tuple[np.ndarray, np.ndarray]:
     """Steering-aware local search (step 3): improve each layer's slowest device after steering.
 
@@ -76,15 +76,15 @@ def refine_for_steering(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int,
     to half the gap), and the best K of each layer are confirmed by steering them; K is sized so
     a round steers about `work` slots, whatever the size (every move on tiny inputs, the best
     estimate on large ones). The best confirmed move is kept when it lowers the slowest device
-    (ties: the sum of squared device loads), else the layer stops. With `previous` (was_LGE
-    [L, G, E], the devices that held each expert) each weight move adds `stickiness` x the mean
+    (ties: the sum of squared device loads), else the layer stops. With `previous` (was, the
+    replicas it held per layer, device and expert) each weight move adds `stickiness` x the mean
     device load / P to the score (moving every slot must gain `stickiness` x the mean load). No
     move puts two replicas of an expert on one device or takes an expert off a node it alone
     covered. At the end both splits are settled further and a layer whose moves did not pay
     returns to the greedy plan.
     """
     L, P = phy_LP.shape
-    search = _Search(load_LE, G, S, node_G, was_LGE, iters, work)
+    search = _Search(load_LE, G, S, node_G, was, iters, work)
     move_cost_L = stickiness * search.mean_L / P              # moving every slot: stickiness x the mean load
     # Step 3a: the greedy placement, steered.
     x_LP = search.steer(np.ones((L, P)), phy_LP, np.arange(L), 4 * iters)
@@ -95,29 +95,33 @@ def refine_for_steering(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int,
         if active.size == 0 or M < 1:
             break
         phy_AP, x_AP = phy_LP[active], x_LP[active]
-        # Step 3b: screen.
-        est_AX, q_AQ, g_A = _screen(search, phy_AP, x_AP, M)
-        n_legal = int((est_AX < np.inf).sum(1).max())
+        # Step 3b: screen (in chunks of layers), keep each layer's best K by estimate.
+        K = max(1, work // (active.size * P))
+        parts = [_screen(search, phy_AP[c], x_AP[c], M, K) for c in row_chunks(active.size, S, M, P)]
+        pick_AK, legal_AK, p_AS, q_AQ = (np.concatenate(part) for part in zip(*parts))
+        n_legal = int(legal_AK.sum(1).max())
         if n_legal == 0:
             break
-        K = int(np.clip(work // (active.size * P), 1, n_legal))
+        K = min(K, n_legal)
         # Step 3c: confirm the best K of each layer by steering them.
-        cphy_AKP, cx_AKP, legal_AK = _candidates(est_AX, phy_AP, x_AP, q_AQ, g_A, S, K)
-        active = _confirm(search, active, phy_LP, x_LP, cphy_AKP, cx_AKP, legal_AK, move_cost_L)
+        cphy_AKP, cx_AKP = _candidates(pick_AK[:, :K], phy_AP, x_AP, p_AS, q_AQ)
+        active = _confirm(search, active, phy_LP, x_LP, cphy_AKP, cx_AKP, legal_AK[:, :K], move_cost_L)
     # Step 3d: settle.
     return _settle(search, phy_LP, x_LP, phy0_LP, x0_LP)
 
 
-def _screen(search: _Search, phy_AP: np.ndarray, x_AP: np.ndarray, M: int):
-    """Every legal move of each layer's slowest device, with a cheap estimate of its slowest device.
+def _screen(search: _Search, phy_AP: np.ndarray, x_AP: np.ndarray, M: int, K: int):
+    """Every legal move of each layer's slowest device, screened by a cheap estimate of its slowest device.
 
-    Returns est_AX [A, 2 * S * Q] (inf where illegal; index kind * S * Q + s * Q + q: kind 0 swap /
-    1 replace, s the slot on g*, q the partner slot), q_AQ [A, Q] the partner slots, g_A [A] g*.
+    Returns the best K moves of each layer: pick_AK [A, K] (index kind * S' * Q + s * Q + q: kind 0
+    swap / 1 replace, s the slot on g*, q the partner slot), legal_AK [A, K]; p_AS' [A, S'] the slots of
+    g* (all S of them but on few devices with many slots: `slots.move_slots`), q_AQ [A, Q] the
+    partner slots.
     """
     G, S, E = search.G, search.S, search.E
     A = phy_AP.shape[0]
     rows_A1 = np.arange(A)[:, None]
-    holds_AGE = holds_mask(phy_AP, S, E)
+    holds = SlotCounts.devices(phy_AP, S, E)
     y_AG = x_AP.reshape(A, G, S).sum(2)
     rank_AG = np.argsort(y_AG, 1, kind="stable")
     g_A = rank_AG[:, -1]                                        # the slowest device
@@ -125,37 +129,34 @@ def _screen(search: _Search, phy_AP: np.ndarray, x_AP: np.ndarray, M: int):
     y_g = y_AG[rows_A1[:, 0], g_A][:, None, None]
     # what the layer's slowest device is at least after a move: the slowest device it does not touch
     second_A = y_AG[rows_A1[:, 0], rank_AG[:, -2]] if G > 1 else np.zeros(A)
+    p_AS, q_AQ = move_slots(x_AP, g_A, h_AM, S)                 # slots of g*, of the partners
+    h_AQ = q_AQ // S
     if M < G - 1:                                               # every partner is below the second slowest
         untouched = second_A[:, None, None]
     else:                                                       # all other devices are partners
         third_A = y_AG[rows_A1[:, 0], rank_AG[:, -3]] if G > 2 else np.zeros(A)
-        untouched = np.where(h_AM == rank_AG[:, -2:-1], third_A[:, None], second_A[:, None])
-        untouched = np.repeat(untouched, S, 1)[:, None, :]
-    p_AS = g_A[:, None] * S + np.arange(S)                      # the slots of g*
-    q_AQ = (h_AM[:, :, None] * S + np.arange(S)).reshape(A, M * S)
-    h_AQ = q_AQ // S
+        untouched = np.where(h_AQ == rank_AG[:, -2:-1], third_A[:, None], second_A[:, None])[:, None, :]
     a_AS = phy_AP[rows_A1, p_AS]                                # experts on g* (-1: empty slot)
     b_AQ = phy_AP[rows_A1, q_AQ]                                # experts in the partner slots
-    x_a = x_AP[rows_A1, p_AS][:, :, None]                       # their tokens, [A, S, 1] and [A, 1, Q]
+    x_a = x_AP[rows_A1, p_AS][:, :, None]                       # their tokens, [A, S', 1] and [A, 1, Q]
     x_b = x_AP[rows_A1, q_AQ][:, None, :]
     a_id, b_id = a_AS.clip(0)[:, :, None], b_AQ.clip(0)         # indexable ids (empty slots masked below)
     count_AE = np.bincount((rows_A1 * (E + 1) + phy_AP + 1).ravel(), minlength=A * (E + 1)).reshape(A, E + 1)[:, 1:]
     # legality: a may go to h (h does not hold a yet); b may come to g* (swap), or b keeps another replica (replace)
-    base = (a_AS[:, :, None] >= 0) & ~holds_AGE[rows_A1[:, :, None], h_AQ[:, None, :], a_id]
-    b_may_come = ((b_AQ < 0) | ~holds_AGE[rows_A1, g_A[:, None], b_id])[:, None, :]
+    base = (a_AS[:, :, None] >= 0) & (holds.counts(rows_A1[:, :, None], h_AQ[:, None, :], a_id) == 0)
+    b_may_come = ((b_AQ < 0) | (holds.counts(rows_A1, g_A[:, None], b_id) == 0))[:, None, :]
     b_spare = ((b_AQ >= 0) & (count_AE[rows_A1, b_id] >= 2))[:, None, :]
     if search.nodes > 1:                                        # never take an expert off a node it alone covers
-        per_node = np.bincount(((rows_A1 * search.nodes + search.node_P) * (E + 1) + phy_AP + 1).ravel(),
-                               minlength=A * search.nodes * (E + 1)).reshape(A, search.nodes, E + 1)[:, :, 1:]
+        per_node = SlotCounts(phy_AP, search.node_P, search.nodes, E)
         node_g = search.node_G[g_A][:, None]
         node_q = search.node_G[h_AQ]
         cross = (node_q != node_g)[:, None, :]
-        a_alone = (per_node[rows_A1, node_g, a_AS.clip(0)] == 1)[:, :, None]
-        a_there = per_node[rows_A1[:, :, None], node_q[:, None, :], a_id] > 0
-        b_alone = ((b_AQ >= 0) & (per_node[rows_A1, node_q, b_id] == 1))[:, None, :]
-        b_there = (per_node[rows_A1, node_g, b_id] > 0)[:, None, :]
+        a_alone = (per_node.counts(rows_A1, node_g, a_AS.clip(0)) == 1)[:, :, None]
+        a_there = per_node.counts(rows_A1[:, :, None], node_q[:, None, :], a_id) > 0
+        b_alone = ((b_AQ >= 0) & (per_node.counts(rows_A1, node_q, b_id) == 1))[:, None, :]
+        b_there = (per_node.counts(rows_A1, node_g, b_id) > 0)[:, None, :]
         swap_ok = base & b_may_come & ~(cross & ((a_alone & a_there) | (b_alone & b_there)))
-        a_everywhere = (per_node[rows_A1, :, a_AS.clip(0)] > 0).all(2)[:, :, None]
+        a_everywhere = (per_node.groups_holding()[rows_A1, a_AS.clip(0)] == search.nodes)[:, :, None]
         replace_ok = base & b_spare & ~b_alone & (~a_there | a_everywhere)
     else:
         swap_ok, replace_ok = base & b_may_come, base & b_spare
@@ -166,23 +167,24 @@ def _screen(search: _Search, phy_AP: np.ndarray, x_AP: np.ndarray, M: int):
     est_replace = np.maximum(np.maximum(y_g - shift, y_h - x_b + shift), untouched)
     est_AX = np.stack([np.where(swap_ok, est_swap, np.inf), np.where(replace_ok, est_replace, np.inf)],
                       1).reshape(A, -1)
-    return est_AX, q_AQ, g_A
-
-
-def _candidates(est_AX, phy_AP, x_AP, q_AQ, g_A, S: int, K: int):
-    """The best K moves of each layer applied to copies: cphy_AKP, cx_AKP (tokens follow their experts,
-    a new copy starts empty) and legal_AK."""
-    A, P = phy_AP.shape
-    rows_A1 = np.arange(A)[:, None]
+    K = min(K, est_AX.shape[1])
     if K == 1:
         pick_AK = est_AX.argmin(1)[:, None]
     else:
         part = np.argpartition(est_AX, K - 1, 1)[:, :K]
         pick_AK = np.take_along_axis(part, np.argsort(np.take_along_axis(est_AX, part, 1), 1, kind="stable"), 1)
-    legal_AK = np.take_along_axis(est_AX, pick_AK, 1) < np.inf
-    Q = q_AQ.shape[1]
-    kind, s, qi = pick_AK // (S * Q), pick_AK // Q % S, pick_AK % Q
-    p = g_A[:, None] * S + s
+    return pick_AK, np.take_along_axis(est_AX, pick_AK, 1) < np.inf, p_AS, q_AQ
+
+
+def _candidates(pick_AK, phy_AP, x_AP, p_AS, q_AQ):
+    """The moves pick_AK [A, K] (see `_screen`) applied to copies: cphy_AKP, cx_AKP (tokens follow their
+    experts, a new copy starts empty)."""
+    A, P = phy_AP.shape
+    K = pick_AK.shape[1]
+    rows_A1 = np.arange(A)[:, None]
+    Sp, Q = p_AS.shape[1], q_AQ.shape[1]
+    kind, s, qi = pick_AK // (Sp * Q), pick_AK // Q % Sp, pick_AK % Q
+    p = np.take_along_axis(p_AS, s, 1)
     q = np.take_along_axis(q_AQ, qi, 1)
     cphy_AKP = np.repeat(phy_AP[:, None, :], K, 1)
     cx_AKP = np.repeat(x_AP[:, None, :], K, 1)
@@ -194,7 +196,7 @@ def _candidates(est_AX, phy_AP, x_AP, q_AQ, g_A, S: int, K: int):
     cphy_AKP[rr, kk, p] = np.where(swap, b_AK, a_AK)
     cx_AKP[rr, kk, q] = np.where(swap, xa_AK, 0.0)
     cx_AKP[rr, kk, p] = np.where(swap, xb_AK, xa_AK)
-    return cphy_AKP, cx_AKP, legal_AK
+    return cphy_AKP, cx_AKP
 
 
 def _confirm(search: _Search, active, phy_LP, x_LP, cphy_AKP, cx_AKP, legal_AK, move_cost_L) -> np.ndarray:

@@ -20,10 +20,13 @@ layer, never a Python loop over tokens.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from ..core.topology import TOPOLOGIES, hop_cost
+from .slots import integer_tensor, is_integer, is_real, real_tensor
 
 __all__ = ["steer", "even_split", "reroute_near_ties", "device_loads"]
 
@@ -42,36 +45,11 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tenso
     weight_G: [G] cost of one token from each source (sequence-length weighting); None = 1.
     Conserves tokens (split_GER.sum(2) == counts_GE) and uses only existing replicas.
     """
-    counts_GE, devices_ER = _integers("counts_GE", counts_GE, 2), _integers("devices_ER", devices_ER, 2)
+    counts_GE, devices_ER, node_G, pressure_G, weight_G = _checked_maps(counts_GE, devices_ER, node_G, pressure_G,
+                                                                        weight_G)
+    w_intra, w_cross, w_comm = _checked_options(weights, topology, decision_batch, rounds, aggregation, overshoot_guard)
     G, E = counts_GE.shape
     R = devices_ER.shape[1]
-    if bool((counts_GE < 0).any()):
-        raise ValueError("counts_GE must be non-negative token counts")
-    if devices_ER.shape[0] != E or R < 1:
-        raise ValueError(f"devices_ER must be [experts, replicas] for counts_GE's {E} experts, got {tuple(devices_ER.shape)}")
-    if bool((devices_ER[:, 0] < 0).any()):
-        raise ValueError("every expert needs at least one replica (devices_ER[:, 0] >= 0)")
-    if bool((devices_ER < -1).any()) or bool((devices_ER >= G).any()):
-        raise ValueError(f"devices_ER holds device ids outside [0, {G}) (-1 pads)")
-    if R > 1 and bool(((devices_ER[:, :-1] < 0) & (devices_ER[:, 1:] >= 0)).any()):
-        raise ValueError("devices_ER pads with -1 only after an expert's replicas (a -1 mid-row would lose tokens)")
-    if topology not in TOPOLOGIES:
-        raise ValueError(f"topology ({topology!r}) must be one of {sorted(TOPOLOGIES)}")
-    node_G = _integers("node_G", node_G, 1)
-    pressure_G = None if pressure_G is None else _reals("pressure_G", pressure_G, G)
-    weight_G = None if weight_G is None else _reals("weight_G", weight_G, G)
-    if node_G.shape[0] != G:
-        raise ValueError(f"node_G has {node_G.shape[0]} ranks, counts_GE {G}")
-    if weights is None:
-        weights = TOPOLOGIES[topology].weights
-    if hasattr(weights, "intra"):
-        weights = (weights.intra, weights.cross, weights.comm)
-    w_intra, w_cross, w_comm = (float(w) for w in weights)
-    if not all(np.isfinite(w) and w >= 0 for w in (w_intra, w_cross, w_comm)):
-        raise ValueError(f"weights {tuple(weights)} must be finite and non-negative")
-    if not (decision_batch >= 1 and rounds >= 0 and np.isfinite(aggregation) and overshoot_guard > 0):
-        raise ValueError(f"decision_batch ({decision_batch}) must be >= 1, rounds ({rounds}) >= 0, aggregation "
-                         f"({aggregation}) finite and overshoot_guard ({overshoot_guard}) > 0")
     valid_ER = devices_ER >= 0
     dev_ER = devices_ER.clamp_min(0)
     hop_GG = hop_cost(node_G, TOPOLOGIES[topology].node_hop)
@@ -142,28 +120,51 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tenso
     return torch.from_numpy(split)
 
 
-def _integers(name: str, value, dims: int) -> torch.Tensor:
-    """`value` as a long tensor of `dims` dimensions; floats only when they hold whole finite numbers."""
-    t = torch.as_tensor(value)
-    if t.dim() != dims:
-        raise ValueError(f"{name} must have {dims} dimension(s), got shape {tuple(t.shape)}")
-    if t.is_complex() or t.dtype == torch.bool:
-        raise ValueError(f"{name} must hold integers, got {t.dtype}")
-    if t.is_floating_point():
-        if not bool(torch.isfinite(t).all()) or bool((t != t.round()).any()) or bool((t.abs() >= 2.0 ** 62).any()):
-            raise ValueError(f"{name} must hold whole numbers (no NaN, inf or fractions)")
-    return t.to(torch.long)
+def _checked_maps(counts_GE, devices_ER, node_G, pressure_G, weight_G):
+    """The tensors of `steer`, typed (long counts and ids, float64 pressures and weights) and checked."""
+    counts_GE = integer_tensor("counts_GE", counts_GE, "[ranks, experts]")
+    devices_ER = integer_tensor("devices_ER", devices_ER, "[experts, replicas]")
+    G, E = counts_GE.shape
+    if G < 1 or bool((counts_GE < 0).any()):
+        raise ValueError(f"counts_GE must be non-negative token counts from at least one rank, got shape {(G, E)}")
+    if devices_ER.shape[0] != E or devices_ER.shape[1] < 1:
+        raise ValueError(f"devices_ER must be [experts, replicas] for counts_GE's {E} experts, got {tuple(devices_ER.shape)}")
+    if bool((devices_ER[:, 0] < 0).any()):
+        raise ValueError("every expert needs at least one replica (devices_ER[:, 0] >= 0)")
+    if bool((devices_ER < -1).any()) or bool((devices_ER >= G).any()):
+        raise ValueError(f"devices_ER holds device ids outside [0, {G}) (-1 pads)")
+    if bool(((devices_ER[:, :-1] < 0) & (devices_ER[:, 1:] >= 0)).any()):
+        raise ValueError("devices_ER pads with -1 only after an expert's replicas (a -1 mid-row would lose tokens)")
+    node_G = integer_tensor("node_G", node_G, "[ranks]")
+    if node_G.shape[0] != G:
+        raise ValueError(f"node_G has {node_G.shape[0]} ranks, counts_GE {G}")
+    per_rank = []
+    for name, v in (("pressure_G", pressure_G), ("weight_G", weight_G)):
+        t = None if v is None else real_tensor(name, v, "[ranks]")
+        if t is not None and t.shape != (G,):
+            raise ValueError(f"{name} must be a real [{G}] tensor (one per rank), got shape {tuple(t.shape)}")
+        per_rank.append(t)
+    return counts_GE, devices_ER, node_G, *per_rank
 
 
-def _reals(name: str, value, n: int) -> torch.Tensor:
-    """`value` as a float64 [n] tensor of finite non-negative numbers."""
-    t = torch.as_tensor(value)
-    if t.is_complex() or t.shape != (n,):
-        raise ValueError(f"{name} must be a real [{n}] tensor, got {t.dtype} {tuple(t.shape)}")
-    t = t.to(torch.float64)
-    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
-        raise ValueError(f"{name} must be finite and non-negative")
-    return t
+def _checked_options(weights, topology, decision_batch, rounds, aggregation, overshoot_guard) -> tuple:
+    """(w_intra, w_cross, w_comm) after checking `steer`'s options; ValueError naming the bad one."""
+    if not isinstance(topology, str) or topology not in TOPOLOGIES:
+        raise ValueError(f"topology ({topology!r}) must be one of {sorted(TOPOLOGIES)}")
+    if weights is None:
+        weights = TOPOLOGIES[topology].weights
+    if hasattr(weights, "intra"):
+        weights = (weights.intra, weights.cross, weights.comm)
+    given = weights
+    weights = tuple(weights) if isinstance(weights, (tuple, list, np.ndarray)) else (weights,)
+    if not (len(weights) == 3 and all(is_real(w) and math.isfinite(w) and w >= 0 for w in weights)):
+        raise ValueError(f"weights ({given!r}) must be three finite non-negative numbers (intra, cross, comm)")
+    if not (is_real(decision_batch) and decision_batch >= 1 and is_integer(rounds) and rounds >= 0
+            and is_real(aggregation) and math.isfinite(aggregation) and is_real(overshoot_guard) and overshoot_guard > 0):
+        raise ValueError(f"decision_batch ({decision_batch!r}) must be a number >= 1, rounds ({rounds!r}) an integer "
+                         f">= 0, aggregation ({aggregation!r}) a finite number and overshoot_guard ({overshoot_guard!r}) "
+                         "a number > 0")
+    return tuple(float(w) for w in weights)
 
 
 def even_split(counts_GE: torch.Tensor, devices_ER: torch.Tensor) -> torch.Tensor:

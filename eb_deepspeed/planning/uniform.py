@@ -21,22 +21,54 @@ from __future__ import annotations
 
 import numpy as np
 
-from .slots import holds_mask
+from .slots import SlotCounts, move_slots, row_chunks
 
-__all__ = ["uniform_counts", "count_variants", "refine_uniform", "device_loads", "slot_shares", "node_counts"]
+__all__ = ["uniform_counts", "count_variants", "refine_uniform", "device_loads", "slot_shares"]
+
+PARTNERS = 8    # a move pairs the slowest device with this many of the least loaded
+ONE_AT_A_TIME = 256   # `uniform_counts` hands out up to this many extra replicas in a loop, more by bisection
 
 
 def uniform_counts(load_LE: np.ndarray, slots: int, max_replicas: int) -> np.ndarray:
     """cnt_LE [L, E] int64: every expert once, then `slots - E` extra replicas per layer, each to the
-    expert whose share (load / count) is largest, at most `max_replicas` each (vectorised over layers)."""
+    expert whose share (load / count) is largest (ties: the lowest expert), at most `max_replicas` each:
+    the D'Hondt apportionment. load_LE >= 0.
+
+    Handing them out one at a time (the loop, for up to ONE_AT_A_TIME of them) takes the `slots - E`
+    largest quotients load_e / c (c = 1 .. max_replicas - 1) in the order (value descending, expert,
+    c). For more, the value of the last one taken is found by bisection on its bits (exact; at most
+    63 steps of O(L x E)) and the ties at it go to the lowest experts: the same counts.
+    """
     L, E = load_LE.shape
-    cnt = np.ones((L, E), dtype=np.int64)
     extra = min(slots, E * max_replicas) - E
-    rows = np.arange(L)
-    for _ in range(extra):
-        share = np.where(cnt < max_replicas, load_LE / cnt, -1.0)
-        cnt[rows, share.argmax(1)] += 1
-    return cnt
+    cnt = np.ones((L, E), dtype=np.int64)
+    if extra <= ONE_AT_A_TIME:
+        rows = np.arange(L)
+        for _ in range(extra):
+            share = np.where(cnt < max_replicas, load_LE / cnt, -1.0)
+            cnt[rows, share.argmax(1)] += 1
+        return cnt
+    lo = np.zeros(L, dtype=np.int64)                                 # the bits of 0.0: every quotient is >= it
+    hi = np.full(L, np.float64(load_LE.max()).view(np.int64) + 1)    # above every quotient
+    while (hi - lo > 1).any():
+        mid = lo + (hi - lo) // 2                                    # (lo + hi would overflow)
+        enough = _quotients_at_least(load_LE, mid, max_replicas - 1).sum(1) >= extra
+        lo, hi = np.where(enough, mid, lo), np.where(enough, hi, mid)
+    above = _quotients_at_least(load_LE, lo + 1, max_replicas - 1)
+    tied = _quotients_at_least(load_LE, lo, max_replicas - 1) - above
+    room = extra - above.sum(1, keepdims=True)
+    return cnt + above + np.clip(room - (np.cumsum(tied, 1) - tied), 0, tied)
+
+
+def _quotients_at_least(load_LE: np.ndarray, bits_L: np.ndarray, m: int) -> np.ndarray:
+    """[L, E] how many of load_e / c, c = 1 .. m (as float64 divisions) are >= the value with bits bits_L."""
+    tau = bits_L.view(np.float64)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):   # 0 / 0, x / 0, x / tiny: all m
+        k = np.nan_to_num(np.floor(load_LE / tau), nan=m, posinf=m).clip(0, m).astype(np.int64)
+    for _ in range(2):   # the float estimate is off by at most one either way
+        k += (k < m) & (load_LE / (k + 1) >= tau)
+        k -= (k > 0) & (load_LE / k.clip(1) < tau)
+    return k
 
 
 def count_variants(load_LE: np.ndarray, slots: int, max_replicas: int, n: int) -> list[np.ndarray]:
@@ -60,7 +92,7 @@ def count_variants(load_LE: np.ndarray, slots: int, max_replicas: int, n: int) -
 
 
 def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, rounds: int,
-                   node_G: np.ndarray | None = None, was_LGE: np.ndarray | None = None,
+                   node_G: np.ndarray | None = None, was: SlotCounts | None = None,
                    stickiness: float = 0.0, work: int = 1 << 16, swaps_only: bool = False) -> np.ndarray:
     """Lower each layer's slowest device under an even split by local moves. phy_LP [L, P] changes in
     place and is returned.
@@ -79,7 +111,7 @@ def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, roun
     ever fall, so the search ends; `rounds` bounds it.
     node_G [G] or [L, G] (spread replicas over nodes; all zeros = no spread): no move takes an expert off a node it alone covers to a
     node that already holds it, or off a node it alone covers at all (drop, add).
-    was_LGE [L, G, E] (the devices of `previous` that held each expert): every replica a move puts
+    was (the replicas `previous` held per row, device and expert, `SlotCounts`): every replica a move puts
     where `previous` did not hold it costs `stickiness` x the mean device load / P, every one it puts
     back earns as much. swaps_only: keep every expert's replica count (drops and adds are not tried).
     """
@@ -95,10 +127,11 @@ def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, roun
     for _ in range(rounds):
         if active.size == 0:
             break
-        phy = phy_LP[active]
-        cand_AKP, score_AK, y_AKG, y_AG = _moves(phy, load_LE[active], G, S, node_LG[active] if nodes > 1 else None,
-                                                None if was_LGE is None else was_LGE[active], move_cost_L[active],
-                                                max(1, min(64, work // (len(active) * P))), swaps_only=swaps_only)
+        K = max(1, min(64, work // (len(active) * P)))
+        parts = [_moves(phy_LP[ac], load_LE[ac], G, S, node_LG[ac] if nodes > 1 else None,
+                        None if was is None else was.select(ac), move_cost_L[ac], K, swaps_only=swaps_only)
+                 for ac in (active[c] for c in row_chunks(len(active), S, min(G - 1, PARTNERS), P))]
+        cand_AKP, score_AK, y_AKG, y_AG = (np.concatenate(part) for part in zip(*parts))
         rows = np.arange(len(active))
         cur = y_AG.max(1)        # scores are relative to the current weight moves (a move's own are added)
         tol = tol_L[active]
@@ -133,7 +166,7 @@ def _shares(phy_NP: np.ndarray, load_NE: np.ndarray):
     return cnt, share, np.where(phy_NP >= 0, share[rows, phy_NP.clip(0)], 0.0)
 
 
-def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_AGE, move_cost_A, K: int, partners: int = 8,
+def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_A, move_cost_A, K: int, partners: int = PARTNERS,
            takers: int = 16, swaps_only: bool = False):
     """The best K moves of each layer by estimate: (candidate placements cand_AKP, their exact slowest
     device plus priced weight moves score_AK (inf where a layer has fewer than K legal moves), their
@@ -148,11 +181,10 @@ def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_AGE, move_cost_A, K: in
     rank_AG = np.argsort(y_AG, 1, kind="stable")
     g = rank_AG[:, -1]                                                 # the slowest device
     M = min(G - 1, partners)
-    q_AQ = (rank_AG[:, :M, None] * S + np.arange(S)).reshape(A, M * S)  # the partners' slots
+    p_AS, q_AQ = move_slots(w_AP, g, rank_AG[:, :M], S)               # slots of g*, of the partners
     h_AQ = q_AQ // S
-    p_AS = g[:, None] * S + np.arange(S)                               # the slots of g*
     yg = y_AG[rows[:, 0], g][:, None]
-    holds = holds_mask(phy_AP, S, E)                                   # [A, G, E]
+    holds = SlotCounts.devices(phy_AP, S, E).counts                    # (rows, devices, experts) -> replicas
     a_AS = phy_AP[rows, p_AS]
     a_id = a_AS.clip(0)
     real_a = a_AS >= 0
@@ -163,7 +195,7 @@ def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_AGE, move_cost_A, K: in
     yh = y_AG[rows, h_AQ][:, None, :]
     # the slowest holder of x other than g* after x loses a replica: loads rise by la / (c - 1) - la / c
     y_slot = np.where(phy_AP >= 0, y_AG[rows, np.arange(P) // S], -np.inf)
-    y_slot[rows, p_AS] = -np.inf
+    y_slot[rows, g[:, None] * S + np.arange(S)] = -np.inf
     top_AE = np.full(A * (E + 1), -np.inf)
     np.maximum.at(top_AE, (rows * (E + 1) + phy_AP + 1).ravel(), y_slot.ravel())
     top_AE = top_AE.reshape(A, E + 1)[:, 1:]
@@ -173,10 +205,11 @@ def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_AGE, move_cost_A, K: in
     # swap: slot s of g* <-> partner slot q (d = load leaving g*); only g* and h change
     d = sa[:, :, None] - wb
     est_swap = np.maximum(yg[:, :, None] - d, yh + d)
-    a_free_h = ~holds[rows[:, :, None], h_AQ[:, None, :], a_id[:, :, None]]          # h does not hold a
-    ok_swap = (~real_a[:, :, None] | a_free_h) & ((b_AQ < 0) | ~holds[rows, g[:, None], b_id])[:, None, :] & (d > 0)
+    a_free_h = holds(rows[:, :, None], h_AQ[:, None, :], a_id[:, :, None]) == 0       # h does not hold a
+    ok_swap = (~real_a[:, :, None] | a_free_h) & ((b_AQ < 0) | (holds(rows, g[:, None], b_id) == 0))[:, None, :] & (d > 0)
     # drop: a (on g*, count >= 2) -> c (one of the takers: not on g*, count < G, lightest new share)
-    c_key = np.where(~holds[rows[:, 0], g] & (cnt < G), c_new, np.inf)
+    g_holds_AE = holds(rows, g[:, None], np.arange(E)) > 0
+    c_key = np.where(~g_holds_AE & (cnt < G), c_new, np.inf)
     C = min(E, takers)
     c_AC = np.argpartition(c_key, C - 1, 1)[:, :C] if C < E else np.tile(np.arange(E), (A, 1))
     est_drop = np.maximum((yg - sa)[:, :, None] + c_new[rows, c_AC][:, None, :],
@@ -186,34 +219,34 @@ def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_AGE, move_cost_A, K: in
     gain_a = (share - c_new)[rows, a_id]                               # every replica of a sheds this
     yh_new = (yh - wb) + c_new[rows, a_id][:, :, None]
     b_top = (top_AE + rise_AE)[rows, b_id][:, None, :]                 # b's other holders (an upper bound)
-    g_rise = (holds[rows[:, 0], g][rows, b_id] * rise_AE[rows, b_id])[:, None, :]   # when g* holds b too
+    g_rise = (g_holds_AE[rows, b_id] * rise_AE[rows, b_id])[:, None, :]   # when g* holds b too
     est_add = np.maximum(np.maximum((yg - gain_a)[:, :, None] + g_rise, yh_new), b_top)
     ok_add = (real_a[:, :, None] & a_free_h & ((b_AQ >= 0) & (cnt[rows, b_id] >= 2))[:, None, :]
               & (b_AQ[:, None, :] != a_AS[:, :, None]))
     if node_AG is not None:
-        per_node = node_counts(phy_AP, node_AG, S, E)
+        per_node = SlotCounts(phy_AP, node_AG[:, np.arange(P) // S], int(node_AG.max()) + 1, E).counts
         ok_swap &= _keeps_nodes(per_node, a_AS, b_AQ, g, h_AQ, node_AG)
-        ok_drop &= (per_node[rows, node_AG[rows[:, 0], g][:, None], a_id] >= 2)[:, :, None]
-        ok_add &= (per_node[rows, node_AG[rows, h_AQ], b_id] >= 2)[:, None, :]
+        ok_drop &= (per_node(rows, node_AG[rows[:, 0], g][:, None], a_id) >= 2)[:, :, None]
+        ok_add &= (per_node(rows, node_AG[rows, h_AQ], b_id) >= 2)[:, None, :]
     if swaps_only:
         ok_drop, ok_add = np.zeros_like(ok_drop), np.zeros_like(ok_add)
     est = np.concatenate([np.where(ok_swap, est_swap, np.inf).reshape(A, -1),
                           np.where(ok_drop, est_drop, np.inf).reshape(A, -1),
                           np.where(ok_add, est_add, np.inf).reshape(A, -1)], 1)
-    if was_AGE is not None:   # the weight copies a move makes or undoes, priced
-        moves_AX = _move_count(was_AGE, a_AS, g, b_AQ, h_AQ, c_AC)
+    if was_A is not None:   # the weight copies a move makes or undoes, priced
+        moves_AX = _move_count(was_A.counts, a_AS, g, b_AQ, h_AQ, c_AC)
         est = est + moves_AX * move_cost_A[:, None]
     K = min(K, est.shape[1])
     pick = np.argpartition(est, K - 1, 1)[:, :K] if K < est.shape[1] else np.tile(np.arange(K), (A, 1))
     est_AK = np.take_along_axis(est, pick, 1)
-    Q = q_AQ.shape[1]
-    n_swap, n_drop = S * Q, S * C
+    Sp, Q = p_AS.shape[1], q_AQ.shape[1]
+    n_swap, n_drop = Sp * Q, Sp * C
     kind = np.where(pick < n_swap, 0, np.where(pick < n_swap + n_drop, 1, 2))
     local = np.where(kind == 0, pick, np.where(kind == 1, pick - n_swap, pick - n_swap - n_drop))
     s = np.where(kind == 1, local // C, local // Q)
     x = np.where(kind == 1, local % C, local % Q)
     ra, kk = np.broadcast_to(rows, (A, K)), np.broadcast_to(np.arange(K), (A, K))
-    p = g[:, None] * S + s
+    p = np.take_along_axis(p_AS, s, 1)
     qi = np.where(kind == 1, 0, x)
     q = np.take_along_axis(q_AQ, qi, 1)
     c = np.take_along_axis(c_AC, np.where(kind == 1, x, 0), 1)
@@ -227,9 +260,9 @@ def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_AGE, move_cost_A, K: in
     # Exact device loads of each candidate from the changes its move makes.
     h = q // S
     a0, b0, c0 = a.clip(0), b.clip(0), c.clip(0)
-    hold_a = holds[ra[..., None], np.arange(G), a0[..., None]]          # [A, K, G]
-    hold_b = holds[ra[..., None], np.arange(G), b0[..., None]]
-    hold_c = holds[ra[..., None], np.arange(G), c0[..., None]]
+    hold_a = holds(ra[..., None], np.arange(G), a0[..., None]) > 0      # [A, K, G]
+    hold_b = holds(ra[..., None], np.arange(G), b0[..., None]) > 0
+    hold_c = holds(ra[..., None], np.arange(G), c0[..., None]) > 0
     sa_k, sb_k = w_AP[ra, p], w_AP[ra, q]
     dy = np.zeros((A, K, G))
     dy += (drop * rise_AE[ra, a0])[..., None] * hold_a                  # drop: a's other holders take more
@@ -237,57 +270,48 @@ def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_AGE, move_cost_A, K: in
     dy -= (add * (share - c_new)[ra, a0])[..., None] * hold_a           # add:  a's holders take less
     dy += (add & (b >= 0))[..., None] * rise_AE[ra, b0][..., None] * hold_b   # b's other holders take more
     y_AKG = y_AG[:, None, :] + dy
-    g_add = yg - (share - c_new)[ra, a0] + (b >= 0) * holds[ra, g[:, None], b0] * rise_AE[ra, b0]   # g* may hold b
+    g_add = yg - (share - c_new)[ra, a0] + (b >= 0) * g_holds_AE[ra, b0] * rise_AE[ra, b0]   # g* may hold b
     g_new = np.where(swap, yg - sa_k + sb_k, np.where(drop, yg - sa_k + c_new[ra, c0], g_add))
     h_new = np.where(swap, y_AG[ra, h] + sa_k - sb_k, y_AG[ra, h] - sb_k + c_new[ra, a0])
     y_AKG[ra, kk, g[:, None]] = g_new
     hh = ~drop
     y_AKG[ra[hh], kk[hh], h[hh]] = h_new[hh]
     score = y_AKG.max(2)
-    if was_AGE is not None:
+    if was_A is not None:
         score = score + np.take_along_axis(moves_AX, pick, 1) * move_cost_A[:, None]
     return cand, np.where(np.isfinite(est_AK), score, np.inf), y_AKG, y_AG
 
 
-def _move_count(was_AGE, a_AS, g_A, b_AQ, h_AQ, c_AC) -> np.ndarray:
+def _move_count(was, a_AS, g_A, b_AQ, h_AQ, c_AC) -> np.ndarray:
     """[A, X] change in the number of replicas held where `previous` did not hold them, per move in the
-    order of `_moves`' estimates (swap, drop, add)."""
+    order of `_moves`' estimates (swap, drop, add). was(rows, devices, experts): `previous`'s replicas."""
     A, S = a_AS.shape
     rows = np.arange(A)[:, None]
     a_id, b_id = a_AS.clip(0), b_AQ.clip(0)
     real_a, real_b = (a_AS >= 0), (b_AQ >= 0)
-    new_a_h = ~was_AGE[rows[:, :, None], h_AQ[:, None, :], a_id[:, :, None]]       # a placed on h: [A, S, Q]
-    new_a_g = ~was_AGE[rows, g_A[:, None], a_id]                                  # a was on g*: [A, S]
-    new_b_g = ~was_AGE[rows, g_A[:, None], b_id]                                  # b placed on g*: [A, Q]
-    new_b_h = ~was_AGE[rows, h_AQ, b_id]                                          # b was on h: [A, Q]
+    new_a_h = was(rows[:, :, None], h_AQ[:, None, :], a_id[:, :, None]) == 0      # a placed on h: [A, S, Q]
+    new_a_g = was(rows, g_A[:, None], a_id) == 0                                 # a was on g*: [A, S]
+    new_b_g = was(rows, g_A[:, None], b_id) == 0                                 # b placed on g*: [A, Q]
+    new_b_h = was(rows, h_AQ, b_id) == 0                                         # b was on h: [A, Q]
     swap = (real_a[:, :, None] * (new_a_h.astype(np.int64) - new_a_g[:, :, None])
             + (real_b * (new_b_g.astype(np.int64) - new_b_h))[:, None, :])
-    new_c_g = ~was_AGE[rows, g_A[:, None], c_AC]                                  # c placed on g*: [A, C]
+    new_c_g = was(rows, g_A[:, None], c_AC) == 0                                 # c placed on g*: [A, C]
     drop = new_c_g[:, None, :].astype(np.int64) - new_a_g[:, :, None]
     add = new_a_h.astype(np.int64) - (real_b * new_b_h)[:, None, :]
     return np.concatenate([swap.reshape(A, -1), drop.reshape(A, -1), add.reshape(A, -1)], 1)
 
 
-def node_counts(phy_AP, node_AG, S: int, E: int) -> np.ndarray:
-    """[A, nodes, E] replicas of each expert on each node (node_AG [A, G]: each row's node of each device)."""
-    A, P = phy_AP.shape
-    nodes = int(node_AG.max()) + 1
-    node_AP = node_AG[:, np.arange(P) // S]
-    key = ((np.arange(A)[:, None] * nodes + node_AP) * (E + 1) + phy_AP + 1).ravel()
-    return np.bincount(key, minlength=A * nodes * (E + 1)).reshape(A, nodes, E + 1)[:, :, 1:]
-
-
-def _keeps_nodes(per_node_ANE, a_AS, b_AQ, g_A, h_AQ, node_AG) -> np.ndarray:
+def _keeps_nodes(per_node, a_AS, b_AQ, g_A, h_AQ, node_AG) -> np.ndarray:
     """[A, S, Q] bool: swapping slot s of g* with partner slot q keeps every expert on as many nodes as
     before (a swap within a node always does; across nodes, neither expert may leave a node it alone
-    covers for a node that already holds it)."""
+    covers for a node that already holds it). per_node(rows, nodes, experts): replicas per node."""
     rows = np.arange(len(a_AS))[:, None]
     ng = node_AG[rows[:, 0], g_A][:, None]                         # [A, 1]
     nq = node_AG[rows, h_AQ]                                       # [A, Q]
     a_id, b_id = a_AS.clip(0), b_AQ.clip(0)
-    a_alone = ((a_AS >= 0) & (per_node_ANE[rows, ng, a_id] == 1))[:, :, None]
-    a_there = per_node_ANE[rows[:, :, None], nq[:, None, :], a_id[:, :, None]] > 0
-    b_alone = ((b_AQ >= 0) & (per_node_ANE[rows, nq, b_id] == 1))[:, None, :]
-    b_there = (per_node_ANE[rows, ng, b_id] > 0)[:, None, :]
+    a_alone = ((a_AS >= 0) & (per_node(rows, ng, a_id) == 1))[:, :, None]
+    a_there = per_node(rows[:, :, None], nq[:, None, :], a_id[:, :, None]) > 0
+    b_alone = ((b_AQ >= 0) & (per_node(rows, nq, b_id) == 1))[:, None, :]
+    b_there = (per_node(rows, ng, b_id) > 0)[:, None, :]
     cross = (nq != ng)[:, None, :]
     return ~(cross & ((a_alone & a_there) | (b_alone & b_there)))
