@@ -871,6 +871,17 @@ def scenario_shipped_configs(p):
         with torch.no_grad():
             logits, _ = engine(batch(0)[0])
         out[name] = {"finite": bool(torch.isfinite(logits).all()), "shape": list(logits.shape)}
+    for name in p.get("serve_training", []):      # the ds_config one trains with, as it is
+        with open(os.path.join(root, "configs", name)) as f:
+            config = json.load(f)
+        config["easybalance"]["log"] = {"dir": os.path.join(p["out"], f"serve_{name}"), "interval": 1}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine = eb_deepspeed.init_inference(make_model(), config=config)
+        with torch.no_grad():
+            logits, _ = engine(batch(0)[0])
+        out[f"serve_{name}"] = {"finite": bool(torch.isfinite(logits).all()),
+                                "notes": [str(w.message) for w in caught if "init_inference" in str(w.message)]}
     return out
 
 

@@ -20,7 +20,7 @@ def test_every_shipped_config_is_covered():
 
 
 def test_the_shipped_configs_initialize_a_tiny_model_train_and_serve_on_cpu(run_dist):
-    ranks = run_dist("shipped_configs", 2, train=TRAIN, serve=SERVE)
+    ranks = run_dist("shipped_configs", 2, train=TRAIN, serve=SERVE, serve_training=["train_cpu_2rank.json"])
     for rank in ranks:
         for name in TRAIN:
             row = rank[name]
@@ -28,3 +28,6 @@ def test_the_shipped_configs_initialize_a_tiny_model_train_and_serve_on_cpu(run_
             assert row["view_steps"] == 2, (name, row)
         assert rank["train_8gpu.json"]["optimizer"] != "NoneType"     # the config's optimizer block was built
         assert rank["infer_cpu_2rank.json"]["finite"]
+        # the training config serves as it is (before: DeepSpeed's ValidationError on its training keys)
+        served = rank["serve_train_cpu_2rank.json"]
+        assert served["finite"] and len(served["notes"]) == 1 and "train_micro_batch_size_per_gpu" in served["notes"][0]

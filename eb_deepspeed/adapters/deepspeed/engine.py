@@ -16,6 +16,7 @@ With world size 1 there is no communication at all.
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from typing import Any, Optional
 
@@ -24,11 +25,11 @@ import torch.distributed as dist
 
 from ...core.balancer import Balancer, check_agreement
 from ...core.config import EasyBalanceConfig, strip_block
-from ..common import gather_startup, join_startup_off, make_logger, rank_to_node
+from ..common import dist_ready, gather_startup, join_startup_off, make_logger, rank_to_node
 from .gate import CrossLayerGate
 from .hooks import STATE_KEY, StepHook, is_pipeline, reduce_for, wrap_checkpointing
 
-__all__ = ["initialize", "swap_gates", "find_moe_layers", "attach", "check_shapes", "STATE_KEY"]
+__all__ = ["initialize", "swap_gates", "find_moe_layers", "attach", "check_shapes", "check_world_size", "STATE_KEY"]
 
 
 def find_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -48,6 +49,20 @@ def check_shapes(model: torch.nn.Module) -> None:
         raise ValueError(f"easybalance: every MoE layer's ep_size must divide the largest ({sizes[-1]}) for the "
                          f"cross-layer view, got {layers}. Nothing was changed; with \"easybalance\": "
                          f"{{\"enabled\": false}} the model trains with plain DeepSpeed")
+
+
+def check_world_size(model: torch.nn.Module) -> None:
+    """Refuse, before DeepSpeed builds its expert-parallel groups (which assert `world % ep_size == 0` on every
+    rank), MoE layers whose ep_size does not divide the job's world size (the process group's, else the
+    launcher's WORLD_SIZE; unknown: no check)."""
+    world = dist.get_world_size() if dist_ready() else int(os.environ.get("WORLD_SIZE", "0") or 0)
+    bad = [(name, int(m.ep_size)) for name, m in find_moe_layers(model) if world and world % int(m.ep_size)]
+    if bad:
+        fits = [d for d in range(1, world + 1) if world % d == 0]
+        layers = ", ".join(f"{name}: ep_size {e}" for name, e in bad[:4]) + (" ..." if len(bad) > 4 else "")
+        raise ValueError(f"MoE ep_size must divide the world size ({world} ranks): {layers}. With {world} ranks "
+                         f"ep_size can be one of {fits}; or launch a multiple of the ep_size ranks. Nothing was "
+                         "changed")
 
 
 def swap_gates(model: torch.nn.Module) -> list[CrossLayerGate]:
@@ -180,6 +195,8 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
         args.deepspeed_config = None  # handed over as `config` below; DeepSpeed refuses both
     eb_config = EasyBalanceConfig.from_ds_config(config)
     ds_config = strip_block(config)
+    if model is not None:
+        check_world_size(model)             # DeepSpeed's own check is a bare assertion on every rank
 
     if not eb_config.enabled:
         out = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)

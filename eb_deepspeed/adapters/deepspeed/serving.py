@@ -52,7 +52,7 @@ from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, expected
                                    plan_placement, static_placement)
 from ..common import (dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node, reduce_over,
                       write_atomically)
-from .engine import find_moe_layers
+from .engine import check_world_size, find_moe_layers
 from .hooks import INCOMPLETE, incomplete_problem, refuse
 from .replicas import ReplicaGate, SlotTable
 
@@ -501,11 +501,26 @@ def check_one_serving_shape(model: torch.nn.Module) -> None:
                          "model trains with eb_deepspeed.initialize, and serves with deepspeed.init_inference")
 
 
+def _inference_keys(ds_config: dict) -> dict:
+    """The ds_config without the keys DeepSpeed's inference config refuses (training settings such as
+    `train_micro_batch_size_per_gpu`, `optimizer`, `zero_optimization`), named once in a warning: the
+    config a user trains with (where the block lives) serves as it is."""
+    from deepspeed.inference.config import DeepSpeedInferenceConfig
+    fields = DeepSpeedInferenceConfig.model_fields
+    accepted = set(fields) | {f.alias for f in fields.values() if f.alias}
+    dropped = sorted(k for k in ds_config if k not in accepted)
+    if dropped:
+        warnings.warn(f"init_inference: left out of DeepSpeed's inference config the keys it does not take "
+                      f"(training settings): {', '.join(dropped)}")
+    return {k: v for k, v in ds_config.items() if k in accepted}
+
+
 def init_inference(model: torch.nn.Module, config=None, **kwargs):
     """`deepspeed.init_inference` for models built from `deepspeed.moe.layer.MoE`, made correct for
     expert parallelism, with the `easybalance` block of the same config.
 
-    config: DeepSpeed's inference config (dict or JSON path) that may hold an `"easybalance"` block;
+    config: DeepSpeed's inference config (dict or JSON path) that may hold an `"easybalance"` block; the
+    ds_config one trains with works too (its training-only keys are left out, with one warning);
     kwargs go to `deepspeed.init_inference` as they are, except that without a `dtype` the model keeps
     its own (DeepSpeed would cast to fp16). Returns DeepSpeed's `InferenceEngine` with
     `engine.serving` (placement, checkpoints) and, with an enabled block, `engine.easybalance` (the
@@ -514,12 +529,13 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     import deepspeed
 
     eb_config = EasyBalanceConfig.from_ds_config(config)
-    ds_config = strip_block(config) or {}
+    ds_config = _inference_keys(strip_block(config) or {})
     if eb_config.enabled:
         where = f'mode "{eb_config.mode}"'
         for path in eb_config.ignored_options("inference"):
             warnings.warn(f"{path} has no effect in serving ({where})")
     check_one_serving_shape(model)      # before DeepSpeed (and its process group) is touched
+    check_world_size(model)
     if not dist_ready():
         deepspeed.init_distributed()
     if "dtype" not in ds_config and "dtype" not in kwargs:
