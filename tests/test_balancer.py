@@ -424,3 +424,23 @@ def test_a_finite_but_impossible_state_is_refused_naming_its_field_and_nothing_c
     after = fresh.state_dict()
     assert torch.equal(after["view"]["pressure_LG"], before["view"]["pressure_LG"])
     assert torch.equal(after["aux"]["bias_LE"], before["aux"]["bias_LE"]) and after["view"]["steps"] == 0
+
+
+def test_a_run_shorter_than_the_log_interval_still_leaves_its_last_record_at_exit(tmp_path, monkeypatch):
+    import atexit
+
+    from eb_deepspeed.core.balancer import _flush_at_exit
+    from eb_deepspeed.observe.monitor import JsonlLogger
+    from eb_deepspeed.observe.report import read_log
+    registered = []
+    monkeypatch.setattr(atexit, "register", lambda fn, *args: registered.append((fn, args)))
+    gates = [ToyGate()]
+    balancer = Balancer(config(mode="observe", log={"interval": 10}), gates, 2, logger=JsonlLogger(str(tmp_path)))
+    for _ in range(3):                      # 3 steps, interval 10: before, the log stayed empty
+        gates[0].forward(torch.tensor([0, 1, 2, 3]))
+        balancer.step()
+    assert registered == [(_flush_at_exit, registered[0][1])]
+    fn, args = registered[0]
+    fn(*args)                               # what the interpreter runs at exit
+    fn(*args)                               # twice (a flush_log of its own first): still one record
+    assert [r["step"] for r in read_log(str(tmp_path))] == [3]

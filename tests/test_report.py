@@ -108,3 +108,28 @@ def test_the_summary_puts_the_lm_loss_beside_balance_when_the_loop_noted_it(tmp_
         plt.Figure.savefig = original
     titles = dict(saved)[str(tmp_path / "plots" / "summary.png")]
     assert any("LM loss" in t for t in titles) and len(titles) == 4
+
+
+def test_a_new_run_appended_to_a_log_is_announced_when_written_and_when_read(tmp_path):
+    first = JsonlLogger(str(tmp_path))
+    for step in (1, 2, 3):
+        first.log({"step": step, **({"run_start": 0} if step == 1 else {})}, step)
+    first.close()
+    with pytest.warns(UserWarning, match="already holds another run's records"):
+        second = JsonlLogger(str(tmp_path))
+    second.log({"step": 1, "run_start": 0}, 1)               # a fresh run (before: appended without a word)
+    second.close()
+    with pytest.warns(UserWarning, match="holds 2 runs.*shown is the last"):
+        assert [r["step"] for r in read_log(str(tmp_path))] == [1]
+
+
+def test_a_resume_that_continues_its_log_reads_without_a_warning(tmp_path):
+    import warnings
+    log = JsonlLogger(str(tmp_path))
+    for step in (1, 2):
+        log.log({"step": step, **({"run_start": 0} if step == 1 else {})}, step)
+    log.log({"step": 3, "run_start": 2}, 3)                  # resumed from the step-2 checkpoint
+    log.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [r["step"] for r in read_log(str(tmp_path))] == [1, 2, 3]

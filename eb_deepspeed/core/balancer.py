@@ -18,9 +18,11 @@ whole view. World size 1 is `reduce=None`: no communication at all.
 """
 from __future__ import annotations
 
+import atexit
 import math
 import numbers
 import warnings
+import weakref
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
@@ -72,6 +74,17 @@ def check_agreement(gathered: Sequence[dict[str, Any]], rank: int) -> None:
                     if mine.get(k) != theirs.get(k)}
             raise ValueError(f"rank {other} disagrees with rank {rank} on the MoE model or easybalance config "
                              f"(mine, theirs): {diff}")
+
+
+def _flush_at_exit(ref: "weakref.ref[Balancer]") -> None:
+    """At interpreter exit: log the last step if it was not logged (a run that ended between log intervals,
+    or before the first). Never raises: the process is ending."""
+    balancer = ref()
+    if balancer is not None:
+        try:
+            balancer.flush_log()
+        except Exception as e:   # noqa: BLE001 - a closed logger at exit must not turn a clean exit into a traceback
+            warnings.warn(f"easybalance: the last balance record could not be written at exit ({e})")
 
 
 class Balancer:
@@ -134,6 +147,8 @@ class Balancer:
         self._logged_step = 0
         self._run_start: Optional[int] = 0    # put on the next record: where this run's log starts
         self.apply_controls()
+        if not isinstance(self.logger, NullLogger):       # a run shorter than log.interval still leaves a record
+            atexit.register(_flush_at_exit, weakref.ref(self))
 
     def _experts_per_layer(self, num_experts) -> list[int]:
         """[L] experts of every layer of the model, checked against this rank's gates."""

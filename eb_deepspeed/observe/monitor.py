@@ -58,6 +58,10 @@ class JsonlLogger(BalanceLogger):
         self._file = _open_append(self.path)
         _cut_partial_line(self._file)
         self._size = self._file.seek(0, os.SEEK_END)
+        if self._size:
+            warnings.warn(f"easybalance: {self.path} already holds another run's records; this run's follow them, "
+                          "its first marked run_start (a resumed run continuing its log: as intended). `eb report` "
+                          "plots the last run of a file: give each new run its own easybalance.log.dir to keep both")
 
     def log(self, record: dict[str, Any], step: int) -> None:
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8")

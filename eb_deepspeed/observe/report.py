@@ -160,12 +160,13 @@ def read_log(run_dir: str, keys: Optional[Sequence[str]] = None,
     (and always the last): memory stays bounded however long the log.
     """
     kept: list[dict[str, Any]] = []
-    stride, seen, last = 1, 0, None
+    stride, seen, last, runs = 1, 0, None, 0
     for record in iter_log(run_dir):
         start = record.get("run_start")
         if not isinstance(start, int) and last is not None and record["step"] <= last["step"]:
             start = record["step"] - 1          # a resume logged without a marker (older logs)
         if isinstance(start, int) and not isinstance(start, bool):
+            runs += last is not None and (last["step"] > start or start == 0)   # a run that replaces what it follows
             while kept and kept[-1]["step"] > start:
                 kept.pop()
             if last is not None and last["step"] > start:
@@ -178,6 +179,9 @@ def read_log(run_dir: str, keys: Optional[Sequence[str]] = None,
             kept = kept[::2]
     if last is None:
         raise ValueError(f"{log_path(run_dir)} holds no records yet")
+    if runs:
+        warnings.warn(f"{log_path(run_dir)} holds {runs + 1} runs (a new run or a resume appended to the log): "
+                      "shown is the last, with the steps of earlier runs it did not replace")
     if kept and kept[-1]["step"] >= last["step"]:
         kept.pop()
     return kept + [last]
