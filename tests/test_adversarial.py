@@ -258,7 +258,7 @@ def test_hostile_balance_logs_are_refused_with_the_line(tmp_path, lines, message
     (["simulate", "--trace", "x.pt"], "--trace FILE goes with --workload trace"),
     (["simulate", "--steps", "0"], "--steps: 0 must be >= 1"),
     (["simulate", "--devices", "-2"], "--devices: -2 must be >= 1"),
-    (["bench", "plan", "--experts", "16", "0"], "--experts: 0 must be >= 1"),
+    (["bench", "gate", "--experts", "16", "0"], "--experts: 0 must be >= 1"),
 ])
 def test_cli_arguments_out_of_range_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -52,3 +52,31 @@ def test_eb_simulate_trace_reads_the_rank_count_from_our_log(tmp_path):
             f.write(json.dumps({"step": step, EXPERT_COUNTS: [[3, 1, 2, 2]] * 2, PRESSURE: [[1.0, 2.0, 1.5]] * 2}) + "\n")
     assert ranks_in_log(str(tmp_path)) == 3 and ranks_in_log(str(log)) == 3
     assert ranks_in_log(str(tmp_path / "dump.pt")) is None           # SGLang / vLLM files name no ranks
+
+
+def test_each_benchmark_has_its_own_help_with_only_its_options(capsys):
+    from eb_deepspeed.tools.cli import main
+    for what, has, lacks in (("gate", "--tokens", "--steps"), ("train", "--sweep", "--tokens"),
+                             ("infer", "--ranks", "--sweep"), ("plan", "--json", "--ranks")):
+        with pytest.raises(SystemExit):
+            main(["bench", what, "--help"])
+        text = capsys.readouterr().out
+        assert has in text and lacks not in text, what
+
+
+def test_eb_plan_names_its_metric_and_which_way_is_better(tmp_path, capsys):
+    from eb_deepspeed.tools.cli import main
+    records = [{"step": 2 * i, "expert_counts_LE": [[9, 1, 1, 1]], "devices": 2} for i in range(1, 4)]
+    (tmp_path / "balance.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["plan", str(tmp_path), "--devices", "2", "--slots", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "3 load records (one per logged step)" in out          # before: "3 steps" for a 6-step run
+    assert "balancedness = mean / max device load" in out and "higher is better" in out
+
+
+def test_eb_simulate_ends_with_its_targets_in_words_not_a_raw_json_line(capsys):
+    from eb_deepspeed.tools.cli import main
+    assert main(["simulate", "--layers", "2", "--experts", "8", "--devices", "4", "--steps", "4"]) == 0
+    tail = capsys.readouterr().out.strip().splitlines()[-3:]
+    assert tail[0] == "targets:" and "target >= 1.35" in tail[1] and "higher is better" in tail[2]
+    assert not any(line.lstrip().startswith("{") for line in tail)

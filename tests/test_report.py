@@ -1,5 +1,6 @@
 """Balance logging and `eb report`: JSONL records, namespaced keys, PNGs that hold the run's numbers."""
 import json
+import os
 
 import pytest
 
@@ -133,3 +134,12 @@ def test_a_resume_that_continues_its_log_reads_without_a_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert [r["step"] for r in read_log(str(tmp_path))] == [1, 2, 3]
+
+
+def test_eb_report_takes_an_example_run_directory_as_eb_report_compare_does(tmp_path, capsys):
+    # before: `eb report runs/main` was refused ("holds no records yet") where --compare accepted it
+    (tmp_path / "balance").mkdir()
+    (tmp_path / "balance" / "balance.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records()))
+    assert eb_main(["report", str(tmp_path)]) == 0
+    paths = capsys.readouterr().out.split()
+    assert paths and all(os.path.dirname(p) == str(tmp_path / "plots") for p in paths)

@@ -66,8 +66,9 @@ def test_one_seed_has_no_spread_and_an_unrun_comparison_is_no_verdict():
 @pytest.mark.unit
 @pytest.mark.parametrize("argv, message", [
     (["bench", "train", "--policies", "fixed"], "only with bench train --sweep"),
-    (["bench", "gate", "--coeffs", "0.1"], "only with bench train --sweep"),
-    (["bench", "train", "--sweep", "--run", "x"], "--run goes with bench noise"),
+    (["bench", "gate", "--coeffs", "0.1"], "unrecognized arguments: --coeffs"),      # each benchmark its own options
+    (["bench", "train", "--sweep", "--run", "x"], "unrecognized arguments: --run"),
+    (["bench", "noise"], "the following arguments are required: --run"),
 ])
 def test_sweep_and_noise_options_are_refused_where_they_do_nothing(argv, message, capsys):
     with pytest.raises(SystemExit):

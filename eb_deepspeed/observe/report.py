@@ -276,8 +276,9 @@ def curve_figure(records: list[dict[str, Any]], key: str, title: str):
 
 
 def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
-    """Write the PNGs; returns their paths."""
-    records = read_log(run_dir, keys=(*CURVES, *SUMMARY, *R.NOTES), max_records=MAX_POINTS)
+    """Write the PNGs; returns their paths. run_dir: a balance log's directory, the .jsonl itself, or an example
+    run directory holding balance/ (as `render_compare` takes); the PNGs go to run_dir/plots by default."""
+    records = read_log(_balance_dir(run_dir), keys=(*CURVES, *SUMMARY, *R.NOTES), max_records=MAX_POINTS)
     base = os.path.dirname(run_dir) if run_dir.endswith(".jsonl") else run_dir
     out_dir = out_dir or os.path.join(base, "plots")
     os.makedirs(out_dir, exist_ok=True)

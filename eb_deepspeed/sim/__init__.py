@@ -11,7 +11,8 @@ from ..core._lazy import lazy_exports
 _EXPORTS = {
     "Topology": "..core.topology", "TOPOLOGIES": "..core.topology", "ClusterModel": ".model",
     "SimConfig": ".strategies", "STRATEGIES": ".strategies", "STRATEGY_LABELS": ".strategies",
-    "run_table": ".strategies", "evaluate_targets": ".strategies", "format_table": ".strategies",
+    "run_table": ".strategies", "evaluate_targets": ".strategies", "format_targets": ".strategies",
+    "format_table": ".strategies",
     "simulate": ".strategies", "load_trace": ".traces", "Workload": ".workloads", "WORKLOADS": ".workloads",
     "synthetic_workload": ".workloads", "trace_workload": ".workloads", "uniform_workload": ".workloads",
 }

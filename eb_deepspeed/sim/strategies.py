@@ -23,7 +23,8 @@ from ..planning.steering import even_split, steer
 from .model import ClusterModel
 from .workloads import Workload
 
-__all__ = ["SimConfig", "STRATEGIES", "STRATEGY_LABELS", "simulate", "run_table", "evaluate_targets", "format_table"]
+__all__ = ["SimConfig", "STRATEGIES", "STRATEGY_LABELS", "simulate", "run_table", "evaluate_targets", "format_targets",
+           "format_table"]
 
 
 STRATEGIES = ("static", "per_token", "batched_ema", "aggregated", "placement_steering_cross", "placement_steering",
@@ -245,6 +246,24 @@ def evaluate_targets(tables: dict[str, dict]) -> dict[str, object]:
         out["moves_ok"] = rows["placement_steering"]["moves"] <= 0.5 * rows["greedy_eplb"]["moves"]
         out["replan_moves_ok"] = rows["placement_steering"]["replan_moves"] <= 0.5 * rows["greedy_eplb"]["replan_moves"]
     return out
+
+
+def format_targets(targets: dict[str, object]) -> str:
+    """`evaluate_targets`' result as one line per target: the measured value, the target, met or not."""
+    verdict = {True: "met", False: "NOT met"}
+    lines = ["targets:"]
+    if "throughput_x_static" in targets:
+        lines.append(f"  skewed_correlated: placement + steering {targets['throughput_x_static']}x static throughput "
+                     f"(target >= 1.35: {verdict[targets['throughput_ok']]}); device util std "
+                     f"{targets['device_util_std']} (target <= 0.08: {verdict[targets['util_std_ok']]})")
+    pairs = ", ".join(f"{name} {ours} vs {greedy}" for name, (ours, greedy) in targets["balancedness_vs_greedy"].items())
+    lines.append(f"  balancedness (mean / max device load, higher is better) >= the greedy planner's on every "
+                 f"workload: {verdict[targets['balancedness_ok']]} ({pairs})")
+    if "drifting_moves" in targets:
+        ours, greedy = targets["drifting_moves"]
+        lines.append(f"  drifting: weight moves {ours} vs the greedy planner's {greedy} (target <= half: "
+                     f"{verdict[targets['moves_ok']]})")
+    return "\n".join(lines)
 
 
 def format_table(table: dict) -> str:

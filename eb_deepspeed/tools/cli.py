@@ -90,8 +90,6 @@ def _bench(args) -> int:
         return 0
     if args.what == "noise":
         from .bench_sweep import score_noise
-        if not args.run:
-            raise SystemExit("eb bench noise needs --run RUN_DIR (a balance log written with log.interval 1)")
         result = score_noise(args.run)
         print(json.dumps(result, indent=2) if args.json else
               f"gain rule: {result['gain_rule']} (median over layers), {result['gain_rule_stalling']} (layers "
@@ -155,7 +153,7 @@ def _simulate(args) -> int:
     else:
         for t in tables.values():
             print(sim.format_table(t) + "\n")
-        print("targets:", json.dumps(result["targets"]))
+        print(sim.format_targets(result["targets"]))
     return 0
 
 
@@ -208,8 +206,10 @@ def _plan(args) -> int:
     if args.json:
         print(json.dumps({"layers": L, "experts": E, "devices": G, "slots_per_device": S, **meta, "written": written}))
         return 0
-    print(f"{args.load}: {trace_NLE.shape[0]} steps, {L} layers x {E} experts -> {G} devices x {S} slots "
-          f"({G * S - E} redundant), {args.nodes} node(s)")
+    print(f"{args.load}: {trace_NLE.shape[0]} load records (one per logged step), {L} layers x {E} experts -> "
+          f"{G} devices x {S} slots ({G * S - E} redundant), {args.nodes} node(s)")
+    print("balancedness = mean / max device load over the records' summed load (1 = every device equal; higher is "
+          "better); aggregate over all layers, and the worst layer")
     print(format_balance_table(table))
     for path in written:
         print(f"wrote {path}")
@@ -262,6 +262,63 @@ def _sweep_policies():
     return [name for name, _, _ in SWEEP_POLICIES]
 
 
+def _bench_parsers(bench: argparse.ArgumentParser) -> None:
+    """`eb bench WHAT`: one subcommand per benchmark, each with only its own options (and --json)."""
+    what = bench.add_subparsers(dest="what", required=True, metavar="WHAT")
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        p = what.add_parser(name, help=help, description=help)
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        p.set_defaults(func=_bench)
+        return p
+
+    p = add("gate", "our gate vs DeepSpeed's TopKGate, forward + backward")
+    p.add_argument("--tokens", type=counting, default=4096, help="tokens per forward (4096)")
+    p.add_argument("--hidden", type=counting, default=1024, help="model dimension (1024)")
+    p.add_argument("--experts", type=counting, nargs="+", default=[16, 64], help="expert counts to time (16 64)")
+    p.add_argument("--k", type=counting, default=2, help="top-k (2)")
+    p.add_argument("--repeats", type=counting, default=30, help="timed repeats")
+
+    p = add("train", "aux policies side by side on the example model (or a sweep of them)")
+    p.add_argument("--steps", type=counting, default=None, help="optimizer steps per row (200; AutoEP 60)")
+    p.add_argument("--coeff", type=float, default=0.01, help="aux-loss coefficient of the balanced rows")
+    p.add_argument("--capacity-factor", type=float, default=1.0, help="capacity factor of every row")
+    p.add_argument("--seed", type=int, default=1234, help="the example's seed (1234)")
+    p.add_argument("--layers", type=counting, default=None,
+                   help="MoE layers of the example model (4; the sweep: 8, top-1 and top-2 alternating)")
+    p.add_argument("--framework", choices=["deepspeed", "megatron", "autoep"], default="deepspeed",
+                   help="the DeepSpeed example, the Megatron-Core one (examples/megatron_train_moe.py), or an HF "
+                        "Mixtral under DeepSpeed's AutoEP (examples/train_hf_moe.py: plain, HF's aux loss, easybalance)")
+    p.add_argument("--data", choices=["stdlib", "zipf"], default="stdlib",
+                   help="--framework autoep: the stdlib sources, or i.i.d. Zipf-distributed token ids")
+    p.add_argument("--ffn", type=counting, default=128, help="--framework autoep: each expert's hidden size (128)")
+    p.add_argument("--bias-rate", type=float, default=None, help="easybalance.aux.bias_rate of the bias row")
+    p.add_argument("--out", default="runs/bench_train", help="run directories")
+    p.add_argument("--sweep", action="store_true",
+                   help="policies x coefficients x seeds with a Pareto plot (~45 min; docs/benchmarks.md)")
+    p.add_argument("--quick", action="store_true", help="--sweep: the small version the tests run")
+    p.add_argument("--coeffs", type=float, nargs="+", default=None, help="--sweep: aux coefficients")
+    p.add_argument("--sweep-seeds", type=counting, default=None, help="--sweep (and --framework autoep, 3): seeds 1..N")
+    p.add_argument("--from", dest="from_json", default=None,
+                   help="--sweep: re-judge and re-draw a saved result's runs (no training)")
+    p.add_argument("--policies", nargs="+", default=None, choices=_Choices(_sweep_policies), metavar="POLICY",
+                   help="--sweep: rows (default all): %(choices)s")
+
+    p = add("noise", "how many steps a run's view needs to tell skew from noise")
+    p.add_argument("--run", required=True, help="a balance log written every step (log.interval 1)")
+
+    add("plan", "planner and steering time")
+
+    p = add("optimum", "the planner against brute force on small shapes")
+    p.add_argument("--seeds", type=counting, default=30, help="random loads per shape")
+
+    p = add("infer", "serving with replicas against plain DeepSpeed, side by side")
+    p.add_argument("--ranks", type=counting, nargs="+", default=[2, 4], help="gloo ranks of each run")
+    p.add_argument("--batches", type=counting, default=24, help="measured batches per row")
+    p.add_argument("--replica-slots", type=non_negative, default=1, help="easybalance.inference.replica_slots")
+    p.add_argument("--ckpt", default="runs/main/ckpt", help="the main job's checkpoint (trained routers)")
+
+
 def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="eb", description="eb_deepspeed tools")
@@ -276,46 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="output directory (default RUN_DIR/plots); with --compare the PNG file (eb_compare.png)")
     p.set_defaults(func=_report)
 
-    p = sub.add_parser("bench", help="side-by-side benchmarks")
-    p.add_argument("what", choices=["gate", "train", "noise", "plan", "optimum", "infer"],
-                   help="gate: our gate vs DeepSpeed's; train: aux policies on the example model; noise: a run's view; "
-                        "plan: planner and steering time; optimum: planner vs brute force; infer: serving vs plain")
-    p.add_argument("--run", default=None, help="noise: a balance log written every step (log.interval 1)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--tokens", type=counting, default=4096, help="gate: tokens per forward (4096)")
-    p.add_argument("--hidden", type=counting, default=1024, help="gate: model dimension (1024)")
-    p.add_argument("--experts", type=counting, nargs="+", default=[16, 64], help="gate: expert counts to time (16 64)")
-    p.add_argument("--k", type=counting, default=2, help="gate: top-k (2)")
-    p.add_argument("--repeats", type=counting, default=30, help="gate: timed repeats")
-    p.add_argument("--steps", type=counting, default=None, help="train: optimizer steps per row (200)")
-    p.add_argument("--coeff", type=float, default=0.01, help="train: aux-loss coefficient of the balanced rows")
-    p.add_argument("--capacity-factor", type=float, default=1.0, help="train: capacity factor of every row")
-    p.add_argument("--seed", type=int, default=1234, help="train: the example's seed (1234)")
-    p.add_argument("--layers", type=counting, default=None,
-                   help="train: MoE layers of the example model (4; the sweep: 8, top-1 and top-2 alternating)")
-    p.add_argument("--framework", choices=["deepspeed", "megatron", "autoep"], default="deepspeed",
-                   help="train: the DeepSpeed example, the Megatron-Core one (examples/megatron_train_moe.py), or an HF "
-                        "Mixtral under DeepSpeed's AutoEP (examples/train_hf_moe.py: plain, HF's aux loss, easybalance)")
-    p.add_argument("--data", choices=["stdlib", "zipf"], default="stdlib",
-                   help="train --framework autoep: the stdlib sources, or i.i.d. Zipf-distributed token ids")
-    p.add_argument("--ffn", type=counting, default=128, help="train --framework autoep: each expert's hidden size (128)")
-    p.add_argument("--sweep", action="store_true",
-                   help="train: policies x coefficients x seeds with a Pareto plot (~45 min; docs/benchmarks.md)")
-    p.add_argument("--quick", action="store_true", help="train --sweep: the small version the tests run")
-    p.add_argument("--coeffs", type=float, nargs="+", default=None, help="train --sweep: aux coefficients")
-    p.add_argument("--sweep-seeds", type=counting, default=None, help="train --sweep (and --framework autoep, 3): seeds 1..N")
-    p.add_argument("--from", dest="from_json", default=None,
-                   help="train --sweep: re-judge and re-draw a saved result's runs (no training)")
-    p.add_argument("--policies", nargs="+", default=None, choices=_Choices(_sweep_policies), metavar="POLICY",
-                   help="train --sweep: rows (default all): %(choices)s")
-    p.add_argument("--bias-rate", type=float, default=None, help="train: easybalance.aux.bias_rate of the bias row")
-    p.add_argument("--out", default="runs/bench_train", help="train: run directories")
-    p.add_argument("--seeds", type=counting, default=30, help="optimum: random loads per shape")
-    p.add_argument("--ranks", type=counting, nargs="+", default=[2, 4], help="infer: gloo ranks of each run")
-    p.add_argument("--batches", type=counting, default=24, help="infer: measured batches per row")
-    p.add_argument("--replica-slots", type=non_negative, default=1, help="infer: easybalance.inference.replica_slots")
-    p.add_argument("--ckpt", default="runs/main/ckpt", help="infer: the main job's checkpoint (trained routers)")
-    p.set_defaults(func=_bench)
+    _bench_parsers(sub.add_parser("bench", help="side-by-side benchmarks (eb bench WHAT --help: its options)"))
 
     p = sub.add_parser("simulate", help="cluster simulator: the EasyBalance article's table plus placement + steering")
     p.add_argument("--workload", default="skewed_correlated", choices=_Choices(_workloads), metavar="NAME",
@@ -353,17 +371,15 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_plan)
 
     args = parser.parse_args(argv)
-    if args.command == "bench":
+    if args.command == "bench" and args.what == "train":
         args.steps_given, args.layers_given = args.steps is not None, args.layers is not None
         args.steps, args.layers = args.steps or 200, args.layers or 4
         sweep_only = [flag for flag, value in (("--quick", args.quick), ("--coeffs", args.coeffs),
                                                 ("--from", args.from_json), ("--policies", args.policies),
                                                 ("--sweep-seeds", args.sweep_seeds and args.framework != "autoep"))
                       if value]
-        if sweep_only and not (args.what == "train" and args.sweep):
+        if sweep_only and not args.sweep:
             parser.error(f"{', '.join(sweep_only)}: only with bench train --sweep")
-        if args.run is not None and args.what != "noise":
-            parser.error("--run goes with bench noise")
     if args.command == "report" and not args.compare and len(args.run_dir) != 1:
         parser.error("eb report takes one RUN_DIR (or --compare RUN_A RUN_B ...)")
     if args.command == "report" and args.compare and len(args.run_dir) < 2:
