@@ -143,3 +143,49 @@ def test_eb_report_takes_an_example_run_directory_as_eb_report_compare_does(tmp_
     assert eb_main(["report", str(tmp_path)]) == 0
     paths = capsys.readouterr().out.split()
     assert paths and all(os.path.dirname(p) == str(tmp_path / "plots") for p in paths)
+
+
+def test_a_serving_log_gets_serving_plots_not_the_training_ones(tmp_path, capsys):
+    # before: x axis "optimizer step", the training policy in titles, aux-weight and device-loss-weight panels
+    served = [{**r, "phase": "serve", "mode": "balance", "policy": "bias_cross_layer", "replans": i // 2}
+              for i, r in enumerate(records())]
+    (tmp_path / "balance.jsonl").write_text("".join(json.dumps(r) + "\n" for r in served))
+    assert eb_main(["report", str(tmp_path)]) == 0
+    names = {p.rsplit("/", 1)[-1] for p in capsys.readouterr().out.split()}
+    assert names == {"device_max_over_mean.png", "expert_max_over_mean.png", "token_drop_rate.png", "summary.png",
+                     "pressure_heatmap.png"}
+    fig = curve_figure(served, "device_max_over_mean", "device max/mean")
+    assert fig.axes[0].get_xlabel().startswith("view update") and "serving, mode balance" in fig.axes[0].get_title()
+    assert "bias_cross_layer" not in fig.axes[0].get_title()
+    assert curve_figure(served, "aux_weight", "aux weight") is None
+
+
+def test_the_balancer_marks_its_records_as_training_or_serving():
+    import torch
+
+    from eb_deepspeed.core import Balancer, EasyBalanceConfig, TallyRecorder
+
+    class Gate:
+        num_experts = 2
+
+        def __init__(self):
+            self.recorder = TallyRecorder(2)
+
+        def take_tally(self, device="cpu"):
+            return self.recorder.take(device)
+
+        def discard_tally(self, last_forward_only=False):
+            self.recorder.discard(last_forward_only)
+
+        def set_aux_weight(self, w):
+            pass
+
+        def set_selection_bias(self, b):
+            pass
+
+        def set_device_loss(self, w, d):
+            pass
+    config = EasyBalanceConfig.from_block({"mode": "observe"})
+    assert Balancer(config, [Gate()], 2).record()["phase"] == "train"
+    assert Balancer(config, [Gate()], 2, train_controls=False).record()["phase"] == "serve"
+    assert torch.is_tensor(Balancer(config, [Gate()], 2).view.heat_LE)

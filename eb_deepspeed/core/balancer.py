@@ -315,7 +315,7 @@ class Balancer:
     def record(self) -> dict[str, object]:
         """One balance record (keys: `record.py`)."""
         out = {"step": self.view.steps, "samples": self.samples, "mode": self.config.mode,
-               "policy": self.config.aux.policy}
+               "policy": self.config.aux.policy, "phase": "train" if self.train_controls else "serve"}
         out.update(self.metrics())
         if self.extra_metrics is not None:
             out.update(self.extra_metrics())

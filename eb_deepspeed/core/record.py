@@ -19,7 +19,9 @@ __all__ = ["META", "PER_LAYER", "SCALARS", "NOTES", "MATRICES", "PRESSURE", "EXP
 # from (0, or the step of the checkpoint it resumed); readers drop older records past it (superseded).
 # `nonfinite_layer_ids`: layers whose router logits were non-finite this step; their per-layer
 # numbers are null, the aggregates leave them out, and the record holds no expert counts.
-META = ("step", "samples", "mode", "policy", "run_start", "nonfinite_layer_ids")
+# `phase`: "train" (a record per optimizer step) or "serve" (per view update, every inference.view_interval
+# batches; no aux controls), so a reader draws each against its own axis.
+META = ("step", "samples", "mode", "policy", "phase", "run_start", "nonfinite_layer_ids")
 
 # Per-layer curves: key -> plot title (one PNG each in `eb report`, one W&B key per layer).
 PER_LAYER: dict[str, str] = {

@@ -36,6 +36,9 @@ MAX_POINTS = 2000   # records drawn per curve: a longer log is thinned evenly wh
 MAX_RECORD_BYTES = 16 * 2 ** 20
 # Scalars of the summary figure.
 SUMMARY = ("device_util_std", "token_drop_rate", "device_max_over_mean_p90")
+# A serving run (records with phase "serve"): no training controls, its own summary, another x axis.
+TRAINING_ONLY = ("aux_weight", "device_loss_weight", "bias_spread", "aux_loss")
+SERVE_SUMMARY = ("device_max_over_mean_p90", "device_util_std", "token_drop_rate", "replans")
 
 
 def log_path(run_dir: str) -> str:
@@ -238,9 +241,19 @@ def heatmap_figure(pressure_LG, title: str = "device pressure", relative: bool =
     return fig
 
 
+def _serving(records: list[dict[str, Any]]) -> bool:
+    return records[-1].get("phase") == "serve"
+
+
+def _x_label(records: list[dict[str, Any]]) -> str:
+    return "view update (every inference.view_interval batches)" if _serving(records) else "optimizer step"
+
+
 def _run_label(records: list[dict[str, Any]]) -> str:
     last = records[-1]
     mode = last.get("mode", "?")
+    if _serving(records):
+        return f"serving, mode {mode}"
     return f"mode {mode}" + (f", policy {last['policy']}" if mode == "balance" and last.get("policy") else "")
 
 
@@ -250,10 +263,12 @@ def _reference_line(ax, key: str) -> None:
 
 
 def curve_figure(records: list[dict[str, Any]], key: str, title: str):
-    """One line per layer of the per-layer list `key` against the optimizer step (the logged values faint,
-    a trailing mean of SMOOTH records solid), labelled with the run's mode and policy; None if never logged."""
+    """One line per layer of the per-layer list `key` against the optimizer step (a serving run: the view
+    update), the logged values faint, a trailing mean of SMOOTH records solid, labelled with the run's mode
+    and policy; None if never logged, all zero where zero means off, or a training control of a serving run."""
     rows = [r.get(key) for r in records]
-    if not any(rows) or (key in ZERO_MEANS_OFF and not any(_number(v) for r in rows if r for v in r)):
+    if not any(rows) or (key in ZERO_MEANS_OFF and not any(_number(v) for r in rows if r for v in r)) \
+            or (key in TRAINING_ONLY and _serving(records)):
         return None
     plt = _plt()
     steps = [r["step"] for r in records]
@@ -266,7 +281,7 @@ def curve_figure(records: list[dict[str, Any]], key: str, title: str):
         ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
         ax.plot(xs, _smoothed(ys, SMOOTH), color=color, label=f"layer {layer}")
     _reference_line(ax, key)
-    ax.set_xlabel("optimizer step")
+    ax.set_xlabel(_x_label(records))
     ax.set_ylabel(title)
     ax.set_title(f"{title} ({_run_label(records)})", fontsize="medium")
     ax.legend(fontsize="small", ncol=2)
@@ -278,7 +293,8 @@ def curve_figure(records: list[dict[str, Any]], key: str, title: str):
 def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
     """Write the PNGs; returns their paths. run_dir: a balance log's directory, the .jsonl itself, or an example
     run directory holding balance/ (as `render_compare` takes); the PNGs go to run_dir/plots by default."""
-    records = read_log(_balance_dir(run_dir), keys=(*CURVES, *SUMMARY, *R.NOTES), max_records=MAX_POINTS)
+    records = read_log(_balance_dir(run_dir), keys=(*CURVES, *SUMMARY, *SERVE_SUMMARY, *R.NOTES, "phase"),
+                       max_records=MAX_POINTS)
     base = os.path.dirname(run_dir) if run_dir.endswith(".jsonl") else run_dir
     out_dir = out_dir or os.path.join(base, "plots")
     os.makedirs(out_dir, exist_ok=True)
@@ -294,7 +310,8 @@ def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
         fig.savefig(written[-1], dpi=90)
         plt.close(fig)
 
-    panels = SUMMARY + tuple(k for k in R.NOTES if any(k in r for r in records))   # the LM loss beside balance
+    panels = SERVE_SUMMARY if _serving(records) else \
+        SUMMARY + tuple(k for k in R.NOTES if any(k in r for r in records))           # the LM loss beside balance
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5))
     for ax, key in zip(axes, panels):
         values = [_number(r.get(key)) for r in records]
@@ -303,7 +320,7 @@ def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
         _reference_line(ax, key)
         ax.set_title(R.SCALARS[key], fontsize="medium")
         ax.set_ylabel(key)
-        ax.set_xlabel("optimizer step")
+        ax.set_xlabel(_x_label(records))
         ax.grid(alpha=0.3)
     fig.suptitle(f"{_run_label(records)}: faint = logged values, solid = trailing mean of {SMOOTH} records",
                  fontsize="medium")
@@ -314,7 +331,8 @@ def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
 
     last = records[-1]
     if last.get(R.PRESSURE):
-        fig = heatmap_figure(last[R.PRESSURE], title=f"device pressure (EMA) at step {last['step']}\n"
+        at = "view update" if _serving(records) else "step"
+        fig = heatmap_figure(last[R.PRESSURE], title=f"device pressure (EMA) at {at} {last['step']}\n"
                                                      f"{_run_label(records)}")
         written.append(os.path.join(out_dir, "pressure_heatmap.png"))
         fig.savefig(written[-1], dpi=90)
