@@ -53,6 +53,14 @@ from .uniform import device_loads as _uniform_loads
 MAX_SLOTS = 1 << 16
 MAX_LAYER_SLOTS = 1 << 24
 MAX_SCAN = 1 << 34
+
+
+def check_plan_size(num_layers: int, num_slots: int, num_devices: int) -> None:
+    """ValueError when L layers x P slots a layer over G devices is more than the planner takes (its caps above)."""
+    L, P, G = num_layers, num_slots, num_devices
+    if P > MAX_SLOTS or L * P > MAX_LAYER_SLOTS or L * P * G > MAX_SCAN:
+        raise ValueError(f"{L} layers x {P} slots over {G} devices is more than the planner takes ({MAX_SLOTS} slots "
+                         f"per layer, {MAX_LAYER_SLOTS} in all, layers x slots x devices <= {MAX_SCAN})")
 MAX_STICKINESS = 1e3
 DISPATCH = ("steered", "uniform", "padded")   # how a runtime splits (and pads) an expert's tokens over its replicas
 # The default weight of node spread under steered dispatch: a layer gives up at most 1 % of its mean device
@@ -63,7 +71,7 @@ SPREAD_WEIGHT = 0.1
 EXTRA_WORK = 1 << 14
 
 __all__ = ["Placement", "plan_placement", "static_placement", "replica_counts", "assign_replicas", "index_maps",
-           "expected_padded_cost", "expected_slot_ratio"]
+           "expected_padded_cost", "expected_slot_ratio", "check_plan_size"]
 
 
 @dataclass
@@ -486,9 +494,7 @@ def _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
     if P < E:
         raise ValueError(f"num_devices * slots_per_device ({G} * {S} = {P}) must be >= num_experts ({E}): "
                          "every expert needs a slot")
-    if P > MAX_SLOTS or L * P > MAX_LAYER_SLOTS or L * P * G > MAX_SCAN:
-        raise ValueError(f"{L} layers x {P} slots over {G} devices is more than the planner takes ({MAX_SLOTS} slots "
-                         f"per layer, {MAX_LAYER_SLOTS} in all, layers x slots x devices <= {MAX_SCAN})")
+    check_plan_size(L, P, G)
     if num_nodes < 1 or G % num_nodes:
         raise ValueError(f"num_nodes ({num_nodes}) must divide num_devices ({G})")
     if slot_budget is not None and not L * E <= slot_budget <= L * P:

@@ -48,8 +48,8 @@ from ...core.config import EasyBalanceConfig, strip_block
 from ...core.record import NullLogger
 from ...core.topology import resolve_topology
 from ...observe.monitor import JsonlLogger
-from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, expected_padded_cost, expected_slot_ratio,
-                                   plan_placement, static_placement)
+from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, check_plan_size, expected_padded_cost,
+                                   expected_slot_ratio, plan_placement, static_placement)
 from ..common import (dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node, reduce_over,
                       write_atomically)
 from .engine import check_world_size, find_moe_layers
@@ -102,6 +102,10 @@ class Serving:
             raise ValueError(f"easybalance.inference.replica_slots ({self.R}): {self.G} ranks x ({self.H} home + "
                              f"{self.R} replica slots) is more than the planner's {MAX_SLOTS} slots a layer; use at "
                              f"most {MAX_SLOTS // self.G - self.H}")
+        try:
+            check_plan_size(self.L, self.G * self.S_max, self.G)     # what a re-plan would refuse mid-serving
+        except ValueError as e:
+            raise ValueError(f"easybalance.inference.replica_slots ({self.R}): {e}") from None
         self.ep_group = self.moes[0].deepspeed_moe.ep_group
         self.rank = dist.get_rank(self.ep_group) if dist_ready() and self.G > 1 else 0
         # global ranks of this rank's EP group (ep_size 1: the rank itself)
