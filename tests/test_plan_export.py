@@ -166,3 +166,18 @@ def test_eb_plan_never_writes_over_its_input_or_one_output_over_the_other(tmp_pa
         assert main(["plan", source, "--devices", "2", "--slots", "5", *args]) == 2, args
     assert log.read_text() == before and not (tmp_path / "p.json").exists()
     assert main(["plan", str(log), "--devices", "2", "--slots", "5", "--out", str(tmp_path / "p.json")]) == 0
+
+
+def test_eb_plan_refuses_an_output_that_is_a_fifo_and_replaces_a_link_instead_of_writing_through_it(tmp_path):
+    import os
+    from eb_deepspeed.core.record import EXPERT_COUNTS
+    log = tmp_path / "balance.jsonl"
+    log.write_text(json.dumps({"step": 1, EXPERT_COUNTS: (pareto_loads(2, 8, 1) * 100).round().tolist()}) + "\n")
+    os.mkfifo(tmp_path / "fifo")
+    assert main(["plan", str(log), "--devices", "2", "--slots", "5", "--out", str(tmp_path / "fifo")]) == 2   # no block
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text("keep")
+    (tmp_path / "plan.json").symlink_to(elsewhere)
+    assert main(["plan", str(log), "--devices", "2", "--slots", "5", "--out", str(tmp_path / "plan.json")]) == 0
+    assert elsewhere.read_text() == "keep" and not (tmp_path / "plan.json").is_symlink()
+    assert json.loads((tmp_path / "plan.json").read_text())["num_devices"] == 2

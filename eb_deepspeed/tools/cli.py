@@ -158,8 +158,9 @@ def _simulate(args) -> int:
 
 
 def _refuse_overwriting_inputs(source: str, outputs: list) -> None:
-    """An output file that is the input (a balance log, or a log inside the input run directory), or a second
-    output: refused before anything is read or written (links resolved), so `--out LOG` never replaces a log."""
+    """An output file that is the input (a balance log, or a log inside the input run directory), a second
+    output, or an existing non-regular file (a FIFO, a device): refused before anything is read or written
+    (links resolved), so `--out LOG` never replaces a log and `--out FIFO` never blocks."""
     inputs = [source]
     if os.path.isdir(source):
         inputs += [os.path.join(source, name) for name in os.listdir(source)]
@@ -169,6 +170,8 @@ def _refuse_overwriting_inputs(source: str, outputs: list) -> None:
         if real in seen:
             raise ValueError(f"{path}: would write over {seen[real]}; name another output file")
         seen[real] = f"the other output {path}"
+        if os.path.exists(path) and not os.path.isfile(path):     # a FIFO would block the write, a device take it
+            raise ValueError(f"{path} exists and is not a regular file: eb plan writes its outputs only as files")
 
 
 def _plan(args) -> int:
@@ -199,9 +202,9 @@ def _plan(args) -> int:
     documents = [(path, make()) for path, make in ((args.out, lambda: placement_json(plan, **meta)),
                                                     (args.sglang, lambda: sglang_mapping(plan))) if path]
     written = []
+    from ..adapters.common import write_atomically
     for path, doc in documents:           # every document built (and checked) before any file is written
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(doc, f)
+        write_atomically(path, json.dumps(doc))       # whole or not at all; a link is replaced, never followed
         written.append(path)
     if args.json:
         print(json.dumps({"layers": L, "experts": E, "devices": G, "slots_per_device": S, **meta, "written": written}))
