@@ -60,6 +60,11 @@ def parse_args(argv=None):
     p.add_argument("--run-dir", default="runs/main")
     p.add_argument("--resume", action="store_true", help="continue from RUN_DIR/ckpt")
     p.add_argument("--no-report", action="store_true", help="skip rendering the PNGs at the end")
+    p.add_argument("--mode", choices=["observe", "balance"], default=None,
+                   help="override easybalance.mode (observe: plain DeepSpeed routing, watched: the baseline)")
+    p.add_argument("--baseline", default=None, metavar="RUN_DIR",
+                   help="a finished run of the same job (e.g. --mode observe): summary.json compares the two, "
+                        "RUN_DIR/compare.png overlays them")
     deepspeed.add_config_arguments(p)
     return p.parse_args(argv)
 
@@ -78,6 +83,31 @@ def _positive_ints(what: str):
 
 
 _top_ks = _positive_ints("k")
+
+
+# What "did balancing help" compares, second half of each run: (key, what it is, lower is better)
+VERSUS = (("device_max_over_mean_p90", "p90 device max/mean (the straggler)"),
+          ("token_drop_rate", "token drop rate"), ("device_util_std", "device utilisation std"),
+          ("lm_loss", "LM loss"))
+
+
+def _versus(summary: dict, baseline_dir: str) -> dict:
+    """This run against a finished baseline run of the same job (its summary.json): each VERSUS metric's
+    second-half mean in both, the change in %, the step time ratio, and a one-line verdict."""
+    with open(os.path.join(baseline_dir, "summary.json"), encoding="utf-8") as f:
+        base = json.load(f)
+    rows, words = {}, []
+    for key, what in VERSUS:
+        ours, theirs = summary["train_second_half"].get(key), base.get("train_second_half", {}).get(key)
+        if ours is None or theirs is None:
+            continue
+        change = None if theirs == 0 else round(100.0 * (ours - theirs) / theirs, 1)
+        rows[key] = {"baseline": round(theirs, 4), "this_run": round(ours, 4), "change_pct": change}
+        words.append(f"{what} {theirs:.3f} -> {ours:.3f}" + ("" if change is None else f" ({change:+.1f} %)"))
+    speed = round(base["seconds_per_step"] / summary["seconds_per_step"], 3) if summary.get("seconds_per_step") else None
+    verdict = (f"vs the baseline {baseline_dir} (second half of each run, lower is better): " + "; ".join(words)
+               + (f"; speed {speed}x the baseline's steps/s (CPU time on this machine, noisy)" if speed else ""))
+    return {"baseline": baseline_dir, "metrics": rows, "speed_x_baseline": speed, "verdict": verdict}
 
 
 def _mean_of(values):
@@ -100,6 +130,8 @@ def main(argv=None):
         ds_config = json.load(f)
     block = ds_config.setdefault("easybalance", {})
     block.setdefault("log", {})["dir"] = os.path.join(args.run_dir, "balance")
+    if args.mode is not None:
+        block["mode"] = args.mode
     if args.aux_policy is not None:
         block.setdefault("aux", {})["policy"] = args.aux_policy
     mean_one = None if args.aux_mean_one is None else args.aux_mean_one == "true"
@@ -220,9 +252,17 @@ def main(argv=None):
             if not args.no_report:
                 from eb_deepspeed.observe.report import render_report
                 summary["plots"] = render_report(os.path.join(args.run_dir, "balance"))
+        if args.baseline:
+            summary["vs_baseline"] = _versus(summary, args.baseline)
+            if not args.no_report:
+                from eb_deepspeed.observe.report import render_compare
+                summary["plots"] = summary.get("plots", []) + [render_compare(
+                    [args.baseline, args.run_dir], os.path.join(args.run_dir, "compare.png"))]
         with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print(json.dumps(summary, indent=2))
+    if rank == 0 and "vs_baseline" in summary:
+        print(summary["vs_baseline"]["verdict"])
     if math.isnan(history[-1]["lm_loss"]) if history else False:
         raise SystemExit("training diverged (NaN loss)")
 

@@ -138,3 +138,19 @@ def test_the_pr_moe_variant_of_the_example_trains_and_its_curves_render_with_eb_
     plots = run / "balance" / "plots"
     for name in ("summary.png", "expert_max_over_mean.png", "pressure_heatmap.png", "bias_spread.png"):
         assert (plots / name).read_bytes()[:8] == PNG_MAGIC, name
+
+
+def test_the_main_job_says_whether_balancing_helped_against_its_baseline(tmp_path):
+    # before: the main job ran `balance` only; whether it helped needed a second run the user had to know of
+    deepspeed_launch(tmp_path / "baseline", "--steps", "4", "--mode", "observe")
+    proc = deepspeed_launch(tmp_path / "main", "--steps", "4", "--baseline", str(tmp_path / "baseline"))
+    base = json.loads((tmp_path / "baseline" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "main" / "summary.json").read_text())
+    versus = summary["vs_baseline"]
+    for key in ("device_max_over_mean_p90", "lm_loss"):
+        row = versus["metrics"][key]
+        assert row["baseline"] == round(base["train_second_half"][key], 4)
+        assert row["this_run"] == round(summary["train_second_half"][key], 4)
+    assert "p90 device max/mean (the straggler)" in versus["verdict"] and versus["verdict"] in proc.stdout
+    with open(tmp_path / "main" / "compare.png", "rb") as f:
+        assert f.read(8) == PNG_MAGIC

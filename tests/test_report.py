@@ -189,3 +189,30 @@ def test_the_balancer_marks_its_records_as_training_or_serving():
     assert Balancer(config, [Gate()], 2).record()["phase"] == "train"
     assert Balancer(config, [Gate()], 2, train_controls=False).record()["phase"] == "serve"
     assert torch.is_tensor(Balancer(config, [Gate()], 2).view.heat_LE)
+
+
+def test_a_flat_curve_says_why_it_is_flat():
+    # before: under the default policy the aux-weight plot was lines under one flat line at 1.0, no word why
+    flat = [{"step": s, "aux_weight": [1.0, None if s == 2 else 1.0], "mode": "balance", "policy": "bias_cross_layer"}
+            for s in (1, 2, 3)]
+    title = curve_figure(flat, "aux_weight", "aux-loss weight per layer").axes[0].get_title()
+    assert "flat: mode balance, policy bias_cross_layer keeps it at 1 every step" in title
+    assert "flat" not in curve_figure(records(), "aux_weight", "aux-loss weight").axes[0].get_title()
+
+
+def test_eb_report_compare_puts_the_lm_loss_beside_balance_when_the_runs_noted_it(tmp_path):
+    from eb_deepspeed.observe.report import render_compare
+    for name, loss in (("baseline", 2.0), ("balanced", 2.1)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "balance.jsonl").write_text(
+            "".join(json.dumps({**r, "lm_loss": loss}) + "\n" for r in records()))
+    import matplotlib.pyplot as plt
+    created = []
+    real = plt.subplots
+    plt.subplots = lambda *a, **k: created.append(real(*a, **k)) or created[-1]
+    try:
+        render_compare([str(tmp_path / "baseline"), str(tmp_path / "balanced")], str(tmp_path / "compare.png"))
+    finally:
+        plt.subplots = real
+    titles = [ax.get_title() for ax in created[-1][1]]
+    assert titles[-1].startswith("LM loss") and len(titles) == 4

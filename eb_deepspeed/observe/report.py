@@ -283,7 +283,10 @@ def curve_figure(records: list[dict[str, Any]], key: str, title: str):
     _reference_line(ax, key)
     ax.set_xlabel(_x_label(records))
     ax.set_ylabel(title)
-    ax.set_title(f"{title} ({_run_label(records)})", fontsize="medium")
+    values = {x for r in rows if r for x in map(_number, r) if x == x}     # gaps (NaN) left out
+    flat = len(values) == 1
+    why = f"\nflat: {_run_label(records)} keeps it at {next(iter(values)):g} every step" if flat else ""
+    ax.set_title(f"{title} ({_run_label(records)}){why}", fontsize="medium")
     ax.legend(fontsize="small", ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -361,17 +364,19 @@ def render_compare(run_dirs: Sequence[str], out_path: str, smooth: int = 5) -> s
     if len(run_dirs) < 2:
         raise ValueError("eb report --compare needs at least two runs")
     plt = _plt()
-    fig, axes = plt.subplots(1, len(SUMMARY), figsize=(5 * len(SUMMARY), 4))
-    for index, run_dir in enumerate(run_dirs):
-        records = read_log(_balance_dir(run_dir), keys=SUMMARY, max_records=MAX_POINTS)
+    runs = [read_log(_balance_dir(d), keys=(*SUMMARY, *R.NOTES), max_records=MAX_POINTS) for d in run_dirs]
+    # the LM loss beside balance (what balancing cost in quality) when the runs noted it
+    panels = SUMMARY + tuple(k for k in R.NOTES if any(k in r for records in runs for r in records))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for index, (run_dir, records) in enumerate(zip(run_dirs, runs)):
         label = f"{os.path.basename(os.path.normpath(run_dir))} ({_run_label(records)})"
         steps = [r["step"] for r in records]
         color = f"C{index % 10}"
-        for ax, key in zip(axes, SUMMARY):
+        for ax, key in zip(axes, panels):
             values = [_number(r.get(key)) for r in records]
             ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
             ax.plot(steps, _smoothed(values, smooth), color=color, label=label)
-    for ax, key in zip(axes, SUMMARY):
+    for ax, key in zip(axes, panels):
         ax.set_title(R.SCALARS[key], fontsize="medium")
         ax.set_ylabel(key)
         ax.set_xlabel("optimizer step")
