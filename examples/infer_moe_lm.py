@@ -136,6 +136,7 @@ def main(argv=None):
                                                                                         engine.serving.placement)],
         "device_max_over_mean": M.max_over_mean(view.pressure_LG).tolist(),
     }
+    summary["verdict"] = serving_verdict(summary)
     if rank == 0:
         balancer.flush_log()            # the log ends on the last view update
         balancer.logger.close()
@@ -145,8 +146,26 @@ def main(argv=None):
         with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print(json.dumps(summary, indent=2))
+        print(summary["verdict"])
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def serving_verdict(summary: dict) -> str:
+    """One line: was serving faster or slower than plain DeepSpeed (tokens/s, side by side in this run), did
+    replicas serve, and what they changed (capacity, drops) - so the summary never leaves it to the reader."""
+    speed = summary["tokens_per_s"]["eb"] / summary["tokens_per_s"]["plain"]
+    faster = f"{(speed - 1) * 100:+.1f} % tokens/s against plain DeepSpeed ({speed:.3f}x, measured side by side)"
+    cap, drops = summary["capacity"], summary["drop_rate_cf1"]
+    changed = (f"capacity {cap['plain']:.0f} -> {cap['eb']:.0f}, drop rate (capacity factor 1) "
+               f"{drops['plain']:.3f} -> {drops['eb']:.3f}")
+    if summary["replans"] == 0:
+        why = ("replicas never served: the view never showed a layer whose padded cost a plan cuts by more than "
+               "MIN_GAIN, so DeepSpeed's layout kept serving; the difference is the cost of watching")
+    else:
+        why = (f"replicas served ({summary['replans']} re-plan(s), {summary['weight_moves']} expert weights moved, "
+               f"{summary['placement_slots']} slots)")
+    return f"serving verdict: {faster}; {why}; {changed}; outputs identical: {summary['outputs_identical']}"
 
 
 if __name__ == "__main__":

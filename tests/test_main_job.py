@@ -107,6 +107,11 @@ def test_the_served_model_gives_the_trained_models_outputs_and_logs_its_balance(
     records = [json.loads(line) for line in (infer / "balance" / "balance.jsonl").read_text().splitlines()]
     assert records and records[-1]["mode"] == "balance" and len(records[-1]["pressure_LG"]) == 2
     assert "replans" in records[-1] and all(os.path.exists(p) for p in summary["plots"])
+    assert records[-1]["phase"] == "serve"
+    # the one-line verdict: faster or slower by how much, replicas or not and why (before: numbers only)
+    speed = summary["tokens_per_s"]["eb"] / summary["tokens_per_s"]["plain"]
+    assert summary["verdict"].startswith(f"serving verdict: {(speed - 1) * 100:+.1f} % tokens/s")
+    assert ("replicas served" in summary["verdict"]) == (summary["replans"] > 0)
 
 
 def test_the_quickstart_script_runs_as_docs_quickstart_says(tmp_path):
