@@ -41,7 +41,8 @@ def pytest_collection_modifyitems(config, items):
 
 # What a test may leave behind: nothing in /dev/shm (DeepSpeed's CPU shm op never unlinks its buffers; a job's
 # launcher must) and nothing new in the checkout (pytest's own caches aside). Checked around every test; the
-# run fails at the end naming each test that left something (the buffers are removed either way).
+# run fails at the end naming each test that left something (the buffers are removed either way). Another job
+# running meanwhile on the machine (a second test run, a training job) has its buffers counted too: one at a time.
 SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
 PYTEST_CACHES = {".pytest_cache", ".hypothesis", "__pycache__"}
 LEFT_BEHIND: list[str] = []
