@@ -130,7 +130,8 @@ def main(argv=None):
         "val_loss": {"plain": float(totals[1]) / (args.batches * world), "eb": float(totals[2]) / (args.batches * world)},
         "capacity": {name: sum(c) / len(c) for name, c in capacities.items()},
         "drop_rate_cf1": {"plain": 1 - float(totals[3] / totals[4]), "eb": 1 - float(totals[5] / totals[6])},
-        "placement_slots": engine.serving.P, "replans": engine.serving.replans,
+        "placement_slots": engine.serving.P, "experts": engine.serving.E, "replica_slots": engine.serving.R,
+        "replans": engine.serving.replans, "failed_moves": engine.serving.failed_moves,
         "weight_moves": engine.serving.weight_moves,
         "expected_slot_max_over_mean": [round(float(v), 4) for v in expected_slot_ratio(view.heat_LE,
                                                                                         engine.serving.placement)],
@@ -159,12 +160,17 @@ def serving_verdict(summary: dict) -> str:
     cap, drops = summary["capacity"], summary["drop_rate_cf1"]
     changed = (f"capacity {cap['plain']:.0f} -> {cap['eb']:.0f}, drop rate (capacity factor 1) "
                f"{drops['plain']:.3f} -> {drops['eb']:.3f}")
-    if summary["replans"] == 0:
-        why = ("replicas never served: the view never showed a layer whose padded cost a plan cuts by more than "
-               "MIN_GAIN, so DeepSpeed's layout kept serving; the difference is the cost of watching")
+    if summary["placement_slots"] > summary["experts"]:
+        why = (f"replicas serve ({summary['placement_slots']} slots for {summary['experts']} experts after "
+               f"{summary['replans']} re-plan(s), {summary['weight_moves']} expert weights moved)")
+    elif summary["replica_slots"] == 0:
+        why = "no replicas: easybalance.inference.replica_slots is 0 (or mode observe)"
+    elif summary["failed_moves"]:
+        why = f"DeepSpeed's layout serves: {summary['failed_moves']} weight move(s) failed (see the warnings)"
     else:
-        why = (f"replicas served ({summary['replans']} re-plan(s), {summary['weight_moves']} expert weights moved, "
-               f"{summary['placement_slots']} slots)")
+        why = ("DeepSpeed's layout serves" + (f" again after {summary['replans']} re-plan(s)" if summary["replans"]
+                                             else "") + ": no plan was expected to cut the padded cost by "
+               "MIN_GAIN; the difference is the cost of watching")
     return f"serving verdict: {faster}; {why}; {changed}; outputs identical: {summary['outputs_identical']}"
 
 

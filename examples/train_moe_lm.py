@@ -253,7 +253,11 @@ def main(argv=None):
                 from eb_deepspeed.observe.report import render_report
                 summary["plots"] = render_report(os.path.join(args.run_dir, "balance"))
         if args.baseline:
-            summary["vs_baseline"] = _versus(summary, args.baseline)
+            try:
+                summary["vs_baseline"] = _versus(summary, args.baseline)
+            except (OSError, KeyError, TypeError, ValueError) as e:     # the run's own summary is still written
+                summary["vs_baseline"] = {"verdict": f"no comparison with {args.baseline}: its summary.json could not "
+                                                     f"be read ({type(e).__name__}: {e})"}
             if not args.no_report:
                 from eb_deepspeed.observe.report import render_compare
                 summary["plots"] = summary.get("plots", []) + [render_compare(

@@ -16,4 +16,4 @@ deepspeed --num_gpus 2 --master_port "$port" examples/train_moe_lm.py \
 deepspeed --num_gpus 2 --master_port "$port" examples/train_moe_lm.py \
   --deepspeed_config configs/train_cpu_2rank.json --run-dir runs/main --baseline runs/main_baseline "$@"
 echo "plots: $EB_ROOT/runs/main/balance/plots and runs/main/compare.png (baseline vs balanced)"
-echo "       (re-render any time: eb report runs/main; eb report --compare runs/main_baseline runs/main)"
+echo "       (re-render any time: eb report runs/main/balance; eb report --compare runs/main_baseline runs/main)"

@@ -703,9 +703,9 @@ def scenario_serve_no_block(p):
 
 
 def _inject_move_fault(serving, phase: str) -> None:
-    """The first weight move fails on this rank: while it is prepared ("prepare"), when its transfers are
-    posted ("post": `batch_isend_irecv` raises before posting any), while one is waited for ("wait": the
-    first request's wait raises once its transfer completed), or when what arrived is checked ("verify")."""
+    """The first weight move fails on this rank: while it is prepared ("prepare"), when its first transfer is
+    posted ("post": posting it raises), while one is waited for ("wait": the first transfer's wait raises once
+    it completed), or when what arrived is checked ("verify")."""
     calls = [0]
 
     def first_call() -> bool:
@@ -719,7 +719,8 @@ def _inject_move_fault(serving, phase: str) -> None:
         original = getattr(serving, name)
         setattr(serving, name, lambda *a: fail() if first_call() else original(*a))
         return
-    original_batch = torch.distributed.batch_isend_irecv
+    import eb_deepspeed.adapters.deepspeed.serving as serving_module
+    original_post = serving_module._post
 
     class FailingWait:
         def __init__(self, work):
@@ -729,14 +730,13 @@ def _inject_move_fault(serving, phase: str) -> None:
             self.work.wait()
             fail()
 
-    def batch(ops):
+    def post(op):
         if not first_call():
-            return original_batch(ops)
+            return original_post(op)
         if phase == "post":
             fail()
-        works = original_batch(ops)
-        return [FailingWait(works[0])] + works[1:]
-    torch.distributed.batch_isend_irecv = batch
+        return FailingWait(original_post(op))
+    serving_module._post = post
 
 
 def scenario_serve_move_fault(p):

@@ -22,3 +22,13 @@ def test_an_ep_size_that_does_not_divide_the_world_size_is_one_clear_error_befor
         eb_deepspeed.initialize(model=_model(2), model_parameters=[], config=config)
     with pytest.raises(ValueError, match=r"ep_size must divide the world size \(3 ranks\)"):
         eb_deepspeed.init_inference(_model(2), config={"easybalance": block} if block else None)
+
+
+def test_the_training_ds_config_serves_without_its_training_keys_but_a_misspelled_key_is_kept_for_deepspeed():
+    from eb_deepspeed.adapters.deepspeed.serving import _inference_keys
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0}, "wandb": {"enabled": False},
+              "dtype": "fp32", "tensor_paralel": {"tp_size": 1}}
+    with pytest.warns(UserWarning, match="training settings it does not take: train_micro_batch_size_per_gpu, "
+                                         "wandb, zero_optimization"):
+        kept = _inference_keys(config)
+    assert kept == {"dtype": "fp32", "tensor_paralel": {"tp_size": 1}}      # DeepSpeed still refuses the typo

@@ -187,18 +187,38 @@ def _save_guarded(engine, original_save, bound: inspect.BoundArguments):
     save_latest = args.get("save_latest", True)
     args["tag"], args["save_latest"] = tag, False
     marker = os.path.join(save_dir, tag, INCOMPLETE)
-    if dist_rank() == 0:
+
+    def mark():
         os.makedirs(os.path.dirname(marker), exist_ok=True)
         write_atomically(marker, "a save_checkpoint into this folder has not finished (see eb_deepspeed's "
-                                  "docs/reliability.md); eb_deepspeed refuses to load it\n")
-    result = original_save(*bound.args, **bound.kwargs)
-    if dist_rank() == 0:
+                                 "docs/reliability.md); eb_deepspeed refuses to load it\n")
+
+    def commit():
         os.remove(marker)
         if save_latest:
             write_atomically(os.path.join(save_dir, "latest"), tag)
-    if dist_ready():
-        dist.barrier()                   # `latest` is written before any rank goes on, as in DeepSpeed's save
+    _on_rank0_for_all(mark, "marking the checkpoint incomplete")
+    result = original_save(*bound.args, **bound.kwargs)
+    _on_rank0_for_all(commit, "completing the checkpoint")     # `latest` is written before any rank goes on
     return result
+
+
+def _on_rank0_for_all(work, what: str) -> None:
+    """Rank 0 does `work` (file system only); every rank then learns whether it failed (one all-gather, which
+    is also the barrier), and raises the same error if it did, instead of rank 0 alone raising while the
+    others wait in DeepSpeed's next barrier."""
+    problem = None
+    if dist_rank() == 0:
+        try:
+            work()
+        except OSError as e:
+            problem = f"easybalance: {what} failed on rank 0 ({e.strerror or e}: {getattr(e, 'filename', '')})"
+    if dist_ready() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, problem)
+        problem = gathered[0]
+    if problem:
+        raise OSError(problem)
 
 
 def incomplete_problem(load_dir: str, tag: Optional[str], latest_name: str = "latest") -> Optional[str]:
@@ -211,7 +231,7 @@ def incomplete_problem(load_dir: str, tag: Optional[str], latest_name: str = "la
             tag = f.read().strip()
         if not tag:
             return f"{latest} is empty (a save was stopped while writing it)"
-    if tag and os.path.exists(os.path.join(load_dir, str(tag), INCOMPLETE)):
+    if tag is not None and os.path.exists(os.path.join(load_dir, str(tag), INCOMPLETE)):
         return (f"checkpoint {os.path.join(load_dir, str(tag))} is incomplete: a save_checkpoint into it did not "
                 "finish (killed or failed while it was written; DeepSpeed writes in place, so its files may be "
                 "torn, and what the tag held before is gone)")

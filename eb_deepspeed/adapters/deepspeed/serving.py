@@ -27,8 +27,9 @@ A re-plan moves weights in two phases: every rank fetches the new slots' weights
 buffers (one `batch_isend_irecv`), the ranks agree that every fetch succeeded and that they all
 planned the same placement, then every rank copies and flips its tables before the next forward.
 A failure at any point of the move (preparing it, posting or waiting for a transfer, checking what arrived)
-keeps the old placement on every rank: a rank whose transfer failed still completes the others, so no peer
-is left waiting, and reports the failure in the agreement. A rank dying inside the transfers ends the job
+keeps the old placement on every rank: a rank whose transfer failed still completes the others, and posts a
+stand-in for one it could not post (`_transfer`), so no peer is left waiting; the failure reaches every rank
+in the agreement. A rank dying inside the transfers ends the job
 as any failed collective does.
 """
 from __future__ import annotations
@@ -395,19 +396,32 @@ class Serving:
 
 
 
+def _post(op: "dist.P2POp"):
+    """Post one transfer (non-blocking); its work object."""
+    return op.op(op.tensor, op.peer, op.group, op.tag)
+
+
 def _transfer(ops: list) -> None:
-    """Post every transfer of a weight move and wait for each. The peers wait for the matching operations, so
-    this rank completes all of them even when one fails: posting them together failed -> they are posted one
-    by one; a wait failed -> the others are still waited for. Then the first error is raised (and reaches the
-    agreement), instead of this rank leaving a peer in a `wait()` that nothing will ever answer."""
+    """Post every transfer of a weight move and wait for each, so that no peer is left in a `wait()` that
+    nothing will answer. On NCCL the ops go as one group (posted one by one, a swap deadlocks) and a failure
+    there is the communicator's. On gloo (which posts them one at a time anyway) each is posted on its own:
+    one this rank fails to post is replaced by a stand-in of the same shape (a send of NaNs, which the
+    receiver's check refuses; a receive into scratch), so the peer's matching operation completes; a wait
+    that fails does not stop the others. Then the first error is raised, and reaches the agreement."""
     if not ops:
         return
-    errors = []
-    try:
-        requests = dist.batch_isend_irecv(ops)
-    except Exception as e:   # noqa: BLE001 - whatever failed, the peers' operations must still be matched
-        errors.append(e)
-        requests = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+    if dist.get_backend(ops[0].group) != "gloo":
+        requests, errors = dist.batch_isend_irecv(ops), []
+    else:
+        requests, errors = [], []
+        for op in ops:
+            try:
+                requests.append(_post(op))
+            except Exception as e:   # noqa: BLE001 - whatever failed, the peer's operation must still be matched
+                errors.append(e)
+                sends = op.op is dist.isend
+                stand_in = torch.full_like(op.tensor, float("nan")) if sends else torch.empty_like(op.tensor)
+                requests.append(_post(dist.P2POp(op.op, stand_in, op.peer, op.group, op.tag)))
     for request in requests:
         try:
             request.wait()
@@ -505,18 +519,29 @@ def check_one_serving_shape(model: torch.nn.Module) -> None:
                          "model trains with eb_deepspeed.initialize, and serves with deepspeed.init_inference")
 
 
+# Top-level ds_config sections of training that DeepSpeed's runtime reads beyond `deepspeed.runtime.constants`
+TRAINING_SECTIONS = ("zero_optimization", "activation_checkpointing", "flops_profiler", "wandb", "tensorboard",
+                     "csv_monitor", "comet", "expert_parallel", "aio", "compression_training", "data_efficiency",
+                     "autotuning", "elasticity", "nebula", "curriculum_learning", "sparse_attention", "pipeline",
+                     "hybrid_engine", "timers", "compile", "amp", "progressive_layer_drop", "eigenvalue",
+                     "quantize_training")
+
+
 def _inference_keys(ds_config: dict) -> dict:
-    """The ds_config without the keys DeepSpeed's inference config refuses (training settings such as
-    `train_micro_batch_size_per_gpu`, `optimizer`, `zero_optimization`), named once in a warning: the
-    config a user trains with (where the block lives) serves as it is."""
+    """The ds_config without the training settings DeepSpeed's inference config refuses
+    (`train_micro_batch_size_per_gpu`, `optimizer`, `zero_optimization`, ...), named once in a warning: the
+    config a user trains with (where the block lives) serves as it is. A key that is neither an inference
+    nor a training setting stays, so DeepSpeed refuses it as it would (a misspelled key is never dropped)."""
     from deepspeed.inference.config import DeepSpeedInferenceConfig
+    from deepspeed.runtime import constants
     fields = DeepSpeedInferenceConfig.model_fields
     accepted = set(fields) | {f.alias for f in fields.values() if f.alias}
-    dropped = sorted(k for k in ds_config if k not in accepted)
+    training = {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)} | set(TRAINING_SECTIONS)
+    dropped = sorted(k for k in ds_config if k not in accepted and k in training)
     if dropped:
-        warnings.warn(f"init_inference: left out of DeepSpeed's inference config the keys it does not take "
-                      f"(training settings): {', '.join(dropped)}")
-    return {k: v for k, v in ds_config.items() if k in accepted}
+        warnings.warn(f"init_inference: left out of DeepSpeed's inference config the training settings it does "
+                      f"not take: {', '.join(dropped)}")
+    return {k: v for k, v in ds_config.items() if k not in dropped}
 
 
 def init_inference(model: torch.nn.Module, config=None, **kwargs):
