@@ -742,7 +742,6 @@ def _inject_move_fault(serving, phase: str) -> None:
 def scenario_serve_move_fault(p):
     """A weight move that fails on one rank (at `p["phase"]`): every rank keeps the old placement, outputs
     stay right, and the next re-plan goes through."""
-    from eb_deepspeed.adapters.deepspeed import Serving
     rank = torch.distributed.get_rank()
     engine = eb_deepspeed.init_inference(_skewed(make_model(drop_tokens=False, ep_size=2)),
                                          config={"easybalance": _serve_block(p)})
