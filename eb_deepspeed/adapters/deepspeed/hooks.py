@@ -34,7 +34,7 @@ from ...core.balancer import Balancer
 from ..common import dist_rank, dist_ready, reduce_over, torch_optimizer, write_atomically
 
 __all__ = ["STATE_KEY", "INCOMPLETE", "StepHook", "wrap_checkpointing", "reduce_for", "is_pipeline", "saved_state",
-           "incomplete_problem", "refuse"]
+           "incomplete_problem", "refuse", "mark_incomplete", "mark_complete", "on_rank0_for_all", "shared_problem"]
 
 STATE_KEY = "easybalance"  # key of the balancer state in DeepSpeed's checkpoint client_state
 INCOMPLETE = "eb_save_incomplete"  # in a checkpoint tag's folder while a save into it runs (`_save_guarded`)
@@ -186,37 +186,48 @@ def _save_guarded(engine, original_save, bound: inspect.BoundArguments):
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")    # DeepSpeed's default tag
     save_latest = args.get("save_latest", True)
     args["tag"], args["save_latest"] = tag, False
-    marker = os.path.join(save_dir, tag, INCOMPLETE)
-
-    def mark():
-        os.makedirs(os.path.dirname(marker), exist_ok=True)
-        write_atomically(marker, "a save_checkpoint into this folder has not finished (see eb_deepspeed's "
-                                 "docs/reliability.md); eb_deepspeed refuses to load it\n")
-
-    def commit():
-        os.remove(marker)
-        if save_latest:
-            write_atomically(os.path.join(save_dir, "latest"), tag)
-    _on_rank0_for_all(mark, "marking the checkpoint incomplete")
+    on_rank0_for_all(lambda: mark_incomplete(os.path.join(save_dir, tag)), "marking the checkpoint incomplete")
     result = original_save(*bound.args, **bound.kwargs)
-    _on_rank0_for_all(commit, "completing the checkpoint")     # `latest` is written before any rank goes on
+    # `latest` is written before any rank goes on
+    on_rank0_for_all(lambda: mark_complete(save_dir, tag, save_latest), "completing the checkpoint")
     return result
 
 
-def _on_rank0_for_all(work, what: str) -> None:
-    """Rank 0 does `work` (file system only); every rank then learns whether it failed (one all-gather, which
-    is also the barrier), and raises the same error if it did, instead of rank 0 alone raising while the
-    others wait in DeepSpeed's next barrier."""
+def mark_incomplete(folder: str) -> None:
+    """Put `INCOMPLETE` in a checkpoint tag's folder (before anything of the tag is written)."""
+    os.makedirs(folder, exist_ok=True)
+    write_atomically(os.path.join(folder, INCOMPLETE), "a save_checkpoint into this folder has not finished (see "
+                                                       "eb_deepspeed's docs/reliability.md); eb_deepspeed refuses "
+                                                       "to load it\n")
+
+
+def mark_complete(save_dir: str, tag: str, save_latest: bool = True) -> None:
+    """Once every rank has written the tag: remove its `INCOMPLETE`, then point `latest` at it atomically."""
+    os.remove(os.path.join(save_dir, tag, INCOMPLETE))
+    if save_latest:
+        write_atomically(os.path.join(save_dir, "latest"), tag)
+
+
+def shared_problem(problem: Optional[str]) -> Optional[str]:
+    """The first rank's problem of all ranks' (one all-gather, which is also a barrier); this rank's alone
+    without a process group."""
+    if dist_ready() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, problem)
+        return next((p for p in gathered if p), None)
+    return problem
+
+
+def on_rank0_for_all(work, what: str) -> None:
+    """Rank 0 does `work` (file system only); every rank then learns whether it failed (`shared_problem`) and
+    raises the same OSError if it did, instead of rank 0 alone raising while the others wait in a barrier."""
     problem = None
     if dist_rank() == 0:
         try:
             work()
         except OSError as e:
             problem = f"easybalance: {what} failed on rank 0 ({e.strerror or e}: {getattr(e, 'filename', '')})"
-    if dist_ready() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, problem)
-        problem = gathered[0]
+    problem = shared_problem(problem)
     if problem:
         raise OSError(problem)
 
@@ -249,11 +260,7 @@ def refuse(load_dir: str, problem: str):
 def _refuse_incomplete(engine, load_dir: str, tag: Optional[str]) -> None:
     """Stop a load on every rank, before anything loads, when any rank finds the checkpoint incomplete
     (`incomplete_problem`). Collective: one all-gather of what each rank found."""
-    problem = incomplete_problem(load_dir, tag, "latest_universal" if _universal(engine) else "latest")
-    if dist_ready() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, problem)
-        problem = next((p for p in gathered if p), None)
+    problem = shared_problem(incomplete_problem(load_dir, tag, "latest_universal" if _universal(engine) else "latest"))
     if problem:
         raise refuse(load_dir, problem)
 

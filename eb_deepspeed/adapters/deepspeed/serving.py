@@ -51,10 +51,9 @@ from ...core.topology import resolve_topology
 from ...observe.monitor import JsonlLogger
 from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, check_plan_size, expected_padded_cost,
                                    expected_slot_ratio, plan_placement, static_placement)
-from ..common import (dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node, reduce_over,
-                      write_atomically)
+from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node, reduce_over
 from .engine import check_world_size, find_moe_layers
-from .hooks import INCOMPLETE, incomplete_problem, refuse
+from .hooks import incomplete_problem, mark_complete, mark_incomplete, on_rank0_for_all, refuse
 from .replicas import ReplicaGate, SlotTable
 
 __all__ = ["init_inference", "Serving", "load_moe_checkpoint", "choose_placement", "check_one_serving_shape"]
@@ -366,12 +365,8 @@ class Serving:
         fails on the missing optimizer file."""
         state = self.logical_state_dict()
         folder = os.path.join(ckpt_dir, tag)
-        marker = os.path.join(folder, INCOMPLETE)      # as the training save does: a kill never passes for a checkpoint
-        if dist_rank() == 0:
-            os.makedirs(folder, exist_ok=True)
-            write_atomically(marker, "a save_checkpoint into this folder has not finished\n")
-        if dist_ready():
-            dist.barrier()
+        # as the training save does: a kill never passes for a checkpoint (the all-gather is the barrier)
+        on_rank0_for_all(lambda: mark_incomplete(folder), "marking the checkpoint incomplete")
         if 0 in self.ep_ranks:                 # the first EP group writes (every EP group holds the same)
             for name, tensors in state.items():
                 if name != "module":
@@ -383,12 +378,8 @@ class Serving:
                         "mp_world_size": 1, "global_steps": 0, "global_samples": 0, "skipped_steps": 0,
                         "optimizer": None, "lr_scheduler": None}, os.path.join(folder, "mp_rank_00_model_states.pt"))
         if dist_ready():
-            dist.barrier()
-        if dist_rank() == 0:
-            os.remove(marker)
-            write_atomically(os.path.join(ckpt_dir, "latest"), tag)
-        if dist_ready():
-            dist.barrier()
+            dist.barrier()                                      # every rank has written its files
+        on_rank0_for_all(lambda: mark_complete(ckpt_dir, tag), "completing the checkpoint")
         return folder
 
     def _moe_names(self) -> list[str]:
