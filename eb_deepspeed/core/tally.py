@@ -5,7 +5,8 @@ R routes of one forward (K * T; -1 = a route the capacity limit dropped), T toke
 
 A gate owns a `TallyRecorder` and calls `record_routes(...)` on every training forward with its routes by
 token (no host sync, no collective); every adapter's gate goes through that one door. At the step boundary the balancer stacks each layer's packed row into one `[L, W]`
-tensor, all-reduces it once, and reads it back by name with `Tally.unpack`:
+tensor, all-reduces it once, and reads it back by name with `Tally.unpack`. (The recorder keeps each forward's
+tensors and adds them all to the row when the row is taken: see `TallyRecorder`.)
 
     routed_LE    route requests per expert, before the capacity limit (demand)
     kept_LE      routes kept per expert (what the experts processed)
@@ -26,12 +27,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 __all__ = ["Tally", "TallyLayout", "TallyRecorder", "PER_EXPERT_FIELDS", "PER_LAYER_FIELDS", "tensor_problem", "in_backward",
-           "widen_row", "nonfinite_tokens", "routes_from_mask", "route_counts"]
+           "widen_row", "logit_sums", "nonfinite_tokens", "routes_from_mask", "route_counts"]
 
 PER_EXPERT_FIELDS = ("routed", "kept", "load")
 PER_LAYER_FIELDS = ("tokens", "nonfinite", "aux", "forwards")
@@ -167,128 +168,280 @@ def _field(attribute: str) -> str:
     return attribute.rsplit("_", 1)[0]
 
 
+class _Forward(NamedTuple):
+    """One recorded forward, waiting to be folded into the row (see `TallyRecorder`)."""
+    routed_E: torch.Tensor                   # [E] route requests before the capacity limit
+    expert_TK: torch.Tensor                  # [T, K] int expert of each route, -1 = dropped
+    weight_TK: Optional[torch.Tensor]        # [T, K] load weight of each route (None: 1)
+    device_TK: Optional[torch.Tensor]        # [T, K] int EP rank of each route, -1 = dropped
+    device_E: Optional[torch.Tensor]         # [E] int EP rank of every route of each expert (instead of device_TK)
+    kept_E: Optional[torch.Tensor]           # [E] kept routes per expert, counted by the gate (None: from the routes)
+    tokens: Optional[torch.Tensor]           # [] tokens seen, given as a tensor
+    host_tokens: float                       # tokens seen, given as a number (else 0)
+    nonfinite: Optional[torch.Tensor]        # [] tokens with non-finite router logits, counted by the caller
+    logit_sums_T: Optional[torch.Tensor]     # [T] per-token sums of the router logits, counted at the fold
+    l_aux: Optional[torch.Tensor]            # [] the unweighted aux loss
+
+
 class TallyRecorder:
     """One layer's running tally, filled during forward and drained at the step boundary.
 
-    The buffer is a plain float64 tensor allocated on the logits' device, not a module buffer:
+    A forward's record keeps its tensors and does no arithmetic (a small tensor op costs mostly its fixed
+    overhead, and counting forward by forward took some twenty of them each); `take` folds every kept
+    forward into the packed row with about a dozen ops for all of them, as does a record that finds
+    `fold_every` forwards waiting (memory stays bounded when nobody takes). The fold gives the row that
+    adding one forward at a time gives (`_fold`). The hazard of keeping tensors: a caller must not change
+    a recorded tensor in place before the next `take` (the gates hand over tensors that their forward
+    made and nothing writes again).
+
+    The row is a plain float64 tensor allocated on the routes' device, not a module buffer:
     `model.half()` / `.bfloat16()` would cast a buffer and lose counts, and it is not model state.
-    Token and forward counts stay on the host (plain ints: no tensor op per forward for them).
+    Tokens given as a number and the forward count stay on the host until the fold.
     """
+
+    fold_every = 16     # forwards kept before a record folds them into the row
 
     def __init__(self, num_experts: int, num_devices: int = 0):
         self.layout = TallyLayout(num_experts, num_devices)
         self._row_W: Optional[torch.Tensor] = None
-        self._tokens = 0
-        self._forwards = 0
-        self._ones: Optional[torch.Tensor] = None   # reused source of index_add_ for unweighted routes
-        self._undo: Optional[tuple] = None          # (row, tokens, forwards) before the last record
+        self._pending: list[_Forward] = []
+        self._last_pending = False      # the last forward is the last pending one (discard can drop it)
+        self._scratch_dirty = False     # a fold route by route wrote to the scratch slots since the last take
+        self._cache: dict[tuple, tuple] = {}     # the fold's fixed tensors per device: (the map they hold, tensor)
+        self._constants: dict[tuple, torch.Tensor] = {}     # `_constant`
 
-    def record(self, routed_E: torch.Tensor, route_expert_R: torch.Tensor, tokens, nonfinite: torch.Tensor,
-               l_aux: torch.Tensor, token_w_R: Optional[torch.Tensor] = None,
-               route_device_R: Optional[torch.Tensor] = None) -> None:
+    def record(self, routed_E: torch.Tensor, route_expert_R: torch.Tensor, tokens, nonfinite: Optional[torch.Tensor],
+               l_aux: Optional[torch.Tensor], token_w_R: Optional[torch.Tensor] = None,
+               route_device_R: Optional[torch.Tensor] = None, *, logit_sums_T: Optional[torch.Tensor] = None) -> None:
         """Add one forward's routes (no host sync).
 
-        routed_E: [E] route requests before the capacity limit; route_expert_R: [R] int64 expert id of
+        routed_E: [E] route requests before the capacity limit; route_expert_R: [R] int expert id of
         each route, -1 where it was dropped; tokens: int or 0-dim tensor; nonfinite: 0-dim count of
-        tokens with non-finite logits; l_aux: the unweighted aux loss; token_w_R: [R] load weight of
-        each route (sequence-length weighting), None = 1; route_device_R: [R] int64 EP rank that
-        processes each route, -1 where dropped (only with a layout that has devices).
+        tokens with non-finite logits (None: 0); l_aux: the unweighted aux loss (None: 0); token_w_R: [R]
+        load weight of each route (sequence-length weighting), None = 1; route_device_R: [R] int EP rank
+        that processes each route, -1 where dropped (only with a layout that has devices); logit_sums_T:
+        [T] per-token sums of the router logits (`logit_sums`), whose non-finite entries the fold counts
+        as non-finite tokens (instead of, or besides, `nonfinite`).
         """
-        lay = self.layout
-        self._undo = (None if self._row_W is None else self._row_W.clone(), self._tokens, self._forwards)
-        if self._row_W is None:
-            self._row_W = torch.zeros(lay.width, dtype=torch.float64, device=routed_E.device)
-        row = self._row_W
-        row[lay.span("routed")] += routed_E
-        kept_R = route_expert_R + lay.start["kept"]      # -1 lands on the scratch slot before `kept`
-        load_R = route_expert_R + lay.start["load"]
-        if token_w_R is None:
-            if self._ones is None or self._ones.numel() < kept_R.numel() or self._ones.device != row.device:
-                self._ones = torch.ones(kept_R.numel(), dtype=torch.float64, device=row.device)
-            ones_R = self._ones[:kept_R.numel()]
-            row.index_add_(0, kept_R, ones_R)
-            row.index_add_(0, load_R, ones_R)
-        else:
-            token_w_R = token_w_R.to(row.device, row.dtype)
-            row.index_add_(0, kept_R, torch.ones_like(token_w_R))
-            row.index_add_(0, load_R, token_w_R)
-        if lay.num_devices:
-            row.index_add_(0, route_device_R + lay.start["device"], ones_R if token_w_R is None else token_w_R)
-        if isinstance(tokens, int):
-            self._tokens += tokens
-        else:
-            row[lay.start["tokens"]] += tokens
-        at = lay.start["nonfinite"]
-        assert lay.start["aux"] == at + 1
-        row[at:at + 2] += torch.stack((nonfinite.to(row.dtype), l_aux.detach().to(row.dtype)))
-        self._forwards += 1
+        self._add(routed_E, route_expert_R.reshape(-1, 1), tokens, nonfinite, logit_sums_T, l_aux,
+                  None if token_w_R is None else token_w_R.reshape(-1, 1),
+                  None if route_device_R is None else route_device_R.reshape(-1, 1), None, None)
 
     def record_routes(self, expert_TK: torch.Tensor, *, routed_E: Optional[torch.Tensor] = None,
                       nonfinite: Optional[torch.Tensor] = None, logits_TE: Optional[torch.Tensor] = None,
-                      l_aux: Optional[torch.Tensor] = None, tokens=None, token_weights_T: Optional[torch.Tensor] = None,
-                      valid_T: Optional[torch.Tensor] = None, device_TK: Optional[torch.Tensor] = None,
-                      layer: int = 0) -> None:
+                      logit_sums_T: Optional[torch.Tensor] = None, l_aux: Optional[torch.Tensor] = None, tokens=None,
+                      token_weights_T: Optional[torch.Tensor] = None, valid_T: Optional[torch.Tensor] = None,
+                      device_TK: Optional[torch.Tensor] = None, device_E: Optional[torch.Tensor] = None,
+                      kept_E: Optional[torch.Tensor] = None, layer: int = 0) -> None:
         """Add one forward's routes, given by token (no host sync): what every adapter's gate calls.
 
         expert_TK: [T, K] int expert of each route, -1 where none (dropped by the capacity limit, or fewer
         than K); routed_E: [E] route requests before the capacity limit (None: the routes of expert_TK, a
         dropless layer). nonfinite: 0-dim count of tokens with NaN/Inf router logits, or `logits_TE` [T, E]
-        to count them here. l_aux: the layer's unweighted aux loss (None: 0). tokens: tokens seen (None:
+        to count them here, or `logit_sums_T` [T] (`logit_sums`, taken before gating changed the logits) to
+        count them at the fold. l_aux: the layer's unweighted aux loss (None: 0). tokens: tokens seen (None:
         T, or the valid ones). token_weights_T: [T] load weight of each token (sequence-length weighting;
         None: 1). valid_T: [T] bool, False for padding tokens: their routes are left out everywhere (the
-        caller's routed_E must leave them out too). device_TK: [T, K] int view device of each route (only
-        with a layout that has devices). layer: the layer's index, for messages.
+        caller's routed_E and kept_E must leave them out too). device_TK: [T, K] int view device of each
+        route, -1 where dropped, or device_E: [E] int view device of every route of each expert (the same
+        as device_TK = device_E[expert_TK], -1 where dropped, and cheaper): only with a layout that has
+        devices. kept_E: [E] kept routes per expert when the gate has them (a gate that drops nothing
+        passes its routed_E; None: counted from expert_TK). layer: the layer's index, for messages.
         """
-        T = expert_TK.shape[0]
+        T, K = expert_TK.shape
         if token_weights_T is not None and token_weights_T.numel() != T:
             raise ValueError(f"layer {layer}: sequence-length weights cover {token_weights_T.numel()} tokens, the batch "
                              f"has {T}; call set_sequence_lengths() with one length per sequence")
+        weight_TK = None if token_weights_T is None else token_weights_T.reshape(T, 1).expand(T, K)
+        if logits_TE is None and valid_T is None and routed_E is not None:     # nothing to compute
+            self._add(routed_E, expert_TK, T if tokens is None else tokens, nonfinite, logit_sums_T, l_aux, weight_TK,
+                      device_TK, device_E, kept_E)
+            return
         with torch.no_grad():
-            expert_TK = expert_TK.long()
+            if logits_TE is not None and nonfinite is None and logit_sums_T is None:
+                logit_sums_T = logit_sums(logits_TE)
             if valid_T is not None:
-                valid_T = valid_T.reshape(T, 1).to(torch.bool)
-                expert_TK = torch.where(valid_T, expert_TK, -1)
+                valid_T1 = valid_T.reshape(T, 1).to(torch.bool)
+                expert_TK = torch.where(valid_T1, expert_TK, -1)
                 if device_TK is not None:
-                    device_TK = torch.where(valid_T, device_TK.long(), -1)
-                if logits_TE is not None:
-                    logits_TE = logits_TE[valid_T[:, 0]]
-            if nonfinite is None:
-                nonfinite = nonfinite_tokens(logits_TE) if logits_TE is not None else expert_TK.new_zeros(())
+                    device_TK = torch.where(valid_T1, device_TK, -1)
+                if logit_sums_T is not None:     # a padding token's logits count nowhere
+                    logit_sums_T = torch.where(valid_T1[:, 0], logit_sums_T, 0.0)
             if routed_E is None:       # dropless: every route is kept
                 routed_E = route_counts(expert_TK, self.layout.num_experts)
             if tokens is None:
-                tokens = T if valid_T is None else valid_T.sum()
-            K = expert_TK.shape[1]
-            token_w_R = None if token_weights_T is None else \
-                token_weights_T.reshape(T, 1).to(torch.float64).expand(T, K).reshape(-1)
-            self.record(routed_E, expert_TK.reshape(-1), tokens, nonfinite,
-                        l_aux if l_aux is not None else expert_TK.new_zeros((), dtype=torch.float64), token_w_R,
-                        None if device_TK is None else device_TK.long().reshape(-1))
+                tokens = T if valid_T is None else valid_T1.sum()
+            self._add(routed_E, expert_TK, tokens, nonfinite, logit_sums_T, l_aux, weight_TK, device_TK, device_E,
+                      kept_E)
+
+    def _add(self, routed_E, expert_TK, tokens, nonfinite, logit_sums_T, l_aux, weight_TK, device_TK, device_E,
+             kept_E) -> None:
+        """Keep one forward for the fold, folding the waiting ones first when `fold_every` wait (so the last
+        forward is always pending, for `discard`)."""
+        if not self.layout.num_devices:
+            device_TK = device_E = None
+        elif device_TK is None and device_E is None:
+            raise ValueError(f"a tally with {self.layout.num_devices} devices needs the device of every route")
+        if len(self._pending) >= self.fold_every:
+            self._fold()
+        if l_aux is not None and l_aux.requires_grad:      # a kept autograd graph would outlive the forward
+            l_aux = l_aux.detach()
+        tensor_tokens = isinstance(tokens, torch.Tensor)
+        self._pending.append(_Forward(routed_E, expert_TK, weight_TK, device_TK, device_E, kept_E,
+                                      _scalar(tokens) if tensor_tokens else None, 0 if tensor_tokens else tokens,
+                                      _scalar(nonfinite), logit_sums_T, _scalar(l_aux)))
+        self._last_pending = True
+
+    def _fold(self) -> None:
+        """Add every pending forward to the row, bit for bit as adding one forward at a time does.
+
+        Counts (routed, kept, unweighted load and devices, tokens, nonfinite, forwards) are integers, which
+        float64 sums exactly in any order: each is summed over the pending forwards at once. The fractional
+        values (weighted load and devices, aux) go through one `index_add_` in record order (within a
+        forward, in route order), the order in which adding one forward at a time adds them on the CPU.
+        (On CUDA `index_add_` adds in no fixed order: those sums may differ in the last bit, as the
+        weighted ones already could within one forward.)"""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        lay, E, f64 = self.layout, self.layout.num_experts, torch.float64
+        if self._row_W is None:
+            self._row_W = torch.zeros(lay.width, dtype=f64, device=pending[0].routed_E.device)
+        row = self._row_W
+        by = _Forward(*zip(*pending))     # each field over the pending forwards, in record order
+        # Step 1: routed and kept routes per expert (float counts summed in float64: exact past 2**24)
+        routed_nE = torch.stack(by.routed_E)
+        routed_E = routed_nE.sum(0, dtype=f64 if routed_nE.is_floating_point() else None)
+        if all(kept is routed for kept, routed in zip(by.kept_E, by.routed_E)):    # dropless: one tensor for both
+            kept_E = routed_E
+        else:
+            given = [kept for kept in by.kept_E if kept is not None]
+            kept_E = torch.stack(given).sum(0, dtype=f64) if given else row.new_zeros(E)
+            if len(given) < len(pending):     # routes of expert e count at e + 1; a dropped one (-1) at 0
+                expert1_R = _cat_routes([f.expert_TK for f in pending if f.kept_E is None]).add_(1)
+                counts_E1 = row.new_zeros(E + 1).index_add_(0, expert1_R, self._ones(row.device, expert1_R.numel()))
+                kept_E = kept_E + counts_E1[1:]
+        # Step 2: route by route, the weighted load, and the devices unless one map serves every forward
+        weighted = any(w is not None for w in by.weight_TK)
+        device_E = by.device_E[0] if not weighted and all(d is by.device_E[0] for d in by.device_E) else None
+        if weighted or (lay.num_devices and device_E is None):
+            expert1_R = _cat_routes(list(by.expert_TK)).add_(1)
+            weight_R = self._ones(row.device, expert1_R.numel()) if not weighted else _cat_routes(
+                [self._ones(row.device, 1).expand(f.expert_TK.shape) if f.weight_TK is None else f.weight_TK
+                 for f in pending]).to(f64)
+            if weighted:
+                self._field(row, "load").index_add_(0, expert1_R, weight_R)
+            if lay.num_devices:
+                device1_R = _cat_routes([f.device_TK if f.device_E is None else
+                                         torch.cat([f.device_E, f.device_E.new_full((1, ), -1)])[f.expert_TK]
+                                         for f in pending]).add_(1)
+                self._field(row, "device").index_add_(0, device1_R, weight_R)
+            self._scratch_dirty = True
+        # Step 3: one index_add_ of the counts per expert (and per device, by the map) and the per-layer
+        # values; a float64 0 first (to a scratch slot), so that their cat is float64
+        values = [self._constant(row.device, 0), routed_E, kept_E] + ([] if weighted else [kept_E]) + \
+            ([kept_E] if lay.num_devices and device_E is not None else [])
+        values.append(self._constant(row.device, len(pending)))
+        fields = ["forwards"]
+        host_tokens = sum(by.host_tokens)
+        if host_tokens:
+            values.append(self._constant(row.device, host_tokens))
+            fields.append("tokens")
+        for name, given in (("tokens", by.tokens), ("nonfinite", by.nonfinite)):
+            given = [t for t in given if t is not None]
+            if given:
+                values.append(torch.stack(given).sum(dtype=f64).reshape(1).to(row.device))
+                fields.append(name)
+        sums = [s for s in by.logit_sums_T if s is not None]
+        if sums:     # x - x is 0 for a finite x, NaN for a NaN or an Inf
+            sums_T = torch.cat(sums)
+            values.append(torch.count_nonzero(sums_T - sums_T).reshape(1).to(row.device))
+            fields.append("nonfinite")
+        aux = [a for a in by.l_aux if a is not None]
+        if aux:
+            values.append(torch.stack(aux).to(row.device))
+            fields += ["aux"] * len(aux)
+        row.index_add_(0, self._slots(row.device, weighted, device_E, tuple(fields)), torch.cat(values))
+
+    def _slots(self, device, weighted: bool, device_E: Optional[torch.Tensor], fields: tuple[str, ...]) -> torch.Tensor:
+        """Where `_fold`'s step 3 adds its values: a scratch slot, the routed and kept fields [E], the load field
+        [E] unless weighted, the device of each expert by `device_E` [E] when given, then the per-layer slot of
+        each of `fields`. Made once per pattern, map and device (no host-to-device copy per fold)."""
+        key = (device, weighted, None if device_E is None else id(device_E), fields)
+        if key not in self._cache or self._cache[key][0] is not device_E:
+            if len(self._cache) > 64:     # patterns and maps come and go (a new placement): keep the few in use
+                self._cache.clear()
+            lay, E = self.layout, self.layout.num_experts
+            experts = [lay.scratch[0]] + [i for name in ("routed", "kept") + (() if weighted else ("load", ))
+                                          for i in range(lay.start[name], lay.start[name] + E)]
+            devices = [] if device_E is None else [device_E.to(device, torch.long) + lay.start["device"]]
+            per_layer = [lay.start[name] for name in fields]
+            self._cache[key] = (device_E, torch.cat([torch.tensor(experts, device=device)] + devices +
+                                                    [torch.tensor(per_layer, dtype=torch.long, device=device)]))
+        return self._cache[key][1]
+
+    def _field(self, row_W: torch.Tensor, name: str) -> torch.Tensor:
+        """A per-expert or the per-device field of `row_W`, its scratch slot first [E + 1] (or [G + 1])."""
+        at = self.layout.start[name] - 1
+        return row_W[at:at + (self.layout.num_devices if name == "device" else self.layout.num_experts) + 1]
+
+    def _ones(self, device, n: int) -> torch.Tensor:
+        """[n] float64 ones (a view of one cached element)."""
+        key = (device, "one")
+        if key not in self._cache:
+            self._cache[key] = (None, torch.ones(1, dtype=torch.float64, device=device))
+        return self._cache[key][1].expand(n)
+
+    def _constant(self, device, value) -> torch.Tensor:
+        """[1] float64 `value`, cached (made by a fill on `device`: no host-to-device copy)."""
+        key = (device, value)
+        if key not in self._constants:
+            if len(self._constants) > 32:     # token counts vary with the batches: keep the recent ones
+                self._constants.clear()
+            self._constants[key] = torch.full((1, ), value, dtype=torch.float64, device=device)
+        return self._constants[key]
 
     def discard(self, last_forward_only: bool = False) -> None:
         """Forget what was recorded since the last `take` (or only the last forward's routes; a second
         call then forgets nothing more)."""
         if not last_forward_only:
-            self._row_W, self._tokens, self._forwards = None, 0, 0
-        elif self._undo is not None:
-            self._row_W, self._tokens, self._forwards = self._undo
-        self._undo = None
+            self._row_W, self._pending, self._scratch_dirty = None, [], False
+        elif self._last_pending:
+            self._pending.pop()
+        self._last_pending = False
 
     def take(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """This layer's packed row [W] (float64, on `device`), reset to zero."""
-        self._undo = None
+        self._fold()
         lay = self.layout
         if self._row_W is None:
             out = torch.zeros(lay.width, dtype=torch.float64, device=device)
         else:
             out, self._row_W = self._row_W.to(device), None
-            out[lay.scratch] = 0.0
+            if self._scratch_dirty:
+                out[lay.scratch] = 0.0
             # NaN logits give a NaN l_aux; the nonfinite count already says so
-            out[lay.start["aux"]] = out[lay.start["aux"]].nan_to_num(0.0, 0.0, 0.0)
-        out[lay.start["tokens"]] += self._tokens
-        out[lay.start["forwards"]] += self._forwards
-        self._tokens, self._forwards = 0, 0
+            out[lay.start["aux"]:lay.start["aux"] + 1].nan_to_num_(0.0, 0.0, 0.0)
+        self._last_pending = self._scratch_dirty = False
         return out
+
+
+def _scalar(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A one-element tensor as 0-dim (a view; the common 0-dim case with no op), None as None."""
+    return t if t is None or t.dim() == 0 else t.reshape(())
+
+
+def _cat_routes(parts_TK: list[torch.Tensor]) -> torch.Tensor:
+    """[T_i, K] route tensors (views of any strides) -> [sum T_i * K], token-major: one copy when K agrees."""
+    if len({p.shape[1] for p in parts_TK}) == 1:
+        return torch.cat(parts_TK).reshape(-1)
+    return torch.cat([p.reshape(-1) for p in parts_TK])
+
+
+def logit_sums(logits_TE: torch.Tensor) -> torch.Tensor:
+    """Per-token sums of the router logits [T, E] -> [T], no autograd node: a sum is non-finite iff its row
+    holds a NaN or Inf, so the recorder counts non-finite tokens from these at the fold (`record_routes`)."""
+    return (logits_TE.detach() if logits_TE.requires_grad else logits_TE).sum(dim=1)
 
 
 def nonfinite_tokens(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from deepspeed.moe import sharded_moe as dsm
 
 from ...core.config import SPLITS
-from ...core.tally import TallyRecorder, nonfinite_tokens
+from ...core.tally import TallyRecorder, logit_sums
 from ...planning.steering import steer
 from .gate import CrossLayerGate
 
@@ -89,8 +89,10 @@ class ReplicaGate(CrossLayerGate):
         self.P = self.G * self.S
         self._table_device = None
         E, R = table.log2phy_ER.shape
-        # DeepSpeed's own layout (expert e in slot e, one replica each): without drops its gate is exact
-        self.home_layout = self.P == E and R == 1 and bool((table.log2phy_ER[:, 0] == torch.arange(E)).all())
+        # one slot per expert (DeepSpeed's own layout, expert e in slot e, or a re-plan's prefix, a permutation):
+        # without drops DeepSpeed's gate is exact there, its routes mapped to their slots
+        self.one_each = self.P == E and R == 1
+        self.home_layout = self.one_each and bool((table.log2phy_ER[:, 0] == torch.arange(E)).all())
 
     @classmethod
     def from_gate(cls, gate, num_devices: int, slots_per_device: int, *, rank: int, table: SlotTable,
@@ -120,10 +122,10 @@ class ReplicaGate(CrossLayerGate):
                              "(MOELayer in deepspeed >= 0.19.4, without Tutel)")
         logits_TE = F.linear(input.float(), weight=self.wg.weight.float(), bias=None)
         T, E, K = logits_TE.shape[0], self.num_experts, self.k
-        # counted before gating: top-2 gating adds its Gumbel noise to the logits in place
-        nonfinite = nonfinite_tokens(logits_TE) if self.recording and T > 0 else None
-        if self.home_layout and not self.drop_tokens and self.k == 2:
-            return self._home_forward(logits_TE, used_token, nonfinite)
+        # taken before gating: top-2 gating adds its Gumbel noise to the logits in place
+        logit_sums_T = logit_sums(logits_TE) if self.recording and T > 0 else None
+        if self.one_each and not self.drop_tokens and self.k == 2:
+            return self._home_forward(logits_TE, used_token, logit_sums_T)
         if T == 0:
             l_aux = logits_TE.sum() * 0.0
             expert_KT = torch.zeros(K, 0, dtype=torch.long, device=logits_TE.device)
@@ -139,17 +141,20 @@ class ReplicaGate(CrossLayerGate):
         # 3. one capacity for the EP group
         capacity = self._capacity(slot_load_GP, n_ER, T)
         slot_KT, location_KT, gates_KT = self._place(expert_KT, position_KT, gates_KT, n_ER, capacity)
-        if self.recording and T > 0:
-            self._record_routes(slot_KT, expert_KT, counts_E, T, used_token, l_aux, nonfinite)
+        if self.recording and T > 0:     # slot -1 (dropped) is device -1 (floor division)
+            self._record_routes(torch.where(slot_KT >= 0, expert_KT, -1), slot_KT // self.S, counts_E, T, used_token,
+                                l_aux, logit_sums_T)
         if self.aux_weight != 1.0:
             l_aux = l_aux * self.aux_weight
         return (l_aux, capacity, self.P, slot_KT.int(), location_KT.int(), gates_KT, counts_E)
 
     recording = True   # serving tallies every forward (eval mode); set False to serve without the view
+    _home_device = None    # (table, S, device index, [E] EP rank of each expert's one slot): `_home_forward`
 
-    def _home_forward(self, logits_TE, used_token, nonfinite):
-        """DeepSpeed's layout without drops, top-2: DeepSpeed's own gating, which agrees on the capacity
-        across the EP group itself (one all-reduce; an empty batch joins the same one), plus the tally.
+    def _home_forward(self, logits_TE, used_token, logit_sums_T):
+        """One slot per expert without drops, top-2: DeepSpeed's own gating, which agrees on the capacity
+        across the EP group itself (one all-reduce; an empty batch joins the same one), each route mapped to
+        its expert's slot (outside DeepSpeed's own layout), plus the tally.
         (Not for top-1: DeepSpeed's top1gating clips the agreed capacity to the rank's own token count,
         which breaks the All-to-All on unequal batches.)"""
         if logits_TE.shape[0] == 0:
@@ -159,9 +164,19 @@ class ReplicaGate(CrossLayerGate):
         out = self._logical_routes(logits_TE, used_token, ep_group=self.ep_group)
         l_aux, capacity, _, expert_KT, _, _, counts_E = out
         self._capacity_value = capacity
-        if self.recording:
-            self._record_routes(expert_KT.long(), expert_KT.long(), counts_E, logits_TE.shape[0], used_token, l_aux,
-                                nonfinite)
+        if not self.home_layout:     # a prefix: expert e's routes go to its one slot
+            slot_E = self._on(expert_KT.device).log2phy_ER[:, 0]
+            slot_KT = torch.where(expert_KT >= 0, slot_E[expert_KT.clamp_min(0).long()], -1).to(expert_KT.dtype)
+            out = out[:3] + (slot_KT, ) + out[4:]
+        if self.recording:     # one slot each and no drops: kept = routed, every route of expert e on its slot's rank
+            home = self._home_device
+            if home is None or home[0] is not self.table or home[1] != self.S or home[2] != counts_E.get_device():
+                self._home_device = home = (self.table, self.S, counts_E.get_device(),
+                                            self.table.log2phy_ER[:, 0].to(counts_E.device) // self.S)
+            self.tally.record_routes(expert_KT.t(), routed_E=counts_E, kept_E=counts_E, device_E=home[3],
+                                     logit_sums_T=logit_sums_T, l_aux=l_aux,
+                                     tokens=used_token.sum() if used_token is not None else logits_TE.shape[0],
+                                     token_weights_T=self.token_weights_T, layer=self.layer_index)
         if self.aux_weight != 1.0:
             out = (l_aux * self.aux_weight, ) + tuple(out[1:])
         return out
@@ -252,9 +267,8 @@ class ReplicaGate(CrossLayerGate):
             self._table_device = (device, SlotTable(self.table.log2phy_ER.to(device), self.table.fraction_ER.to(device)))
         return self._table_device[1]
 
-    def _record_routes(self, slot_KT, expert_KT, counts_E, T, used_token, l_aux, nonfinite) -> None:
-        kept_KT = slot_KT >= 0
-        self.tally.record_routes(torch.where(kept_KT, expert_KT, -1).t(), routed_E=counts_E, nonfinite=nonfinite,
-                                 l_aux=l_aux, tokens=used_token.sum() if used_token is not None else T,
-                                 token_weights_T=self.token_weights_T,
-                                 device_TK=torch.where(kept_KT, slot_KT // self.S, -1).t(), layer=self.layer_index)
+    def _record_routes(self, expert_KT, device_KT, counts_E, T, used_token, l_aux, logit_sums_T) -> None:
+        """Tally the kept routes [K, T] for the view: the logical expert and the EP rank of each (-1 where dropped)."""
+        self.tally.record_routes(expert_KT.t(), routed_E=counts_E, logit_sums_T=logit_sums_T, l_aux=l_aux,
+                                 tokens=used_token.sum() if used_token is not None else T,
+                                 token_weights_T=self.token_weights_T, device_TK=device_KT.t(), layer=self.layer_index)
