@@ -215,6 +215,32 @@ def test_padded_dispatch_cost_prefers_replicas_only_where_they_cut_the_largest_s
     assert expected_slot_ratio(skewed, home).tolist() == [2.0]
 
 
+@pytest.mark.parametrize("G, S, E", [(2, 5, 8), (4, 3, 8), (4, 4, 8), (8, 3, 16), (4, 9, 32), (4, 6, 8)])
+def test_a_plan_laid_over_a_one_slot_per_expert_prefix_keeps_its_counts_and_its_cost(G, S, E):
+    from eb_deepspeed.planning.placement import expected_padded_cost, prefix_placement, with_prefix
+    home = static_placement(4, E, G)
+    for seed in range(20):
+        torch.manual_seed(seed)
+        heat = torch.rand(4, E, dtype=torch.float64) ** 6 * 100
+        plan = plan_placement(heat, G, S, dispatch="padded", previous=home)
+        laid = with_prefix(plan, previous=home)
+        assert laid is not None
+        check_properties(laid, E, G, S)
+        assert torch.equal(laid.logcnt, plan.logcnt)          # the same replicas: the same padded cost
+        assert torch.allclose(expected_padded_cost(heat, laid), expected_padded_cost(heat, plan))
+        prefix = prefix_placement(laid)     # the first E / G slots of each device: every expert once
+        assert prefix.slots_per_device == E // G and bool((prefix.logcnt == 1).all())
+        assert torch.equal(prefix.phy2log, laid.phy2log.view(4, G, S)[:, :, :E // G].reshape(4, E))
+        assert torch.allclose(expected_padded_cost(heat, prefix), expected_padded_cost(heat, home))
+
+
+def test_a_prefix_needs_room_for_one_slot_per_expert():
+    from eb_deepspeed.planning.placement import with_prefix
+    assert with_prefix(static_placement(2, 8, 4)) is not None      # S = H: the prefix is the whole layout
+    with pytest.raises(TypeError, match="Placement"):
+        with_prefix("plan")
+
+
 # ---- memory and time linear in what is planned ----
 
 PLAN_UNDER_A_LIMIT = """

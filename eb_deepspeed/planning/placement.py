@@ -71,7 +71,7 @@ SPREAD_WEIGHT = 0.1
 EXTRA_WORK = 1 << 14
 
 __all__ = ["Placement", "plan_placement", "static_placement", "replica_counts", "assign_replicas", "index_maps",
-           "expected_padded_cost", "expected_slot_ratio", "check_plan_size"]
+           "expected_padded_cost", "expected_slot_ratio", "check_plan_size", "with_prefix", "prefix_placement"]
 
 
 @dataclass
@@ -604,6 +604,61 @@ def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Ten
     if previous is not None:
         plan.moves = int(_replicas(plan).new_pairs(_replicas(previous)).sum())
     return plan
+
+
+def with_prefix(plan: Placement, previous: Placement | None = None, node_G: np.ndarray | None = None) -> Placement | None:
+    """`plan`'s replica counts laid out so that the first H = E / G slots of the devices hold every expert
+    exactly once (the prefix) and the other replicas fill the slots after them, each expert on distinct
+    devices; None when the counts do not fit that way.
+
+    Under a padded or even split the expected cost depends on the counts alone, so the layout costs what
+    `plan` costs, and its prefix (`prefix_placement`) costs what DeepSpeed's layout costs: both stay
+    resident, and serving flips between them by its tables alone, with no weight move. Prefix: experts in
+    descending count dealt over the devices (the hot ones on distinct devices); extra replicas, in the same
+    order, to the devices with the most free slots that do not hold the expert, preferring one where
+    `previous` held it, then a node without a replica of it (node_G: [G] node of each device; None: one).
+    """
+    if not isinstance(plan, Placement):
+        raise TypeError(f"plan must be a Placement, got {type(plan).__name__}")
+    L, E, G, S = plan.logcnt.shape[0], plan.num_experts, plan.num_devices, plan.slots_per_device
+    if E % G or S < E // G:
+        return None
+    H = E // G
+    node = np.zeros(G, dtype=np.int64) if node_G is None else np.asarray(node_G, dtype=np.int64)
+    was_LGE = None if previous is None else holds_mask(previous.phy2log.numpy(), previous.slots_per_device, E)
+    phy = np.full((L, G, S), -1, dtype=np.int64)
+    for layer in range(L):
+        cnt_E = plan.logcnt[layer].numpy()
+        order = np.argsort(-cnt_E, kind="stable")
+        phy[layer, np.arange(E) % G, np.arange(E) // G] = order         # the prefix: dealt over the devices
+        holds_GE = np.zeros((G, E), dtype=bool)
+        holds_GE[np.arange(E) % G, order] = True
+        free_G = np.full(G, S - H)
+        # extra replicas still to place of the experts whose prefix is on each device (they cannot go there)
+        blocked_G = np.zeros(G, dtype=np.int64)
+        np.add.at(blocked_G, np.arange(E) % G, cnt_E[order] - 1)
+        for e in order:
+            blocked_G[holds_GE[:, e].argmax()] -= int(cnt_E[e]) - 1
+            for _ in range(int(cnt_E[e]) - 1):
+                nodes_held = np.zeros(int(node.max()) + 1, dtype=bool)
+                nodes_held[node[holds_GE[:, e]]] = True
+                tie_G = 2 * nodes_held[node] - (was_LGE[layer, :, e] if was_LGE is not None else 0)
+                key_G = (-free_G * (E * S + 1) - blocked_G) * 4 + tie_G
+                legal_G = ~holds_GE[:, e] & (free_G > 0)
+                if not legal_G.any():
+                    return None
+                g = int(np.where(legal_G, key_G, np.iinfo(np.int64).max).argmin())
+                phy[layer, g, S - free_G[g]] = e
+                free_G[g] -= 1
+                holds_GE[g, e] = True
+    return index_maps(torch.from_numpy(phy.reshape(L, G * S)), E, G, S, previous=previous)
+
+
+def prefix_placement(plan: Placement) -> Placement:
+    """The first H = E / G slots of every device of `plan` (a `with_prefix` plan): one slot per expert."""
+    L, E, G, S = plan.logcnt.shape[0], plan.num_experts, plan.num_devices, plan.slots_per_device
+    H = E // G
+    return index_maps(plan.phy2log.reshape(L, G, S)[:, :, :H].reshape(L, G * H).clone(), E, G, H)
 
 
 def expected_slot_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
