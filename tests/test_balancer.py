@@ -73,6 +73,30 @@ def test_the_reduce_sums_what_other_ranks_saw():
     assert balancer.view.pressure_LG.tolist() == [[2.0, 2.0]] and balancer.view.last.tokens_L.tolist() == [4.0]
 
 
+def test_a_step_in_flight_is_taken_when_it_is_read_or_at_the_next_step_and_waits_only_then():
+    gates = [ToyGate()]
+    balancer = Balancer(config(mode="observe"), gates, 2)
+    waits = []
+
+    class Work:        # a posted all-reduce: another rank's routes arrive when it is waited for
+        def __init__(self, packed_LW):
+            self.packed_LW = packed_LW
+
+        def wait(self):
+            waits.append(1)
+            self.packed_LW.mul_(2)
+    gates[0].forward(torch.tensor([0, 3]))
+    balancer.step_async(Work)
+    assert waits == [] and balancer.view_so_far.steps == 0          # nothing waited for yet
+    gates[0].forward(torch.tensor([0, 0]))                              # the next interval is being counted
+    assert balancer.view.steps == 1 and waits == [1]                    # a read takes the step in flight
+    assert balancer.view.pressure_LG.tolist() == [[2.0, 2.0]]           # with what the reduce brought
+    balancer.step_async(Work)
+    balancer.step_async(None)          # the next step first takes the one in flight
+    assert waits == [1, 1] and balancer.view_so_far.steps == 2 and balancer.settle() is not None
+    assert balancer.view.steps == 3 and balancer.settle() is None
+
+
 def test_a_rank_holding_some_layers_fills_their_rows_and_controls_only_its_gates():
     # pipeline stage 1 of 2: global layers 2, 3 of 4; the reduce brings the other stage's rows
     gates = [ToyGate(), ToyGate()]

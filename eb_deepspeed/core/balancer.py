@@ -81,6 +81,7 @@ def _flush_at_exit(ref: "weakref.ref[Balancer]") -> None:
     or before the first). Never raises: the process is ending."""
     balancer = ref()
     if balancer is not None:
+        balancer._pending = None    # a step in flight is dropped: its peers may be gone, a wait could hang
         try:
             balancer.flush_log()
         except Exception as e:   # noqa: BLE001 - a closed logger at exit must not turn a clean exit into a traceback
@@ -130,7 +131,8 @@ class Balancer:
         self.train_controls = train_controls
         self.tally_devices = self.num_devices if device_tally else 0
         self.rank_to_node = list(rank_to_node or [0])
-        self.view = LoadView(self.num_layers, self.experts_L, devices, ema_alpha=config.ema_alpha,
+        self._pending: Optional[tuple] = None     # a step whose reduce runs in the background (`step_async`)
+        self._view = LoadView(self.num_layers, self.experts_L, devices, ema_alpha=config.ema_alpha,
                              window=config.window_for(self.num_layers), warmup_batches=config.warmup_batches,
                              expert_to_device_E=expert_to_device_E)
         self.controller = AuxController(self.num_layers, self.num_experts, config.aux)
@@ -209,11 +211,50 @@ class Balancer:
         for gate in self.gates:
             gate.discard_tally(last_forward_only)
 
+    @property
+    def view(self) -> LoadView:
+        """The cross-layer load view, with a step in flight (`step_async`) taken first."""
+        self.settle()
+        return self._view
+
+    @property
+    def in_flight(self) -> bool:
+        """A step's reduce was posted (`step_async`) and the view has not taken it yet."""
+        return self._pending is not None
+
+    @property
+    def view_so_far(self) -> LoadView:
+        """The view as of the last step taken, without waiting for one in flight (`step_async`)."""
+        return self._view
+
     def step(self) -> torch.Tensor:
         """Tally -> one reduce -> view -> control -> apply -> log. Returns valid_L [L] bool."""
+        self.settle()
         packed_LW = self.gather_tally()
         if self.reduce is not None:
             self.reduce(packed_LW)
+        return self._take_step(packed_LW)
+
+    def step_async(self, post: Optional[Callable[[torch.Tensor], Any]]) -> None:
+        """A step whose reduce overlaps what runs next: take the step in flight (if any), drain the gates,
+        and post the reduce (`post(packed_LW)`: an in-place all-reduce with async_op=True, its work object,
+        or None for no communication). The view takes this step at the next read of `view`, `settle()` or
+        step: serving's view runs one step behind its tally, and no rank waits for the others here."""
+        self.settle()
+        packed_LW = self.gather_tally()
+        self._pending = (packed_LW, post(packed_LW) if post is not None else None)
+
+    def settle(self) -> Optional[torch.Tensor]:
+        """Take the step in flight (`step_async`): wait for its reduce, then view, control, log. Returns its
+        valid_L [L], or None when none is in flight."""
+        if self._pending is None:
+            return None
+        (packed_LW, work), self._pending = self._pending, None
+        if work is not None:
+            work.wait()
+        return self._take_step(packed_LW)
+
+    def _take_step(self, packed_LW: torch.Tensor) -> torch.Tensor:
         tally = Tally.unpack(packed_LW.cpu(), self.num_experts, self.tally_devices)
         valid_L = self.view.update(tally)
         if self.config.mode == "balance" and self.train_controls and self.controller.update(self.view, valid_L):
