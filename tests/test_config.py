@@ -61,7 +61,7 @@ def test_the_users_dict_is_never_changed():
     ({"inference": {"weights": {"crosss": 0.5}}},
      r"easybalance\.inference\.weights\.crosss: unknown key; valid keys: comm, cross, intra"),
     ({"inference": {"replicas": 1}}, r"easybalance\.inference\.replicas: unknown key; valid keys: decision_batch, "
-                                     r"replan_interval, replan_threshold, replica_slots, split, topology, view_interval, weights"),
+                                     r"replan_interval, replan_threshold, replica_slots, split, topology, trial_batches, view_interval, weights"),
     ({"inference": {"split": "fast"}}, r"easybalance\.inference\.split \('fast'\) must be one of: view, exact"),
     ({"topology": "nvlink"}, r"easybalance\.topology: moved to easybalance\.inference\.topology"),
     ({"weights": {"comm": 0.1}}, r"easybalance\.weights: moved to easybalance\.inference\.weights"),

@@ -48,6 +48,25 @@ def test_replicated_serving_gives_deepspeeds_outputs_through_re_plans_with_unequ
     assert os.path.exists(os.path.join(ranks[0]["log"], "balance.jsonl"))
 
 
+@pytest.mark.parametrize("slow", ["replicas", "prefix"])
+def test_a_layout_trial_keeps_the_layout_that_served_faster_on_every_rank(run_dist, slow):
+    ranks = run_dist("serve_trial", 2, slow=slow)
+    for rank in ranks:
+        assert all(row["equal"] for row in rank["rows"]), [row["maxdiff"] for row in rank["rows"]]
+        assert rank["replans"] == 1 and rank["resident_slots"] == rank["H"] + 1     # replicas stay resident
+        assert len(rank["trials"]) == 1
+        # the slowed layout lost; every rank decided the same from the same all-reduced times
+        assert rank["trials"][0]["replicas_kept"] == (slow == "prefix")
+        assert rank["S"] == (rank["H"] if slow == "replicas" else rank["H"] + 1)
+        # the prefix serves through DeepSpeed's own gate, its routes mapped to their slots (a permutation here)
+        assert rank["one_each"] == (slow == "replicas") and not rank["home_layout"]
+    assert ranks[0]["trials"] == ranks[1]["trials"]
+    for b in range(10):     # every batch, every rank served by the same tables
+        assert torch.equal(ranks[0]["rows"][b]["phy2log"], ranks[1]["rows"][b]["phy2log"])
+    served = [row["phy2log"].shape[1] for row in ranks[0]["rows"]]
+    assert len(set(served)) == 2        # both layouts served during the trial
+
+
 def test_replicas_with_drops_agree_on_one_capacity_and_keep_every_kept_token_whole(run_dist):
     ranks = run_dist("serve_drops", 2)
     for b in range(3):

@@ -90,6 +90,7 @@ class InferenceConfig:
     replan_threshold: float = 1.5   # consider a re-plan when a layer's expected slot max/mean passes this
     replan_interval: int = 50       # batches between two re-plans, at least
     view_interval: int = 8          # batches between two view updates (one all-reduce each)
+    trial_batches: int = 8          # batches of a layout trial (replicas vs DeepSpeed's cost, in turns); 0 = none
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
 
 
@@ -218,7 +219,8 @@ class EasyBalanceConfig:
             "inference": {"replica_slots": inf.replica_slots, "split": inf.split, "topology": inf.topology,
                           "weights": {"intra": inf.weights.intra, "cross": inf.weights.cross, "comm": inf.weights.comm},
                           "decision_batch": inf.decision_batch, "replan_threshold": inf.replan_threshold,
-                          "replan_interval": inf.replan_interval, "view_interval": inf.view_interval},
+                          "replan_interval": inf.replan_interval, "view_interval": inf.view_interval,
+                          "trial_batches": inf.trial_batches},
         }
 
 
@@ -416,4 +418,12 @@ def _inference(block: Any, path: str) -> InferenceConfig:
         replan_threshold=threshold,
         replan_interval=_int(block.get("replan_interval", d.replan_interval), f"{path}.replan_interval", minimum=1),
         view_interval=_int(block.get("view_interval", d.view_interval), f"{path}.view_interval", minimum=1),
+        trial_batches=_trial_batches(block.get("trial_batches", d.trial_batches), f"{path}.trial_batches"),
         explicit=frozenset(block))
+
+
+def _trial_batches(value: Any, path: str) -> int:
+    n = _int(value, path, minimum=0, maximum=1 << 20)
+    if n == 1:
+        raise ConfigError(f"{path} (1) must be 0 (no layout trial) or >= 2 (batches served in turns by each layout)")
+    return n

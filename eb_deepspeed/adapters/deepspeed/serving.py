@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import time
 import warnings
 from typing import Optional
 
@@ -50,7 +51,8 @@ from ...core.record import NullLogger
 from ...core.topology import resolve_topology
 from ...observe.monitor import JsonlLogger
 from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, check_plan_size, expected_padded_cost,
-                                   expected_slot_ratio, plan_placement, static_placement)
+                                   expected_slot_ratio, plan_placement, prefix_placement, static_placement,
+                                   with_prefix)
 from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node, reduce_over
 from .engine import check_world_size, find_moe_layers
 from .hooks import incomplete_problem, mark_complete, mark_incomplete, on_rank0_for_all, refuse
@@ -63,6 +65,11 @@ EXPERTS_PREFIX = ".deepspeed_moe.experts.deepspeed_experts."
 # heat, while each batch's capacity is its own maximum (noise on every slot), and moving weights and
 # the replica split cost time too. Measured on the example model: a 3 % expected gain was a loss.
 MIN_GAIN = 0.10
+# A layout trial keeps replicas when they served this much faster per token than the one-slot-per-expert
+# prefix (DeepSpeed's cost), measured in the same batches interleaved: below it, the noise of a short trial.
+TRIAL_GAIN = 0.02
+# After a lost trial the next re-plan waits replan_interval x 2^(lost trials in a row), at most this power.
+MAX_BACKOFF = 6
 
 
 def _flat(module: torch.nn.Module) -> torch.Tensor:
@@ -115,7 +122,11 @@ class Serving:
         self.replans, self.weight_moves, self.failed_moves = 0, 0, 0
         self.batches, self.last_plan_batch = 0, None
         self.home = static_placement(self.L, self.E, self.G)       # DeepSpeed's layout: S = H, no replicas
-        self.placement = self.home
+        self.placement = self.home      # what the gates' tables serve
+        self.resident = self.home       # what the expert modules hold (`placement`, or a plan whose prefix serves)
+        self.trials: list[dict] = []    # the layout trials run (`_end_trial`)
+        self._trial: Optional[dict] = None
+        self._lost_trials = 0
         self.node_G = torch.zeros(self.G, dtype=torch.long)
         self.rank_to_node, self.topology = [0], "pcie"
         self.balancer: Optional[Balancer] = None
@@ -140,6 +151,11 @@ class Serving:
     @property
     def P(self) -> int:
         return self.G * self.S
+
+    @property
+    def on_trial(self) -> bool:
+        """A layout trial is running: replicas and their prefix serve in turns (`_start_trial`)."""
+        return self._trial is not None
 
     # ------------------------------------------------------------------ set-up
     def _agree_at_start_up(self) -> None:
@@ -192,50 +208,149 @@ class Serving:
         return int(plan.phy2log[layer, rank * S + j]) if j < S else -1
 
     # ------------------------------------------------------------------ per batch
+    def before_batch(self, inputs: tuple) -> None:
+        """During a layout trial: start the clock of this forward (after the accelerator's queued work)."""
+        if self._trial is not None:
+            get_accelerator().synchronize()
+            x = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+            tokens = 1 if x is None else (x.numel() // x.shape[-1] if x.is_floating_point() and x.dim() else x.numel())
+            self._trial["started"] = (time.perf_counter(), max(tokens, 1))
+
     def after_batch(self) -> None:
         """Every `view_interval` batches: step the balancer (one all-reduce of the tallies the gates
-        gathered since), then re-plan if the view says so."""
+        gathered since, posted in the background: no rank waits for the others after its forward); one
+        batch later the view takes that step and serving re-plans if it says so. During a layout trial,
+        time the forward."""
         if self.balancer is None:
             return
         self.batches += 1
-        if self.batches % self.config.inference.view_interval:
-            return
-        self.balancer.step()
-        cross_LG = self.balancer.view.cross_layer_pressure() if self.balancer.view.steps else None
+        if self._trial is not None:
+            self._time_trial_batch()
+        if self.balancer.in_flight:        # posted after an earlier forward: done by now, or nearly
+            self.balancer.settle()
+            self._after_view_step()
+        if self.batches % self.config.inference.view_interval == 0:
+            self.balancer.step_async(self._post_reduce)
+
+    def _after_view_step(self) -> None:
+        """The view took a step: the gates get its cross-layer pressure; re-plan if the view says so."""
+        view = self.balancer.view_so_far
+        cross_LG = view.cross_layer_pressure() if view.steps else None
         for layer, gate in enumerate(self.gates):
             gate.pressure_G = None if cross_LG is None else cross_LG[layer]
-        if self.R:
+        if self.R and self._trial is None:
             self.maybe_replan()
 
+    @staticmethod
+    def _post_reduce(packed_LW: torch.Tensor):
+        """The view step's all-reduce, posted (async_op): no rank waits for the others after its forward."""
+        if not dist_ready() or dist.get_world_size() == 1:
+            return None
+        return dist.all_reduce(packed_LW, async_op=True)
+
     def maybe_replan(self) -> bool:
-        """Once the view is warm, at most every `replan_interval` batches, choose a placement
-        (`choose_placement`) and move to it if it differs from the serving one; returns whether a new
-        placement serves."""
-        inf, view = self.config.inference, self.balancer.view
+        """Once the view is warm, at most every `replan_interval` batches (longer after lost layout trials),
+        choose a placement (`choose_placement`) and move to it if it differs from the serving one; replicas that
+        replace a one-slot-per-expert layout serve on trial (`_start_trial`; a re-plan of replicas that won
+        their trial does not). Returns whether a new placement serves."""
+        inf, view = self.config.inference, self.balancer.view_so_far
         if not view.ready:
             return False
-        if self.last_plan_batch is not None and self.batches - self.last_plan_batch < inf.replan_interval:
+        wait = inf.replan_interval * 2 ** min(self._lost_trials, MAX_BACKOFF)
+        if self.last_plan_batch is not None and self.batches - self.last_plan_batch < wait:
             return False
         num_nodes = int(self.node_G.max()) + 1
         # DeepSpeed pads every slot to the largest (`expected_padded_cost`, the choice below): plan for that
         # ("padded": the largest share as small as it gets), under either split. Node spread only pays where
         # routes can stay on their node: with the `exact` split, which steers them there.
         spread = SPREAD_WEIGHT if inf.split == "exact" else False
-        choice = choose_placement(
-            view.heat_LE, self.placement, self.home, inf.replan_threshold,
-            plan=lambda heat: plan_placement(heat, self.G, self.S_max, num_nodes=num_nodes, previous=self.placement,
-                                             dispatch="padded", node_spread=spread))
+
+        def plan(heat):
+            planned = plan_placement(heat, self.G, self.S_max, num_nodes=num_nodes, previous=self.resident,
+                                     dispatch="padded", node_spread=spread)
+            # the same counts laid over a one-slot-per-expert prefix: the layout trial flips between them
+            return with_prefix(planned, previous=self.resident, node_G=self.node_G.numpy() if spread else None) \
+                or planned
+        choice = choose_placement(view.heat_LE, self.placement, self.home, inf.replan_threshold, plan=plan)
         if choice is None:
             return False
         self.last_plan_batch = self.batches
-        return choice is not self.placement and self.apply(choice)
+        if choice is self.placement:
+            return False
+        if choice is self.home and self._prefix(self.resident) is not None:
+            self._serve(self._prefix(self.resident))        # DeepSpeed's cost without moving a weight
+            return True
+        switching = self.placement.slots_per_device == self.H     # from one slot per expert to replicas
+        if not self.apply(choice):
+            return False
+        # with drops, replicas change which tokens are kept (fewer drops): not a matter of time alone
+        dropless = not any(gate.drop_tokens for gate in self.gates)
+        if switching and dropless and self._prefix(choice) is not None and inf.trial_batches:
+            self._start_trial(choice)
+        return True
+
+    @staticmethod
+    def _prefix(plan: Placement) -> Optional[Placement]:
+        """The one-slot-per-expert layout resident in `plan`'s first slots, or None (see `with_prefix`)."""
+        if plan.slots_per_device * plan.num_devices == plan.num_experts:
+            return None
+        prefix = prefix_placement(plan)
+        return prefix if bool((prefix.logcnt == 1).all()) else None
+
+    # ------------------------------------------------------------------ layout trial
+    def _start_trial(self, plan: Placement) -> None:
+        """Serve `plan` and its prefix (DeepSpeed's cost) in turns, ABBA, for `trial_batches` batches; then keep
+        the one that served faster per token on every rank together (`_end_trial`). The padded-cost model
+        chose the plan from the view; the trial checks it against the forward time it actually gives."""
+        self._trial = {"plan": plan, "base": self._prefix(plan), "times": {"plan": [0.0, 0], "base": [0.0, 0]},
+                       "batch": 0, "started": None}
+
+    def _trial_layout(self, i: int) -> str:
+        return "plan" if i % 4 in (0, 3) else "base"
+
+    def _time_trial_batch(self) -> None:
+        trial = self._trial
+        if trial["started"] is not None:
+            get_accelerator().synchronize()
+            t0, tokens = trial["started"]
+            spent = trial["times"][self._trial_layout(trial["batch"])]
+            spent[0] += time.perf_counter() - t0
+            spent[1] += tokens
+            trial["started"] = None
+        trial["batch"] += 1
+        if trial["batch"] >= self.config.inference.trial_batches:
+            self._end_trial()
+        else:
+            self._serve(trial[self._trial_layout(trial["batch"])])
+
+    def _end_trial(self) -> None:
+        trial, self._trial = self._trial, None
+        times = torch.tensor([*trial["times"]["plan"], *trial["times"]["base"]], dtype=torch.float64,
+                             device=self.device)
+        if dist_ready() and dist.get_world_size() > 1:
+            dist.all_reduce(times)           # every rank decides on the same sums
+        plan_s, plan_tokens, base_s, base_tokens = times.tolist()
+        per_plan, per_base = plan_s / max(plan_tokens, 1), base_s / max(base_tokens, 1)
+        kept = per_plan > 0 and per_base > 0 and per_plan < (1 - TRIAL_GAIN) * per_base
+        self._lost_trials = 0 if kept else self._lost_trials + 1
+        self.trials.append({"batch": self.batches, "us_per_token_replicas": round(1e6 * per_plan, 3),
+                            "us_per_token_deepspeed_cost": round(1e6 * per_base, 3), "replicas_kept": kept})
+        self._serve(trial["plan"] if kept else trial["base"])
+
+    def _serve(self, placement: Placement) -> None:
+        """Flip every layer's tables to `placement`, whose weights the modules hold (`resident` or its prefix)."""
+        self.placement = placement
+        for layer, (moe, gate) in enumerate(zip(self.moes, self.gates)):
+            moe.deepspeed_moe.experts.num_local_experts = placement.slots_per_device
+            moe.deepspeed_moe.num_local_experts = placement.slots_per_device
+            gate.set_table(SlotTable.even(placement.log2phy[layer]), placement.slots_per_device)
 
     # ------------------------------------------------------------------ weight moves
     def _moves(self, plan: Placement) -> list[tuple[int, int, int, int, int]]:
         """(layer, destination rank, its module, source rank, its module) for every slot of `plan` whose
-        module holds another expert now: the source is a slot of the serving placement that holds the
-        expert, on the destination's rank when there is one."""
-        old, S_old, S_new = self.placement, self.placement.slots_per_device, plan.slots_per_device
+        module holds another expert now: the source is a module that holds the expert (`resident`), on the
+        destination's rank when there is one."""
+        old, S_old, S_new = self.resident, self.resident.slots_per_device, plan.slots_per_device
         moves = []
         for layer in range(self.L):
             for p in range(self.G * S_new):
@@ -254,6 +369,8 @@ class Serving:
                 or plan.slots_per_device > self.S_max:
             raise ValueError(f"a placement of {tuple(plan.phy2log.shape)} slots ({plan.slots_per_device} per rank) "
                              f"does not fit {self.L} layers x {self.G} ranks x at most {self.S_max} slots")
+        if self._trial is not None:         # a placement set from outside ends the trial: the tables are its
+            self._trial = None
         key = int(hashlib.sha1(plan.phy2log.numpy().tobytes()).hexdigest()[:15], 16)
         moves = self._moves(plan)
         staging: dict[tuple[int, int], torch.Tensor] = {}
@@ -276,11 +393,8 @@ class Serving:
         # phase 2: every rank got every weight: copy them in and flip the tables before the next forward
         for (layer, j), flat in staging.items():
             _unflatten_into(self.expert_module(layer, j), flat)
-        self.placement = plan
-        for layer, (moe, gate) in enumerate(zip(self.moes, self.gates)):
-            moe.deepspeed_moe.experts.num_local_experts = plan.slots_per_device
-            moe.deepspeed_moe.num_local_experts = plan.slots_per_device
-            gate.set_table(SlotTable.even(plan.log2phy[layer]), plan.slots_per_device)
+        self.resident = plan
+        self._serve(plan)
         self.replans += 1
         self.weight_moves += len(moves)
         return True
@@ -323,7 +437,7 @@ class Serving:
         """Load a DeepSpeed MoE checkpoint (a training engine's, or `save_checkpoint`'s): every local slot
         reads the file of the expert it holds, so replicas are filled without communication."""
         return load_moe_checkpoint(self.module, ckpt_dir, tag,
-                                   holds=lambda layer, j: self.holds(self.placement, layer, self.rank, j))
+                                   holds=lambda layer, j: self.holds(self.resident, layer, self.rank, j))
 
     def logical_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """The home experts of this rank ({file name: expert state with global ids}) and, under the key
@@ -571,5 +685,6 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     engine.serving = serving
     if serving.balancer is not None:
         engine.easybalance = serving.balancer
+        module.register_forward_pre_hook(lambda mod, args: serving.before_batch(args))
         module.register_forward_hook(lambda mod, args, output: serving.after_batch())
     return engine
