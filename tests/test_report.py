@@ -124,6 +124,14 @@ def test_a_new_run_appended_to_a_log_is_announced_when_written_and_when_read(tmp
         assert [r["step"] for r in read_log(str(tmp_path))] == [1]
 
 
+def test_a_relative_log_dir_says_where_it_lands(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    JsonlLogger("runs/a").close()
+    assert f"balance records go to {tmp_path / 'runs' / 'a' / 'balance.jsonl'}" in capsys.readouterr().err
+    JsonlLogger(str(tmp_path / "b")).close()         # an absolute one is where the user said: nothing to say
+    assert "balance records go to" not in capsys.readouterr().err
+
+
 def test_a_resume_that_continues_its_log_reads_without_a_warning(tmp_path):
     import warnings
     log = JsonlLogger(str(tmp_path))

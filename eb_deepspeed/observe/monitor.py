@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 import warnings
 from typing import Any, Iterable
 
@@ -54,6 +55,9 @@ class JsonlLogger(BalanceLogger):
             raise ValueError(f"easybalance.log.dir ({directory!r}) names a file, not a directory")
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, JSONL_NAME)
+        if not os.path.isabs(directory):    # said once where a relative log.dir lands (the working directory)
+            print(f"easybalance: balance records go to {os.path.abspath(self.path)} (easybalance.log.dir "
+                  f"{directory!r}, relative to the working directory)", file=sys.stderr, flush=True)
         self.max_bytes = int(max_mb * 2 ** 20)
         self._file = _open_append(self.path)
         _cut_partial_line(self._file)
