@@ -117,7 +117,8 @@ def _bench(args) -> int:
                              ckpt=args.ckpt)
         print(json.dumps(result, indent=2) if args.json else "\n".join(
             f"{r['row']:14s} {r['ranks']} ranks {r['split']:5s}: capacity/ideal {r['capacity_over_ideal_plain']} -> "
-            f"{r['capacity_over_ideal_ours']} (bound {r['capacity_over_ideal_bound']}), speed-up {r['speedup']}, "
+            f"{r['capacity_over_ideal_ours']} (bound {r['capacity_over_ideal_bound']}), MoE speed-up {r['speedup']}, "
+            f"tokens/s {r['tokens_per_s_ratio']}x plain, slots {r['slots_serving']}, "
             f"drops {r['drop_rate_plain']} -> {r['drop_rate_ours']}, overhead {r['overhead_ratio']}, "
             f"equal {r['outputs_equal']}" for r in result["rows"]) + "\ntargets: " + json.dumps(result["targets"]))
         return 0
@@ -317,7 +318,7 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
 
     p = add("infer", "serving with replicas against plain DeepSpeed, side by side")
     p.add_argument("--ranks", type=counting, nargs="+", default=[2, 4], help="gloo ranks of each run")
-    p.add_argument("--batches", type=counting, default=24, help="measured batches per row")
+    p.add_argument("--batches", type=counting, default=40, help="measured batches per row (the example row: twice as many)")
     p.add_argument("--replica-slots", type=non_negative, default=1, help="easybalance.inference.replica_slots")
     p.add_argument("--ckpt", default="runs/main/ckpt", help="the main job's checkpoint (trained routers)")
 
