@@ -106,8 +106,12 @@ def serve(args, rank: int, world: int, node_of_rank: list[int]) -> dict:
     from eb_deepspeed.tools.bench_infer import _zipf_batches, _ZipfModel
 
     E, hidden = 8, 64
+    # what the rehearsal shows is where routes go under the exact split (node-local), not its speed on one
+    # CPU machine, where a layout trial measures the exact split slower and keeps DeepSpeed's cost
+    # (docs/benchmarks.md): it decides by the padded-cost model alone
     block = {"mode": "balance", "warmup_batches": 2,
-             "inference": {"replica_slots": 1, "split": "exact", "view_interval": 1, "replan_interval": 4},
+             "inference": {"replica_slots": 1, "split": "exact", "view_interval": 1, "replan_interval": 4,
+                           "trial_batches": 0},
              "log": {"dir": os.path.join(args.run_dir, "serve_balance")}}
     plain = _ZipfModel(E, hidden, world, False)
     for _, moe in find_moe_layers(plain):

@@ -97,6 +97,29 @@ def test_a_step_in_flight_is_taken_when_it_is_read_or_at_the_next_step_and_waits
     assert balancer.view.steps == 3 and balancer.settle() is None
 
 
+def test_a_step_still_in_flight_at_exit_is_taken_there_and_its_work_let_go(monkeypatch):
+    import atexit
+
+    from eb_deepspeed.core.balancer import _at_exit
+    registered = []
+    monkeypatch.setattr(atexit, "register", lambda fn, *args: registered.append((fn, args)))
+    gates = [ToyGate()]
+    balancer = Balancer(config(mode="observe"), gates, 2)     # no logger: before, nothing ran at exit
+    assert registered == []
+    timeouts = []
+
+    class Work:
+        def wait(self, timeout=None):
+            timeouts.append(timeout)
+    gates[0].forward(torch.tensor([0, 3]))
+    balancer.step_async(lambda packed_LW: Work())
+    balancer.step_async(lambda packed_LW: Work())
+    assert [fn for fn, _ in registered] == [_at_exit]               # once
+    registered[0][0](*registered[0][1])                               # what the interpreter runs at exit
+    assert not balancer.in_flight and balancer.view_so_far.steps == 2
+    assert timeouts[-1] is not None                                   # a gone peer cannot hang the exit
+
+
 def test_a_rank_holding_some_layers_fills_their_rows_and_controls_only_its_gates():
     # pipeline stage 1 of 2: global layers 2, 3 of 4; the reduce brings the other stage's rows
     gates = [ToyGate(), ToyGate()]
@@ -453,7 +476,7 @@ def test_a_finite_but_impossible_state_is_refused_naming_its_field_and_nothing_c
 def test_a_run_shorter_than_the_log_interval_still_leaves_its_last_record_at_exit(tmp_path, monkeypatch):
     import atexit
 
-    from eb_deepspeed.core.balancer import _flush_at_exit
+    from eb_deepspeed.core.balancer import _at_exit
     from eb_deepspeed.observe.monitor import JsonlLogger
     from eb_deepspeed.observe.report import read_log
     registered = []
@@ -463,7 +486,7 @@ def test_a_run_shorter_than_the_log_interval_still_leaves_its_last_record_at_exi
     for _ in range(3):                      # 3 steps, interval 10: before, the log stayed empty
         gates[0].forward(torch.tensor([0, 1, 2, 3]))
         balancer.step()
-    assert registered == [(_flush_at_exit, registered[0][1])]
+    assert registered == [(_at_exit, registered[0][1])]
     fn, args = registered[0]
     fn(*args)                               # what the interpreter runs at exit
     fn(*args)                               # twice (a flush_log of its own first): still one record

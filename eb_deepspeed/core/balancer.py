@@ -19,6 +19,7 @@ whole view. World size 1 is `reduce=None`: no communication at all.
 from __future__ import annotations
 
 import atexit
+import datetime
 import math
 import numbers
 import warnings
@@ -76,16 +77,27 @@ def check_agreement(gathered: Sequence[dict[str, Any]], rank: int) -> None:
                              f"(mine, theirs): {diff}")
 
 
-def _flush_at_exit(ref: "weakref.ref[Balancer]") -> None:
-    """At interpreter exit: log the last step if it was not logged (a run that ended between log intervals,
-    or before the first). Never raises: the process is ending."""
+EXIT_WAIT_S = 30     # at exit, how long a step in flight may wait for its reduce (its peers may be gone)
+
+
+def _at_exit(ref: "weakref.ref[Balancer]") -> None:
+    """At interpreter exit: take a step in flight (its reduce waited for at most EXIT_WAIT_S, and its work
+    object let go before the process group is torn down), then log the last step if it was not logged (a run
+    that ended between log intervals, or before the first). Never raises: the process is ending."""
     balancer = ref()
-    if balancer is not None:
-        balancer._pending = None    # a step in flight is dropped: its peers may be gone, a wait could hang
-        try:
+    if balancer is None:
+        return
+    try:
+        pending, balancer._pending = balancer._pending, None
+        if pending is not None:
+            packed_LW, work = pending
+            if work is not None:
+                work.wait(timeout=datetime.timedelta(seconds=EXIT_WAIT_S))
+            balancer._take_step(packed_LW)
+        if not isinstance(balancer.logger, NullLogger):
             balancer.flush_log()
-        except Exception as e:   # noqa: BLE001 - a closed logger at exit must not turn a clean exit into a traceback
-            warnings.warn(f"easybalance: the last balance record could not be written at exit ({e})")
+    except Exception as e:   # noqa: BLE001 - a closed logger or a gone peer at exit must not turn a clean exit into a traceback
+        warnings.warn(f"easybalance: the last balance step or record could not be taken at exit ({e})")
 
 
 class Balancer:
@@ -149,8 +161,14 @@ class Balancer:
         self._logged_step = 0
         self._run_start: Optional[int] = 0    # put on the next record: where this run's log starts
         self.apply_controls()
+        self._exit_hook = False
         if not isinstance(self.logger, NullLogger):       # a run shorter than log.interval still leaves a record
-            atexit.register(_flush_at_exit, weakref.ref(self))
+            self._at_exit()
+
+    def _at_exit(self) -> None:
+        if not self._exit_hook:
+            atexit.register(_at_exit, weakref.ref(self))
+            self._exit_hook = True
 
     def _experts_per_layer(self, num_experts) -> list[int]:
         """[L] experts of every layer of the model, checked against this rank's gates."""
@@ -241,6 +259,7 @@ class Balancer:
         or None for no communication). The view takes this step at the next read of `view`, `settle()` or
         step: serving's view runs one step behind its tally, and no rank waits for the others here."""
         self.settle()
+        self._at_exit()         # a step still in flight at exit is taken there, before the process group goes
         packed_LW = self.gather_tally()
         self._pending = (packed_LW, post(packed_LW) if post is not None else None)
 
