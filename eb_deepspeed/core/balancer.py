@@ -163,9 +163,10 @@ class Balancer:
         self.apply_controls()
         self._exit_hook = False
         if not isinstance(self.logger, NullLogger):       # a run shorter than log.interval still leaves a record
-            self._at_exit()
+            self._register_exit()
 
-    def _at_exit(self) -> None:
+    def _register_exit(self) -> None:
+        """Once per balancer: `_at_exit` runs at interpreter exit."""
         if not self._exit_hook:
             atexit.register(_at_exit, weakref.ref(self))
             self._exit_hook = True
@@ -259,7 +260,7 @@ class Balancer:
         or None for no communication). The view takes this step at the next read of `view`, `settle()` or
         step: serving's view runs one step behind its tally, and no rank waits for the others here."""
         self.settle()
-        self._at_exit()         # a step still in flight at exit is taken there, before the process group goes
+        self._register_exit()   # a step still in flight at exit is taken there, before the process group goes
         packed_LW = self.gather_tally()
         self._pending = (packed_LW, post(packed_LW) if post is not None else None)
 
