@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 TARGET_SHARE = 0.20
 
@@ -25,26 +23,13 @@ def measure(T: int, E: int, M: int, view_interval: int, repeats: int) -> dict:
 
     from eb_deepspeed.adapters.deepspeed.replicas import ReplicaGate, SlotTable
     from eb_deepspeed.planning.placement import static_placement
+    from eb_deepspeed.tools.bench_infer import gate_medians_ms
     torch.set_num_threads(1)
     torch.manual_seed(0)
     plain = TopKGate(M, E, 2, 1.0, 1.0, 4, None, False, True, None, True).eval()
     ours = ReplicaGate.from_gate(plain, 1, E, rank=0, table=SlotTable.even(static_placement(1, E, 1).log2phy[0]))
     h = torch.randn(T, M)
-    times = {"plain": [], "ours": [], "take": []}
-    with torch.no_grad():
-        for rep in range(repeats + 20):
-            for name, gate in (("plain", plain), ("ours", ours)) if rep % 2 else (("ours", ours), ("plain", plain)):
-                torch.manual_seed(rep)
-                t0 = time.perf_counter()
-                gate(h, None, True, False)
-                if rep >= 20:
-                    times[name].append(time.perf_counter() - t0)
-            if rep % view_interval == view_interval - 1:
-                t0 = time.perf_counter()
-                ours.tally.take()
-                if rep >= 20:
-                    times["take"].append(time.perf_counter() - t0)
-    ms = {name: 1e3 * statistics.median(values) for name, values in times.items()}
+    ms = gate_medians_ms(plain, ours, h, repeats, skip=20, take_every=view_interval)
     extra = ms["ours"] - ms["plain"] + ms["take"] / view_interval
     return {"tokens": T, "experts": E, "model_dim": M, "view_interval": view_interval,
             "plain_ms": round(ms["plain"], 4), "ours_ms": round(ms["ours"], 4), "take_ms": round(ms["take"], 4),

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-__all__ = ["bench_infer", "zipf", "slot_bound"]
+__all__ = ["bench_infer", "zipf", "slot_bound", "gate_medians_ms"]
 
 TARGETS = {"capacity_over_ideal": 1.15, "speedup_zipf": 1.5, "drop_rate_cut": 0.5, "overhead_ratio": 0.03,
            "example_vs_plain": 0.98}
@@ -287,17 +287,29 @@ def _steering_ms(serving, x, repeats: int = 30) -> float:
                                  split=gate.split, steer_options=gate.steer_options)
     ours.drop_tokens = gate.drop_tokens
     h = torch.randn(x.reshape(-1, x.shape[-1]).shape[0] if x.dtype.is_floating_point else x.numel(), M)
-    times = {"plain": [], "ours": []}
+    ms = gate_medians_ms(plain, ours, h, repeats, skip=3, take_every=1)
+    return round(ms["ours"] - ms["plain"], 4)
+
+
+def gate_medians_ms(plain, ours, h: torch.Tensor, repeats: int, skip: int, take_every: int) -> dict:
+    """Median ms of DeepSpeed's gate (`plain`) and a ReplicaGate (`ours`) on tokens h [T, M], called in
+    alternating order `repeats` times after `skip` unmeasured rounds, and of `ours`' tally take every
+    `take_every` rounds (one view step): {"plain", "ours", "take"}."""
+    times = {"plain": [], "ours": [], "take": []}
     with torch.no_grad():
-        for rep in range(repeats + 3):
+        for rep in range(repeats + skip):
             for name, g in (("plain", plain), ("ours", ours)) if rep % 2 else (("ours", ours), ("plain", plain)):
                 torch.manual_seed(rep)
                 t0 = time.perf_counter()
                 g(h, None, True, False)
-                if rep >= 3:
+                if rep >= skip:
                     times[name].append(time.perf_counter() - t0)
-            ours.tally.take()
-    return round(1e3 * (statistics.median(times["ours"]) - statistics.median(times["plain"])), 4)
+            if rep % take_every == take_every - 1:
+                t0 = time.perf_counter()
+                ours.tally.take()
+                if rep >= skip:
+                    times["take"].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(values) if values else 0.0 for name, values in times.items()}
 
 
 def _load_plain(plain, engine) -> None:
