@@ -953,6 +953,7 @@ def main(scenarios: dict | None = None):
     result = (scenarios or globals())[f"scenario_{scenario}"](params)
     torch.save(result, os.path.join(out_dir, f"rank{torch.distributed.get_rank()}.pt"))
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()   # torn down while Python runs, as DeepSpeed's own tests do
 
 
 if __name__ == "__main__":

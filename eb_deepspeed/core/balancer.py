@@ -90,14 +90,25 @@ def _at_exit(ref: "weakref.ref[Balancer]") -> None:
     try:
         pending, balancer._pending = balancer._pending, None
         if pending is not None:
-            packed_LW, work = pending
-            if work is not None:
-                work.wait(timeout=datetime.timedelta(seconds=EXIT_WAIT_S))
+            packed_LW, _ = pending
+            _wait_posted(balancer._posted)
             balancer._take_step(packed_LW)
         if not isinstance(balancer.logger, NullLogger):
             balancer.flush_log()
     except Exception as e:   # noqa: BLE001 - a closed logger or a gone peer at exit must not turn a clean exit into a traceback
         warnings.warn(f"easybalance: the last balance step or record could not be taken at exit ({e})")
+
+
+def _wait_posted(posted: list) -> None:
+    """Wait (at most EXIT_WAIT_S) for a reduce still posted and let its work object go. Runs at exit or when a
+    balancer with a step in flight is collected, so no collective of ours is in flight while the process group
+    is torn down: its peers posted the same reduce, so it completes."""
+    while posted:
+        work = posted.pop()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=EXIT_WAIT_S))
+        except Exception as e:   # noqa: BLE001 - a gone peer at exit must not turn a clean exit into a traceback
+            warnings.warn(f"easybalance: a balance reduce in flight did not complete ({e})")
 
 
 class Balancer:
@@ -144,6 +155,7 @@ class Balancer:
         self.tally_devices = self.num_devices if device_tally else 0
         self.rank_to_node = list(rank_to_node or [0])
         self._pending: Optional[tuple] = None     # a step whose reduce runs in the background (`step_async`)
+        self._posted: list = []    # its work object, held apart so that it is waited for even if this is collected
         self._view = LoadView(self.num_layers, self.experts_L, devices, ema_alpha=config.ema_alpha,
                              window=config.window_for(self.num_layers), warmup_batches=config.warmup_batches,
                              expert_to_device_E=expert_to_device_E)
@@ -169,6 +181,7 @@ class Balancer:
         """Once per balancer: `_at_exit` runs at interpreter exit."""
         if not self._exit_hook:
             atexit.register(_at_exit, weakref.ref(self))
+            weakref.finalize(self, _wait_posted, self._posted)
             self._exit_hook = True
 
     def _experts_per_layer(self, num_experts) -> list[int]:
@@ -262,7 +275,10 @@ class Balancer:
         self.settle()
         self._register_exit()   # a step still in flight at exit is taken there, before the process group goes
         packed_LW = self.gather_tally()
-        self._pending = (packed_LW, post(packed_LW) if post is not None else None)
+        work = post(packed_LW) if post is not None else None
+        if work is not None:
+            self._posted.append(work)
+        self._pending = (packed_LW, work)
 
     def settle(self) -> Optional[torch.Tensor]:
         """Take the step in flight (`step_async`): wait for its reduce, then view, control, log. Returns its
@@ -271,6 +287,7 @@ class Balancer:
             return None
         (packed_LW, work), self._pending = self._pending, None
         if work is not None:
+            self._posted.clear()
             work.wait()
         return self._take_step(packed_LW)
 
