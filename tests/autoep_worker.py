@@ -16,6 +16,7 @@ import deepspeed
 from deepspeed.moe.utils import configure_moe_param_groups
 
 import eb_deepspeed
+from eb_deepspeed.adapters.autoep import find_autoep_layers
 from hf_moe import autoep_section, hf_moe_model, zipf_tokens
 
 MICRO, SEQ = 2, 16
@@ -157,6 +158,112 @@ def scenario_checkpoint(p):
     return {"saved": saved, "loaded": loaded, "client_step": client["step"], "path": path,
             "next_loss": float(next_loss[0]), "fresh_loss": float(fresh_loss[0]), "plain_path": plain_path,
             "bias_of_gates": bias_of_gates}
+
+
+# ---------------------------------------------------------------------------------------------- serving
+def _served_model(family: str, ep: int, experts: int, skew: float, seed: int = 0):
+    """A tiny model AutoEP converted (plain deepspeed.initialize, no optimizer), in eval mode, its routers
+    skewed the same way in every layer (cross-layer correlated hot experts): expert 0's logit gets `skew`,
+    expert 1's half of it (a forward hook on each router's linear layer, part of the model)."""
+    torch.manual_seed(seed)
+    model = hf_moe_model(family, layers=2, hidden=32, experts=experts, k=2, ffn=32, seq_len=SEQ)
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6,
+           "expert_parallel": autoep_section(family, ep)}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    offset_E = torch.zeros(experts)
+    offset_E[0], offset_E[1] = skew, skew / 2
+    for _, layer in find_autoep_layers(engine.module):
+        layer.router.gate.register_forward_hook(lambda m, a, logits: logits + offset_E)
+    engine.module.eval()
+    return engine
+
+
+def _serve_block(p, **inference):
+    return {"mode": "balance", "warmup_batches": 1, "log": {"dir": os.path.join(p["out"], "serve_log"), "interval": 1},
+            "inference": {"replica_slots": 1, "replan_interval": 1, "replan_threshold": 1.0, "view_interval": 1,
+                          "trial_batches": 0, **inference}}
+
+
+def _serve_batch(b: int, rows: int | None = None) -> torch.Tensor:
+    """Unequal batches per rank (2 + rank sequences, or `rows`) of skewed token ids."""
+    g = torch.Generator().manual_seed(100 * b + dist.get_rank())
+    return zipf_tokens(2 + dist.get_rank() if rows is None else rows, SEQ, g)
+
+
+def _compare(model, plain, batches: range) -> list[dict]:
+    serving, rows = model.serving, []
+    for b in batches:
+        ids = _serve_batch(b)
+        slots = serving.placement.slots_per_device          # the placement that serves this batch
+        with torch.no_grad():
+            expected = plain(input_ids=ids).logits
+            got = model(input_ids=ids).logits
+        rows.append({"equal": torch.equal(expected, got), "maxdiff": float((expected - got).abs().max()),
+                     "slots": slots, "replans": serving.replans})
+    return rows
+
+
+def scenario_serve(p):
+    """AutoEP layers served with replicas (re-plans from the view of a skewed router) against plain AutoEP eval
+    of the same weights, batch by batch; then back to AutoEP's layout; then `generate` against plain's."""
+    family, ep, experts = p.get("family", "mixtral"), p.get("ep", 2), p.get("experts", 4)
+    plain = _served_model(family, ep, experts, p.get("skew", 3.0)).module
+    engine = _served_model(family, ep, experts, p.get("skew", 3.0))
+    model = eb_deepspeed.init_inference(engine, config={"easybalance": _serve_block(p, split=p.get("split", "view"))})
+    serving = model.serving
+    rows = _compare(model, plain, range(1))
+    first = model.easybalance.record()                  # the view of AutoEP's own layout under the skew
+    rows += _compare(model, plain, range(1, p.get("batches", 5)))
+    replicated = serving.placement
+    returned = serving.apply(serving.home)
+    rows += _compare(model, plain, range(100, 102))
+    ids = _serve_batch(200, rows=2)
+    with torch.no_grad():
+        want = plain.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        serving.apply(replicated)                  # replicas again, through the generate's forwards
+        got = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    layer = serving.moes[0]
+    return {"rows": rows, "returned": returned, "generate_equal": torch.equal(want, got), "S_max": serving.S_max,
+            "H": serving.H, "moves": serving.weight_moves, "record": model.easybalance.record(), "first": first,
+            "num_local_experts": layer.num_local_experts, "w1_rows": layer.experts.w1.shape[0],
+            "replicated_slots": replicated.slots_per_device, "logged": os.path.join(p["out"], "serve_log")}
+
+
+def scenario_serve_empty(p):
+    """Rank 1's AutoEP layer gets no tokens while rank 0's gets some, replicas serving: no hang, rank 0's output
+    equal to plain AutoEP's layer over the same tokens (whose peer sends it none either)."""
+    from eb_deepspeed.planning import plan_placement
+    plain = _served_model("mixtral", 2, 4, 3.0).module
+    engine = _served_model("mixtral", 2, 4, 3.0)
+    model = eb_deepspeed.init_inference(engine, config={"easybalance": _serve_block(p, split=p["split"],
+                                                                                   replan_interval=1000)})
+    serving = model.serving
+    serving.apply(plan_placement(torch.tensor([[9.0, 4, 1, 1]] * 2), 2, serving.S_max, previous=serving.placement))
+    layer, plain_layer = serving.moes[0], find_autoep_layers(plain)[0][1]
+    out = []
+    for b in range(3):
+        g = torch.Generator().manual_seed(b)
+        x = torch.randn(1, 12, 32, generator=g)
+        x = x[:, :0] if dist.get_rank() == 1 else x
+        with torch.no_grad():
+            got, expected = layer(x), plain_layer(x)
+        got, expected = (got[0], expected[0]) if isinstance(got, tuple) else (got, expected)
+        out.append({"shape": tuple(got.shape), "maxdiff": float((got - expected).abs().max()) if x.numel() else 0.0})
+    return {"rows": out, "replicated": not serving.gates[0].home_layout}
+
+
+def scenario_serve_move_fault(p):
+    """A weight move that fails on rank 1 at `p["phase"]` (preparing, posting or waiting for a transfer, checking
+    what arrived): every rank keeps the old placement, outputs stay plain AutoEP's, the next re-plan goes through."""
+    from dist_worker import _inject_move_fault
+    plain = _served_model("mixtral", 2, 4, 3.0).module
+    engine = _served_model("mixtral", 2, 4, 3.0)
+    model = eb_deepspeed.init_inference(engine, config={"easybalance": _serve_block(p)})
+    serving = model.serving
+    if dist.get_rank() == 1:
+        _inject_move_fault(serving, p["phase"])
+    rows = _compare(model, plain, range(5))
+    return {"rows": rows, "failed": serving.failed_moves, "replans": serving.replans}
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ SPREAD_WEIGHT = 0.1
 EXTRA_WORK = 1 << 14
 
 __all__ = ["Placement", "plan_placement", "static_placement", "replica_counts", "assign_replicas", "index_maps",
-           "expected_padded_cost", "expected_slot_ratio", "check_plan_size", "with_prefix", "prefix_placement"]
+           "expected_padded_cost", "expected_slot_ratio", "expected_device_load", "check_plan_size", "with_prefix",
+           "prefix_placement"]
 
 
 @dataclass
@@ -677,6 +678,17 @@ def expected_padded_cost(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor
     slot to the capacity) computes and sends per layer, in routes, with each expert's routes split
     evenly over its replicas. heat_LE: [L, E] expected routes."""
     return _padded_cost(_checked_heat(heat_LE, plan), plan)
+
+
+def expected_device_load(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
+    """[L, G] expected routes per device with each expert's routes split evenly over its replicas: in a
+    dropless layer (AutoEP's grouped GEMMs over exactly the routes a rank received) the busiest device's
+    load is the layer's time. heat_LE: [L, E] expected routes."""
+    heat_LE = _checked_heat(heat_LE, plan)
+    L, P = plan.phy2log.shape
+    per_replica_LE = heat_LE / plan.logcnt.clamp_min(1)
+    slot_LP = torch.where(plan.phy2log >= 0, per_replica_LE.gather(1, plan.phy2log.clamp_min(0)), 0.0)
+    return slot_LP.view(L, plan.num_devices, plan.slots_per_device).sum(2)
 
 
 def _padded_cost(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:

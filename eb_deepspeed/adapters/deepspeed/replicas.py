@@ -36,7 +36,7 @@ from ...core.tally import TallyRecorder, logit_sums
 from ...planning.steering import steer
 from .gate import CrossLayerGate
 
-__all__ = ["ReplicaGate", "SlotTable"]
+__all__ = ["ReplicaGate", "SlotTable", "steered_split"]
 
 
 @dataclass
@@ -62,6 +62,26 @@ def _split_by_fraction(counts_E: torch.Tensor, fraction_ER: torch.Tensor) -> tor
     ends_ER[:, -1] = counts_E
     ends_ER = torch.minimum(ends_ER, counts_E[:, None])
     return torch.diff(ends_ER, dim=1, prepend=torch.zeros_like(ends_ER[:, :1]))
+
+
+def steered_split(counts_E: torch.Tensor, table: SlotTable, S: int, G: int, rank: int, ep_group, node_G: torch.Tensor,
+                  pressure_G: Optional[torch.Tensor], steer_options: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `exact` split of one batch: every rank's routes per expert [E] from one all-gather over the EP
+    group, steered over the replicas (`planning.steer`, on the host). Returns this rank's routes per replica
+    n_ER [E, R] (on counts_E's device) and every rank's routes per slot slot_load_GP [G, P]."""
+    gathered = [torch.zeros_like(counts_E) for _ in range(G)]
+    if G > 1:
+        dsm.dist.all_gather(gathered, counts_E, group=ep_group)
+    else:
+        gathered = [counts_E]
+    counts_GE = torch.stack(gathered).cpu().long()         # steering runs on the host
+    devices_ER = torch.where(table.log2phy_ER >= 0, table.log2phy_ER // S, -1)
+    split_GER = steer(counts_GE, devices_ER, node_G, pressure_G=pressure_G, **steer_options)
+    P = G * S
+    slot_load_GP = torch.zeros(G, P + 1, dtype=torch.long)
+    slots_ER = torch.where(table.log2phy_ER >= 0, table.log2phy_ER, P)
+    slot_load_GP.index_add_(1, slots_ER.reshape(-1), split_GER.reshape(G, -1))
+    return split_GER[rank].to(counts_E.device), slot_load_GP[:, :P]
 
 
 class ReplicaGate(CrossLayerGate):
@@ -203,21 +223,10 @@ class ReplicaGate(CrossLayerGate):
     def _split(self, counts_E: torch.Tensor):
         """n_ER [E, R]: this rank's routes per replica; slot_load_GP [G, P]: every rank's routes per slot
         (exact split), or None (view split: each rank knows only its own)."""
-        table = self.table
         if self.split == "view":
             return _split_by_fraction(counts_E, self._on(counts_E.device).fraction_ER), None
-        gathered = [torch.zeros_like(counts_E) for _ in range(self.G)]
-        if self.G > 1:
-            dsm.dist.all_gather(gathered, counts_E, group=self.ep_group)
-        else:
-            gathered = [counts_E]
-        counts_GE = torch.stack(gathered).cpu()         # steering runs on the host
-        devices_ER = torch.where(table.log2phy_ER >= 0, table.log2phy_ER // self.S, -1)
-        split_GER = steer(counts_GE, devices_ER, self.node_G, pressure_G=self.pressure_G, **self.steer_options)
-        slot_load_GP = torch.zeros(self.G, self.P + 1, dtype=torch.long)
-        slots_ER = torch.where(table.log2phy_ER >= 0, table.log2phy_ER, self.P)
-        slot_load_GP.index_add_(1, slots_ER.reshape(-1), split_GER.reshape(self.G, -1))
-        return split_GER[self.rank].to(counts_E.device), slot_load_GP[:, :self.P]
+        return steered_split(counts_E, self.table, self.S, self.G, self.rank, self.ep_group, self.node_G,
+                             self.pressure_G, self.steer_options)
 
     def _capacity(self, slot_load_GP, n_ER, T: int) -> int:
         """The EP group's capacity: the most routes any rank sends to any slot, capped (with drops) at

@@ -93,14 +93,15 @@ class Serving:
     pays for slots it does not use: DeepSpeed pads every active slot to the capacity.
     """
 
+    # How the layer splits and pads an expert's routes over its replicas, as the planner models it
+    # (`plan_placement(dispatch=)`): DeepSpeed's MOELayer pads every slot to the capacity.
+    dispatch = "padded"
+
     def __init__(self, module: torch.nn.Module, config: Optional[EasyBalanceConfig]):
         self.module = module
         self.config = config
-        self.moes = [m for _, m in find_moe_layers(module)]
-        if not self.moes:
-            raise ValueError("init_inference: the model has no deepspeed.moe.layer.MoE layers")
-        check_one_serving_shape(module)
-        (self.E, self.G), = {(m.num_experts, m.ep_size) for m in self.moes}
+        self.moes = self._find_layers(module)
+        (self.E, self.G), = {self._layer_shape(m) for m in self.moes}
         self.L, self.H = len(self.moes), self.E // self.G
         enabled = config is not None and config.enabled
         self.R = config.inference.replica_slots if enabled and config.mode == "balance" else 0
@@ -113,7 +114,7 @@ class Serving:
             check_plan_size(self.L, self.G * self.S_max, self.G)     # what a re-plan would refuse mid-serving
         except ValueError as e:
             raise ValueError(f"easybalance.inference.replica_slots ({self.R}): {e}") from None
-        self.ep_group = self.moes[0].deepspeed_moe.ep_group
+        self.ep_group = self._layer_ep_group(self.moes[0])
         self.rank = dist.get_rank(self.ep_group) if dist_ready() and self.G > 1 else 0
         # global ranks of this rank's EP group (ep_size 1: the rank itself)
         self.ep_ranks = dist.get_process_group_ranks(self.ep_group) if dist_ready() and self.G > 1 else [dist_rank()]
@@ -162,7 +163,7 @@ class Serving:
         log = self.config.log
         gathered, rank, self._logger = gather_startup(
             {"config": self.config.to_dict(), "experts": self.E, "devices": self.G, "layers": self.L,
-             "top_k": [m.deepspeed_moe.gate.k for m in self.moes]},
+             "top_k": [self._layer_top_k(m) for m in self.moes]},
             prepare=lambda: JsonlLogger(log.dir, log.max_mb) if dist_rank() == 0 else NullLogger())
         check_agreement([{k: v for k, v in g.items() if k != "host"} for g in gathered], rank)
         self.rank_to_node = rank_to_node(gathered)
@@ -173,6 +174,43 @@ class Serving:
                                                num_nodes=num_nodes)
         if note and dist_rank() == 0:
             warnings.warn(f"easybalance.inference.topology: {note}")
+
+    # ------------------------------------------------------------------ the framework's layer (a subclass's part)
+    @staticmethod
+    def _find_layers(module: torch.nn.Module) -> list:
+        """The model's MoE layers, in layer order, checked to share one serving shape."""
+        moes = [m for _, m in find_moe_layers(module)]
+        if not moes:
+            raise ValueError("init_inference: the model has no deepspeed.moe.layer.MoE layers")
+        check_one_serving_shape(module)
+        return moes
+
+    @staticmethod
+    def _layer_shape(moe) -> tuple[int, int]:
+        """(logical experts, EP ranks) of a layer."""
+        return moe.num_experts, moe.ep_size
+
+    @staticmethod
+    def _layer_ep_group(moe):
+        return moe.deepspeed_moe.ep_group
+
+    @staticmethod
+    def _layer_top_k(moe) -> int:
+        return moe.deepspeed_moe.gate.k
+
+    def _slot_state(self, layer: int, j: int) -> torch.Tensor:
+        """The whole state of this rank's local slot j of a layer, as one vector (what a weight move sends)."""
+        return _flat(self.expert_module(layer, j))
+
+    def _load_slot(self, layer: int, j: int, flat: torch.Tensor) -> None:
+        _unflatten_into(self.expert_module(layer, j), flat)
+
+    def _set_tables(self, layer: int, placement: Placement) -> None:
+        """Serve `placement` in one layer from its next forward on (its weights already in place)."""
+        moe, gate = self.moes[layer], self.gates[layer]
+        moe.deepspeed_moe.experts.num_local_experts = placement.slots_per_device
+        moe.deepspeed_moe.num_local_experts = placement.slots_per_device
+        gate.set_table(SlotTable.even(placement.log2phy[layer]), placement.slots_per_device)
 
     def _replicate(self, layer: int, moe, record: bool) -> None:
         """Give the layer S_max expert modules per rank (R empty ones after its home experts; the home
@@ -259,19 +297,8 @@ class Serving:
         wait = inf.replan_interval * 2 ** min(self._lost_trials, MAX_BACKOFF)
         if self.last_plan_batch is not None and self.batches - self.last_plan_batch < wait:
             return False
-        num_nodes = int(self.node_G.max()) + 1
-        # DeepSpeed pads every slot to the largest (`expected_padded_cost`, the choice below): plan for that
-        # ("padded": the largest share as small as it gets), under either split. Node spread only pays where
-        # routes can stay on their node: with the `exact` split, which steers them there.
-        spread = SPREAD_WEIGHT if inf.split == "exact" else False
-
-        def plan(heat):
-            planned = plan_placement(heat, self.G, self.S_max, num_nodes=num_nodes, previous=self.resident,
-                                     dispatch="padded", node_spread=spread)
-            # the same counts laid over a one-slot-per-expert prefix: the layout trial flips between them
-            return with_prefix(planned, previous=self.resident, node_G=self.node_G.numpy() if spread else None) \
-                or planned
-        choice = choose_placement(view.heat_LE, self.placement, self.home, inf.replan_threshold, plan=plan)
+        choice = choose_placement(view.heat_LE, self.placement, self.home, inf.replan_threshold, plan=self._plan,
+                                  cost=self._cost, ratio=self._ratio)
         if choice is None:
             return False
         self.last_plan_batch = self.batches
@@ -284,10 +311,34 @@ class Serving:
         if not self.apply(choice):
             return False
         # with drops, replicas change which tokens are kept (fewer drops): not a matter of time alone
-        dropless = not any(gate.drop_tokens for gate in self.gates)
+        dropless = not any(getattr(gate, "drop_tokens", False) for gate in self.gates)
         if switching and dropless and self._prefix(choice) is not None and inf.trial_batches:
             self._start_trial(choice)
         return True
+
+    def _plan(self, heat_LE: torch.Tensor) -> Placement:
+        """Replicas for every slot (S_max per rank) from the view's heat, in the layer's dispatch model."""
+        num_nodes = int(self.node_G.max()) + 1
+        # DeepSpeed pads every slot to the largest (`expected_padded_cost`, the choice): plan for that
+        # ("padded": the largest share as small as it gets), under either split. Node spread only pays where
+        # routes can stay on their node: with the `exact` split, which steers them there.
+        spread = SPREAD_WEIGHT if self.config.inference.split == "exact" else False
+        planned = plan_placement(heat_LE, self.G, self.S_max, num_nodes=num_nodes, previous=self.resident,
+                                 dispatch=self.dispatch, node_spread=spread)
+        # the same counts laid over a one-slot-per-expert prefix (the same padded cost): the layout trial
+        # flips between them
+        return with_prefix(planned, previous=self.resident, node_G=self.node_G.numpy() if spread else None) \
+            or planned
+
+    @staticmethod
+    def _cost(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
+        """[L] what a layer costs under `plan` in the layer's dispatch model (routes computed and sent)."""
+        return expected_padded_cost(heat_LE, plan)
+
+    @staticmethod
+    def _ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
+        """[L] the skew `replan_threshold` is compared with: the expected largest slot load over the mean."""
+        return expected_slot_ratio(heat_LE, plan)
 
     @staticmethod
     def _prefix(plan: Placement) -> Optional[Placement]:
@@ -340,10 +391,8 @@ class Serving:
     def _serve(self, placement: Placement) -> None:
         """Flip every layer's tables to `placement`, whose weights the modules hold (`resident` or its prefix)."""
         self.placement = placement
-        for layer, (moe, gate) in enumerate(zip(self.moes, self.gates)):
-            moe.deepspeed_moe.experts.num_local_experts = placement.slots_per_device
-            moe.deepspeed_moe.num_local_experts = placement.slots_per_device
-            gate.set_table(SlotTable.even(placement.log2phy[layer]), placement.slots_per_device)
+        for layer in range(self.L):
+            self._set_tables(layer, placement)
 
     # ------------------------------------------------------------------ weight moves
     def _moves(self, plan: Placement) -> list[tuple[int, int, int, int, int]]:
@@ -392,7 +441,7 @@ class Serving:
             return False
         # phase 2: every rank got every weight: copy them in and flip the tables before the next forward
         for (layer, j), flat in staging.items():
-            _unflatten_into(self.expert_module(layer, j), flat)
+            self._load_slot(layer, j, flat)
         self.resident = plan
         self._serve(plan)
         self.replans += 1
@@ -403,13 +452,13 @@ class Serving:
         ops = []
         for layer, dst, dst_j, src, src_j in moves:
             if dst == self.rank:
-                staging[(layer, dst_j)] = torch.empty_like(_flat(self.expert_module(layer, dst_j)))
+                staging[(layer, dst_j)] = torch.empty_like(self._slot_state(layer, dst_j))
                 if src == self.rank:
-                    staging[(layer, dst_j)].copy_(_flat(self.expert_module(layer, src_j)))
+                    staging[(layer, dst_j)].copy_(self._slot_state(layer, src_j))
                 else:
                     ops.append(dist.P2POp(dist.irecv, staging[(layer, dst_j)], self.ep_ranks[src]))
             elif src == self.rank:
-                ops.append(dist.P2POp(dist.isend, _flat(self.expert_module(layer, src_j)), self.ep_ranks[dst]))
+                ops.append(dist.P2POp(dist.isend, self._slot_state(layer, src_j), self.ep_ranks[dst]))
         return ops
 
     def _verify(self, staging) -> None:
@@ -581,26 +630,27 @@ def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[st
 
 
 def choose_placement(heat_LE: torch.Tensor, current: Placement, home: Placement, threshold: float,
-                     plan) -> Optional[Placement]:
+                     plan, cost=expected_padded_cost, ratio=expected_slot_ratio) -> Optional[Placement]:
     """The placement to serve next, or None when the view gives no reason to plan (pure).
 
-    Plan (`plan(heat_LE)`: replicas for every slot) when a layer's expected slot max/mean under the
-    current placement passes `threshold`, or when DeepSpeed's layout (`home`) would cost `MIN_GAIN`
-    less than the current one (replicas traffic no longer needs). Cost: DeepSpeed pads every slot to the
-    capacity, so a layer costs its slots x its largest expected slot load (`expected_padded_cost`), and
-    extra slots pay only where they cut that load by more than they add slots. Of the plan and the home
-    layout the cheaper is chosen; it replaces the current placement when it costs `MIN_GAIN` less, else
-    the current one is returned (planned, nothing to move).
+    Plan (`plan(heat_LE)`: replicas for every slot) when a layer's skew under the current placement
+    (`ratio(heat_LE, plan)` [L]) passes `threshold`, or when DeepSpeed's layout (`home`) would cost
+    `MIN_GAIN` less than the current one (replicas traffic no longer needs). `cost(heat_LE, plan)` [L]:
+    what each layer computes and sends. Defaults, DeepSpeed's padded MOELayer: the expected slot max/mean,
+    and slots x the largest expected slot load (`expected_padded_cost`; extra slots pay only where they
+    cut that load by more than they add slots). Of the plan and the home layout the cheaper is chosen; it
+    replaces the current placement when it costs `MIN_GAIN` less, else the current one is returned
+    (planned, nothing to move).
     """
-    def cost(p: Placement) -> float:
-        return float(expected_padded_cost(heat_LE, p).sum())
+    def total(p: Placement) -> float:
+        return float(cost(heat_LE, p).sum())
 
-    skewed = float(expected_slot_ratio(heat_LE, current).max()) > threshold
-    unneeded = current is not home and cost(home) < (1 - MIN_GAIN) * cost(current)
+    skewed = float(ratio(heat_LE, current).max()) > threshold
+    unneeded = current is not home and total(home) < (1 - MIN_GAIN) * total(current)
     if not (skewed or unneeded):
         return None
-    best = min((plan(heat_LE), home), key=cost)
-    return best if cost(best) < (1 - MIN_GAIN) * cost(current) else current
+    best = min((plan(heat_LE), home), key=total)
+    return best if total(best) < (1 - MIN_GAIN) * total(current) else current
 
 
 def _tag(ckpt_dir: str, tag: Optional[str]) -> str:
@@ -659,9 +709,19 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     its own (DeepSpeed would cast to fp16). Returns DeepSpeed's `InferenceEngine` with
     `engine.serving` (placement, checkpoints) and, with an enabled block, `engine.easybalance` (the
     Balancer). Every EP rank must call forward together, as DeepSpeed's All-to-All requires.
+
+    A Hugging Face model that DeepSpeed's AutoEP converted (the engine `deepspeed.initialize` returned, or its
+    module) is served in AutoEP's own layers instead (`adapters.autoep.serving.init_autoep_inference`): the
+    module is returned, in eval mode, with the same `serving` and `easybalance` attributes.
     """
     import deepspeed
 
+    from ..autoep.serving import has_autoep_layers, init_autoep_inference
+    if has_autoep_layers(model):          # a Hugging Face model AutoEP converted (inside deepspeed.initialize)
+        if kwargs:
+            raise TypeError(f"init_inference: an AutoEP model is served as deepspeed.initialize converted it; "
+                            f"{', '.join(sorted(kwargs))} would go to deepspeed.init_inference, which has no AutoEP path")
+        return init_autoep_inference(model, config)
     eb_config = EasyBalanceConfig.from_ds_config(config)
     ds_config = _inference_keys(strip_block(config) or {})
     if eb_config.enabled:

@@ -1,0 +1,50 @@
+"""Serving Hugging Face MoE models that DeepSpeed's real AutoEP converted, on gloo ranks: replicas inside AutoEP's
+own layer, re-planned from the view of a skewed router, give plain AutoEP's logits (and `generate`'s tokens);
+an empty batch on one rank serves; a weight move that fails anywhere keeps every rank on the old placement."""
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+TOLERANCE = 1e-5     # fp32 rounding of grouped GEMMs over differently grouped rows
+
+
+def run(tmp_path, scenario, world_size=2, **params):
+    from conftest import launch
+    return launch(scenario, world_size, tmp_path, worker="autoep_worker.py", **params)
+
+
+@pytest.mark.parametrize("split, world_size, experts", [("view", 2, 4), ("exact", 2, 4), ("exact", 4, 8)])
+def test_replicas_in_autoeps_layer_give_plain_autoeps_logits_before_and_after_re_plans(tmp_path, split, world_size,
+                                                                                         experts):
+    ranks = run(tmp_path, "serve", world_size, split=split, ep=world_size, experts=experts)
+    for rank in ranks:
+        rows = rank["rows"]
+        assert rank["replicated_slots"] == rank["S_max"] == rank["H"] + 1        # a re-plan put replicas in
+        assert any(r["slots"] == rank["S_max"] for r in rows)                     # and they served batches
+        assert rows[0]["slots"] == rank["H"] and rows[0]["equal"]                 # AutoEP's own layout: bit for bit
+        assert rank["moves"] > 0 and rank["returned"]
+        assert rows[-2]["slots"] == rank["H"]                        # back to AutoEP's layout (then re-planned)
+        for r in rows:
+            assert r["maxdiff"] <= TOLERANCE, r
+        assert rank["generate_equal"]                        # greedy tokens through a flip to replicas
+        assert rank["num_local_experts"] == rank["w1_rows"] == rank["S_max"]
+        assert rank["record"]["replans"] >= 1 and rank["record"]["phase"] == "serve"
+        assert min(rank["first"]["device_max_over_mean"]) > 1.2     # the view saw the skew per EP rank
+    assert len({tuple(r["slots"] for r in rank["rows"]) for rank in ranks}) == 1   # every rank flipped together
+
+
+@pytest.mark.parametrize("split", ["view", "exact"])
+def test_an_empty_batch_on_one_rank_serves_without_a_hang(tmp_path, split):
+    ranks = run(tmp_path, "serve_empty", split=split)
+    assert all(rank["replicated"] for rank in ranks)
+    assert [r["shape"] for r in ranks[1]["rows"]] == [(1, 0, 32)] * 3
+    assert all(r["shape"] == (1, 12, 32) and r["maxdiff"] <= TOLERANCE for r in ranks[0]["rows"])
+
+
+@pytest.mark.parametrize("phase", ["prepare", "post", "wait", "verify"])
+def test_a_failed_weight_move_keeps_every_rank_on_the_old_placement(tmp_path, phase):
+    ranks = run(tmp_path, "serve_move_fault", phase=phase)
+    for rank in ranks:
+        assert rank["failed"] == 1 and rank["replans"] >= 1      # the failed move, then one that went through
+        assert all(r["maxdiff"] <= TOLERANCE for r in rank["rows"])
+    assert [r["slots"] for r in ranks[0]["rows"]] == [r["slots"] for r in ranks[1]["rows"]]
