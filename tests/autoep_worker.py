@@ -266,6 +266,30 @@ def scenario_serve_move_fault(p):
     return {"rows": rows, "failed": serving.failed_moves, "replans": serving.replans}
 
 
+def scenario_serve_checkpoint(p):
+    """DeepSpeed checkpoints in and out of a served AutoEP model: a plain engine's checkpoint (other weights)
+    loaded while replicas serve gives that engine's logits, replicas kept; what the served model saves loads
+    into a fresh plain engine (load_module_only) and gives the same logits again."""
+    from eb_deepspeed.planning import plan_placement
+    source = _served_model("mixtral", 2, 4, 3.0, seed=3)
+    source.save_checkpoint(os.path.join(p["out"], "trained"), tag="t")
+    engine = _served_model("mixtral", 2, 4, 3.0, seed=0)
+    model = eb_deepspeed.init_inference(engine, config={"easybalance": _serve_block(p, replan_interval=1000)})
+    serving = model.serving
+    serving.apply(plan_placement(torch.tensor([[9.0, 4, 1, 1]] * 2), 2, serving.S_max, previous=serving.placement))
+    before_load = serving.placement
+    path = serving.load_checkpoint(os.path.join(p["out"], "trained"), tag="t")
+    rows = _compare(model, source.module, range(3))
+    saved = serving.save_checkpoint(os.path.join(p["out"], "served"), tag="s")
+    rows_after_save = _compare(model, source.module, range(3, 5))
+    fresh = _served_model("mixtral", 2, 4, 3.0, seed=7)
+    fresh_path, _ = fresh.load_checkpoint(os.path.join(p["out"], "served"), tag="s", load_module_only=True)
+    fresh_rows = _compare(model, fresh.module, range(5, 7))
+    return {"rows": rows + rows_after_save, "fresh_rows": fresh_rows, "path": path, "saved": saved,
+            "fresh_path": fresh_path, "kept": torch.equal(serving.placement.phy2log, before_load.phy2log),
+            "S": serving.S, "H": serving.H}
+
+
 if __name__ == "__main__":
     from dist_worker import main
     main(globals())

@@ -2,6 +2,7 @@
 own layer, re-planned from the view of a skewed router, give plain AutoEP's logits (and `generate`'s tokens);
 an empty batch on one rank serves; a weight move that fails anywhere keeps every rank on the old placement."""
 import pytest
+import torch
 
 pytestmark = pytest.mark.distributed
 
@@ -31,6 +32,23 @@ def test_replicas_in_autoeps_layer_give_plain_autoeps_logits_before_and_after_re
         assert rank["record"]["replans"] >= 1 and rank["record"]["phase"] == "serve"
         assert min(rank["first"]["device_max_over_mean"]) > 1.2     # the view saw the skew per EP rank
     assert len({tuple(r["slots"] for r in rank["rows"]) for rank in ranks}) == 1   # every rank flipped together
+    if split == "view" and world_size == 2:
+        _plan_exports_sglangs_expert_location(ranks[0]["logged"], tmp_path)
+
+
+def _plan_exports_sglangs_expert_location(log_dir, tmp_path):
+    """`eb plan` reads the served AutoEP model's balance log and writes SGLang's --init-expert-location."""
+    import json
+
+    from eb_deepspeed.tools.cli import main
+    from sglang_format import read_init_expert_location
+    sglang = tmp_path / "sglang.json"
+    assert main(["plan", log_dir, "--devices", "2", "--redundant", "2", "--sglang", str(sglang)]) == 0
+    meta = read_init_expert_location(str(sglang), num_layers=2, num_logical=4, ep_size=2, gpus_per_node=2)
+    physical_LP = torch.tensor(json.loads(sglang.read_text())["physical_to_logical_map"])
+    assert physical_LP.shape == (2, 6) and meta is not None
+    for layer in range(2):
+        assert sorted(set(physical_LP[layer].tolist())) == [0, 1, 2, 3]       # every expert has a slot
 
 
 @pytest.mark.parametrize("split", ["view", "exact"])
@@ -48,3 +66,11 @@ def test_a_failed_weight_move_keeps_every_rank_on_the_old_placement(tmp_path, ph
         assert rank["failed"] == 1 and rank["replans"] >= 1      # the failed move, then one that went through
         assert all(r["maxdiff"] <= TOLERANCE for r in rank["rows"])
     assert [r["slots"] for r in ranks[0]["rows"]] == [r["slots"] for r in ranks[1]["rows"]]
+
+
+def test_deepspeed_checkpoints_load_into_and_save_from_a_served_autoep_model(tmp_path):
+    for rank in run(tmp_path, "serve_checkpoint"):
+        assert rank["path"] and rank["saved"] and rank["fresh_path"]
+        assert rank["kept"] and rank["S"] == rank["H"] + 1            # replicas serving through the load
+        for r in rank["rows"] + rank["fresh_rows"]:
+            assert r["maxdiff"] <= TOLERANCE, r                       # the checkpoint's weights, not the old ones

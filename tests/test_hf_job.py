@@ -55,3 +55,22 @@ def test_the_autoep_bench_runs_its_rows_side_by_side_and_judges_its_targets(tmp_
     assert result["tokens_per_s_ratio_vs_plain"] == pytest.approx(
         result["rows"]["easybalance"]["tokens_per_s"] / result["rows"]["plain"]["tokens_per_s"], rel=1e-3)
     assert "easybalance" in format_autoep_table(result)
+
+
+def test_the_autoep_serving_bench_runs_the_articles_rows_side_by_side_with_equal_outputs(tmp_path):
+    from eb_deepspeed.tools.bench_infer_autoep import ROWS, bench_infer_autoep, format_autoep_infer_table
+    result = bench_infer_autoep(ranks=(2, ), batches=3, warmup_batches=4, layers=2, ffn=64, seq_len=32,
+                                out_dir=str(tmp_path), progress=False)
+    run, = result["runs"]
+    rows = {r["row"]: r for r in run["rows"]}
+    assert list(rows) == [name for name, _ in ROWS]
+    assert all(r["outputs_equal"] for r in rows.values())             # every row plain AutoEP's logits
+    static = rows.pop("static")
+    assert static["replans"] == 0 and static["device_max_over_mean"] > 1.2     # the skewed router's hot rank
+    for name, r in rows.items():
+        assert r["replans"] == 1 and r["slots_per_rank"] == 5, name            # replicas served the batches
+        assert r["device_util_std"] < static["device_util_std"], name
+    assert set(run["simulated"]) == {"article_model", "steering_cost_measured", "measured"}
+    assert set(result["targets"]) == {"moe_speedup_ge_1.3x_default_4_ranks", "overhead_le_3pct_default",
+                                      "outputs_within_1e-5"}
+    assert "exact_aggregated" in format_autoep_infer_table(result)

@@ -64,6 +64,17 @@ def test_eb_placement_and_steering_beat_the_static_layout_on_a_skewed_workload()
     assert ours["relative_throughput"] > 1.2 and ours["device_util_std"] < table["rows"]["static"]["device_util_std"]
 
 
+def test_replicas_with_an_even_split_gain_and_a_measured_steering_cost_takes_back_what_steering_gains():
+    w = sim.synthetic_workload(layers=4, experts=16, devices=4, steps=8, tokens_per_rank=512)
+    table = sim.run_table(w, SimConfig(warmup=2, replan_every=4), strategies=("static", "placement_view",
+                                                                              "placement_steering"))
+    assert table["rows"]["placement_view"]["relative_throughput"] > 1.2
+    free = table["rows"]["placement_steering"]["step_ms"]
+    costly = sim.simulate(w, "placement_steering", SimConfig(model=ClusterModel(steer_s=1e-3), warmup=2,
+                                                             replan_every=4))["step_ms"]
+    assert costly == pytest.approx(free + 4 * 1e-3 * 1e3 * (8 - 2) / 8, rel=1e-6)   # 1 ms a layer once steering
+
+
 def test_trace_workload_spreads_a_logical_trace_over_ranks_without_losing_tokens():
     trace = torch.tensor([[[10.0, 3.0, 0.0], [1.0, 1.0, 7.0]]])
     w = sim.trace_workload(trace, devices=4)

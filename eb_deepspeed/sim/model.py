@@ -8,6 +8,8 @@ Cost of one layer on device d (seconds):
                 (dispatch and combine; bytes = tokens sent to other ranks * hidden * 2)
     decisions = routes decided on d / decision_batch * decision_s   (the EasyBalance article's 2-3 ms per layer
                 per-token cost against 0.3 ms batched is what decision_s and decision_batch model)
+              + steer_s per layer for per-batch exact steering (its all-gather of counts and the host's split;
+                0 by default, as the article has it: `eb bench infer --framework autoep` measured 4-15 ms)
 Execution is synchronised per layer (a layer takes its slowest device), or with bounded run-ahead:
 a device may start layer l once every device has finished layer l - window. Links, latencies and
 devices per node come from the one topology table, `core.topology.TOPOLOGIES`.
@@ -32,14 +34,15 @@ class ClusterModel:
     decision_s: float = 0.3e-6     # one steering decision (per-token: ~2.5 ms per layer at 4096 x 2)
     padded: bool = False           # compute ~ padded capacity (DeepSpeed drop_tokens=False) instead of tokens
     window: int = 1                # 1 = synchronised per layer; w > 1 = bounded run-ahead
+    steer_s: float = 0.0           # exact steering's cost per layer (`fixed_s` of `layer_times`)
 
     def node_of(self, G: int) -> torch.Tensor:
         return torch.arange(G) // min(G, self.topology.devices_per_node)
 
     def layer_times(self, traffic_GG: torch.Tensor, compute_G: torch.Tensor, messages_G: torch.Tensor,
-                    decisions_G: torch.Tensor) -> torch.Tensor:
+                    decisions_G: torch.Tensor, fixed_s: float = 0.0) -> torch.Tensor:
         """Per-device time of one layer [G] from tokens sent s->d [G, G] (weighted), routes processed [G],
-        messages sent [G] and steering decisions made [G]."""
+        messages sent [G], steering decisions made [G] and a fixed cost on every device (seconds)."""
         G = traffic_GG.shape[0]
         node = self.node_of(G)
         same = node[:, None] == node[None, :]
@@ -53,7 +56,7 @@ class ClusterModel:
         lat = t.inter_lat if int(node.max()) > 0 else t.intra_lat
         a2a = 2 * torch.maximum(torch.maximum(intra_send, inter_send), torch.maximum(intra_recv, inter_recv)) \
             + messages_G * lat
-        return compute_G * self.route_s + a2a + decisions_G * self.decision_s
+        return compute_G * self.route_s + a2a + decisions_G * self.decision_s + fixed_s
 
     def step_time(self, times_LG: torch.Tensor) -> float:
         """Wall time of one step from per-layer per-device times [L, G]."""

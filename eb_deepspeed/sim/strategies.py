@@ -27,6 +27,8 @@ __all__ = ["SimConfig", "STRATEGIES", "STRATEGY_LABELS", "simulate", "run_table"
            "format_table"]
 
 
+# The article's table and ours (`placement_view`, replicas with an even split, is simulated on request: `eb bench
+# infer --framework autoep` sets it beside its measurement)
 STRATEGIES = ("static", "per_token", "batched_ema", "aggregated", "placement_steering_cross", "placement_steering",
               "greedy_eplb")
 STRATEGY_LABELS = {
@@ -36,6 +38,7 @@ STRATEGY_LABELS = {
     "aggregated": "+ communication aggregation",
     "placement_steering_cross": "eb placement + steering, configured weights",
     "placement_steering": "eb placement + steering, cross term in the plan",
+    "placement_view": "eb placement, each expert's routes split evenly over its replicas (no steering)",
     "greedy_eplb": "per-layer greedy replication (EPLB-style)",
 }
 
@@ -138,10 +141,11 @@ def simulate(workload: Workload, strategy: str, cfg: SimConfig | None = None, pr
     for n in range(N):
         c_LGE = counts[n]
         replan = n == cfg.warmup or (n > cfg.warmup and n % cfg.replan_every == 0)
-        if strategy in ("placement_steering", "placement_steering_cross", "greedy_eplb") and replan:
-            if strategy.startswith("placement_steering"):
+        if strategy in ("placement_steering", "placement_steering_cross", "placement_view", "greedy_eplb") and replan:
+            if strategy.startswith("placement"):
                 new = plan_placement(view.heat_LE, G, S, num_nodes=int(node_G.max()) + 1,
-                                     previous=None if placement is static else placement)
+                                     previous=None if placement is static else placement,
+                                     dispatch="uniform" if strategy == "placement_view" else "steered")
             else:
                 new = _greedy_eplb(view.heat_LE, G, S)
             # weight copies: replicas on a device that did not hold that expert; the first plan (from
@@ -159,7 +163,8 @@ def simulate(workload: Workload, strategy: str, cfg: SimConfig | None = None, pr
             c_GE = c_LGE[l]
             dev_ER = devices_LER[l]
             decisions_G = torch.zeros(G, dtype=torch.float64)
-            if strategy.startswith("placement_steering") and placement is not static:
+            steered = strategy.startswith("placement_steering") and placement is not static
+            if steered:
                 cross_G = cross_LG[l] if cross_LG is not None else None
                 split = steer(c_GE, dev_ER, node_G, pressure_G=cross_G, weights=weights, topology=topology.name,
                               decision_batch=cfg.decision_batch, weight_G=weight_G)
@@ -194,7 +199,8 @@ def simulate(workload: Workload, strategy: str, cfg: SimConfig | None = None, pr
             compute_G = processed_G
             if model.padded:
                 compute_G = torch.full_like(processed_G, float(processed_G.max()))
-            times_LG[l] = model.layer_times(traffic_GG, compute_G, messages_G, decisions_G)
+            times_LG[l] = model.layer_times(traffic_GG, compute_G, messages_G, decisions_G,
+                                            model.steer_s if steered else 0.0)
             load_LG[l] = processed_G
         times.append(model.step_time(times_LG))
         utils.append(M.device_util_std(load_LG))

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-__all__ = ["bench_infer", "zipf", "slot_bound", "gate_medians_ms"]
+__all__ = ["bench_infer", "zipf", "slot_bound", "gate_medians_ms", "launch_ranks", "worker_main"]
 
 TARGETS = {"capacity_over_ideal": 1.15, "speedup_zipf": 1.5, "drop_rate_cut": 0.5, "overhead_ratio": 0.03,
            "example_vs_plain": 0.98}
@@ -397,7 +397,7 @@ def bench_infer(ranks=(2, 4), splits=("view", "exact"), batches: int = 40, warmu
                         "log_dir": os.path.join("runs", "bench_infer", f"{row['name']}_{G}_{split}")}
                 if progress:
                     print(f"[eb bench infer] {row['name']}, {G} ranks, split {split} ...", file=sys.stderr, flush=True)
-                result = _launch(args, G, free_port())
+                result = launch_ranks(args, G, free_port())
                 result["row"] = row["name"]
                 rows.append(result)
     zipf_rows = [r for r in rows if r["row"] == "zipf" and r["split"] == "view"]
@@ -416,27 +416,31 @@ def bench_infer(ranks=(2, 4), splits=("view", "exact"), batches: int = 40, warmu
     return {"benchmark": "infer", "rows": rows, "targets": targets, "target_values": TARGETS}
 
 
-def _launch(args: dict, world: int, port: int) -> dict:
-    out = os.path.join(args["root"], "runs", "bench_infer", f"result_{os.getpid()}_{port}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+def launch_ranks(args: dict, world: int, port: int, module: str = "eb_deepspeed.tools.bench_infer",
+                 out_dir: str | None = None) -> dict:
+    """Run `module`'s `run_rank(args)` on `world` gloo ranks started here (RANK / WORLD_SIZE set, no launcher);
+    rank 0's result, read back from a JSON file in out_dir (default runs/bench_infer under args["root"])."""
+    out_dir = out_dir or os.path.join(args["root"], "runs", "bench_infer")
+    out = os.path.join(out_dir, f"result_{os.getpid()}_{port}.json")
+    os.makedirs(out_dir, exist_ok=True)
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "eb_deepspeed.tools.bench_infer", "--worker",
-                                       json.dumps({**args, "out": out})], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=1800)[0] for p in procs]
+        procs.append(subprocess.Popen([sys.executable, "-m", module, "--worker", json.dumps({**args, "out": out})],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=3600)[0] for p in procs]
     for rank, p in enumerate(procs):
         if p.returncode != 0:
-            raise RuntimeError(f"bench infer rank {rank} failed ({p.returncode}):\n{logs[rank][-3000:]}")
+            raise RuntimeError(f"{module} rank {rank} failed ({p.returncode}):\n{logs[rank][-3000:]}")
     with open(out) as f:
         result = json.load(f)
     os.remove(out)
     return result
 
 
-def main(argv=None) -> None:
+def worker_main(run_rank, argv=None) -> None:
+    """A benchmark rank: `run_rank(args)` from --worker's JSON; rank 0 writes the result to args["out"]."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", required=True)
     args = json.loads(parser.parse_args(argv).worker)
@@ -445,7 +449,8 @@ def main(argv=None) -> None:
         with open(args["out"], "w") as f:
             json.dump(result, f)
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(run_rank)

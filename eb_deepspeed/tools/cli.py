@@ -9,6 +9,7 @@
     eb bench plan [--json]            planner time (61 x 256 x 64, both dispatch models) and steering vs an MoE layer
     eb bench optimum [--json]         planner vs a brute-force optimum on tiny inputs (30 loads x 7 shapes)
     eb bench infer [--json]           replicated serving vs plain DeepSpeed on 2 and 4 gloo ranks
+    eb bench infer --framework autoep the EasyBalance article's serving table on AutoEP layers (2 and 4 ranks)
     eb simulate [--workload all] [--json]   the EasyBalance article's table + placement/steering rows, with targets
     eb plan LOAD --devices G [--slots S | --redundant R] [--nodes N] [--dispatch uniform|steered|padded]
             [--out plan.json] [--sglang sglang.json]    a placement from a load file, with a before/after table
@@ -110,6 +111,14 @@ def _bench(args) -> int:
               "\n".join(f"{r['experts']} experts on {r['devices']} x {r['slots']}: worst {r['refined_worst']} "
                         f"({r['refined_over_5pct']} of {r['seeds']} over 5 %); greedy only {r['greedy_only_worst']} "
                         f"({r['greedy_only_over_5pct']} over)" for r in result["rows"]))
+        return 0
+    if args.what == "infer" and args.framework == "autoep":
+        from .bench_infer_autoep import bench_infer_autoep, format_autoep_infer_table
+        result = bench_infer_autoep(ranks=tuple(args.ranks), batches=args.batches if args.batches_given else 24,
+                                    replica_slots=args.replica_slots)
+        print(format_autoep_infer_table(result), file=sys.stderr if args.json else sys.stdout)
+        if args.json:
+            print(json.dumps(result, indent=2))
         return 0
     if args.what == "infer":
         from .bench_infer import bench_infer
@@ -318,9 +327,12 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
 
     p = add("infer", "serving with replicas against plain DeepSpeed, side by side")
     p.add_argument("--ranks", type=counting, nargs="+", default=[2, 4], help="gloo ranks of each run")
-    p.add_argument("--batches", type=counting, default=40, help="measured batches per row (the example row: twice as many)")
+    p.add_argument("--batches", type=counting, default=None,
+                   help="measured batches per row (40, the example row twice as many; --framework autoep 24)")
     p.add_argument("--replica-slots", type=non_negative, default=1, help="easybalance.inference.replica_slots")
     p.add_argument("--ckpt", default="runs/main/ckpt", help="the main job's checkpoint (trained routers)")
+    p.add_argument("--framework", choices=["deepspeed", "autoep"], default="deepspeed",
+                   help="autoep: the EasyBalance article's table on a HF Mixtral's AutoEP layers (24 batches a row)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -375,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_plan)
 
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.what == "infer":
+        args.batches_given, args.batches = args.batches is not None, args.batches or 40
     if args.command == "bench" and args.what == "train":
         args.steps_given, args.layers_given = args.steps is not None, args.layers is not None
         args.steps, args.layers = args.steps or 200, args.layers or 4

@@ -29,6 +29,7 @@ planner's dropless model (`expected_device_load`: the busiest rank's routes).
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Optional
 
@@ -170,8 +171,9 @@ class AutoEPRoutes:
 class AutoEPServing(Serving):
     """`Serving` for AutoEP layers: the layer's storage and tables, and the planner's dropless model."""
 
-    def __init__(self, module: torch.nn.Module, config: Optional[EasyBalanceConfig]):
+    def __init__(self, module: torch.nn.Module, config: Optional[EasyBalanceConfig], engine=None):
         self._stores: list[dict[str, torch.Tensor]] = []     # per layer, the [S_max, ...] rows of each weight
+        self.engine = engine        # the DeepSpeed engine whose checkpoint code reads and writes AutoEP's files
         super().__init__(module, config)
 
     @property
@@ -247,12 +249,7 @@ class AutoEPServing(Serving):
         return torch.cat([w[j].reshape(-1) for w in self._stores[layer].values()])
 
     def _load_slot(self, layer: int, j: int, flat: torch.Tensor) -> None:
-        at = 0
-        with torch.no_grad():
-            for w in self._stores[layer].values():
-                n = w[j].numel()
-                w[j].copy_(flat[at:at + n].view_as(w[j]))
-                at += n
+        _unflatten_row(list(self._stores[layer].values()), j, flat)
 
     def _set_tables(self, layer: int, placement: Placement) -> None:
         self._point(layer, placement.slots_per_device)
@@ -286,14 +283,74 @@ class AutoEPServing(Serving):
         mean_L = load_LG.mean(1)
         return torch.where(mean_L > 0, load_LG.amax(1) / mean_L.clamp_min(1e-300), torch.ones_like(mean_L))
 
-    # ------------------------------------------------------------------ checkpoints: not yet
-    def load_checkpoint(self, ckpt_dir: str, tag: Optional[str] = None) -> str:
-        raise NotImplementedError("easybalance serving of AutoEP models loads no checkpoint yet: load the "
-                                  "weights into the engine (engine.load_checkpoint) before init_inference")
-
+    # ------------------------------------------------------------------ checkpoints (the engine's own files)
     def save_checkpoint(self, ckpt_dir: str, tag: str = "served") -> str:
-        raise NotImplementedError("easybalance serving of AutoEP models writes no checkpoint yet: the engine's "
-                                  "checkpoint from before init_inference holds the same weights")
+        """Write the DeepSpeed engine's checkpoint (AutoEP's layout: rank g's home experts g*H .. g*H+H-1)
+        with the logical experts: each layer's parameters point at its home experts (`home_states`, fetched
+        from wherever they serve) while the engine saves, then at the serving slots again. Collective."""
+        engine = self._engine("save_checkpoint")
+        homes = self.home_states()
+        self._point_home(homes)
+        try:
+            engine.save_checkpoint(ckpt_dir, tag=tag)
+        finally:
+            self._serve(self.placement)
+        return os.path.join(ckpt_dir, str(tag))
+
+    def load_checkpoint(self, ckpt_dir: str, tag: Optional[str] = None) -> str:
+        """Load a DeepSpeed checkpoint of the same model (a training engine's, or `save_checkpoint`'s) with
+        the engine (`load_module_only`): the home experts go into AutoEP's layout, then the replicas and
+        moved experts of the placement serving before are fetched from them (a weight move, every rank
+        together). Returns the checkpoint's path. Collective."""
+        engine = self._engine("load_checkpoint")
+        serving, resident = self.placement, self.resident
+        self._point_home(None)
+        try:
+            path, _ = engine.load_checkpoint(ckpt_dir, tag=tag, load_module_only=True)
+            if path is None:
+                raise FileNotFoundError(f"{ckpt_dir}: DeepSpeed found no checkpoint to load (tag {tag!r})")
+        except BaseException:
+            self._serve(serving)               # the weights as they were
+            raise
+        with torch.no_grad():
+            for layer, moe in enumerate(self.moes):
+                for name, param in moe.experts.named_parameters(recurse=False):
+                    self._stores[layer][name][:self.H].copy_(param.detach())
+        self.resident = self.home
+        self._serve(self.home)
+        if resident is not self.home and self.apply(resident) and serving is not resident:
+            self._serve(serving)                   # the prefix that served, resident again
+        return path
+
+    def _engine(self, what: str):
+        if self.engine is None:
+            raise ValueError(f"serving.{what}: pass init_inference the DeepSpeed engine (deepspeed.initialize's), "
+                             "not its module: its checkpoint code reads and writes AutoEP's files")
+        return self.engine
+
+    def _point_home(self, homes: Optional[dict]) -> None:
+        """Every layer's expert parameters: fresh [H, ...] tensors in AutoEP's own layout, filled with this
+        rank's home experts (`home_states`) or left for a load to fill (None)."""
+        for layer, moe in enumerate(self.moes):
+            store = self._stores[layer]
+            fresh = {name: torch.empty((self.H, ) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
+                     for name, w in store.items()}
+            if homes is not None:
+                for j in range(self.H):
+                    _unflatten_row(list(fresh.values()), j, homes[(layer, self.rank * self.H + j)])
+            for name, param in moe.experts.named_parameters(recurse=False):
+                param.data = fresh[name]
+            moe.num_local_experts = moe.experts.num_experts = self.H
+
+
+def _unflatten_row(weights: list, j: int, flat: torch.Tensor) -> None:
+    """Row j of each grouped weight [S, ...] from one vector (`_slot_state`'s order)."""
+    at = 0
+    with torch.no_grad():
+        for w in weights:
+            n = w[j].numel()
+            w[j].copy_(flat[at:at + n].view_as(w[j]))
+            at += n
 
 
 def init_autoep_inference(model: torch.nn.Module, config=None) -> torch.nn.Module:
@@ -310,7 +367,8 @@ def init_autoep_inference(model: torch.nn.Module, config=None) -> torch.nn.Modul
         raise RuntimeError("init_inference: AutoEP models are converted inside deepspeed.initialize, which starts "
                            "the process group; call it first")
     module.eval()
-    serving = AutoEPServing(module, eb_config if eb_config.enabled else None)
+    engine = model if hasattr(model, "save_checkpoint") and hasattr(model, "load_checkpoint") else None
+    serving = AutoEPServing(module, eb_config if eb_config.enabled else None, engine=engine)
     module.serving = serving
     if serving.balancer is not None:
         module.easybalance = serving.balancer

@@ -488,11 +488,12 @@ class Serving:
         return load_moe_checkpoint(self.module, ckpt_dir, tag,
                                    holds=lambda layer, j: self.holds(self.resident, layer, self.rank, j))
 
-    def logical_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The home experts of this rank ({file name: expert state with global ids}) and, under the key
-        "module", the non-expert weights: what DeepSpeed writes. A home expert that moved is fetched from
-        a slot that holds it (one batch_isend_irecv); a replica is never saved twice. Collective."""
-        names, S = self._moe_names(), self.S
+    def home_states(self) -> dict[tuple[int, int], torch.Tensor]:
+        """{(layer, expert): its state as one vector} for the home experts of this rank (expert e's home is
+        EP rank e // H, as DeepSpeed lays them out). A home expert that moved is fetched from a slot that
+        holds it, on its home rank when there is one (one batch of transfers); a replica is never sent twice.
+        Collective over the EP group."""
+        S = self.S
         flats: dict[tuple[int, int], torch.Tensor] = {}
         ops = []
         for layer in range(self.L):
@@ -501,15 +502,21 @@ class Serving:
                 home = e // self.H
                 src, src_j = ([h for h in holders if h[0] == home] or holders)[0]
                 if home == self.rank:
-                    source = _flat(self.expert_module(layer, src_j if src == self.rank else 0))
+                    source = self._slot_state(layer, src_j if src == self.rank else 0)
                     flats[(layer, e)] = source if src == self.rank else torch.empty_like(source)
                     if src != self.rank:
                         ops.append(dist.P2POp(dist.irecv, flats[(layer, e)], self.ep_ranks[src]))
                 elif src == self.rank:
-                    ops.append(dist.P2POp(dist.isend, _flat(self.expert_module(layer, src_j)), self.ep_ranks[home]))
+                    ops.append(dist.P2POp(dist.isend, self._slot_state(layer, src_j), self.ep_ranks[home]))
         _transfer(ops)
+        return flats
+
+    def logical_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The home experts of this rank ({file name: expert state with global ids}, `home_states`) and, under
+        the key "module", the non-expert weights: what DeepSpeed writes. Collective."""
+        names = self._moe_names()
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for (layer, e), flat in flats.items():
+        for (layer, e), flat in self.home_states().items():
             shapes = [(n, t.shape) for n, t in self.expert_module(layer, 0).state_dict().items()]
             parts = torch.split(flat, [s.numel() for _, s in shapes])
             out[f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"] = {
