@@ -21,7 +21,7 @@ _EXPORTS = {
     "LoadView": ".core.view", "sequence_length_weights": ".core.view", "plan_placement": ".planning.placement",
     "steer": ".planning.steering", "load_trace": ".sim.traces",
     # the DeepSpeed-facing parts import deepspeed (slow)
-    "initialize": ".adapters.deepspeed", "init_inference": ".adapters.deepspeed",
+    "initialize": ".adapters.deepspeed", "init_inference": ".adapters.serving",
     "load_moe_checkpoint": ".adapters.deepspeed", "swap_gates": ".adapters.deepspeed",
     "CrossLayerGate": ".adapters.deepspeed",
     # the subpackages, as attributes (`eb_deepspeed.sim.simulate`)

@@ -98,7 +98,7 @@ def _build_row(name: str, inference: dict | None, args: dict):
     """One row's model: the seeded model AutoEP converted, skewed; served by easybalance unless `static`."""
     import deepspeed
 
-    import eb_deepspeed
+    from ..adapters.serving import init_inference
     sys.path.insert(0, os.path.join(args["root"], "examples"))
     from hf_moe import autoep_section, hf_moe_model
     G = torch.distributed.get_world_size()
@@ -115,7 +115,7 @@ def _build_row(name: str, inference: dict | None, args: dict):
                                                             "interval": 1},
              "inference": {"replica_slots": args["replica_slots"], "view_interval": 1, "replan_threshold": 1.05,
                            "replan_interval": 1000, "trial_batches": 0, **inference}}
-    served = eb_deepspeed.init_inference(engine, config={"easybalance": block})
+    served = init_inference(engine, config={"easybalance": block})
     if name == "per_token":
         for gate in served.serving.gates:
             gate.slots = _per_token_slots(gate)

@@ -1,9 +1,9 @@
 """The AutoEP adapter: Hugging Face MoE models converted by DeepSpeed's AutoEP (`expert_parallel` section),
 balanced by `eb_deepspeed.initialize` like DeepSpeed-MoE models, and served with replicas by
-`eb_deepspeed.init_inference` (`serving.py`). Importing it imports deepspeed."""
+`eb_deepspeed.init_inference` (`serving.py`, imported on its own: it builds on the DeepSpeed adapter's
+serving). Importing it imports deepspeed."""
 from .engine import attach, check_autoep_config, check_versions, expert_to_device, find_autoep_layers
 from .layer import AutoEPBalance, attach_loss
-from .serving import AutoEPRoutes, AutoEPServing, init_autoep_inference
 
 __all__ = ["attach", "check_autoep_config", "check_versions", "expert_to_device", "find_autoep_layers",
-           "AutoEPBalance", "attach_loss", "AutoEPRoutes", "AutoEPServing", "init_autoep_inference"]
+           "AutoEPBalance", "attach_loss"]

@@ -717,18 +717,15 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     `engine.serving` (placement, checkpoints) and, with an enabled block, `engine.easybalance` (the
     Balancer). Every EP rank must call forward together, as DeepSpeed's All-to-All requires.
 
-    A Hugging Face model that DeepSpeed's AutoEP converted (the engine `deepspeed.initialize` returned, or its
-    module) is served in AutoEP's own layers instead (`adapters.autoep.serving.init_autoep_inference`): the
-    module is returned, in eval mode, with the same `serving` and `easybalance` attributes.
+    `eb_deepspeed.init_inference` (`adapters.serving`) sends AutoEP-converted models to
+    `adapters.autoep.serving` instead, and others here.
     """
     import deepspeed
 
-    from ..autoep.serving import has_autoep_layers, init_autoep_inference
-    if has_autoep_layers(model):          # a Hugging Face model AutoEP converted (inside deepspeed.initialize)
-        if kwargs:
-            raise TypeError(f"init_inference: an AutoEP model is served as deepspeed.initialize converted it; "
-                            f"{', '.join(sorted(kwargs))} would go to deepspeed.init_inference, which has no AutoEP path")
-        return init_autoep_inference(model, config)
+    from ..autoep.engine import find_autoep_layers
+    if find_autoep_layers(getattr(model, "module", model)):
+        raise ValueError("init_inference: an AutoEP-converted model; eb_deepspeed.init_inference serves it in "
+                         "AutoEP's own layers (this one builds on deepspeed.init_inference, which has no AutoEP path)")
     eb_config = EasyBalanceConfig.from_ds_config(config)
     ds_config = _inference_keys(strip_block(config) or {})
     if eb_config.enabled:
