@@ -218,12 +218,21 @@ def scenario_serve(p):
     returned = serving.apply(serving.home)
     rows += _compare(model, plain, range(100, 102))
     ids = _serve_batch(200, rows=2)
+    forwards, flips = [0], []
+
+    def flip(module, args, output):            # weight moves between generate's forwards: home, then replicas
+        forwards[0] += 1
+        if forwards[0] in (2, 3):
+            flips.append(serving.apply(serving.home if forwards[0] == 2 else replicated))
     with torch.no_grad():
         want = plain.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
         serving.apply(replicated)                  # replicas again, through the generate's forwards
+        handle = model.register_forward_hook(flip)
         got = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        handle.remove()
     layer = serving.moes[0]
-    return {"rows": rows, "returned": returned, "generate_equal": torch.equal(want, got), "S_max": serving.S_max,
+    return {"rows": rows, "returned": returned, "generate_equal": torch.equal(want, got), "flips": flips,
+            "S_max": serving.S_max,
             "H": serving.H, "moves": serving.weight_moves, "record": model.easybalance.record(), "first": first,
             "num_local_experts": layer.num_local_experts, "w1_rows": layer.experts.w1.shape[0],
             "replicated_slots": replicated.slots_per_device, "logged": os.path.join(p["out"], "serve_log")}

@@ -27,7 +27,7 @@ def test_replicas_in_autoeps_layer_give_plain_autoeps_logits_before_and_after_re
         assert rows[-2]["slots"] == rank["H"]                        # back to AutoEP's layout (then re-planned)
         for r in rows:
             assert r["maxdiff"] <= TOLERANCE, r
-        assert rank["generate_equal"]                        # greedy tokens through a flip to replicas
+        assert rank["generate_equal"] and rank["flips"] == [True, True]   # greedy tokens through two weight moves
         assert rank["num_local_experts"] == rank["w1_rows"] == rank["S_max"]
         assert rank["record"]["replans"] >= 1 and rank["record"]["phase"] == "serve"
         assert min(rank["first"]["device_max_over_mean"]) > 1.2     # the view saw the skew per EP rank
