@@ -202,6 +202,10 @@ def main(argv=None):
         if ds_config.get("wandb", {}).get("enabled"):
             import wandb
             wandb.finish()
+    # torn down while Python runs: left to the interpreter's exit, gloo has aborted a rank there
+    # ("terminate called without an active exception") after a run that had finished
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

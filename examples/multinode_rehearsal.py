@@ -194,6 +194,7 @@ def main(argv=None) -> int:
             json.dump(result, f, indent=1)
         print(json.dumps(result))
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()     # while Python runs, not at the interpreter's exit (gloo)
     return 0
 
 

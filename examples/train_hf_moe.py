@@ -148,6 +148,10 @@ def main(argv=None):
         with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print(json.dumps({k: v for k, v in summary.items() if k != "plots"}, indent=2))
+    # torn down while Python runs: left to the interpreter's exit, gloo has aborted a rank there
+    # ("terminate called without an active exception") after a run that had finished
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     if history and math.isnan(history[-1]["lm_loss"]):
         raise SystemExit("training diverged (NaN loss)")
 

@@ -267,6 +267,10 @@ def main(argv=None):
         print(json.dumps(summary, indent=2))
     if rank == 0 and "vs_baseline" in summary:
         print(summary["vs_baseline"]["verdict"])
+    # torn down while Python runs: left to the interpreter's exit, gloo has aborted a rank there
+    # ("terminate called without an active exception") after a run that had finished
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     if math.isnan(history[-1]["lm_loss"]) if history else False:
         raise SystemExit("training diverged (NaN loss)")
 

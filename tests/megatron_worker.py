@@ -229,6 +229,7 @@ def main():
     result = globals()[f"scenario_{scenario}"](params)
     torch.save(result, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
+    dist.destroy_process_group()   # torn down while Python runs, as DeepSpeed's own tests do
 
 
 if __name__ == "__main__":
