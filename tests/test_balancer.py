@@ -97,6 +97,16 @@ def test_a_step_in_flight_is_taken_when_it_is_read_or_at_the_next_step_and_waits
     assert balancer.view.steps == 3 and balancer.settle() is None
 
 
+class _TimedWork:
+    """A posted reduce that records the timeout it was waited for with."""
+
+    def __init__(self, timeouts: list):
+        self.timeouts = timeouts
+
+    def wait(self, timeout=None):
+        self.timeouts.append(timeout)
+
+
 def test_a_step_still_in_flight_at_exit_is_taken_there_and_its_work_let_go(monkeypatch):
     import atexit
 
@@ -107,13 +117,9 @@ def test_a_step_still_in_flight_at_exit_is_taken_there_and_its_work_let_go(monke
     balancer = Balancer(config(mode="observe"), gates, 2)     # no logger: before, nothing ran at exit
     assert registered == []
     timeouts = []
-
-    class Work:
-        def wait(self, timeout=None):
-            timeouts.append(timeout)
     gates[0].forward(torch.tensor([0, 3]))
-    balancer.step_async(lambda packed_LW: Work())
-    balancer.step_async(lambda packed_LW: Work())
+    balancer.step_async(lambda packed_LW: _TimedWork(timeouts))
+    balancer.step_async(lambda packed_LW: _TimedWork(timeouts))
     ours = [(fn, args) for fn, args in registered if fn is _at_exit]
     assert len(ours) == 1                                             # once
     ours[0][0](*ours[0][1])                                           # what the interpreter runs at exit
@@ -126,12 +132,8 @@ def test_a_balancer_collected_with_a_step_in_flight_waits_for_its_reduce_first()
     gates = [ToyGate()]
     balancer = Balancer(config(mode="observe"), gates, 2)
     timeouts = []
-
-    class Work:
-        def wait(self, timeout=None):
-            timeouts.append(timeout)
     gates[0].forward(torch.tensor([0, 3]))
-    balancer.step_async(lambda packed_LW: Work())
+    balancer.step_async(lambda packed_LW: _TimedWork(timeouts))
     del balancer, gates
     gc.collect()
     assert len(timeouts) == 1 and timeouts[0] is not None   # no reduce of ours left in flight for the group's teardown

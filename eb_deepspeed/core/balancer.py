@@ -88,9 +88,8 @@ def _at_exit(ref: "weakref.ref[Balancer]") -> None:
     if balancer is None:
         return
     try:
-        pending, balancer._pending = balancer._pending, None
-        if pending is not None:
-            packed_LW, _ = pending
+        packed_LW, balancer._pending = balancer._pending, None
+        if packed_LW is not None:
             _wait_posted(balancer._posted)
             balancer._take_step(packed_LW)
         if not isinstance(balancer.logger, NullLogger):
@@ -154,8 +153,10 @@ class Balancer:
         self.train_controls = train_controls
         self.tally_devices = self.num_devices if device_tally else 0
         self.rank_to_node = list(rank_to_node or [0])
-        self._pending: Optional[tuple] = None     # a step whose reduce runs in the background (`step_async`)
-        self._posted: list = []    # its work object, held apart so that it is waited for even if this is collected
+        # a step whose reduce runs in the background (`step_async`): its packed tally, and the reduce's work
+        # object apart, so that a finalizer can wait for it even if this balancer is collected first
+        self._pending: Optional[torch.Tensor] = None
+        self._posted: list = []
         self._view = LoadView(self.num_layers, self.experts_L, devices, ema_alpha=config.ema_alpha,
                              window=config.window_for(self.num_layers), warmup_batches=config.warmup_batches,
                              expert_to_device_E=expert_to_device_E)
@@ -278,17 +279,16 @@ class Balancer:
         work = post(packed_LW) if post is not None else None
         if work is not None:
             self._posted.append(work)
-        self._pending = (packed_LW, work)
+        self._pending = packed_LW
 
     def settle(self) -> Optional[torch.Tensor]:
         """Take the step in flight (`step_async`): wait for its reduce, then view, control, log. Returns its
         valid_L [L], or None when none is in flight."""
         if self._pending is None:
             return None
-        (packed_LW, work), self._pending = self._pending, None
-        if work is not None:
-            self._posted.clear()
-            work.wait()
+        packed_LW, self._pending = self._pending, None
+        while self._posted:
+            self._posted.pop().wait()
         return self._take_step(packed_LW)
 
     def _take_step(self, packed_LW: torch.Tensor) -> torch.Tensor:
