@@ -148,7 +148,7 @@ def test_the_bias_policy_keeps_aux_scale_weights_and_moves_the_bias():
     ({"smoothing": 0}, r"easybalance\.aux\.smoothing \(0\.0\) must be in \(0, 1\]"),
     ({"bias_rate": -1e-3}, r"easybalance\.aux\.bias_rate \(-0\.001\) must be in \(0, 1\]"),
     ({"loss_coeff": -0.1}, r"easybalance\.aux\.loss_coeff \(-0\.1\) must be in \[0, 1e6\]"),
-    ({"rate": 1}, r"easybalance\.aux\.rate: unknown key; valid keys: aux_scale, bias_rate, device_scale, device_weight, gain, "
+    ({"rate": 1}, r"easybalance\.aux\.rate: unknown key; valid keys: aux_scale, batch_scope, bias_rate, device_scale, device_weight, gain, "
                      r"loss_coeff, mean_one, policy, smoothing, target, weight_range"),
 ])
 def test_bad_aux_options_name_their_path(aux, message):

@@ -43,6 +43,9 @@ class ToyGate:
     def set_token_weights(self, weights_T):
         self.weights_T = weights_T
 
+    def set_global_share(self, share_E):
+        self.share_E = share_E
+
 
 def config(**block):
     return EasyBalanceConfig.from_ds_config({"easybalance": {"warmup_batches": 1, **block}})
@@ -510,3 +513,21 @@ def test_a_run_shorter_than_the_log_interval_still_leaves_its_last_record_at_exi
     fn(*args)                               # what the interpreter runs at exit
     fn(*args)                               # twice (a flush_log of its own first): still one record
     assert [r["step"] for r in read_log(str(tmp_path))] == [3]
+
+
+def test_global_lagged_hands_each_gate_its_layers_global_frequencies_after_every_step():
+    gates = [ToyGate(), ToyGate()]
+    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"warmup_batches": 1, "aux": {"batch_scope": "global_lagged"}}})
+    balancer = Balancer(cfg, gates, 2, reduce=lambda packed: packed.mul_(2))     # another rank's routes alike
+    gates[0].forward(torch.tensor([0, 0, 0, 1]))
+    gates[1].forward(torch.tensor([2, 3]))
+    balancer.step()
+    assert torch.allclose(gates[0].share_E, torch.tensor([0.75, 0.25, 0.0, 0.0]))
+    assert torch.allclose(gates[1].share_E, torch.tensor([0.0, 0.0, 0.5, 0.5]))
+    gates[0].forward(torch.tensor([1]))
+    balancer.step()                                                     # layer 1 saw no routes: its own again
+    assert torch.allclose(gates[0].share_E, torch.tensor([0.0, 1.0, 0.0, 0.0])) and gates[1].share_E is None
+    micro = Balancer(config(), [ToyGate()], 2)
+    micro.gates[0].forward(torch.tensor([0]))
+    micro.step()
+    assert not hasattr(micro.gates[0], "share_E")                       # the default scope hands nothing

@@ -114,6 +114,30 @@ def test_aux_weight_scales_l_aux_and_its_gradient():
     assert torch.allclose(l_eb, 2.5 * l_ds) and torch.allclose(eb.wg.weight.grad, 2.5 * g_ds)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_global_share_makes_l_aux_e_times_the_global_frequencies_dot_this_batchs_probabilities(k):
+    ds, eb = pair(k, min_capacity=2)
+    x = torch.randn(32, M)
+    share_E = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0])
+    eb.set_global_share(share_E)
+    l_eb = call(eb, x, 0, True)[0]
+    l_eb.backward()                                       # (eb shares DeepSpeed's wg parameter)
+    probs = torch.softmax(x @ ds.wg.weight.detach().t(), dim=1)
+    wanted = E * (share_E * probs.mean(0)).sum()
+    torch.testing.assert_close(l_eb.detach(), wanted)
+    # the push: probability off the globally hot experts, whatever this micro-batch routed
+    w = ds.wg.weight.detach().clone().requires_grad_(True)
+    (E * (share_E * torch.softmax(x @ w.t(), dim=1).mean(0)).sum()).backward()
+    torch.testing.assert_close(eb.wg.weight.grad, w.grad)
+    eb.set_global_share(torch.full((E, ), 1.0 / E))       # a balanced global batch: 1 and no push
+    eb.wg.weight.grad = None
+    l_flat = call(eb, x, 0, True)[0]
+    l_flat.backward()
+    assert float(l_flat) == pytest.approx(1.0, abs=1e-6) and float(eb.wg.weight.grad.abs().max()) < 1e-6
+    eb.set_global_share(None)
+    assert_same(call(eb, x, 0, True), call(ds, x, 0, True))      # back to DeepSpeed's own
+
+
 def test_the_device_loss_is_one_when_devices_are_balanced_and_hand_derived_otherwise():
     from eb_deepspeed.core.policies import device_balance_loss
     e2d = torch.tensor([0, 0, 1, 1])

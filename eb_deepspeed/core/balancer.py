@@ -61,6 +61,10 @@ class BalancedGate(Protocol):
     def set_token_weights(self, weights_T: Optional[torch.Tensor]) -> None:
         """Load weight of each token of the next forward [T] (None: every token counts 1)."""
 
+    def set_global_share(self, share_E: Optional[torch.Tensor]) -> None:
+        """Expert frequencies [E] (summing to 1) the balance loss uses instead of each forward's own, from the
+        next forward on (None: the forward's own); only called under `aux.batch_scope` "global_lagged"."""
+
 
 def check_agreement(gathered: Sequence[dict[str, Any]], rank: int) -> None:
     """Raise the same ValueError on every rank when any rank's summary differs from this rank's.
@@ -296,6 +300,8 @@ class Balancer:
         valid_L = self.view.update(tally)
         if self.config.mode == "balance" and self.train_controls and self.controller.update(self.view, valid_L):
             self.apply_controls()
+        if self.config.mode == "balance" and self.train_controls and self.config.aux.batch_scope == "global_lagged":
+            self._push_global_shares(valid_L)
         self._warn_nonfinite([i for i, n in enumerate(tally.nonfinite_L.tolist()) if n > 0])
         if self.view.steps % self.config.log.interval == 0:
             self.flush_log()
@@ -338,6 +344,17 @@ class Balancer:
             device_L = self.controller.device_loss_weights()
             for layer, gate in zip(self.layers, self.gates):   # each layer over its own EP group's ranks
                 gate.set_device_loss(float(device_L[layer]), self._layer_maps[layer])
+
+    def _push_global_shares(self, valid_L: torch.Tensor) -> None:
+        """`aux.batch_scope` "global_lagged": each gate's balance loss takes its layer's expert frequencies over
+        the whole global batch of the step just taken (the reduced tally: every data-parallel rank, every
+        accumulation step; no collective of its own), f_e = routes_e / routes; a layer the view did not take
+        this step, or that saw no routes, goes back to its micro-batch's own (None)."""
+        routed_LE = self.view.last.routed_LE
+        for layer, gate in zip(self.layers, self.gates):
+            row_E = routed_LE[layer, :self.experts_L[layer]].to(torch.float32)
+            total = float(row_E.sum())
+            gate.set_global_share(row_E / total if bool(valid_L[layer]) and total > 0 else None)
 
     # ------------------------------------------------------------------ reads
     def aux_weights(self) -> list[float]:

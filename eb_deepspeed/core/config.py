@@ -32,6 +32,7 @@ __all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "InferenceCon
 
 MODES = ("observe", "balance")
 SPLITS = ("view", "exact")          # how serving splits an expert's routes over its replicas
+BATCH_SCOPES = ("micro", "global_lagged")   # whose expert frequencies the balance loss takes (`aux.batch_scope`)
 CONTEXTS = ("train", "inference")   # eb_deepspeed.initialize / eb_deepspeed.init_inference
 CHECKPOINT_MODES = ("strict", "ignore_mismatch")   # easybalance.checkpoint: a saved state that does not fit
 # Keys of earlier versions, and where they live now.
@@ -76,6 +77,9 @@ class AuxConfig:
     device_weight: float = 0.5                       # bias: weight of the device (window pressure) term
     aux_scale: float = 1.0                           # bias: weight of every layer's l_aux
     loss_coeff: float = 0.01                         # AutoEP: coefficient of the balance loss easybalance attaches
+    # the balance loss's expert frequencies f_i: "micro" (each micro-batch's, the framework's), "global_lagged"
+    # (the global batch's of the last step, from the view: no collective; arXiv 2501.11873's, one step late)
+    batch_scope: str = "micro"
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
 
 
@@ -199,7 +203,7 @@ class EasyBalanceConfig:
             else:
                 out += [f"easybalance.{key}.{k}" for k in sorted(sub)]
         if self.mode == "balance" and context == "train":
-            used = set(POLICIES[self.aux.policy].options) | {"policy", "loss_coeff"}
+            used = set(POLICIES[self.aux.policy].options) | {"policy", "loss_coeff", "batch_scope"}
             out += [f"easybalance.aux.{k}" for k in sorted(changed_in["aux"] - used)]
         return out
 
@@ -215,7 +219,7 @@ class EasyBalanceConfig:
                     "smoothing": self.aux.smoothing, "gain": self.aux.gain, "mean_one": self.aux.mean_one,
                     "target": self.aux.target, "device_scale": self.aux.device_scale, "bias_rate": self.aux.bias_rate,
                     "device_weight": self.aux.device_weight, "aux_scale": self.aux.aux_scale,
-                    "loss_coeff": self.aux.loss_coeff},
+                    "loss_coeff": self.aux.loss_coeff, "batch_scope": self.aux.batch_scope},
             "inference": {"replica_slots": inf.replica_slots, "split": inf.split, "topology": inf.topology,
                           "weights": {"intra": inf.weights.intra, "cross": inf.weights.cross, "comm": inf.weights.comm},
                           "decision_batch": inf.decision_batch, "replan_threshold": inf.replan_threshold,
@@ -359,7 +363,8 @@ def _log(block: Any, path: str) -> LogConfig:
 
 def _aux(block: Any, path: str) -> AuxConfig:
     block = dict(_mapping(block, path))
-    _reject_unknown(block, path, ["policy", "loss_coeff", *{o for p in POLICIES.values() for o in p.options}])
+    _reject_unknown(block, path, ["policy", "loss_coeff", "batch_scope",
+                                  *{o for p in POLICIES.values() for o in p.options}])
     d = AuxConfig()
     policy = _choice(block.get("policy", d.policy), f"{path}.policy", tuple(POLICIES))
     rng = block.get("weight_range", list(d.weight_range))
@@ -394,10 +399,11 @@ def _aux(block: Any, path: str) -> AuxConfig:
     loss_coeff = _number(block.get("loss_coeff", d.loss_coeff), f"{path}.loss_coeff")
     if not 0.0 <= loss_coeff <= 1e6:
         raise ConfigError(f"{path}.loss_coeff ({loss_coeff}) must be in [0, 1e6]")
+    batch_scope = _choice(block.get("batch_scope", d.batch_scope), f"{path}.batch_scope", BATCH_SCOPES)
     return AuxConfig(policy=policy, weight_range=(lo, hi), smoothing=smoothing, gain=gain, mean_one=mean_one,
                      target=target, device_scale=device_scale, bias_rate=rate,
                      device_weight=device_weight, aux_scale=aux_scale, loss_coeff=loss_coeff,
-                     explicit=frozenset(block))
+                     batch_scope=batch_scope, explicit=frozenset(block))
 
 
 def _inference(block: Any, path: str) -> InferenceConfig:

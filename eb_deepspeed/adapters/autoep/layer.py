@@ -90,6 +90,7 @@ class AutoEPBalance:
         self._logits_TE: Optional[torch.Tensor] = None
         self._uncounted = 0       # training forwards without autograd whose reentrant re-run has not come yet
         self.bias_E: Optional[torch.Tensor] = None              # the selection bias, logit units (None: off)
+        self.global_share_E: Optional[torch.Tensor] = None      # `aux.batch_scope` "global_lagged": last step's f
         self._bias_TE: Optional[torch.Tensor] = None            # this forward's bias in score units, to fill
         router.register_forward_pre_hook(self._before_router)
         router.gate.register_forward_hook(self._keep_logits)
@@ -118,6 +119,11 @@ class AutoEPBalance:
 
     def set_token_weights(self, weights_T: Optional[torch.Tensor]) -> None:
         self.token_weights_T = weights_T
+
+    def set_global_share(self, share_E: Optional[torch.Tensor]) -> None:
+        """The global batch's expert frequencies of the last step [E] (sum 1), which the expert-level loss takes
+        instead of this forward's routes (None: its own)."""
+        self.global_share_E = None if share_E is None else share_E.to(torch.float32)
 
     # ------------------------------------------------------------------ hooks
     def _before_router(self, router, args):
@@ -172,7 +178,10 @@ class AutoEPBalance:
             if self._identity_E.device != routed_E.device:      # the maps move to the routes' device once
                 self._identity_E = self._identity_E.to(routed_E.device)
                 self.expert_to_device_E = self.expert_to_device_E.to(routed_E.device)
-            l_aux = device_balance_loss(probs_TE, routed_E, self._identity_E, self.num_experts, self.k)
+            share_routes_E = routed_E
+            if self.global_share_E is not None:    # f_e of the global batch, as this forward's route counts
+                share_routes_E = self.global_share_E.to(probs_TE.device) * (self.k * probs_TE.shape[0])
+            l_aux = device_balance_loss(probs_TE, share_routes_E, self._identity_E, self.num_experts, self.k)
         if counting:
             self.tally.record_routes(selected_TK, routed_E=routed_E, logits_TE=logits_TE, l_aux=l_aux,
                                      token_weights_T=self.token_weights_T, valid_T=valid_T, layer=self.layer_index)

@@ -97,6 +97,9 @@ class CrossLayerGate(TopKGate):
         # View device of each expert's copy that this rank's tokens reach ([E]), when the model's EP groups
         # differ in size and the view tallies devices; None: the view sums experts onto devices itself.
         self.route_device_E: Optional[torch.Tensor] = None
+        # `aux.batch_scope` "global_lagged": the global batch's expert frequencies of the last step [E] (sum 1),
+        # which l_aux takes instead of this micro-batch's (None: DeepSpeed's l_aux)
+        self.global_share_E: Optional[torch.Tensor] = None
 
     @classmethod
     def from_topk_gate(cls, gate: TopKGate, layer_index: int) -> "CrossLayerGate":
@@ -149,6 +152,9 @@ class CrossLayerGate(TopKGate):
     def set_token_weights(self, weights_T: Optional[torch.Tensor]) -> None:
         self.token_weights_T = weights_T
 
+    def set_global_share(self, share_E: Optional[torch.Tensor]) -> None:
+        self.global_share_E = None if share_E is None else share_E.to(self.wg.weight.device, torch.float32)
+
     # ------------------------------------------------------------------ forward
     def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
                 use_tutel: bool = False):  # type: ignore[override]
@@ -175,7 +181,8 @@ class CrossLayerGate(TopKGate):
             # top-k of softmax(logits + b).)
             selection_TE = logits_TE if self.selection_bias_E is None else logits_TE + self.selection_bias_E
             device_loss = self.device_loss_weight > 0 and self.training
-            if device_loss:     # before gating: top2gating adds Gumbel noise to selection_TE in place
+            global_loss = self.global_share_E is not None and self.training
+            if device_loss or global_loss:     # before gating: top2gating adds Gumbel noise to selection_TE in place
                 clean_TE = logits_TE.clone() if selection_TE is logits_TE and self.k == 2 else logits_TE
             if self.k == 1:
                 gate_output = dsm.top1gating(selection_TE, capacity_factor, self.min_capacity, used_token,
@@ -194,6 +201,9 @@ class CrossLayerGate(TopKGate):
             if recording:
                 self._record_output(gate_output, sparse_routes, T, used_token, nonfinite)
 
+            if global_loss:      # the global batch's f_e, this micro-batch's P_e: E x sum_e f_e P_e (1 at balance)
+                probs_E = F.softmax(clean_TE, dim=1).mean(0)
+                gate_output = (self.num_experts * (self.global_share_E * probs_E).sum(), ) + tuple(gate_output[1:])
             if device_loss:
                 routed_E = gate_output[6] if sparse_routes else gate_output[3]
                 extra = self.device_loss_weight * device_balance_loss(
