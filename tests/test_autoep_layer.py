@@ -136,7 +136,7 @@ def test_a_global_share_replaces_the_forwards_own_routes_in_the_expert_level_los
     plain = Layer()
     layer, gate = make(coeff=0.1)
     share_E = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0])
-    gate.set_global_share(share_E)
+    gate.set_batch_scope("global_lagged", lambda routed_E=None, rerun=False: share_E)
     x = torch.randn(T, H)
     top, _, _ = layer(x)
     top.sum().backward()

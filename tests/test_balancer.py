@@ -43,8 +43,8 @@ class ToyGate:
     def set_token_weights(self, weights_T):
         self.weights_T = weights_T
 
-    def set_global_share(self, share_E):
-        self.share_E = share_E
+    def set_batch_scope(self, scope, share):
+        self.scope, self.share = scope, share
 
 
 def config(**block):
@@ -519,15 +519,38 @@ def test_global_lagged_hands_each_gate_its_layers_global_frequencies_after_every
     gates = [ToyGate(), ToyGate()]
     cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"warmup_batches": 1, "aux": {"batch_scope": "global_lagged"}}})
     balancer = Balancer(cfg, gates, 2, reduce=lambda packed: packed.mul_(2))     # another rank's routes alike
+    assert gates[0].scope == "global_lagged" and gates[0].share() is None        # no step yet: the forward's own
     gates[0].forward(torch.tensor([0, 0, 0, 1]))
     gates[1].forward(torch.tensor([2, 3]))
     balancer.step()
-    assert torch.allclose(gates[0].share_E, torch.tensor([0.75, 0.25, 0.0, 0.0]))
-    assert torch.allclose(gates[1].share_E, torch.tensor([0.0, 0.0, 0.5, 0.5]))
+    assert torch.allclose(gates[0].share(), torch.tensor([0.75, 0.25, 0.0, 0.0]))
+    assert torch.allclose(gates[1].share(torch.tensor([9.0, 0, 0, 0])), torch.tensor([0.0, 0.0, 0.5, 0.5]))
     gates[0].forward(torch.tensor([1]))
     balancer.step()                                                     # layer 1 saw no routes: its own again
-    assert torch.allclose(gates[0].share_E, torch.tensor([0.0, 1.0, 0.0, 0.0])) and gates[1].share_E is None
+    assert torch.allclose(gates[0].share(), torch.tensor([0.0, 1.0, 0.0, 0.0])) and gates[1].share() is None
     micro = Balancer(config(), [ToyGate()], 2)
-    micro.gates[0].forward(torch.tensor([0]))
-    micro.step()
-    assert not hasattr(micro.gates[0], "share_E")                       # the default scope hands nothing
+    assert not hasattr(micro.gates[0], "scope")                         # the default scope hands nothing
+
+
+def test_global_exact_reduces_each_forwards_routes_and_counts_the_step_so_far():
+    calls = []
+
+    def reduce(t):
+        calls.append(t.numel())
+        t.mul_(2)                                                       # another rank's routes alike
+
+    gates = [ToyGate()]
+    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"warmup_batches": 1, "aux": {"batch_scope": "global_exact"}}})
+    balancer = Balancer(cfg, gates, 2, reduce=reduce)
+    share = gates[0].share
+    assert torch.allclose(share(torch.tensor([3.0, 1.0, 0.0, 0.0])), torch.tensor([0.75, 0.25, 0.0, 0.0]))
+    assert calls == [4]                                                 # one [E] all-reduce
+    assert torch.allclose(share(rerun=True), torch.tensor([0.75, 0.25, 0.0, 0.0])) and calls == [4]  # no collective
+    # the second micro-batch of the step: f over both
+    assert torch.allclose(share(torch.tensor([0.0, 0.0, 0.0, 4.0])), torch.tensor([3, 1, 0, 4]) / 8.0)
+    balancer.step()                                                     # a step boundary: counting starts afresh
+    assert share(rerun=True) is None
+    assert torch.allclose(share(torch.tensor([0.0, 2.0, 2.0, 0.0])), torch.tensor([0.0, 0.5, 0.5, 0.0]))
+    balancer.discard_tally()                                            # a skipped step: likewise
+    assert share(rerun=True) is None
+    assert share(torch.zeros(4)) is None                                # no routes anywhere: the forward's own

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import math
 import numbers
 import warnings
@@ -28,6 +29,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from .batch_scope import GlobalShares
 from .config import EasyBalanceConfig
 from .policies import AuxController
 from .record import EXPERT_COUNTS, NOTES, PRESSURE, BalanceLogger, NullLogger
@@ -61,9 +63,12 @@ class BalancedGate(Protocol):
     def set_token_weights(self, weights_T: Optional[torch.Tensor]) -> None:
         """Load weight of each token of the next forward [T] (None: every token counts 1)."""
 
-    def set_global_share(self, share_E: Optional[torch.Tensor]) -> None:
-        """Expert frequencies [E] (summing to 1) the balance loss uses instead of each forward's own, from the
-        next forward on (None: the forward's own); only called under `aux.batch_scope` "global_lagged"."""
+    def set_batch_scope(self, scope: str, share: Optional[Callable[..., Optional[torch.Tensor]]]) -> None:
+        """`aux.batch_scope` other than "micro" (`core.batch_scope`); called once, before training. "sequence":
+        the loss is sequence-wise. The global scopes: the loss takes its expert frequencies f_E from
+        `share(routed_E)` (first run of a training forward; every rank calls it for the same forwards) or
+        `share(rerun=True)` (a checkpointed forward's re-run), None meaning the forward's own
+        (`GlobalShares.share`, bound to the gate's layer)."""
 
 
 def check_agreement(gathered: Sequence[dict[str, Any]], rank: int) -> None:
@@ -178,6 +183,15 @@ class Balancer:
         self._logged_step = 0
         self._run_start: Optional[int] = 0    # put on the next record: where this run's log starts
         self.apply_controls()
+        self.global_shares: Optional[GlobalShares] = None
+        scope = config.aux.batch_scope
+        if config.mode == "balance" and train_controls and scope != "micro":
+            if scope.startswith("global"):
+                self.global_shares = GlobalShares(scope, [self.experts_L[i] for i in self.layers], reduce,
+                                                  self.tally_device)
+            for index, gate in enumerate(self.gates):
+                gate.set_batch_scope(scope, None if self.global_shares is None else
+                                     functools.partial(self.global_shares.share, index))
         self._exit_hook = False
         if not isinstance(self.logger, NullLogger):       # a run shorter than log.interval still leaves a record
             self._register_exit()
@@ -236,6 +250,8 @@ class Balancer:
         for layer, gate in zip(self.layers, self.gates):
             packed_LW[layer] = widen_row(gate.take_tally(self.tally_device), self.experts_L[layer], self.num_experts,
                                          self.tally_devices)
+        if self.global_shares is not None:
+            self.global_shares.new_step()
         return packed_LW
 
     def discard_tally(self, last_forward_only: bool = False) -> None:
@@ -247,6 +263,8 @@ class Balancer:
         """
         for gate in self.gates:
             gate.discard_tally(last_forward_only)
+        if self.global_shares is not None and not last_forward_only:
+            self.global_shares.new_step()
 
     @property
     def view(self) -> LoadView:
@@ -300,8 +318,8 @@ class Balancer:
         valid_L = self.view.update(tally)
         if self.config.mode == "balance" and self.train_controls and self.controller.update(self.view, valid_L):
             self.apply_controls()
-        if self.config.mode == "balance" and self.train_controls and self.config.aux.batch_scope == "global_lagged":
-            self._push_global_shares(valid_L)
+        if self.global_shares is not None:
+            self.global_shares.after_view(self.view.last.routed_LE[self.layers], valid_L[self.layers])
         self._warn_nonfinite([i for i, n in enumerate(tally.nonfinite_L.tolist()) if n > 0])
         if self.view.steps % self.config.log.interval == 0:
             self.flush_log()
@@ -344,17 +362,6 @@ class Balancer:
             device_L = self.controller.device_loss_weights()
             for layer, gate in zip(self.layers, self.gates):   # each layer over its own EP group's ranks
                 gate.set_device_loss(float(device_L[layer]), self._layer_maps[layer])
-
-    def _push_global_shares(self, valid_L: torch.Tensor) -> None:
-        """`aux.batch_scope` "global_lagged": each gate's balance loss takes its layer's expert frequencies over
-        the whole global batch of the step just taken (the reduced tally: every data-parallel rank, every
-        accumulation step; no collective of its own), f_e = routes_e / routes; a layer the view did not take
-        this step, or that saw no routes, goes back to its micro-batch's own (None)."""
-        routed_LE = self.view.last.routed_LE
-        for layer, gate in zip(self.layers, self.gates):
-            row_E = routed_LE[layer, :self.experts_L[layer]].to(torch.float32)
-            total = float(row_E.sum())
-            gate.set_global_share(row_E / total if bool(valid_L[layer]) and total > 0 else None)
 
     # ------------------------------------------------------------------ reads
     def aux_weights(self) -> list[float]:

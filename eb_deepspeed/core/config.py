@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
+from .batch_scope import BATCH_SCOPES
 from .files import MAX_JSON_DEPTH, json_too_deep, load_json
 from .policies import POLICIES
 from .topology import TOPOLOGIES
@@ -32,7 +33,6 @@ __all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "InferenceCon
 
 MODES = ("observe", "balance")
 SPLITS = ("view", "exact")          # how serving splits an expert's routes over its replicas
-BATCH_SCOPES = ("micro", "global_lagged")   # whose expert frequencies the balance loss takes (`aux.batch_scope`)
 CONTEXTS = ("train", "inference")   # eb_deepspeed.initialize / eb_deepspeed.init_inference
 CHECKPOINT_MODES = ("strict", "ignore_mismatch")   # easybalance.checkpoint: a saved state that does not fit
 # Keys of earlier versions, and where they live now.
@@ -77,8 +77,7 @@ class AuxConfig:
     device_weight: float = 0.5                       # bias: weight of the device (window pressure) term
     aux_scale: float = 1.0                           # bias: weight of every layer's l_aux
     loss_coeff: float = 0.01                         # AutoEP: coefficient of the balance loss easybalance attaches
-    # the balance loss's expert frequencies f_i: "micro" (each micro-batch's, the framework's), "global_lagged"
-    # (the global batch's of the last step, from the view: no collective; arXiv 2501.11873's, one step late)
+    # over which tokens the balance loss counts its expert frequencies f_e (core/batch_scope.py)
     batch_scope: str = "micro"
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
 

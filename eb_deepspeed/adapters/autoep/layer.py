@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ...core.batch_scope import sequence_balance_loss
 from ...core.policies import device_balance_loss
 from ...core.tally import TallyRecorder, in_backward, route_counts
 
@@ -90,7 +91,9 @@ class AutoEPBalance:
         self._logits_TE: Optional[torch.Tensor] = None
         self._uncounted = 0       # training forwards without autograd whose reentrant re-run has not come yet
         self.bias_E: Optional[torch.Tensor] = None              # the selection bias, logit units (None: off)
-        self.global_share_E: Optional[torch.Tensor] = None      # `aux.batch_scope` "global_lagged": last step's f
+        self.batch_scope = "micro"                              # `aux.batch_scope` (core/batch_scope.py)
+        self.global_share: Optional[Callable[..., Optional[torch.Tensor]]] = None   # the global scopes' f_E
+        self.seq_len: Optional[int] = None                      # tokens per sequence, per forward (model hook)
         self._bias_TE: Optional[torch.Tensor] = None            # this forward's bias in score units, to fill
         router.register_forward_pre_hook(self._before_router)
         router.gate.register_forward_hook(self._keep_logits)
@@ -120,10 +123,8 @@ class AutoEPBalance:
     def set_token_weights(self, weights_T: Optional[torch.Tensor]) -> None:
         self.token_weights_T = weights_T
 
-    def set_global_share(self, share_E: Optional[torch.Tensor]) -> None:
-        """The global batch's expert frequencies of the last step [E] (sum 1), which the expert-level loss takes
-        instead of this forward's routes (None: its own)."""
-        self.global_share_E = None if share_E is None else share_E.to(torch.float32)
+    def set_batch_scope(self, scope: str, share: Optional[Callable[..., Optional[torch.Tensor]]]) -> None:
+        self.batch_scope, self.global_share = scope, share
 
     # ------------------------------------------------------------------ hooks
     def _before_router(self, router, args):
@@ -178,10 +179,7 @@ class AutoEPBalance:
             if self._identity_E.device != routed_E.device:      # the maps move to the routes' device once
                 self._identity_E = self._identity_E.to(routed_E.device)
                 self.expert_to_device_E = self.expert_to_device_E.to(routed_E.device)
-            share_routes_E = routed_E
-            if self.global_share_E is not None:    # f_e of the global batch, as this forward's route counts
-                share_routes_E = self.global_share_E.to(probs_TE.device) * (self.k * probs_TE.shape[0])
-            l_aux = device_balance_loss(probs_TE, share_routes_E, self._identity_E, self.num_experts, self.k)
+            l_aux = self._expert_loss(logits_TE, probs_TE, selected_TK, routed_E, valid_T, counting)
         if counting:
             self.tally.record_routes(selected_TK, routed_E=routed_E, logits_TE=logits_TE, l_aux=l_aux,
                                      token_weights_T=self.token_weights_T, valid_T=valid_T, layer=self.layer_index)
@@ -192,6 +190,21 @@ class AutoEPBalance:
             loss = loss + self.device_loss_weight * device_balance_loss(
                 probs_TE, routed_E, self.expert_to_device_E, self.num_devices, self.k)
         return (attach_loss(top_scores_TK, self.loss_coeff * loss, self.grad_scale), selected_TK, tokens_E)
+
+    def _expert_loss(self, logits_TE, probs_TE, selected_TK, routed_E, valid_T, first_run: bool) -> torch.Tensor:
+        """The expert-level balance loss under `aux.batch_scope` (core/batch_scope.py), 1 at balance: this
+        forward's routes (micro), the global batch's f_E (global scopes; every rank's first run of a forward
+        joins the exact scope's all-reduce), or sequence by sequence."""
+        if self.batch_scope == "sequence":
+            T = selected_TK.shape[0]
+            seq_len = self.seq_len if self.seq_len and T % self.seq_len == 0 else T
+            full_TE = probs_TE if valid_T is None else self._probs(logits_TE)
+            return sequence_balance_loss(full_TE, selected_TK, seq_len, self.num_experts, valid_T)
+        if self.global_share is not None:
+            share_E = self.global_share(routed_E) if first_run else self.global_share(rerun=True)
+            if share_E is not None:          # f_e of the global batch, as this forward's route counts
+                routed_E = share_E.to(probs_TE.device) * (self.k * probs_TE.shape[0])
+        return device_balance_loss(probs_TE, routed_E, self._identity_E, self.num_experts, self.k)
 
     def _probs(self, logits_TE: torch.Tensor) -> torch.Tensor:
         """The router's probabilities over experts [T, E] -> [T, E] (fp32): softmax, or sigmoid scores

@@ -24,7 +24,7 @@ sampling) and both return forms behave exactly as DeepSpeed's (the sparse 7-tupl
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,7 @@ from deepspeed.comm import pg_utils
 from deepspeed.moe import sharded_moe as dsm
 from deepspeed.moe.sharded_moe import TopKGate
 
+from ...core.batch_scope import sequence_balance_loss
 from ...core.policies import device_balance_loss
 from ...core.tally import TallyRecorder, in_backward, nonfinite_tokens, routes_from_mask
 
@@ -97,9 +98,11 @@ class CrossLayerGate(TopKGate):
         # View device of each expert's copy that this rank's tokens reach ([E]), when the model's EP groups
         # differ in size and the view tallies devices; None: the view sums experts onto devices itself.
         self.route_device_E: Optional[torch.Tensor] = None
-        # `aux.batch_scope` "global_lagged": the global batch's expert frequencies of the last step [E] (sum 1),
-        # which l_aux takes instead of this micro-batch's (None: DeepSpeed's l_aux)
-        self.global_share_E: Optional[torch.Tensor] = None
+        # `aux.batch_scope` (core/batch_scope.py): "micro" is DeepSpeed's l_aux; the global scopes' source of
+        # f_E (`Balancer`); "sequence": tokens per sequence of the next forward (the MoE layer's pre-hook)
+        self.batch_scope = "micro"
+        self.global_share: Optional[Callable[..., Optional[torch.Tensor]]] = None
+        self.seq_len: Optional[int] = None
 
     @classmethod
     def from_topk_gate(cls, gate: TopKGate, layer_index: int) -> "CrossLayerGate":
@@ -152,8 +155,8 @@ class CrossLayerGate(TopKGate):
     def set_token_weights(self, weights_T: Optional[torch.Tensor]) -> None:
         self.token_weights_T = weights_T
 
-    def set_global_share(self, share_E: Optional[torch.Tensor]) -> None:
-        self.global_share_E = None if share_E is None else share_E.to(self.wg.weight.device, torch.float32)
+    def set_batch_scope(self, scope: str, share: Optional[Callable[..., Optional[torch.Tensor]]]) -> None:
+        self.batch_scope, self.global_share = scope, share
 
     # ------------------------------------------------------------------ forward
     def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
@@ -170,6 +173,8 @@ class CrossLayerGate(TopKGate):
 
         if T == 0:
             gate_output = self._empty_output(logits_TE, sparse_routes)   # its l_aux is 0 under any weight
+            if self.global_share is not None and self.training and not in_backward():
+                self.global_share(gate_output[-1])      # the other ranks' all-reduce of this layer's routes
         else:
             # Counted before gating: top2gating adds Gumbel noise to the logits in place.
             recording = self.training and not in_backward()
@@ -181,8 +186,8 @@ class CrossLayerGate(TopKGate):
             # top-k of softmax(logits + b).)
             selection_TE = logits_TE if self.selection_bias_E is None else logits_TE + self.selection_bias_E
             device_loss = self.device_loss_weight > 0 and self.training
-            global_loss = self.global_share_E is not None and self.training
-            if device_loss or global_loss:     # before gating: top2gating adds Gumbel noise to selection_TE in place
+            scope_loss = self.batch_scope != "micro" and self.training
+            if device_loss or scope_loss:     # before gating: top2gating adds Gumbel noise to selection_TE in place
                 clean_TE = logits_TE.clone() if selection_TE is logits_TE and self.k == 2 else logits_TE
             if self.k == 1:
                 gate_output = dsm.top1gating(selection_TE, capacity_factor, self.min_capacity, used_token,
@@ -201,9 +206,9 @@ class CrossLayerGate(TopKGate):
             if recording:
                 self._record_output(gate_output, sparse_routes, T, used_token, nonfinite)
 
-            if global_loss:      # the global batch's f_e, this micro-batch's P_e: E x sum_e f_e P_e (1 at balance)
-                probs_E = F.softmax(clean_TE, dim=1).mean(0)
-                gate_output = (self.num_experts * (self.global_share_E * probs_E).sum(), ) + tuple(gate_output[1:])
+            if scope_loss:
+                gate_output = (self._scope_loss(gate_output, clean_TE, sparse_routes, recording), ) \
+                    + tuple(gate_output[1:])
             if device_loss:
                 routed_E = gate_output[6] if sparse_routes else gate_output[3]
                 extra = self.device_loss_weight * device_balance_loss(
@@ -216,6 +221,22 @@ class CrossLayerGate(TopKGate):
             self.timers(dsm.TOPK_GATE_TIMER).stop()
             self.gate_time = self.timers(dsm.TOPK_GATE_TIMER).elapsed(reset=False)
         return gate_output
+
+    def _scope_loss(self, gate_output, clean_TE: torch.Tensor, sparse_routes: bool, first_run: bool) -> torch.Tensor:
+        """l_aux under `aux.batch_scope` (core/batch_scope.py), 1 at balance: the global scopes' E x sum_e f_e P_e
+        (f of the global batch, P this micro-batch's mean probabilities; DeepSpeed's own until there is an f),
+        or the sequence-wise loss (over the first choices' and later routes alike)."""
+        probs_TE = F.softmax(clean_TE, dim=1)
+        if self.batch_scope == "sequence":
+            expert_TK = gate_output[3].t() if sparse_routes else routes_from_mask(gate_output[2].any(dim=2), self.k)
+            T = probs_TE.shape[0]
+            seq_len = self.seq_len if self.seq_len and T % self.seq_len == 0 else T
+            return sequence_balance_loss(probs_TE, expert_TK, seq_len, self.num_experts)
+        routed_E = gate_output[6] if sparse_routes else gate_output[3]
+        share_E = self.global_share(routed_E) if first_run else self.global_share(rerun=True)
+        if share_E is None:
+            return gate_output[0]
+        return self.num_experts * (share_E.to(probs_TE.device) * probs_TE.mean(0)).sum()
 
     def _record_output(self, gate_output, sparse_routes: bool, T: int, used_token, nonfinite) -> None:
         if sparse_routes:
