@@ -45,6 +45,11 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--capacity-factor", type=float, default=1.0, help="Megatron's moe_expert_capacity_factor")
     p.add_argument("--coeff", type=float, default=0.01, help="moe_aux_loss_coeff")
+    p.add_argument("--load-balancing", choices=["aux_loss", "global_aux_loss", "seq_aux_loss", "none"],
+                   default="aux_loss", help="Megatron's moe_router_load_balancing_type: the micro-batch loss, the "
+                   "global-batch one (exact: an all-reduce per layer per micro-batch), DeepSeek-V3's sequence-wise "
+                   "one, or none")
+    p.add_argument("--mode", choices=["observe", "balance"], default=None, help="override easybalance.mode")
     p.add_argument("--aux-policy", choices=list(POLICIES), default=None, help="override easybalance.aux.policy")
     p.add_argument("--bias-rate", type=float, default=None, help="override easybalance.aux.bias_rate")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -64,7 +69,7 @@ def build_model(args):
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, ffn_hidden_size=2 * args.hidden,
         num_moe_experts=args.experts, moe_router_topk=args.k, moe_token_dispatcher_type="alltoall",
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=args.coeff, moe_router_dtype="fp32",
+        moe_router_load_balancing_type=args.load_balancing, moe_aux_loss_coeff=args.coeff, moe_router_dtype="fp32",
         moe_expert_capacity_factor=args.capacity_factor, moe_token_drop_policy="probs",
         expert_model_parallel_size=torch.distributed.get_world_size(), use_cpu_initialization=True,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32)
@@ -97,6 +102,8 @@ def main(argv=None):
     block.setdefault("log", {})["dir"] = os.path.join(args.run_dir, "balance")
     if args.aux_policy is not None:
         block.setdefault("aux", {})["policy"] = args.aux_policy
+    if args.mode is not None:
+        block["mode"] = args.mode
     if args.bias_rate is not None:
         block.setdefault("aux", {})["bias_rate"] = args.bias_rate
 
@@ -164,6 +171,8 @@ def main(argv=None):
         if balancer is not None:
             balancer.note(lm_loss=float(lm_loss))       # logged beside the balance numbers (JSONL, W&B, eb report)
         optimizer.step()                                # the easybalance hook runs balancer.step()
+        for _, router in find_routers(model):           # what Megatron's finalize_model_grads does each step
+            router.reset_global_aux_loss_tracker()
         step_times.append(time.perf_counter() - t_step)
         row = {"step": step + 1, "lm_loss": float(lm_loss)}
         if balancer is not None:
@@ -187,6 +196,7 @@ def main(argv=None):
         summary = {"framework": "megatron-core", "steps": args.steps, "world_size": world,
                    "seconds": round(time.time() - t0, 2),
                    "seconds_per_step": sum(step_times[2:]) / max(1, len(step_times[2:])), "final": history[-1],
+                   "tokens_per_s": B * S * world * max(1, len(step_times[2:])) / max(1e-9, sum(step_times[2:])),
                    "train_second_half": {k: mean_of(k) for k in ("lm_loss", "token_drop_rate",
                                                                  "device_max_over_mean_p90", "device_util_std")
                                          if k in tail[0]}}

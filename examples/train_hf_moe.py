@@ -26,6 +26,7 @@ from hf_moe import FAMILIES, autoep_section, hf_moe_model, zipf_tokens  # noqa: 
 
 def parse_args(argv=None):
     import deepspeed
+    from eb_deepspeed.core.batch_scope import BATCH_SCOPES
     from eb_deepspeed.core.policies import POLICIES
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -45,10 +46,15 @@ def parse_args(argv=None):
     p.add_argument("--aux-policy", choices=list(POLICIES), default=None, help="override easybalance.aux.policy")
     p.add_argument("--loss-coeff", type=float, default=None, help="override easybalance.aux.loss_coeff")
     p.add_argument("--bias-rate", type=float, default=None, help="override easybalance.aux.bias_rate")
+    p.add_argument("--batch-scope", choices=BATCH_SCOPES, default=None, help="override easybalance.aux.batch_scope")
+    p.add_argument("--eval-batches", type=int, default=0,
+                   help="at the end: validation loss over this many batches of held-out stdlib sources, and how "
+                        "differently the experts serve Python sources and the stdlib's text files (0: none)")
     p.add_argument("--hf-aux-coef", type=float, default=None,
                    help="turn HF's own pooled load-balancing loss on with this router_aux_loss_coef (default off)")
     p.add_argument("--zero", type=int, default=None, help="override zero_optimization.stage")
     p.add_argument("--micro-batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
+    p.add_argument("--grad-accum", type=int, default=None, help="override gradient_accumulation_steps")
     p.add_argument("--gradient-checkpointing", action="store_true", help="HF activation checkpointing")
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="training text to read (--data stdlib)")
     p.add_argument("--run-dir", default="runs/hf")
@@ -73,13 +79,16 @@ def main(argv=None):
     ds_config.setdefault("expert_parallel", autoep_section(args.family))["preset_model"] = args.family
     if args.micro_batch is not None:
         ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
+    if args.grad_accum is not None:
+        ds_config["gradient_accumulation_steps"] = args.grad_accum
     if args.zero is not None:
         ds_config.setdefault("zero_optimization", {})["stage"] = args.zero
     block = ds_config.setdefault("easybalance", {})
     block.setdefault("log", {})["dir"] = os.path.join(args.run_dir, "balance")
     if args.mode is not None:
         block["mode"] = args.mode
-    for key, value in (("policy", args.aux_policy), ("loss_coeff", args.loss_coeff), ("bias_rate", args.bias_rate)):
+    for key, value in (("policy", args.aux_policy), ("loss_coeff", args.loss_coeff), ("bias_rate", args.bias_rate),
+                       ("batch_scope", args.batch_scope)):
         if value is not None:
             block.setdefault("aux", {})[key] = value
 
@@ -128,6 +137,7 @@ def main(argv=None):
         if balancer is not None:
             m = balancer.metrics()
             row.update(expert_max_over_mean=m["expert_max_over_mean"], device_max_over_mean=m["device_max_over_mean"],
+                       device_max_over_mean_p90=m["device_max_over_mean_p90"],
                        routed_LE=balancer.view.last.routed_LE.tolist())
         history.append(row)
         if rank == 0 and ((step + 1) % 10 == 0 or step + 1 == args.steps):
@@ -136,8 +146,10 @@ def main(argv=None):
                 if balancer is not None else ""), flush=True)
 
     engine.save_checkpoint(ckpt_dir, client_state={"step": args.steps})
+    final = evaluate(engine, corpus, args, rank, micro_batch) if args.eval_batches > 0 and corpus is not None else {}
     if rank == 0:
         summary = summarize(history, step_times, micro_batch * args.seq_len * accum * world, args)
+        summary["final"] = final
         if balancer is not None:
             summary["balance"] = {k: v for k, v in balancer.metrics().items() if not isinstance(v, list)}
             balancer.flush_log()        # the log ends on the last step
@@ -154,6 +166,65 @@ def main(argv=None):
     torch.distributed.destroy_process_group()
     if history and math.isnan(history[-1]["lm_loss"]):
         raise SystemExit("training diverged (NaN loss)")
+
+
+def text_files_corpus(max_bytes: int = 1_000_000) -> torch.Tensor:
+    """The standard library's documentation and text files (.txt, .rst; no Python source), bytes [N]."""
+    import sysconfig
+    root = sysconfig.get_paths()["stdlib"]
+    chunks, size = [], 0
+    for dirpath, dirnames, names in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        for name in sorted(names):
+            if name.endswith((".txt", ".rst")) and size < max_bytes:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    chunks.append(f.read())
+                size += len(chunks[-1])
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+
+
+def evaluate(engine, corpus, args, rank: int, micro_batch: int) -> dict:
+    """Validation loss (held-out stdlib sources) and expert specialisation: each layer's expert usage on
+    Python sources (the held-out files) against the stdlib's text files, as a total-variation distance
+    0.5 x sum_e |p_code(e) - p_text(e)| (0: used alike, 1: disjoint), averaged over layers; every rank's
+    batches together. Every rank runs the same number of forwards (AutoEP's all-to-all)."""
+    layers = [gate.layer for gate in engine.easybalance.gates]
+    usage = {}
+
+    def counter(kind):
+        def hook(router, inputs, output):
+            selected_TK = output[1]
+            usage[kind].append(torch.bincount(selected_TK.reshape(-1).long().cpu(), minlength=args.experts))
+        return hook
+
+    text = text_files_corpus()
+    engine.eval()
+    sums = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for kind in ("code", "text"):
+            usage[kind] = []
+            handles = [layer.router.register_forward_hook(counter(kind)) for layer in layers]
+            for i in range(args.eval_batches):
+                g = torch.Generator().manual_seed(hash((args.seed, rank, kind, i)) % (2**62))
+                if kind == "code":
+                    x = corpus.batch("val", micro_batch, args.seq_len, g)[0]
+                else:
+                    starts_B = torch.randint(0, text.numel() - args.seq_len, (micro_batch, ), generator=g)
+                    x = text[starts_B[:, None] + torch.arange(args.seq_len)[None, :]]
+                out = engine(input_ids=x.to(engine.device), labels=x.to(engine.device))
+                if kind == "code":
+                    sums += torch.tensor([float(out.loss), 1.0], dtype=torch.float64)
+            for h in handles:
+                h.remove()
+    engine.train()
+    L = len(layers)
+    counts = torch.stack([torch.stack(usage[k]).view(-1, L, args.experts).sum(0).double() for k in ("code", "text")])
+    torch.distributed.all_reduce(sums)
+    torch.distributed.all_reduce(counts)
+    p = counts / counts.sum(-1, keepdim=True).clamp_min(1.0)                # [2, L, E]
+    tv_L = 0.5 * (p[0] - p[1]).abs().sum(-1)
+    return {"val_loss": float(sums[0] / sums[1]), "specialisation_tv": float(tv_L.mean()),
+            "specialisation_tv_per_layer": [round(v, 4) for v in tv_L.tolist()]}
 
 
 def summarize(history: list[dict], step_times: list[float], tokens_per_step: int, args) -> dict:
@@ -173,6 +244,13 @@ def summarize(history: list[dict], step_times: list[float], tokens_per_step: int
                                     for vals in per_layer]
         routed_LE = torch.tensor([r["routed_LE"] for r in tail]).sum(0)    # the 10 steps' routes together
         out["last10_sum_expert_max_over_mean"] = (routed_LE.amax(1) / routed_LE.mean(1).clamp_min(1e-9)).tolist()
+        half = history[len(history) // 2:]                  # once the routers have settled: the straggler's share
+        out["train_second_half"] = {
+            "lm_loss": sum(r["lm_loss"] for r in half) / len(half),
+            "device_max_over_mean_p90": sum(r["device_max_over_mean_p90"] for r in half) / len(half),
+            "expert_max_over_mean_mean": sum(sum(v for v in r["expert_max_over_mean"] if v is not None)
+                                             / max(1, sum(v is not None for v in r["expert_max_over_mean"]))
+                                             for r in half) / len(half)}
     for row in history:
         row.pop("routed_LE", None)
     return out

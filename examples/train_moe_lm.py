@@ -25,6 +25,7 @@ from moe_lm import MoELM, StdlibCorpus, pyramid  # noqa: E402
 
 def parse_args(argv=None):
     import deepspeed
+    from eb_deepspeed.core.batch_scope import BATCH_SCOPES
     from eb_deepspeed.core.policies import POLICIES
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -45,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--aux-policy", choices=list(POLICIES), default=None,
                    help="override easybalance.aux.policy of the config")
     p.add_argument("--bias-rate", type=float, default=None, help="override easybalance.aux.bias_rate")
+    p.add_argument("--batch-scope", choices=BATCH_SCOPES, default=None, help="override easybalance.aux.batch_scope")
     p.add_argument("--aux-smoothing", type=float, default=None, help="override easybalance.aux.smoothing")
     p.add_argument("--aux-weight-range", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help="override easybalance.aux.weight_range")
@@ -137,7 +139,8 @@ def main(argv=None):
     mean_one = None if args.aux_mean_one is None else args.aux_mean_one == "true"
     for key, value in (("bias_rate", args.bias_rate), ("smoothing", args.aux_smoothing),
                        ("weight_range", args.aux_weight_range), ("gain", args.aux_gain), ("mean_one", mean_one),
-                       ("target", args.aux_target), ("device_scale", args.aux_device_scale)):
+                       ("target", args.aux_target), ("device_scale", args.aux_device_scale),
+                       ("batch_scope", args.batch_scope)):
         if value is not None:
             block.setdefault("aux", {})[key] = value
 

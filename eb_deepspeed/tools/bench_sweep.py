@@ -31,7 +31,11 @@ __all__ = ["SWEEP_POLICIES", "SWEEP_METRICS", "bench_train_sweep", "summarize_sw
 SWEEP_POLICIES = (("fixed", "fixed", ()), ("cross_layer", "cross_layer", ()),
                   ("device_uniform", "cross_layer", ("--aux-weight-range", "1", "1")),
                   ("cross_layer_target", "cross_layer", ("--aux-mean-one", "false")),
-                  ("bias", "bias", ()), ("bias_cross_layer", "bias_cross_layer", ()))
+                  ("bias", "bias", ()), ("bias_cross_layer", "bias_cross_layer", ()),
+                  # `aux.batch_scope` (core/batch_scope.py): DeepSpeed's l_aux over the global batch, or per sequence
+                  ("global_exact", "fixed", ("--batch-scope", "global_exact")),
+                  ("global_lagged", "fixed", ("--batch-scope", "global_lagged")),
+                  ("sequence", "fixed", ("--batch-scope", "sequence")))
 # metric -> (where in summary.json, what it is)
 SWEEP_METRICS = {
     "val_loss": ("final", "validation loss at the end (held-out stdlib files)"),
@@ -42,15 +46,15 @@ SWEEP_METRICS = {
     "val_device_max_over_mean_p90": ("final", "validation p90 device max/mean at the end"),
 }
 QUICK = dict(policies=("fixed", "cross_layer"), coefficients=(0.01, ), seeds=(1, 2), steps=12, layers=2, k="1,2")
-FULL = dict(policies=tuple(p[0] for p in SWEEP_POLICIES), coefficients=(0.003, 0.01, 0.03), seeds=(1, 2, 3),
-            steps=150, layers=8, k="1,2")
+FULL = dict(policies=tuple(p[0] for p in SWEEP_POLICIES[:6]), coefficients=(0.003, 0.01, 0.03), seeds=(1, 2, 3),
+            steps=150, layers=8, k="1,2")       # the scope rows: --policies fixed global_exact ... (docs/benchmarks.md)
 
 
-def _code_hash(root: str) -> str:
+def _code_hash(root: str, config: str = "train_cpu_2rank.json") -> str:
     """sha1 of what a run's numbers depend on: the package's, the example's and the config's sources."""
     import hashlib
     h = hashlib.sha1()
-    files = [os.path.join(root, "configs", "train_cpu_2rank.json")]
+    files = [os.path.join(root, "configs", config)]
     for top in ("eb_deepspeed", "examples"):
         for dirpath, dirnames, names in os.walk(os.path.join(root, top)):
             dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
@@ -66,6 +70,15 @@ def _run(root: str, run_dir: str, policy: str, extra: tuple[str, ...], coeff: fl
     args = ["--steps", str(steps), "--seed", str(seed), "--coeff", str(coeff), "--aux-policy", policy, "--layers",
             str(layers), "--k", k, "--eval-every", str(steps), "--eval-batches", "8", "--bias-rate", str(bias_rate),
             "--no-report", *extra]
+    summary = _launch(root, run_dir, os.path.join("examples", "train_moe_lm.py"),
+                      os.path.join("configs", "train_cpu_2rank.json"), args, code)
+    return {metric: summary[where][metric] for metric, (where, _) in SWEEP_METRICS.items()}
+
+
+def _launch(root: str, run_dir: str, script: str, config: str, args: list[str], code: str,
+            config_flag: str = "--deepspeed_config") -> dict:
+    """One 2-rank run of `script` (relative to the repo) under the deepspeed launcher; its summary.json. A run
+    directory that holds a finished run of the same arguments and code is read instead."""
     done = os.path.join(run_dir, "sweep_args.json")
     if os.path.exists(done) and os.path.exists(os.path.join(run_dir, "summary.json")):
         with open(done) as f:
@@ -75,8 +88,8 @@ def _run(root: str, run_dir: str, policy: str, extra: tuple[str, ...], coeff: fl
     if not reuse:
         port = free_port()
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-               str(port), os.path.join(root, "examples", "train_moe_lm.py"), "--deepspeed_config",
-               os.path.join(root, "configs", "train_cpu_2rank.json"), "--run-dir", run_dir, *args]
+               str(port), os.path.join(root, script), config_flag, os.path.join(root, config),
+               "--run-dir", run_dir, *args]
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               env=dict(os.environ, WANDB_MODE="offline", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
         unlink_shm_buffers(port)
@@ -85,11 +98,10 @@ def _run(root: str, run_dir: str, policy: str, extra: tuple[str, ...], coeff: fl
         with open(done, "w") as f:
             json.dump({"args": args, "code": code}, f)
     with open(os.path.join(run_dir, "summary.json")) as f:
-        summary = json.load(f)
-    return {metric: summary[where][metric] for metric, (where, _) in SWEEP_METRICS.items()}
+        return json.load(f)
 
 
-def sweep_stats(runs: list[dict]) -> list[dict]:
+def sweep_stats(runs: list[dict], metrics: dict = SWEEP_METRICS) -> list[dict]:
     """One row per (policy, coefficient): mean and sample std over its seeds of every metric."""
     rows: dict[tuple, dict] = {}
     for run in runs:
@@ -97,7 +109,7 @@ def sweep_stats(runs: list[dict]) -> list[dict]:
     out = []
     for (policy, coeff), group in rows.items():
         row = {"policy": policy, "coeff": coeff, "seeds": len(group)}
-        for metric in SWEEP_METRICS:
+        for metric in metrics:
             values = [r[metric] for r in group]
             row[metric] = {"mean": statistics.fmean(values),
                            "std": statistics.stdev(values) if len(values) > 1 else 0.0}

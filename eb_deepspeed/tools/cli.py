@@ -53,8 +53,26 @@ def _bench(args) -> int:
                 or not all(isinstance(run, dict) for run in saved["runs"]):
             raise ValueError(f"{args.from_json}: not a saved sweep result (expected an object whose \"runs\" is a "
                              "list of objects: what `eb bench train --sweep --json` prints)")
-        result = summarize_sweep(saved, args.out if args.out != "runs/bench_train" else "runs/bench_sweep")
-        print(format_sweep_table(result), file=sys.stderr if args.json else sys.stdout)
+        if saved.get("framework") in ("autoep", "megatron"):
+            from .bench_sweep_frameworks import format_sweep_table_framework, summarize_sweep_framework
+            result = summarize_sweep_framework(saved, args.out if args.out != "runs/bench_train" else
+                                               f"runs/bench_sweep_{saved['framework']}")
+            print(format_sweep_table_framework(result), file=sys.stderr if args.json else sys.stdout)
+        else:
+            result = summarize_sweep(saved, args.out if args.out != "runs/bench_train" else "runs/bench_sweep")
+            print(format_sweep_table(result), file=sys.stderr if args.json else sys.stdout)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        return 0
+    if args.what == "train" and args.sweep and args.framework in ("autoep", "megatron"):
+        from .bench_sweep_frameworks import bench_train_sweep_framework, format_sweep_table_framework
+        result = bench_train_sweep_framework(args.framework, quick=args.quick, progress=True,
+                                             out_dir=args.out if args.out != "runs/bench_train" else None,
+                                             coefficients=tuple(args.coeffs) if args.coeffs else None,
+                                             rows=tuple(args.policies) if args.policies else None,
+                                             seeds=tuple(range(1, args.sweep_seeds + 1)) if args.sweep_seeds else None,
+                                             steps=args.steps if args.steps_given else None)
+        print(format_sweep_table_framework(result), file=sys.stderr if args.json else sys.stdout)
         if args.json:
             print(json.dumps(result, indent=2))
         return 0
@@ -272,7 +290,8 @@ def _workloads():
 
 def _sweep_policies():
     from .bench_sweep import SWEEP_POLICIES
-    return [name for name, _, _ in SWEEP_POLICIES]
+    from .bench_sweep_frameworks import AUTOEP_ROWS
+    return list(dict.fromkeys([name for name, _, _ in SWEEP_POLICIES] + list(AUTOEP_ROWS)))   # --framework autoep: its rows
 
 
 def _bench_parsers(bench: argparse.ArgumentParser) -> None:
