@@ -48,8 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--bias-rate", type=float, default=None, help="override easybalance.aux.bias_rate")
     p.add_argument("--batch-scope", choices=BATCH_SCOPES, default=None, help="override easybalance.aux.batch_scope")
     p.add_argument("--eval-batches", type=int, default=0,
-                   help="at the end: validation loss over this many batches of held-out stdlib sources, and how "
-                        "differently the experts serve Python sources and the stdlib's text files (0: none)")
+                   help="at the end: validation loss over this many batches (8 sequences each) of held-out stdlib "
+                        "sources, and how differently the experts serve Python sources and the stdlib's text files "
+                        "(0: none)")
     p.add_argument("--hf-aux-coef", type=float, default=None,
                    help="turn HF's own pooled load-balancing loss on with this router_aux_loss_coef (default off)")
     p.add_argument("--zero", type=int, default=None, help="override zero_optimization.stage")
@@ -146,7 +147,7 @@ def main(argv=None):
                 if balancer is not None else ""), flush=True)
 
     engine.save_checkpoint(ckpt_dir, client_state={"step": args.steps})
-    final = evaluate(engine, corpus, args, rank, micro_batch) if args.eval_batches > 0 and corpus is not None else {}
+    final = evaluate(engine, corpus, args, rank) if args.eval_batches > 0 and corpus is not None else {}
     if rank == 0:
         summary = summarize(history, step_times, micro_batch * args.seq_len * accum * world, args)
         summary["final"] = final
@@ -168,6 +169,9 @@ def main(argv=None):
         raise SystemExit("training diverged (NaN loss)")
 
 
+EVAL_BATCH = 8      # sequences per evaluation forward
+
+
 def text_files_corpus(max_bytes: int = 1_000_000) -> torch.Tensor:
     """The standard library's documentation and text files (.txt, .rst; no Python source), bytes [N]."""
     import sysconfig
@@ -183,7 +187,7 @@ def text_files_corpus(max_bytes: int = 1_000_000) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
 
 
-def evaluate(engine, corpus, args, rank: int, micro_batch: int) -> dict:
+def evaluate(engine, corpus, args, rank: int) -> dict:
     """Validation loss (held-out stdlib sources) and expert specialisation: each layer's expert usage on
     Python sources (the held-out files) against the stdlib's text files, as a total-variation distance
     0.5 x sum_e |p_code(e) - p_text(e)| (0: used alike, 1: disjoint), averaged over layers; every rank's
@@ -204,12 +208,12 @@ def evaluate(engine, corpus, args, rank: int, micro_batch: int) -> dict:
         for kind in ("code", "text"):
             usage[kind] = []
             handles = [layer.router.register_forward_hook(counter(kind)) for layer in layers]
-            for i in range(args.eval_batches):
-                g = torch.Generator().manual_seed(hash((args.seed, rank, kind, i)) % (2**62))
+            for i in range(args.eval_batches):      # the same windows for every run of a seed (ints hash alike)
+                g = torch.Generator().manual_seed(hash((args.seed, rank, kind == "code", i)) % (2**62))
                 if kind == "code":
-                    x = corpus.batch("val", micro_batch, args.seq_len, g)[0]
+                    x = corpus.batch("val", EVAL_BATCH, args.seq_len, g)[0]
                 else:
-                    starts_B = torch.randint(0, text.numel() - args.seq_len, (micro_batch, ), generator=g)
+                    starts_B = torch.randint(0, text.numel() - args.seq_len, (EVAL_BATCH, ), generator=g)
                     x = text[starts_B[:, None] + torch.arange(args.seq_len)[None, :]]
                 out = engine(input_ids=x.to(engine.device), labels=x.to(engine.device))
                 if kind == "code":

@@ -136,6 +136,51 @@ def scenario_tally(p):
             "grad_norm": float(sum(layer.router.gate.weight.detach().norm() for layer in layers))}
 
 
+def scenario_scopes(p):
+    """`aux.batch_scope` on AutoEP with accumulation, padding and checkpointing: after every micro-batch each
+    gate's f (what its loss took) against an independent count of the routes of the step so far on every rank
+    (global_exact), or of the last step (global_lagged); the sequence scope trains."""
+    scope, checkpointing, accum = p["scope"], p["checkpointing"], 2
+    engine = engine_for("mixtral", config("mixtral", 0, accum, {"mode": "balance", "warmup_batches": 1,
+                                                                 "aux": {"batch_scope": scope}}, p["out"]),
+                        checkpointing=checkpointing)
+    gates = engine.easybalance.gates
+    own_LE = torch.zeros(len(gates), 4, dtype=torch.float64)
+    valid = {"T": None, "on": False}
+
+    def counter(index):
+        def hook(router, args, output):
+            if valid["on"]:
+                own_LE[index] += torch.bincount(output[1][valid["T"]].flatten(), minlength=4).double()
+        return hook
+
+    for index, gate in enumerate(gates):
+        gate.layer.router.register_forward_hook(counter(index))
+    shares, wanted, losses = [], [], []
+    last_step_LE = None
+    for step in range(3):
+        step_LE = torch.zeros_like(own_LE)
+        for micro in range(accum):
+            ids, mask, labels = batch(step, micro, pad=True)
+            valid["T"], valid["on"] = mask.reshape(-1) > 0, True
+            own_LE.zero_()
+            out = engine(input_ids=ids, attention_mask=mask, labels=labels)
+            valid["on"] = False                  # a checkpointed re-run in backward is not a new route
+            engine.backward(out.loss)
+            losses.append(float(out.loss))
+            dist.all_reduce(own_LE)
+            step_LE += own_LE
+            if scope != "sequence":
+                shares.append(torch.stack([g.global_share(rerun=True) if g.global_share(rerun=True) is not None
+                                           else torch.full((4, ), float("nan")) for g in gates]))
+                ref_LE = step_LE if scope == "global_exact" else last_step_LE
+                wanted.append(torch.full((len(gates), 4), float("nan")) if ref_LE is None
+                              else (ref_LE / ref_LE.sum(1, keepdim=True)).float())
+            engine.step()
+        last_step_LE = step_LE.clone()
+    return {"shares": shares, "wanted": wanted, "losses": losses, "scope": [g.batch_scope for g in gates]}
+
+
 def scenario_checkpoint(p):
     """`balance` at a ZeRO stage: save, load into a fresh engine (same state), and into plain AutoEP."""
     family, zero = p["family"], p["zero"]

@@ -52,6 +52,21 @@ def test_the_view_counts_each_route_of_the_routers_once(tmp_path, family, checkp
     assert ranks[0]["spreads"] == ranks[1]["spreads"]        # one view, the same controls on every rank
 
 
+@pytest.mark.parametrize("scope, checkpointing", [("global_exact", "reentrant"), ("global_lagged", "non_reentrant"),
+                                                   ("sequence", "none")])
+def test_the_batch_scopes_take_the_global_batchs_frequencies_on_every_rank(tmp_path, scope, checkpointing):
+    ranks = run(tmp_path, "scopes", scope=scope, checkpointing=checkpointing)
+    for rank in ranks:
+        assert rank["scope"] == [scope, scope] and all(torch.isfinite(torch.tensor(rank["losses"])))
+        for micro, (share, wanted) in enumerate(zip(rank["shares"], rank["wanted"])):
+            # exact: the routes of the step so far over both ranks; lagged: the last step's (none at first)
+            torch.testing.assert_close(share, wanted, equal_nan=True, msg=f"{scope} micro-batch {micro}")
+    if scope != "sequence":
+        assert len(ranks[0]["shares"]) == 6 and not torch.isnan(ranks[0]["shares"][-1]).any()
+        for a, b in zip(ranks[0]["shares"], ranks[1]["shares"]):             # one f on every rank
+            torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("zero", [0, 3])
 def test_a_checkpoint_round_trips_the_balancer_and_plain_autoep_loads_it(tmp_path, zero):
     for rank in run(tmp_path, "checkpoint", family="mixtral", zero=zero):

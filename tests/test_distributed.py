@@ -1,4 +1,5 @@
 """Real DeepSpeed engines in real processes (gloo, CPU): equivalence, view identity, checkpoints, errors."""
+import math
 import os
 
 import pytest
@@ -80,6 +81,22 @@ def test_every_rank_holds_the_same_view_updated_once_per_accumulation_boundary(r
             assert torch.equal(rank["view"][key], first["view"][key]), f"rank {rank_index} {key}"
     # data differs per rank, so routes differ per rank; the view is the sum, not rank 0's copy
     assert ranks[0]["metrics"]["tokens"] == world_size * accum * 4 * 16
+
+
+@pytest.mark.parametrize("scope", ["global_exact", "sequence"])
+def test_the_batch_scopes_on_deepspeed_moe_count_the_global_batch_or_each_sequence(run_dist, scope):
+    ranks = run_dist("scopes", 2, scope=scope)
+    for rank in ranks:
+        assert rank["scope"] == [scope, scope] and all(math.isfinite(v) for v in rank["losses"])
+        assert all(0.0 < v < 8.0 for step in rank["l_aux"] for v in step)        # 1 at balance, E at most
+        for micro, (share, wanted) in enumerate(zip(rank["shares"], rank["wanted"])):
+            torch.testing.assert_close(share, wanted, msg=f"micro-batch {micro}: f is the step so far, every rank")
+    if scope == "global_exact":
+        assert len(ranks[0]["shares"]) == 6
+        for a, b in zip(ranks[0]["shares"], ranks[1]["shares"]):
+            assert torch.equal(a, b)
+    else:
+        assert ranks[0]["seq_len"] == [16, 16]                 # the MOELayer hook saw [B, S, D]
 
 
 @pytest.mark.parametrize("policy", ["cross_layer", "bias"])

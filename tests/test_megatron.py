@@ -98,3 +98,14 @@ def test_a_bad_config_is_a_config_error_with_its_path_before_any_router_changes(
     assert attach(model, {"easybalance": {"enabled": False}}) is None     # off: nothing attached
     with pytest.raises(ConfigError, match=r"easybalance\.ema_alpha \(2\.0\) must be in"):
         attach(model, {"ema_alpha": 2.0})                                   # the block on its own works too
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("scope, megatrons", [("global_exact", "global_aux_loss"), ("sequence", "seq_aux_loss"),
+                                              ("global_lagged", "global_aux_loss")])
+def test_a_batch_scope_on_megatron_points_to_megatrons_own_loss_before_any_router_changes(scope, megatrons):
+    from eb_deepspeed.adapters.megatron import attach
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=rf"batch_scope \('{scope}'\) is for DeepSpeed-MoE and AutoEP.*{megatrons}"):
+        attach(model, {"easybalance": {"aux": {"batch_scope": scope}}})
+    assert not hasattr(model, "easybalance")

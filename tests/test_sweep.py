@@ -162,3 +162,71 @@ def test_the_noise_measurement_reads_only_the_latest_run_of_a_re_run_log(tmp_pat
     (tmp_path / "both" / "balance.jsonl").write_text(old + "".join(json.dumps(r) + "\n" for r in marked))
     both, alone = score_noise(str(tmp_path / "both")), score_noise(str(tmp_path / "alone"))
     assert {k: v for k, v in both.items() if k != "run"} == {k: v for k, v in alone.items() if k != "run"}
+
+
+def framework_run(policy, coeff, seed, p90, loss, spec=0.2):
+    from eb_deepspeed.tools.bench_sweep_frameworks import AUTOEP_METRICS
+    values = {m: 1.0 for m in AUTOEP_METRICS}
+    values.update(device_max_over_mean_p90=p90, val_loss=loss, specialisation_tv=spec)
+    return {"policy": policy, "coeff": coeff, "seed": seed, **values}
+
+
+@pytest.mark.unit
+def test_the_framework_sweep_judges_per_layer_weights_paired_and_the_global_loss_at_micros_balance():
+    from eb_deepspeed.tools.bench_sweep_frameworks import AUTOEP_METRICS, framework_targets
+    runs = []
+    for s in (1, 2, 3):
+        # micro: more coefficient, better balance, worse loss (p90 1.4 / 1.3 / 1.2, loss 2.00 / 2.02 / 2.04)
+        runs += [framework_run("micro", c, s, p, l + 0.001 * s) for c, p, l in
+                 ((0.003, 1.4, 2.00), (0.01, 1.3, 2.02), (0.03, 1.2, 2.04))]
+        # cross_layer: the p90 excess cut by half at every coefficient, loss unchanged
+        runs += [framework_run("cross_layer", c, s, 1 + (p - 1) / 2 + 0.001 * s, l + 0.001 * s) for c, p, l in
+                 ((0.003, 1.4, 2.00), (0.01, 1.3, 2.02), (0.03, 1.2, 2.04))]
+        # global_exact at micro's balance of 0.01 (p90 1.3, where micro's loss is 2.02), 0.03 lower in loss
+        runs += [framework_run("global_exact", c, s, 1.3, 1.99 + 0.001 * s) for c in (0.003, 0.01, 0.03)]
+    stats = sweep_stats(runs, AUTOEP_METRICS)
+    verdicts, targets = framework_targets(stats, runs)
+    assert verdicts["cross_layer@0.01"]["vs_micro_same_coeff"]["p90_excess_cut"] == pytest.approx(0.5, abs=0.02)
+    assert verdicts["cross_layer@0.01"]["vs_micro_same_coeff"]["wins"] is True
+    assert verdicts["global_exact@0.01"]["vs_micro_at_equal_balance"]["micro_val_loss_at_this_balance"] == \
+        pytest.approx(2.022)
+    assert targets == {"cross_layer_beats_micro": True, "global_exact_beats_micro_at_equal_balance": True,
+                       "global_lagged_beats_micro_at_equal_balance": None}
+    # the global row no better than micro's curve at its balance: no win
+    worse = [dict(r, val_loss=2.03) if r["policy"] == "global_exact" else r for r in runs]
+    assert framework_targets(sweep_stats(worse, AUTOEP_METRICS), worse)[1]["global_exact_beats_micro_at_equal_balance"] \
+        is False
+    # a p90 outside micro's range cannot be read off its curve: no verdict for that point
+    outside = [dict(r, device_max_over_mean_p90=1.05) if r["policy"] == "global_exact" else r for r in runs]
+    v, t = framework_targets(sweep_stats(outside, AUTOEP_METRICS), outside)
+    assert v["global_exact@0.01"]["vs_micro_at_equal_balance"] == {"micro_val_loss_at_this_balance": None}
+    assert t["global_exact_beats_micro_at_equal_balance"] is None
+
+
+@pytest.mark.unit
+def test_a_saved_framework_sweep_is_re_judged_with_its_own_metrics(tmp_path, capsys):
+    runs = [framework_run(p, 0.01, s, 1.3 - (0.1 if p == "cross_layer" else 0) + 0.01 * s, 2.0) for p in
+            ("micro", "cross_layer") for s in (1, 2)]
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"benchmark": "train_sweep", "framework": "autoep", "runs": runs}))
+    assert eb_main(["bench", "train", "--sweep", "--from", str(saved), "--out", str(tmp_path / "out"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {r["policy"] for r in result["rows"]} == {"micro", "cross_layer"} and "specialisation_tv" in result["rows"][0]
+    assert result["against"]["cross_layer@0.01"]["vs_micro_same_coeff"]["p90_excess_cut"] == pytest.approx(
+        1 - 0.215 / 0.315, abs=1e-3)                               # of the excess over balance: 0.315 -> 0.215
+    assert (tmp_path / "out" / "pareto_autoep.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.slow
+def test_the_quick_autoep_sweep_trains_under_the_real_launcher_and_measures_specialisation(tmp_path, capsys):
+    assert eb_main(["bench", "train", "--sweep", "--framework", "autoep", "--quick", "--policies", "micro",
+                    "global_exact", "--json", "--out", str(tmp_path)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["framework"] == "autoep" and result["steps"] == 8 and len(result["runs"]) == 4
+    for run in result["runs"]:
+        assert 0 < run["specialisation_tv"] <= 1 and len(run["specialisation_tv_per_layer"]) == 4
+        assert run["device_max_over_mean_p90"] >= 1 and run["val_loss"] > 0
+    micro = [r for r in result["runs"] if r["policy"] == "micro"]
+    assert micro[0]["val_loss"] != micro[1]["val_loss"]                      # the seed reaches data and model
+    assert "global_exact_beats_micro_at_equal_balance" in result["targets"]
+    assert (tmp_path / "pareto_autoep.png").read_bytes()[:8] == PNG_MAGIC
