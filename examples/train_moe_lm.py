@@ -41,6 +41,8 @@ def parse_args(argv=None):
                    help="top-k of every MoE layer, or a comma list repeated over the layers (1,2: top-1 and top-2 "
                         "layers alternate, so layers route with different skew)")
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
+    p.add_argument("--grad-accum", type=int, default=None, help="override gradient_accumulation_steps")
     p.add_argument("--capacity-factor", type=float, default=1.0)
     p.add_argument("--coeff", type=float, default=0.01, help="aux-loss coefficient (summed over layers)")
     p.add_argument("--aux-policy", choices=list(POLICIES), default=None,
@@ -130,6 +132,10 @@ def main(argv=None):
 
     with open(args.deepspeed_config, encoding="utf-8") as f:
         ds_config = json.load(f)
+    for key, value in (("train_micro_batch_size_per_gpu", args.micro_batch),
+                       ("gradient_accumulation_steps", args.grad_accum)):
+        if value is not None:
+            ds_config[key] = value
     block = ds_config.setdefault("easybalance", {})
     block.setdefault("log", {})["dir"] = os.path.join(args.run_dir, "balance")
     if args.mode is not None:
@@ -243,6 +249,8 @@ def main(argv=None):
         tail = history[len(history) // 2:]  # the second half of this run's steps
         summary = {"steps": args.steps, "world_size": world, "seconds": round(elapsed, 2),
                    "seconds_per_step": sum(step_times[2:]) / max(1, len(step_times[2:])),
+                   "tokens_per_s": micro_batch * accum * args.seq_len * world * max(1, len(step_times[2:]))
+                   / max(1e-9, sum(step_times[2:])),
                    "final": history[-1] if history else None,
                    "train_second_half": {key: _mean_of(r.get(key) for r in tail) for key in
                                          ("lm_loss", "token_drop_rate", "device_max_over_mean_p90",

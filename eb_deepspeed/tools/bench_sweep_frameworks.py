@@ -1,5 +1,5 @@
-"""`eb bench train --sweep --framework autoep|megatron`: training controls on an HF Mixtral under DeepSpeed's
-AutoEP, and on the Megatron-Core example.
+"""`eb bench train --sweep --framework autoep|megatron|deepspeed --scopes`: training controls on an HF Mixtral
+under DeepSpeed's AutoEP, on the Megatron-Core example, and (the batch scopes) on the DeepSpeed-MoE example.
 
 AutoEP: every run is `examples/train_hf_moe.py` (4 layers, 8 experts, top-2, dropless) under the real `deepspeed`
 launcher with 2 CPU ranks on the stdlib's sources, micro-batch 2 x 2 accumulation steps per rank (the
@@ -24,6 +24,10 @@ easybalance's `batch_scope` is refused there), the policies on top; same rows wh
 
     eb bench train --sweep --framework autoep --json > docs/bench_train_sweep_autoep.json    # ~80 min here
     eb bench train --sweep --framework megatron --json > docs/bench_train_sweep_megatron.json
+    eb bench train --sweep --framework deepspeed --scopes --json > docs/bench_train_sweep_scopes.json
+
+DeepSpeed-MoE (`--scopes`; the policies' own sweep is `eb bench train --sweep`): the example LM, 8 layers, top-1
+and top-2 alternating, micro-batch 4 x 2 accumulation steps, the batch scopes of DeepSpeed's `l_aux`.
     eb bench train --sweep --framework autoep --quick                                        # the tests' size
     eb bench train --sweep --framework autoep --from docs/bench_train_sweep_autoep.json     # re-judge only
 """
@@ -37,8 +41,8 @@ import time
 from .bench import _repo_root
 from .bench_sweep import _code_hash, _launch, _rounded, sweep_stats
 
-__all__ = ["AUTOEP_ROWS", "AUTOEP_METRICS", "MEGATRON_ROWS", "MEGATRON_METRICS", "bench_train_sweep_framework",
-           "summarize_sweep_framework"]
+__all__ = ["AUTOEP_ROWS", "AUTOEP_METRICS", "MEGATRON_ROWS", "DEEPSPEED_ROWS", "DROPPING_METRICS", "FRAMEWORKS",
+           "bench_train_sweep_framework", "summarize_sweep_framework"]
 
 # row -> (example arguments at coefficient c, which coefficients: "all" of the sweep's, "one" (the middle), "none")
 AUTOEP_ROWS = {
@@ -73,12 +77,20 @@ MEGATRON_ROWS = {
     "bias": (lambda c: ["--aux-policy", "bias", "--coeff", str(c)], "one"),
     "bias_cross_layer": (lambda c: ["--aux-policy", "bias_cross_layer", "--coeff", str(c)], "one"),
 }
-MEGATRON_METRICS = {
+DROPPING_METRICS = {
     "val_loss": ("final", "validation loss at the end (held-out stdlib sources)"),
     "lm_loss": ("train_second_half", "training LM loss, second half of the run"),
     "token_drop_rate": ("train_second_half", "training token drop rate, second half (capacity factor 1)"),
     "device_max_over_mean_p90": ("train_second_half", "p90 over layers of device max/mean, second half"),
     "tokens_per_s": (None, "training tokens/s (every rank; noisy on a shared host)"),
+}
+DEEPSPEED_ROWS = {
+    "micro": (lambda c: ["--aux-policy", "fixed", "--coeff", str(c)], "all"),
+    "global_exact": (lambda c: ["--aux-policy", "fixed", "--batch-scope", "global_exact", "--coeff", str(c)], "all"),
+    "global_lagged": (lambda c: ["--aux-policy", "fixed", "--batch-scope", "global_lagged", "--coeff", str(c)], "one"),
+    "sequence": (lambda c: ["--aux-policy", "fixed", "--batch-scope", "sequence", "--coeff", str(c)], "one"),
+    "cross_layer": (lambda c: ["--aux-policy", "cross_layer", "--coeff", str(c)], "all"),
+    "bias_cross_layer": (lambda c: ["--aux-policy", "bias_cross_layer", "--coeff", str(c)], "one"),
 }
 # framework -> its example, config (and the flag that takes it), arguments of every run, rows, metrics
 FRAMEWORKS = {
@@ -88,8 +100,16 @@ FRAMEWORKS = {
                                               "2" if quick else "8"],
                    shape=dict(model="HF Mixtral, 4 layers, 8 experts, top-2, hidden 64, ffn 128 (examples/hf_moe.py)",
                               micro_batch=2, gradient_accumulation_steps=2, seq_len=64)),
+    "deepspeed": dict(script=os.path.join("examples", "train_moe_lm.py"), config="train_cpu_2rank.json",
+                      config_flag="--deepspeed_config", rows=DEEPSPEED_ROWS, metrics=DROPPING_METRICS,
+                      args=lambda steps, quick: ["--eval-every", str(steps), "--eval-batches", "2" if quick else "8",
+                                                 "--layers", "8", "--k", "1,2", "--micro-batch", "4", "--grad-accum",
+                                                 "2", "--seq-len", "64"],
+                      shape=dict(model="the example byte-level LM, 8 DeepSpeed-MoE layers, top-1 and top-2 "
+                                 "alternating, capacity factor 1 (examples/train_moe_lm.py)", micro_batch=4,
+                                 gradient_accumulation_steps=2, seq_len=64)),
     "megatron": dict(script=os.path.join("examples", "megatron_train_moe.py"), config="megatron_cpu.json",
-                     config_flag="--config", rows=MEGATRON_ROWS, metrics=MEGATRON_METRICS,
+                     config_flag="--config", rows=MEGATRON_ROWS, metrics=DROPPING_METRICS,
                      args=lambda steps, quick: ["--eval-every", str(steps), "--eval-batches", "2" if quick else "8",
                                                 "--micro-batch", "4", "--seq-len", "64"],
                      shape=dict(model="Megatron-Core GPT, 4 layers, 8 experts, top-2, hidden 64, capacity factor 1 "
@@ -247,7 +267,8 @@ def pareto_figure_framework(stats: list[dict], framework: str = "autoep"):
         ax.set_ylabel("validation loss (lower is better)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="x-small")
-    name = "HF Mixtral under AutoEP" if framework == "autoep" else "Megatron-Core GPT"
+    name = {"autoep": "HF Mixtral under AutoEP", "megatron": "Megatron-Core GPT",
+            "deepspeed": "DeepSpeed-MoE example (batch scopes)"}[framework]
     fig.suptitle(f"{name}: mean over seeds, bars = seed std; labels = coefficient")
     fig.tight_layout()
     return fig

@@ -5,6 +5,8 @@
     eb bench gate [--json]            CrossLayerGate vs DeepSpeed's TopKGate overhead
     eb bench train [--json] [--framework megatron|autoep]   aux policies side by side on the example model (2 CPU ranks)
     eb bench train --sweep [--quick]  policies x coefficients x seeds, mean +- std, Pareto plot
+    eb bench train --sweep --framework autoep|megatron   (or --scopes on the DeepSpeed example): the training
+                                      controls incl. the balance loss's batch scopes, paired by seed, Pareto plot
     eb bench noise --run DIR          persistent skew vs step noise of a run's view: the cross_layer gain rule
     eb bench plan [--json]            planner time (61 x 256 x 64, both dispatch models) and steering vs an MoE layer
     eb bench optimum [--json]         planner vs a brute-force optimum on tiny inputs (30 loads x 7 shapes)
@@ -53,7 +55,7 @@ def _bench(args) -> int:
                 or not all(isinstance(run, dict) for run in saved["runs"]):
             raise ValueError(f"{args.from_json}: not a saved sweep result (expected an object whose \"runs\" is a "
                              "list of objects: what `eb bench train --sweep --json` prints)")
-        if saved.get("framework") in ("autoep", "megatron"):
+        if saved.get("framework") in ("autoep", "megatron", "deepspeed"):
             from .bench_sweep_frameworks import format_sweep_table_framework, summarize_sweep_framework
             result = summarize_sweep_framework(saved, args.out if args.out != "runs/bench_train" else
                                                f"runs/bench_sweep_{saved['framework']}")
@@ -64,7 +66,7 @@ def _bench(args) -> int:
         if args.json:
             print(json.dumps(result, indent=2))
         return 0
-    if args.what == "train" and args.sweep and args.framework in ("autoep", "megatron"):
+    if args.what == "train" and args.sweep and (args.framework in ("autoep", "megatron") or args.scopes):
         from .bench_sweep_frameworks import bench_train_sweep_framework, format_sweep_table_framework
         result = bench_train_sweep_framework(args.framework, quick=args.quick, progress=True,
                                              out_dir=args.out if args.out != "runs/bench_train" else None,
@@ -329,6 +331,9 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", action="store_true",
                    help="policies x coefficients x seeds with a Pareto plot (~45 min; docs/benchmarks.md)")
     p.add_argument("--quick", action="store_true", help="--sweep: the small version the tests run")
+    p.add_argument("--scopes", action="store_true",
+                   help="--sweep on the DeepSpeed example: the batch scopes of its l_aux (micro, global_exact, "
+                        "global_lagged, sequence) with cross_layer and the default, as --framework autoep/megatron")
     p.add_argument("--coeffs", type=float, nargs="+", default=None, help="--sweep: aux coefficients")
     p.add_argument("--sweep-seeds", type=counting, default=None, help="--sweep (and --framework autoep, 3): seeds 1..N")
     p.add_argument("--from", dest="from_json", default=None,
@@ -413,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.layers = args.steps or 200, args.layers or 4
         sweep_only = [flag for flag, value in (("--quick", args.quick), ("--coeffs", args.coeffs),
                                                 ("--from", args.from_json), ("--policies", args.policies),
+                                                ("--scopes", args.scopes),
                                                 ("--sweep-seeds", args.sweep_seeds and args.framework != "autoep"))
                       if value]
         if sweep_only and not args.sweep:
