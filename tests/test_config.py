@@ -94,8 +94,11 @@ def test_each_bad_config_names_its_json_path_and_the_valid_values(block, message
         EasyBalanceConfig.from_ds_config({"easybalance": block})
 
 
-def test_config_error_is_a_value_error():
-    assert issubclass(ConfigError, ValueError)
+def test_a_config_error_is_caught_where_value_errors_are_with_its_path():
+    # a launcher's `except ValueError` (and the eb CLI's) sees it, message and all
+    with pytest.raises(ValueError, match=r"^easybalance\.mode \('watch'\) must be one of: observe, balance") as info:
+        EasyBalanceConfig.from_ds_config({"easybalance": {"mode": "watch"}})
+    assert type(info.value) is ConfigError
 
 
 @pytest.mark.parametrize("block, context, ignored", [

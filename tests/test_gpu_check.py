@@ -24,7 +24,12 @@ def test_the_gpu_check_runs_on_cpu_and_writes_one_json_with_its_targets(tmp_path
     assert result["device"] == "cpu" and result["quick"]
     assert set(result["targets"]) == {"gate_ratio_le_1.05", "steering_ratio_le_0.02", "bf16_parity"}
     assert result["bf16"]["same_routes"] and result["bf16"]["same_gate_values"]   # bf16 parity holds on CPU too
-    assert result["gate"]["ratio"] > 0 and result["steering"]["ratio"] > 0
+    # each ratio is the one its own timings give (the gate: the geometric mean of its rows')
+    for row in result["gate"]["rows"]:
+        assert row["ratio"] == pytest.approx(row["easybalance_ms"] / row["deepspeed_ms"], rel=0.01)
+    steering = result["steering"]
+    assert steering["ratio"] == pytest.approx(steering["median_ms"] / steering["moe_layer_forward_ms"], rel=0.01)
+    assert result["targets"]["steering_ratio_le_0.02"] == (steering["ratio"] <= 0.02)
     with open(out) as f:
         assert json.load(f) == result
 

@@ -68,7 +68,8 @@ def test_the_main_job_trains_logs_plots_checkpoints_and_resumes(tmp_path):
     assert summary["world_size"] == 2 and summary["steps"] == 10
     assert summary["balance"]["token_drop_rate"] == last["token_drop_rate"]
     assert summary["final"]["val_loss"] < 5.545  # below a uniform guess over 256 bytes (ln 256)
-    assert summary["final"]["val_max_vio"] >= 0 and 0 <= summary["final"]["val_token_drop_rate"] < 1
+    # MaxVio = expert max/mean - 1: above 0 unless every expert got exactly its share, below E - 1 = 7
+    assert 0 < summary["final"]["val_max_vio"] < 7 and 0 <= summary["final"]["val_token_drop_rate"] < 1
     for path in summary["plots"]:
         with open(path, "rb") as f:
             assert f.read(8) == PNG_MAGIC, path
@@ -136,7 +137,7 @@ def test_the_pr_moe_variant_of_the_example_trains_and_its_curves_render_with_eb_
     assert len(last["expert_max_over_mean"]) == 4 and all(v >= 1.0 for v in last["expert_max_over_mean"])
     assert len(last["pressure_LG"]) == 4 and all(len(row) == 2 for row in last["pressure_LG"])
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["final"]["val_max_vio"] >= 0 and summary["balance"]["ready"]
+    assert 0 < summary["final"]["val_max_vio"] < 7 and summary["balance"]["ready"]       # 8 experts at most
     proc = subprocess.run([sys.executable, "-m", "eb_deepspeed.tools.cli", "report", str(run / "balance")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

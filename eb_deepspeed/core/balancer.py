@@ -138,7 +138,7 @@ class Balancer:
     train_controls: run the `aux` policy in `balance` mode (False when serving: there is no loss to weigh).
     """
 
-    def __init__(self, config: EasyBalanceConfig, gates: Sequence[BalancedGate], num_devices: int, *,
+    def __init__(self, config: EasyBalanceConfig, gates: Sequence[BalancedGate], num_devices: int | Sequence[int], *,
                  reduce: Optional[Callable[[torch.Tensor], Any]] = None, layers: Optional[Sequence[int]] = None,
                  num_layers: Optional[int] = None, rank_to_node: Optional[Sequence[int]] = None,
                  expert_to_device_E: Optional[torch.Tensor] = None, logger: Optional[BalanceLogger] = None,

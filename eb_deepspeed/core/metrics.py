@@ -1,4 +1,4 @@
-"""Imbalance metrics with pinned definitions (DESIGN.md, "Pinned metric definitions").
+"""Imbalance metrics with pinned definitions (docs/design.md, "Metric definitions").
 
 Shape legend: L layers, X any load axis (G devices or E experts), G EP ranks, E experts.
 

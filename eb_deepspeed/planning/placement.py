@@ -12,9 +12,10 @@ P physical slots per layer (G * S; slot p lives on device p // S), R max replica
     plan = plan_placement(load_LE, 8, 5, num_nodes=2, dispatch="uniform")   # for an even split (SGLang, vLLM)
 
 `plan_placement` is the one entry point; its steps are functions of their own. `dispatch` says how
-the serving runtime splits an expert's tokens over its replicas: "uniform" (evenly: vLLM, SGLang,
-DeepSeek's EPLB, DeepSpeed's padded MOELayer with our `view` split) or "steered" (freely, by
-`steering.steer`; the default).
+the serving runtime splits an expert's tokens over its replicas, one of three models: "uniform" (evenly:
+vLLM, SGLang, DeepSeek's EPLB, AutoEP's dropless layer with our `view` split), "padded" (evenly, and
+every slot padded to the largest: DeepSpeed's MOELayer; the replica counts stay fixed) or "steered"
+(freely, by `steering.steer`; the default).
 
 1u. `uniform.uniform_counts` / `uniform.count_variants`: replica counts that minimise the largest
     share (D'Hondt), and a few neighbours on small inputs; with `slot_budget`, `replica_counts`.
