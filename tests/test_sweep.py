@@ -219,14 +219,14 @@ def test_a_saved_framework_sweep_is_re_judged_with_its_own_metrics(tmp_path, cap
 
 @pytest.mark.slow
 def test_the_quick_autoep_sweep_trains_under_the_real_launcher_and_measures_specialisation(tmp_path, capsys):
-    assert eb_main(["bench", "train", "--sweep", "--framework", "autoep", "--quick", "--policies", "micro",
-                    "global_exact", "--json", "--out", str(tmp_path)]) == 0
+    assert eb_main(["bench", "train", "--sweep", "--framework", "autoep", "--quick", "--policies", "global_exact",
+                    "--json", "--out", str(tmp_path)]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["framework"] == "autoep" and result["steps"] == 8 and len(result["runs"]) == 4
+    assert result["framework"] == "autoep" and result["steps"] == 8 and len(result["runs"]) == 2
     for run in result["runs"]:
         assert 0 < run["specialisation_tv"] <= 1 and len(run["specialisation_tv_per_layer"]) == 4
         assert run["device_max_over_mean_p90"] >= 1 and run["val_loss"] > 0
-    micro = [r for r in result["runs"] if r["policy"] == "micro"]
-    assert micro[0]["val_loss"] != micro[1]["val_loss"]                      # the seed reaches data and model
-    assert "global_exact_beats_micro_at_equal_balance" in result["targets"]
+    seed1, seed2 = result["runs"]
+    assert seed1["val_loss"] != seed2["val_loss"]                            # the seed reaches data and model
+    assert result["targets"]["global_exact_beats_micro_at_equal_balance"] is None     # no micro row to compare
     assert (tmp_path / "pareto_autoep.png").read_bytes()[:8] == PNG_MAGIC
