@@ -38,3 +38,35 @@ def test_sourcing_the_setup_leaves_the_callers_shell_options_as_they_were():
     proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-2:] == ["same-options", "still here: cpu"]
+
+
+def test_an_installed_package_runs_eb_bench_gate_outside_a_checkout_and_names_what_needs_one(tmp_path):
+    """`pip install .` (here into a target folder; its dependencies are this venv's), then `eb` from another
+    directory: the benchmarks of the package's own parts run; those that launch the repository's examples say
+    so in one line."""
+    import json
+    import shutil
+    import sys
+    source, target, elsewhere = tmp_path / "source", tmp_path / "site", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    source.mkdir()                       # a copy: the build writes its build/ and egg-info next to setup.py
+    for name in ("setup.py", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), source / name)
+    shutil.copytree(os.path.join(ROOT, "eb_deepspeed"), source / "eb_deepspeed",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                           "--target", str(target), str(source)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = dict(os.environ, PYTHONPATH=str(target), DS_ACCELERATOR="cpu")
+    eb = [sys.executable, str(target / "bin" / "eb")]
+    gate = subprocess.run(eb + ["bench", "gate", "--json", "--repeats", "3", "--tokens", "256", "--hidden", "64",
+                                "--experts", "8"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+    assert gate.returncode == 0, gate.stderr[-3000:]
+    result = json.loads(gate.stdout)
+    assert result["benchmark"] == "gate" and [r["experts"] for r in result["rows"]] == [8]
+    where = subprocess.run([sys.executable, "-c", "import eb_deepspeed; print(eb_deepspeed.__file__)"], cwd=elsewhere,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert where.stdout.strip().startswith(str(target)), where.stdout
+    train = subprocess.run(eb + ["bench", "train", "--steps", "2"], cwd=elsewhere, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert train.returncode == 2 and "needs the repository's examples/" in train.stderr, train.stderr[-2000:]
