@@ -28,7 +28,7 @@ def check_properties(plan, E, G, S):
             assert len(slots) == plan.logcnt[l, e]
             assert bool((plan.phy2log[l, slots] == e).all())
     # no device holds two replicas of one expert (slot s lives on device s // S)
-    holds = plan.holds()
+    holds = plan.holds_mask()
     assert bool((holds.sum(1) == plan.logcnt).all())
 
 
@@ -55,7 +55,7 @@ def test_the_planner_is_within_5_percent_of_the_brute_force_optimum_on_tiny_inpu
     # how placements are used; every legal filling of the G * S slots is enumerated
     load = skewed(1, E, seed)
     plan = plan_placement(load, G, S)
-    ours = steered_max_load(plan.holds()[0].tolist(), load[0].tolist())
+    ours = steered_max_load(plan.holds_mask()[0].tolist(), load[0].tolist())
     best = brute_force_optimum(load[0].tolist(), G, S)
     assert ours <= 1.05 * best + 1e-9, (load.tolist(), ours, best)
     # the split the planner reports is the steered one: its slowest device is the exact value
@@ -69,9 +69,9 @@ def test_a_cold_expert_bridging_two_hot_devices_is_found():
     # cold expert 4 on both hot devices carries 0.5 + 0.5, so each holds 3.5 + 0.5 = 4.
     load = torch.tensor([[3.5, 3.5, 1.0, 3.0, 1.0]])
     greedy = plan_placement(load, 3, 2, refine_rounds=0)
-    assert steered_max_load(greedy.holds()[0].tolist(), load[0].tolist()) == pytest.approx(4.5)
+    assert steered_max_load(greedy.holds_mask()[0].tolist(), load[0].tolist()) == pytest.approx(4.5)
     plan = plan_placement(load, 3, 2)
-    assert steered_max_load(plan.holds()[0].tolist(), load[0].tolist()) == pytest.approx(4.0)
+    assert steered_max_load(plan.holds_mask()[0].tolist(), load[0].tolist()) == pytest.approx(4.0)
     check_properties(plan, 5, 3, 2)
 
 
@@ -95,7 +95,7 @@ def test_refining_never_ends_worse_than_the_greedy_plan_on_a_slow_to_settle_laye
                           0.00205684306461984]], dtype=torch.float64)
     greedy = plan_placement(load, 6, 2, num_nodes=2, refine_rounds=0)
     plan = plan_placement(load, 6, 2, num_nodes=2)
-    exact = lambda p: steered_max_load(p.holds()[0].tolist(), load[0].tolist())
+    exact = lambda p: steered_max_load(p.holds_mask()[0].tolist(), load[0].tolist())
     assert exact(plan) <= exact(greedy) + 1e-12
     assert exact(greedy) == pytest.approx(float(load.sum()) / 6)
 
@@ -106,7 +106,7 @@ def test_replanning_from_a_layout_with_fewer_slots_per_device_counts_its_moves()
     static = static_placement(2, 16, 4)
     plan = plan_placement(load, 4, 5, previous=static)
     check_properties(plan, 16, 4, 5)
-    assert plan.moves == int((plan.holds() & ~static.holds()).sum()) > 0
+    assert plan.moves == int((plan.holds_mask() & ~static.holds_mask()).sum()) > 0
 
 
 @pytest.mark.parametrize("L, E, G, S, nodes, budget, seed", [(6, 16, 8, 3, 2, None, 7), (5, 32, 8, 5, 2, 5 * 32 + 40, 2),
@@ -146,7 +146,7 @@ def test_the_steered_split_matches_the_exact_optimum_and_keeps_every_token():
         per_expert = np.bincount(plan.phy2log[0].numpy(), weights=x[0], minlength=6)
         assert np.allclose(per_expert, load[0].double().numpy())
         assert bool((x >= 0).all())
-        exact = steered_max_load(plan.holds()[0].tolist(), load[0].tolist())
+        exact = steered_max_load(plan.holds_mask()[0].tolist(), load[0].tolist())
         assert x.reshape(3, 3).sum(1).max() == pytest.approx(exact, rel=1e-4)
 
 
@@ -179,7 +179,7 @@ def test_replanning_from_previous_moves_few_weights_for_the_same_balance():
     drifted = load * (1 + 0.1 * torch.rand(L, E, generator=torch.Generator().manual_seed(3)))
     sticky = plan_placement(drifted, G, S, num_nodes=2, previous=first)
     fresh = plan_placement(drifted, G, S, num_nodes=2)
-    fresh_moves = int((fresh.holds() & ~first.holds()).sum())
+    fresh_moves = int((fresh.holds_mask() & ~first.holds_mask()).sum())
     assert sticky.moves < 0.5 * fresh_moves
     bal = lambda p: float((p.device_load_LG.mean(1) / p.device_load_LG.amax(1)).mean())
     assert bal(sticky) >= bal(fresh) - 0.02

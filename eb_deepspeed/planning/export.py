@@ -68,7 +68,7 @@ def read_placement_json(path: str) -> Placement:
     if "num_layers" in doc and _count(doc, "num_layers", path) != phy.shape[0]:
         raise ValueError(f"{path}: num_layers ({doc['num_layers']}) must match the {phy.shape[0]} rows of phy2log")
     plan = index_maps(phy, E, G, S)
-    if not bool((plan.logcnt >= 1).all()) or not bool((plan.holds().sum(1) == plan.logcnt).all()):
+    if not bool((plan.logcnt >= 1).all()) or not bool((plan.holds_mask().sum(1) == plan.logcnt).all()):
         raise ValueError(f"{path}: phy2log leaves an expert without a replica or puts two on one device")
     for key, derived in (("logcnt", plan.logcnt), ("log2phy", plan.log2phy)):   # compared as JSON: 1 is not true
         if key in doc and json.dumps(doc[key]) != json.dumps(derived.tolist()):

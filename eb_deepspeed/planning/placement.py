@@ -94,7 +94,7 @@ class Placement:
     def num_experts(self) -> int:
         return self.logcnt.shape[1]
 
-    def holds(self) -> torch.Tensor:
+    def holds_mask(self) -> torch.Tensor:
         """holds_LGE [L, G, E] bool: device g holds a replica of expert e. Dense, L x G x E: for small plans
         and tests (the planner counts replicas with `slots.SlotCounts`)."""
         return torch.from_numpy(holds_mask(self.phy2log.numpy(), self.slots_per_device, self.num_experts))

@@ -150,7 +150,7 @@ def simulate(workload: Workload, strategy: str, cfg: SimConfig | None = None, pr
                 new = _greedy_eplb(view.heat_LE, G, S)
             # weight copies: replicas on a device that did not hold that expert; the first plan (from
             # DeepSpeed's static layout, no `previous` to keep) is counted apart from the re-plans
-            copies = int((new.holds() & ~placement.holds()).sum())
+            copies = int((new.holds_mask() & ~placement.holds_mask()).sum())
             moves += copies
             if placement is not static:
                 replan_moves += copies

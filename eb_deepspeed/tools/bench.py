@@ -65,7 +65,7 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
         dev_gate = CrossLayerGate.from_topk_gate(ds_gate, layer_index=1).train()
         dev_gate.set_device_loss(1.0, torch.arange(num_experts) // max(1, num_experts // 8))   # 8 EP ranks
         tally_gate = CrossLayerGate.from_topk_gate(ds_gate, layer_index=2).train()
-        tally_gate.tally_devices(8, torch.arange(num_experts) // max(1, num_experts // 8))
+        tally_gate.enable_device_tally(8, torch.arange(num_experts) // max(1, num_experts // 8))
         x_TM = torch.randn(tokens, hidden, device=device, requires_grad=True)
         times = {"deepspeed": [], "easybalance": [], "device_loss": [], "device_tally": []}
         for rep in range(warmup + repeats):
@@ -424,7 +424,7 @@ def bench_optimum(seeds: int = 30, shapes=OPTIMUM_SHAPES) -> dict[str, object]:
             best = brute_force_optimum(load[0].tolist(), G, S)
             for name, rounds in (("refined", None), ("greedy_only", 0)):
                 plan = plan_placement(load, G, S, refine_rounds=rounds)
-                ratios[name].append(steered_max_load(plan.holds()[0].tolist(), load[0].tolist()) / best)
+                ratios[name].append(steered_max_load(plan.holds_mask()[0].tolist(), load[0].tolist()) / best)
         rows.append({"experts": E, "devices": G, "slots": S, "seeds": seeds,
                      **{f"{name}_worst": round(max(r), 4) for name, r in ratios.items()},
                      **{f"{name}_over_5pct": sum(x > 1.05 + 1e-9 for x in r) for name, r in ratios.items()}})

@@ -170,7 +170,7 @@ def attach(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> Ba
     copies = layout["copy_devices"]
     if copies is not None:          # EP groups of different sizes: each gate tallies the view device of its routes
         for gate, device_E in zip(gates, copies):
-            gate.tally_devices(max(layout["devices"]), device_E)
+            gate.enable_device_tally(max(layout["devices"]), device_E)
     balancer = Balancer(config, gates, layout["devices"], reduce=reduce_for(engine), layers=layout["layers"],
                         num_layers=layout["num_layers"], num_experts=layout["experts"],
                         rank_to_node=layout["rank_to_node"], device_tally=copies is not None,

@@ -134,7 +134,7 @@ class CrossLayerGate(TopKGate):
     def set_aux_weight(self, weight: float) -> None:
         self.aux_weight = float(weight)
 
-    def tally_devices(self, num_devices: int, route_device_E: torch.Tensor) -> None:
+    def enable_device_tally(self, num_devices: int, route_device_E: torch.Tensor) -> None:
         """Also tally kept routes per view device (`Tally.device_LG`): expert e's routes from this rank land
         on view device route_device_E[e] (a layer whose EP group is smaller than the view's). Call before
         the first forward; routes tallied so far are dropped."""

@@ -185,7 +185,7 @@ class ReplicaGate(CrossLayerGate):
         l_aux, capacity, _, expert_KT, _, _, counts_E = out
         self._capacity_value = capacity
         if not self.home_layout:     # a prefix: expert e's routes go to its one slot
-            slot_E = self._on(expert_KT.device).log2phy_ER[:, 0]
+            slot_E = self._table_on(expert_KT.device).log2phy_ER[:, 0]
             slot_KT = torch.where(expert_KT >= 0, slot_E[expert_KT.clamp_min(0).long()], -1).to(expert_KT.dtype)
             out = out[:3] + (slot_KT, ) + out[4:]
         if self.recording:     # one slot each and no drops: kept = routed, every route of expert e on its slot's rank
@@ -224,7 +224,7 @@ class ReplicaGate(CrossLayerGate):
         """n_ER [E, R]: this rank's routes per replica; slot_load_GP [G, P]: every rank's routes per slot
         (exact split), or None (view split: each rank knows only its own)."""
         if self.split == "view":
-            return _split_by_fraction(counts_E, self._on(counts_E.device).fraction_ER), None
+            return _split_by_fraction(counts_E, self._table_on(counts_E.device).fraction_ER), None
         return steered_split(counts_E, self.table, self.S, self.G, self.rank, self.ep_group, self.node_G,
                              self.pressure_G, self.steer_options)
 
@@ -234,7 +234,7 @@ class ReplicaGate(CrossLayerGate):
         if slot_load_GP is not None:          # exact split: every rank's routes are known here
             most, tokens = int(slot_load_GP.max()), int(slot_load_GP.sum(1).max()) // self.k
         else:                                 # view split: one all-reduce, as DeepSpeed's own capacity
-            log2phy_ER = self._on(n_ER.device).log2phy_ER
+            log2phy_ER = self._table_on(n_ER.device).log2phy_ER
             mine = torch.zeros(self.P + 1, dtype=torch.long, device=n_ER.device)
             mine.index_add_(0, torch.where(log2phy_ER >= 0, log2phy_ER, self.P).reshape(-1), n_ER.reshape(-1))
             agreed = torch.stack([mine[:self.P].max(), mine.new_full((), T)])
@@ -256,7 +256,7 @@ class ReplicaGate(CrossLayerGate):
         e_KT = expert_KT.clamp_min(0)
         replica_KT = (position_KT[..., None] >= ends_ER[e_KT]).sum(-1).clamp_max(ends_ER.shape[1] - 1)
         start_KT = (ends_ER - n_ER.to(ends_ER.device))[e_KT, replica_KT]
-        slot_KT = self._on(expert_KT.device).log2phy_ER[e_KT, replica_KT]
+        slot_KT = self._table_on(expert_KT.device).log2phy_ER[e_KT, replica_KT]
         location_KT = position_KT - start_KT
         kept_KT = (expert_KT >= 0) & (slot_KT >= 0) & (location_KT < capacity)
         slot_KT = torch.where(kept_KT, slot_KT, -1)
@@ -270,7 +270,7 @@ class ReplicaGate(CrossLayerGate):
             gates_KT = torch.where(kept_KT.all(0, keepdim=True), gates_KT, kept_gates_KT)
         return slot_KT, location_KT, gates_KT
 
-    def _on(self, device) -> SlotTable:
+    def _table_on(self, device) -> SlotTable:
         """The table's tensors on `device`, copied once per table (no host-to-device copy per forward)."""
         if self._table_device is None or self._table_device[0] != device:
             self._table_device = (device, SlotTable(self.table.log2phy_ER.to(device), self.table.fraction_ER.to(device)))

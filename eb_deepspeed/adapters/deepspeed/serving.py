@@ -240,7 +240,7 @@ class Serving:
         """This rank's j-th expert module of a layer (the module behind local slot j)."""
         return self.moes[layer].deepspeed_moe.experts.deepspeed_experts[j]
 
-    def holds(self, plan: Placement, layer: int, rank: int, j: int) -> int:
+    def expert_in_slot(self, plan: Placement, layer: int, rank: int, j: int) -> int:
         """The logical expert in rank's local slot j under `plan` (-1: empty, or not a slot of the plan)."""
         S = plan.slots_per_device
         return int(plan.phy2log[layer, rank * S + j]) if j < S else -1
@@ -404,7 +404,7 @@ class Serving:
         for layer in range(self.L):
             for p in range(self.G * S_new):
                 e, rank, j = int(plan.phy2log[layer, p]), p // S_new, p % S_new
-                if e < 0 or self.holds(old, layer, rank, j) == e:
+                if e < 0 or self.expert_in_slot(old, layer, rank, j) == e:
                     continue
                 holders = [(q // S_old, q % S_old) for q in torch.nonzero(old.phy2log[layer] == e).flatten().tolist()]
                 local = [h for h in holders if h[0] == rank]
@@ -486,7 +486,7 @@ class Serving:
         """Load a DeepSpeed MoE checkpoint (a training engine's, or `save_checkpoint`'s): every local slot
         reads the file of the expert it holds, so replicas are filled without communication."""
         return load_moe_checkpoint(self.module, ckpt_dir, tag,
-                                   holds=lambda layer, j: self.holds(self.resident, layer, self.rank, j))
+                                   expert_in_slot=lambda layer, j: self.expert_in_slot(self.resident, layer, self.rank, j))
 
     def home_states(self) -> dict[tuple[int, int], torch.Tensor]:
         """{(layer, expert): its state as one vector} for the home experts of this rank (expert e's home is
@@ -592,12 +592,13 @@ def _transfer(ops: list) -> None:
         raise errors[0]
 
 
-def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[str] = None, holds=None) -> str:
+def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[str] = None,
+                        expert_in_slot=None) -> str:
     """Load DeepSpeed's MoE checkpoint layout into `module` on this rank: the non-expert weights from
     `mp_rank_00_model_states.pt`, and each local expert module j of MoE layer l from the file of the
     expert it holds, `layer_{l}_expert_{e}_mp_rank_00_model_states.pt` (read with weights_only=True).
 
-    holds(l, j) -> logical expert in local module j (-1: none); default DeepSpeed's layout, expert
+    expert_in_slot(l, j) -> logical expert in local module j (-1: none); default DeepSpeed's layout, expert
     EP-rank * local experts + j. Works for a plain DeepSpeed model whose layers have their EP groups.
     """
     problem = incomplete_problem(ckpt_dir, tag)
@@ -606,8 +607,8 @@ def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[st
     tag = _tag(ckpt_dir, tag)
     folder = os.path.join(ckpt_dir, tag)
     moes = find_moe_layers(module)
-    if holds is None:
-        def holds(layer, j):
+    if expert_in_slot is None:
+        def expert_in_slot(layer, j):
             moe = moes[layer][1]
             group = moe.deepspeed_moe.ep_group
             ep_rank = dist.get_rank(group) if dist_ready() and moe.ep_size > 1 else 0
@@ -618,7 +619,7 @@ def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[st
     for layer, (name, moe) in enumerate(moes):
         prefix = f"{name}{EXPERTS_PREFIX}"
         for j in range(len(moe.deepspeed_moe.experts.deepspeed_experts)):
-            e = holds(layer, j)
+            e = expert_in_slot(layer, j)
             if e < 0:
                 empty.add(f"{prefix}{j}.")
                 continue
