@@ -207,24 +207,23 @@ class EasyBalanceConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        inf = self.inference
-        return {
-            "enabled": self.enabled, "mode": self.mode, "ema_alpha": self.ema_alpha,
-            "window": "auto" if self.window is None else self.window, "warmup_batches": self.warmup_batches,
-            "seq_len_weighting": self.seq_len_weighting, "checkpoint": self.checkpoint,
-            "log": {"interval": self.log.interval, "dir": self.log.dir, "wandb": self.log.wandb,
-                    "max_mb": self.log.max_mb},
-            "aux": {"policy": self.aux.policy, "weight_range": list(self.aux.weight_range),
-                    "smoothing": self.aux.smoothing, "gain": self.aux.gain, "mean_one": self.aux.mean_one,
-                    "target": self.aux.target, "device_scale": self.aux.device_scale, "bias_rate": self.aux.bias_rate,
-                    "device_weight": self.aux.device_weight, "aux_scale": self.aux.aux_scale,
-                    "loss_coeff": self.aux.loss_coeff, "batch_scope": self.aux.batch_scope},
-            "inference": {"replica_slots": inf.replica_slots, "split": inf.split, "topology": inf.topology,
-                          "weights": {"intra": inf.weights.intra, "cross": inf.weights.cross, "comm": inf.weights.comm},
-                          "decision_batch": inf.decision_batch, "replan_threshold": inf.replan_threshold,
-                          "replan_interval": inf.replan_interval, "view_interval": inf.view_interval,
-                          "trial_batches": inf.trial_batches},
-        }
+        """The block as JSON (every key, defaults filled in; `window` None is "auto"): what `from_block` reads."""
+        out = _fields_dict(self)
+        out["window"] = "auto" if self.window is None else self.window
+        return out
+
+
+def _fields_dict(obj) -> dict[str, Any]:
+    """A config dataclass's fields as JSON values (nested dataclasses as objects, tuples as lists), without the
+    `explicit` bookkeeping."""
+    out = {}
+    for f in fields(obj):
+        if f.name == "explicit":
+            continue
+        value = getattr(obj, f.name)
+        out[f.name] = _fields_dict(value) if hasattr(value, "__dataclass_fields__") else \
+            list(value) if isinstance(value, tuple) else value
+    return out
 
 
 def strip_block(ds_config: Mapping[str, Any] | str | os.PathLike | None) -> dict[str, Any] | None:
