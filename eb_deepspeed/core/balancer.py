@@ -160,6 +160,8 @@ class Balancer:
         self.num_devices = max(devices)
         self.reduce = reduce
         self.train_controls = train_controls
+        # the aux policy acts: `balance` mode in training (observe, and serving, change no loss and no route)
+        self.controls_on = config.mode == "balance" and train_controls
         self.tally_devices = self.num_devices if device_tally else 0
         self.rank_to_node = list(rank_to_node or [0])
         # a step whose reduce runs in the background (`step_async`): its packed tally, and the reduce's work
@@ -185,7 +187,7 @@ class Balancer:
         self.apply_controls()
         self.global_shares: Optional[GlobalShares] = None
         scope = config.aux.batch_scope
-        if config.mode == "balance" and train_controls and scope != "micro":
+        if self.controls_on and scope != "micro":
             if scope.startswith("global"):
                 self.global_shares = GlobalShares(scope, [self.experts_L[i] for i in self.layers], reduce,
                                                   self.tally_device)
@@ -316,7 +318,7 @@ class Balancer:
     def _take_step(self, packed_LW: torch.Tensor) -> torch.Tensor:
         tally = Tally.unpack(packed_LW.cpu(), self.num_experts, self.tally_devices)
         valid_L = self.view.update(tally)
-        if self.config.mode == "balance" and self.train_controls and self.controller.update(self.view, valid_L):
+        if self.controls_on and self.controller.update(self.view, valid_L):
             self.apply_controls()
         if self.global_shares is not None:
             self.global_shares.after_view(self.view.last.routed_LE[self.layers], valid_L[self.layers])
@@ -352,7 +354,7 @@ class Balancer:
 
     def apply_controls(self) -> None:
         """Hand the controller's weights (and bias) to the local gates; observe mode touches nothing."""
-        if self.config.mode != "balance" or not self.train_controls:
+        if not self.controls_on:
             return
         for layer, gate in zip(self.layers, self.gates):
             gate.set_aux_weight(float(self.controller.weight_L[layer]))
@@ -366,13 +368,13 @@ class Balancer:
     # ------------------------------------------------------------------ reads
     def aux_weights(self) -> list[float]:
         """Per-layer aux weight in effect [L] (1.0 everywhere outside `balance` mode)."""
-        if self.config.mode != "balance" or not self.train_controls:
+        if not self.controls_on:
             return [1.0] * self.num_layers
         return [float(w) for w in self.controller.weight_L]
 
     def device_loss_weights(self) -> list[float]:
         """Per-layer weight of the device-level balance loss in effect [L] (0.0 where there is none)."""
-        if self.config.mode != "balance" or not self.train_controls:
+        if not self.controls_on:
             return [0.0] * self.num_layers
         return [float(w) for w in self.controller.device_loss_weights()]
 
@@ -399,7 +401,7 @@ class Balancer:
     def bias_spreads(self) -> list[float]:
         """Per-layer spread (max - min over experts) of the selection bias in effect [L]: how far the `bias`
         policies tilt routing (0.0 where there is no bias)."""
-        if self.config.mode != "balance" or not self.train_controls or not self.controller.uses_bias:
+        if not self.controls_on or not self.controller.uses_bias:
             return [0.0] * self.num_layers
         bias_LE, mask_LE = self.controller.bias_LE, self.view.mask_LE
         spread_L = torch.where(mask_LE, bias_LE, -math.inf).amax(1) - torch.where(mask_LE, bias_LE, math.inf).amin(1)
