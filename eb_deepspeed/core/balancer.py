@@ -136,6 +136,7 @@ class Balancer:
     device_tally: the gates also tally kept routes per EP rank (`Tally.device_LG`): gates of replicated
     experts, whose routes are not where `expert_to_device_E` says; the view's pressure then comes from it.
     train_controls: run the `aux` policy in `balance` mode (False when serving: there is no loss to weigh).
+    extra_metrics: an adapter's own numbers for each record (serving: re-plans, weight moves).
     """
 
     def __init__(self, config: EasyBalanceConfig, gates: Sequence[BalancedGate], num_devices: int | Sequence[int], *,
@@ -143,7 +144,8 @@ class Balancer:
                  num_layers: Optional[int] = None, rank_to_node: Optional[Sequence[int]] = None,
                  expert_to_device_E: Optional[torch.Tensor] = None, logger: Optional[BalanceLogger] = None,
                  tally_device: torch.device | str = "cpu", num_experts: Optional[int] = None,
-                 device_tally: bool = False, train_controls: bool = True):
+                 device_tally: bool = False, train_controls: bool = True,
+                 extra_metrics: Optional[Callable[[], dict]] = None):
         if not gates and num_experts is None:
             raise ValueError("easybalance is enabled but the model has no MoE layers")
         self.config = config
@@ -179,7 +181,7 @@ class Balancer:
         self.samples = 0                  # the adapter's sample count, for log steps
         self._nonfinite_warned_at: Optional[int] = None     # view step of the last non-finite warning
         self._nonfinite_steps, self._nonfinite_layers = 0, set()
-        self.extra_metrics: Optional[Callable[[], dict]] = None   # an adapter's own numbers for the record
+        self.extra_metrics = extra_metrics    # an adapter's own numbers for the record
         self._notes: dict[str, Optional[float]] = {}                # the user's scalars for the next record (`note`)
         self._nonfinite_notes: set[str] = set()                     # keys already warned about
         self._logged_step = 0
@@ -284,8 +286,12 @@ class Balancer:
         """The view as of the last step taken, without waiting for one in flight (`step_async`)."""
         return self._view
 
-    def step(self) -> torch.Tensor:
-        """Tally -> one reduce -> view -> control -> apply -> log. Returns valid_L [L] bool."""
+    def step(self, samples: Optional[int] = None) -> torch.Tensor:
+        """Tally -> one reduce -> view -> control -> apply -> log. Returns valid_L [L] bool.
+
+        samples: the adapter's sample count after this step (the log's x axis; None: the step count)."""
+        if samples is not None:
+            self.samples = int(samples)
         self.settle()
         packed_LW = self.gather_tally()
         if self.reduce is not None:

@@ -95,8 +95,7 @@ class StepHook:
             warnings.warn(f"easybalance: {missed} optimizer step(s) before step {step} did not reach the step hook "
                           "(an optimizer DeepSpeed steps outside the hooked one?); their routes count with this step")
         self.last_step, self.last_skipped, self.discarded_steps = step, skipped, 0
-        self.balancer.samples = int(self.engine.global_samples) + int(self.engine.train_batch_size())
-        self.balancer.step()
+        self.balancer.step(samples=int(self.engine.global_samples) + int(self.engine.train_batch_size()))
         self.open_step = None
 
     def before_forward(self, module, args) -> None:

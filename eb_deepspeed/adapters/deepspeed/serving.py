@@ -141,8 +141,8 @@ class Serving:
         if enabled:
             self.balancer = Balancer(config, self.gates, self.G, reduce=reduce_over(), device_tally=True,
                                      train_controls=False, rank_to_node=self.rank_to_node, tally_device=self.device,
-                                     logger=self._logger)
-            self.balancer.extra_metrics = lambda: {"replans": self.replans, "weight_moves": self.weight_moves}
+                                     logger=self._logger,
+                                     extra_metrics=lambda: {"replans": self.replans, "weight_moves": self.weight_moves})
 
     @property
     def S(self) -> int:
