@@ -78,6 +78,10 @@ class AutoEPRoutes:
         layer.router.gate.register_forward_hook(self._keep_logits)
         layer.router.register_forward_hook(self._route)
 
+    def set_pressure(self, pressure_G: Optional[torch.Tensor]) -> None:
+        """The view's cross-layer pressure of this layer [G] for exact steering (None: none yet)."""
+        self.pressure_G = pressure_G
+
     def set_table(self, table: SlotTable, slots_per_device: int) -> None:
         """Serve a placement from the next forward on (slots per rank may change with it)."""
         self.table, self.S = table, int(slots_per_device)

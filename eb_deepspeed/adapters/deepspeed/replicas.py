@@ -103,6 +103,10 @@ class ReplicaGate(CrossLayerGate):
         self.tally = TallyRecorder(num_experts, self.G)
         self._capacity_value = 0    # the capacity the EP group agreed on for the last batch (`last_capacity`)
 
+    def set_pressure(self, pressure_G: Optional[torch.Tensor]) -> None:
+        """The view's cross-layer pressure of this layer [G] for exact steering (None: none yet)."""
+        self.pressure_G = pressure_G
+
     def set_table(self, table: SlotTable, slots_per_device: int) -> None:
         """Serve a new placement from the next forward on (slots per rank may change with it)."""
         self.table, self.S = table, int(slots_per_device)

@@ -275,7 +275,7 @@ class Serving:
         view = self.balancer.view_so_far
         cross_LG = view.cross_layer_pressure() if view.steps else None
         for layer, gate in enumerate(self.gates):
-            gate.pressure_G = None if cross_LG is None else cross_LG[layer]
+            gate.set_pressure(None if cross_LG is None else cross_LG[layer])
         if self.R and self._trial is None:
             self.maybe_replan()
 
