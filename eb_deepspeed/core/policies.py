@@ -29,8 +29,8 @@ import torch
 
 from .tally import tensor_problem
 
-__all__ = ["POLICIES", "AuxPolicy", "device_balance_loss", "device_scores", "integral_weights", "clip_mean_one", "bias_update",
-           "AuxController"]
+__all__ = ["POLICIES", "AuxPolicy", "device_balance_loss", "device_scores", "integral_weights", "clip_mean_one",
+           "bias_update", "AuxController"]
 
 _ERROR_CLIP = 1.0   # one step moves a log-weight by at most gain x this (a single outlier step cannot jump it)
 
@@ -168,7 +168,7 @@ def conform_aux(ctl: "AuxController", weight: float, from_aux_scale: bool) -> li
     """Every layer's l_aux weight set to what the policy defines (after a resume); what that changed."""
     if bool((ctl.weight_L == weight).all()):
         return []
-    ctl.weight_L = torch.full_like(ctl.weight_L, float(weight))
+    ctl.set_aux_weights(torch.full_like(ctl.weight_L, float(weight)))
     return [f"aux weights set to {'aux_scale ' if from_aux_scale else ''}{weight}"]
 
 
@@ -183,31 +183,24 @@ class CrossLayerPolicy(AuxPolicy):
     uses_device_loss = True
 
     def step(self, ctl, view, valid_L) -> bool:
-        if not bool(valid_L.all()):   # the weights are relative to each other: hold them all while a layer is out
-            return False
-        cfg = ctl.cfg
-        lo, hi = cfg.weight_range
-        ctl.log_w_L = integral_weights(ctl.log_w_L, device_scores(view.pressure_LG, view.cross_layer_pressure()),
-                                       gain=cfg.gain, w_min=lo, w_max=hi, mean_one=cfg.mean_one, target=cfg.target)
-        # a convex mix of two in-range (mean-1) vectors is again in range (mean 1): no re-normalising
-        ctl.layer_w_L = (1.0 - cfg.smoothing) * ctl.layer_w_L + cfg.smoothing * ctl.log_w_L.exp()
-        return True
+        return _cross_layer_step(ctl, view, valid_L)
 
     def conform(self, ctl) -> list[str]:
         lo, hi = ctl.cfg.weight_range
         mean_one = ctl.cfg.mean_one
-        out = []
-        for name in ("layer_w_L", "log_w_L"):
-            w_L = getattr(ctl, name).exp() if name == "log_w_L" else getattr(ctl, name)
+        fitted = {}
+        for name, w_L in (("layer_w_L", ctl.layer_w_L), ("log_w_L", ctl.log_w_L.exp())):
             fits = bool(((w_L >= lo - 1e-9) & (w_L <= hi + 1e-9)).all()) and \
                 (not mean_one or abs(float(w_L.mean()) - 1.0) <= 1e-6)
             if not fits:
                 w_L = w_L.clamp(max(lo, 1e-12), hi)
-                w_L = clip_mean_one(w_L, lo, hi) if mean_one else w_L
-                setattr(ctl, name, w_L.log() if name == "log_w_L" else w_L)
-                if not out:
-                    out.append(f"device-loss weights re-clipped to weight_range [{lo}, {hi}]"
-                               + (" with mean 1" if mean_one else ""))
+                fitted[name] = clip_mean_one(w_L, lo, hi) if mean_one else w_L
+        out = []
+        if fitted:
+            ctl.set_layer_weights(fitted["log_w_L"].log() if "log_w_L" in fitted else ctl.log_w_L,
+                                  fitted.get("layer_w_L", ctl.layer_w_L))
+            out.append(f"device-loss weights re-clipped to weight_range [{lo}, {hi}]"
+                       + (" with mean 1" if mean_one else ""))
         return out + conform_aux(ctl, self.initial_weight(ctl.cfg), self.uses_bias)
 
 
@@ -224,12 +217,7 @@ class BiasPolicy(AuxPolicy):
         return conform_aux(ctl, self.initial_weight(ctl.cfg), True)
 
     def step(self, ctl, view, valid_L) -> bool:
-        counts_LE = torch.where(valid_L[:, None], view.last.routed_LE, 0.0)   # a layer with no counts holds its bias
-        cross_LG = view.cross_layer_pressure()
-        ctl.bias_LE = bias_update(ctl.bias_LE, counts_LE, cross_LG, rate=ctl.cfg.bias_rate,
-                                  device_weight=ctl.cfg.device_weight, device_LE=view.expert_device_mean(cross_LG),
-                                  mask_LE=view.mask_LE)
-        return True
+        return _bias_step(ctl, view, valid_L)
 
 
 class BiasCrossLayerPolicy(CrossLayerPolicy):
@@ -242,9 +230,32 @@ class BiasCrossLayerPolicy(CrossLayerPolicy):
         return float(cfg.aux_scale)
 
     def step(self, ctl, view, valid_L) -> bool:
-        BiasPolicy.step(self, ctl, view, valid_L)
-        CrossLayerPolicy.step(self, ctl, view, valid_L)
+        _bias_step(ctl, view, valid_L)
+        _cross_layer_step(ctl, view, valid_L)
         return True
+
+
+def _cross_layer_step(ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
+    """The per-layer device-loss weights: one integrator step on the view's device scores, then smoothing."""
+    if not bool(valid_L.all()):   # the weights are relative to each other: hold them all while a layer is out
+        return False
+    cfg = ctl.cfg
+    lo, hi = cfg.weight_range
+    log_w_L = integral_weights(ctl.log_w_L, device_scores(view.pressure_LG, view.cross_layer_pressure()),
+                               gain=cfg.gain, w_min=lo, w_max=hi, mean_one=cfg.mean_one, target=cfg.target)
+    # a convex mix of two in-range (mean-1) vectors is again in range (mean 1): no re-normalising
+    ctl.set_layer_weights(log_w_L, (1.0 - cfg.smoothing) * ctl.layer_w_L + cfg.smoothing * log_w_L.exp())
+    return True
+
+
+def _bias_step(ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
+    """The selection bias: one sign step from the last step's routes and the window pressure."""
+    counts_LE = torch.where(valid_L[:, None], view.last.routed_LE, 0.0)   # a layer with no counts holds its bias
+    cross_LG = view.cross_layer_pressure()
+    ctl.set_bias(bias_update(ctl.bias_LE, counts_LE, cross_LG, rate=ctl.cfg.bias_rate,
+                             device_weight=ctl.cfg.device_weight, device_LE=view.expert_device_mean(cross_LG),
+                             mask_LE=view.mask_LE))
+    return True
 
 
 POLICIES: dict[str, AuxPolicy] = {p.name: p for p in (FixedPolicy(), CrossLayerPolicy(), BiasPolicy(),
@@ -277,6 +288,17 @@ class AuxController:
         self.layer_w_L = torch.ones(num_layers, dtype=torch.float64)
         self.log_w_L = torch.zeros(num_layers, dtype=torch.float64)
         self.updates = 0
+
+    # ------------------------------------------------------------------ the policies' writes
+    def set_aux_weights(self, weight_L: torch.Tensor) -> None:
+        self.weight_L = weight_L.to(torch.float64)
+
+    def set_bias(self, bias_LE: torch.Tensor) -> None:
+        self.bias_LE = bias_LE.to(torch.float64)
+
+    def set_layer_weights(self, log_w_L: torch.Tensor, layer_w_L: torch.Tensor) -> None:
+        """The per-layer device-loss weights: the integrator (log of the unsmoothed weights) and the smoothed."""
+        self.log_w_L, self.layer_w_L = log_w_L.to(torch.float64), layer_w_L.to(torch.float64)
 
     @property
     def uses_bias(self) -> bool:
