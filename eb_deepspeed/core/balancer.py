@@ -33,7 +33,7 @@ from .batch_scope import GlobalShares
 from .config import EasyBalanceConfig
 from .policies import AuxController
 from .record import EXPERT_COUNTS, NOTES, PRESSURE, BalanceLogger, NullLogger
-from .tally import Tally, TallyLayout, widen_row
+from .tally import TallyLayout, widen_row
 from .view import LoadView, sequence_length_weights
 
 __all__ = ["Balancer", "BalancedGate", "check_agreement"]
@@ -322,8 +322,9 @@ class Balancer:
         return self._take_step(packed_LW)
 
     def _take_step(self, packed_LW: torch.Tensor) -> torch.Tensor:
-        tally = Tally.unpack(packed_LW.cpu(), self.num_experts, self.tally_devices)
-        valid_L = self.view.update(tally)
+        # the reduced buffer is this step's alone: the view takes it as it is (one host copy from an accelerator)
+        valid_L = self._view.update_packed(packed_LW.to("cpu", torch.float64), self.tally_devices)
+        tally = self._view.last
         if self.controls_on and self.controller.update(self.view, valid_L):
             self.apply_controls()
         if self.global_shares is not None:

@@ -161,8 +161,8 @@ class LoadView:
         return out_LG
 
     def update(self, tally: Tally, *, device_load_LG: torch.Tensor | None = None) -> torch.Tensor:
-        """Fold one step's reduced tally into the view. Returns valid_L [L] bool: the layers that were
-        updated (saw tokens, no non-finite logits).
+        """Fold one step's reduced tally into the view (a copy of it). Returns valid_L [L] bool: the layers
+        that were updated (saw tokens, no non-finite logits).
 
         device_load_LG: [L, G] the step's load per device when experts are not where
         `expert_to_device_LE` says (replicated placements); None takes the tally's own `device_LG`
@@ -172,8 +172,18 @@ class LoadView:
         if tally.routed_LE.shape != (self.L, self.E):
             raise ValueError(f"tally is for (layers, experts) = {tuple(tally.routed_LE.shape)}, "
                              f"the view has {(self.L, self.E)}")
-        packed_LW = tally.pack().detach().to("cpu", torch.float64)           # a private copy
-        tally = Tally.unpack(packed_LW, self.E, 0 if tally.device_LG is None else self.G)
+        return self.update_packed(tally.pack().detach().to("cpu", torch.float64),       # pack: a private copy
+                                  0 if tally.device_LG is None else self.G, device_load_LG=device_load_LG)
+
+    def update_packed(self, packed_LW: torch.Tensor, num_devices: int = 0, *,
+                      device_load_LG: torch.Tensor | None = None) -> torch.Tensor:
+        """`update` from the reduced packed tally [L, W] (CPU float64), which the view keeps as `last` (its
+        fields are views into it: hand over a buffer no one else writes). num_devices: G when the tally
+        holds `device_LG`, else 0."""
+        tally = Tally.unpack(packed_LW, self.E, num_devices)
+        if packed_LW.dtype != torch.float64 or packed_LW.device.type != "cpu":
+            raise ValueError(f"a packed tally for the view must be CPU float64, got {packed_LW.dtype} on "
+                             f"{packed_LW.device}")
         padded_LE = ~self.mask_LE
         if bool(padded_LE.any()) and any(bool(t[padded_LE].ne(0).any()) for t in (tally.routed_LE, tally.kept_LE,
                                                                                    tally.load_LE)):
