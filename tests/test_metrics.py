@@ -72,3 +72,12 @@ def test_deepspeed_capacity_and_dropped_routes_follow_the_capacity_rule():
     assert M.deepspeed_capacity(4, 8, 1, 1.0, 4) == 4
     # experts over capacity 16 lose the excess: (20 - 16) + (17 - 16) = 5
     assert M.dropped_routes(torch.tensor([[20.0, 17.0, 16.0, 3.0]]), 16).tolist() == [5.0]
+
+
+def test_summarize_returns_exactly_its_declared_keys_and_the_per_layer_ones_are_record_curves():
+    from eb_deepspeed.core import record
+    out = M.summarize(torch.tensor([[3.0, 1.0]]), torch.tensor([[2.0, 1.0, 1.0, 0.0]]))
+    assert tuple(out) == M.SUMMARY_KEYS
+    per_layer = [k for k in out if isinstance(out[k], list)]
+    assert per_layer and all(k in record.PER_LAYER for k in per_layer)
+    assert all(k in record.SCALARS for k in out if k not in per_layer)

@@ -109,6 +109,11 @@ def per_width(fn, load_LX: torch.Tensor, widths_L: torch.Tensor | None) -> torch
     return out_L
 
 
+# The keys `summarize` returns (the record's tables in core/record.py say which are per-layer curves).
+SUMMARY_KEYS = ("device_max_over_mean", "expert_max_over_mean", "max_vio", "device_cv", "device_balancedness",
+                "expert_balancedness", "device_util_std", "device_max_over_mean_p90")
+
+
 def summarize(device_LG: torch.Tensor, expert_LE: torch.Tensor, experts_L: torch.Tensor | None = None) -> dict[str, object]:
     """Per-layer and aggregate metrics of one load snapshot, as plain Python numbers.
 

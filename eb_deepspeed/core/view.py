@@ -17,6 +17,7 @@ import math
 import torch
 
 from . import metrics as M
+from .record import PER_LAYER
 from .tally import Tally, TallyLayout, tensor_problem
 
 __all__ = ["LoadView", "sequence_length_weights"]
@@ -239,10 +240,8 @@ class LoadView:
         good_L = ~bad_L
         if bool(good_L.any()):
             out = M.summarize(self.last_load_LG[good_L], last.routed_LE[good_L], self.experts_L[good_L])
-        else:                                   # nothing this step to aggregate
-            out = {key: [] for key in ("device_max_over_mean", "expert_max_over_mean", "max_vio", "device_cv")}
-            out.update(dict.fromkeys(("device_balancedness", "expert_balancedness", "device_util_std",
-                                      "device_max_over_mean_p90"), None))
+        else:                                   # nothing this step to aggregate: the record's keys, empty
+            out = {key: [] if key in PER_LAYER else None for key in M.SUMMARY_KEYS}
         routed_L = last.routed_LE.sum(1)
         dropped_L = last.dropped_L()
         out["token_drop_rate"] = (M.token_drop_rate(dropped_L[good_L], routed_L[good_L], k=1)   # routed = tokens * k
@@ -251,8 +250,7 @@ class LoadView:
         out["aux_loss"] = last.mean_aux_L()[good_L].tolist()
         bad = bad_L.nonzero().flatten().tolist()
         if bad:                                 # per-layer lists get None where a layer was left out
-            for key in ("device_max_over_mean", "expert_max_over_mean", "max_vio", "device_cv",
-                        "layer_token_drop_rate", "aux_loss"):
+            for key in [k for k in PER_LAYER if k in out]:
                 values = iter(out[key])
                 out[key] = [None if bad_L[i] else next(values) for i in range(self.L)]
         out["ema_device_max_over_mean"] = M.max_over_mean(self.pressure_LG).tolist()
