@@ -25,7 +25,7 @@ from moe_lm import MoELM, StdlibCorpus, pyramid  # noqa: E402
 
 def parse_args(argv=None):
     import deepspeed
-    from eb_deepspeed.core.batch_scope import BATCH_SCOPES
+    from eb_deepspeed.core.losses import BATCH_SCOPES
     from eb_deepspeed.core.policies import POLICIES
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))

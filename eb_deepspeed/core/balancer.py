@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from .batch_scope import GlobalShares
+from .losses import GlobalShares
 from .config import EasyBalanceConfig
 from .policies import AuxController
 from .record import EXPERT_COUNTS, NOTES, PRESSURE, BalanceLogger, NullLogger
@@ -64,7 +64,7 @@ class BalancedGate(Protocol):
         """Load weight of each token of the next forward [T] (None: every token counts 1)."""
 
     def set_batch_scope(self, scope: str, share: Optional[Callable[..., Optional[torch.Tensor]]]) -> None:
-        """`aux.batch_scope` other than "micro" (`core.batch_scope`); called once, before training. "sequence":
+        """`aux.batch_scope` other than "micro" (`core.losses`); called once, before training. "sequence":
         the loss is sequence-wise. The global scopes: the loss takes its expert frequencies f_E from
         `share(routed_E)` (first run of a training forward; every rank calls it for the same forwards) or
         `share(rerun=True)` (a checkpointed forward's re-run), None meaning the forward's own

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
-from .batch_scope import BATCH_SCOPES
+from .losses import BATCH_SCOPES
 from .files import MAX_JSON_DEPTH, json_too_deep, load_json
 from .policies import POLICIES
 from .topology import TOPOLOGIES
@@ -77,7 +77,7 @@ class AuxConfig:
     device_weight: float = 0.5                       # bias: weight of the device (window pressure) term
     aux_scale: float = 1.0                           # bias: weight of every layer's l_aux
     loss_coeff: float = 0.01                         # AutoEP: coefficient of the balance loss easybalance attaches
-    # over which tokens the balance loss counts its expert frequencies f_e (core/batch_scope.py)
+    # over which tokens the balance loss counts its expert frequencies f_e (core/losses.py)
     batch_scope: str = "micro"
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
 

@@ -7,8 +7,8 @@ weight, instead of one fixed coefficient for all layers. Four policies (`easybal
 
   fixed             every weight 1.0, no device loss: DeepSpeed's behaviour, the baseline.
   cross_layer       each layer's l_aux keeps weight 1 and gets a device-level balance loss (DeepSeek-V2's,
-                    computed in the gate) weighted per layer from the view: up where the layer's device
-                    imbalance, weighed by how hot those devices are across the window, stays high; down
+                    `losses.device_balance_loss`, computed in the gate) weighted per layer from the view:
+                    up where the layer's device imbalance, weighed by how hot those devices are across the window, stays high; down
                     where it stays low. Integral action on the log-weight (persistent skew accumulates,
                     step noise averages out), clipped to `weight_range`, optionally kept at mean 1
                     (`mean_one`: the same total device push, placed better), smoothed over steps.
@@ -29,7 +29,7 @@ import torch
 
 from .tally import tensor_problem
 
-__all__ = ["POLICIES", "AuxPolicy", "device_balance_loss", "device_scores", "integral_weights", "clip_mean_one",
+__all__ = ["POLICIES", "AuxPolicy", "device_scores", "integral_weights", "clip_mean_one",
            "bias_update", "AuxController"]
 
 _ERROR_CLIP = 1.0   # one step moves a log-weight by at most gain x this (a single outlier step cannot jump it)
@@ -44,29 +44,6 @@ def device_scores(pressure_LG: torch.Tensor, cross_LG: torch.Tensor) -> torch.Te
     """
     excess_LG = (_over_row_mean(pressure_LG) - 1.0).clamp_min(0.0)
     return (excess_LG * _over_row_mean(cross_LG)).sum(1)
-
-
-def device_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, expert_to_device_E: torch.Tensor,
-                        num_devices: int, k: int) -> torch.Tensor:
-    """DeepSeek-V2's device-level balance loss of one forward (1.0 when devices are balanced).
-
-    probs_TE: the router's unbiased probabilities over all experts; routed_E: routes per expert this
-    forward (its top-k choices). f_e = routed_e * E / (k * T): expert e's share (1 = its fair share);
-    P_e = mean over tokens of probs_e. Per device g: f'_g = mean of f_e over its experts, P'_g = sum
-    of P_e over them; loss = sum_g f'_g * P'_g. The gradient flows through P only and moves mass off
-    the devices that get more than their share, whichever of their experts the routes went to (the
-    expert-level l_aux does not see that). Local to the rank, no collective. With top-1's
-    `used_token` mask the masked tokens route nowhere and the loss sits below 1 at balance, as
-    DeepSpeed's l_aux does. Both adapters' gates call it.
-    """
-    T, E = probs_TE.shape
-    probs_E = probs_TE.mean(0)
-    share_E = routed_E.to(probs_E.dtype) * (E / (k * max(T, 1)))
-    experts_G = torch.bincount(expert_to_device_E, minlength=num_devices).clamp_min(1).to(probs_E.dtype)
-    zeros_G = torch.zeros(num_devices, dtype=probs_E.dtype, device=probs_E.device)
-    share_G = zeros_G.index_add(0, expert_to_device_E, share_E) / experts_G
-    probs_G = zeros_G.index_add(0, expert_to_device_E, probs_E)
-    return (share_G * probs_G).sum()
 
 
 def _over_row_mean(x_LX: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ SWEEP_POLICIES = (("fixed", "fixed", ()), ("cross_layer", "cross_layer", ()),
                   ("device_uniform", "cross_layer", ("--aux-weight-range", "1", "1")),
                   ("cross_layer_target", "cross_layer", ("--aux-mean-one", "false")),
                   ("bias", "bias", ()), ("bias_cross_layer", "bias_cross_layer", ()),
-                  # `aux.batch_scope` (core/batch_scope.py): DeepSpeed's l_aux over the global batch, or per sequence
+                  # `aux.batch_scope` (core/losses.py): DeepSpeed's l_aux over the global batch, or per sequence
                   ("global_exact", "fixed", ("--batch-scope", "global_exact")),
                   ("global_lagged", "fixed", ("--batch-scope", "global_lagged")),
                   ("sequence", "fixed", ("--batch-scope", "sequence")))

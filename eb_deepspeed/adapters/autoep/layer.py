@@ -14,7 +14,7 @@ router do the rest:
       - in `balance` mode, attach the balance loss to `top_scores_TK` (Megatron-Core's way: the activation is
         unchanged forward, and backward adds the loss's gradient), so the user's loss needs no extra term:
             loss_coeff x (aux_weight x expert-level loss + device_loss_weight x device-level loss),
-        both 1.0 at balance (`core.policies.device_balance_loss`; expert level = one expert per "device"),
+        both 1.0 at balance (`core.losses.device_balance_loss`; expert level = one expert per "device"),
         on the router's probabilities (softmax, or sigmoid scores normalised per token), local to the rank;
   * the selection bias (`bias` policies) goes through AutoEP's own door, the router's `expert_bias` argument,
     which the router adds to its scores for the top-k choice only (the gate values come from the unbiased
@@ -36,8 +36,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ...core.batch_scope import sequence_balance_loss
-from ...core.policies import device_balance_loss
+from ...core.losses import sequence_balance_loss
+from ...core.losses import device_balance_loss
 from ...core.tally import TallyRecorder, in_backward, route_counts
 
 __all__ = ["AutoEPBalance", "attach_loss"]
@@ -91,7 +91,7 @@ class AutoEPBalance:
         self._logits_TE: Optional[torch.Tensor] = None
         self._uncounted = 0       # training forwards without autograd whose reentrant re-run has not come yet
         self.bias_E: Optional[torch.Tensor] = None              # the selection bias, logit units (None: off)
-        self.batch_scope = "micro"                              # `aux.batch_scope` (core/batch_scope.py)
+        self.batch_scope = "micro"                              # `aux.batch_scope` (core/losses.py)
         self.global_share: Optional[Callable[..., Optional[torch.Tensor]]] = None   # the global scopes' f_E
         self.seq_len: Optional[int] = None                      # tokens per sequence, per forward (model hook)
         self._bias_TE: Optional[torch.Tensor] = None            # this forward's bias in score units, to fill
@@ -192,7 +192,7 @@ class AutoEPBalance:
         return (attach_loss(top_scores_TK, self.loss_coeff * loss, self.grad_scale), selected_TK, tokens_E)
 
     def _expert_loss(self, logits_TE, probs_TE, selected_TK, routed_E, valid_T, first_run: bool) -> torch.Tensor:
-        """The expert-level balance loss under `aux.batch_scope` (core/batch_scope.py), 1 at balance: this
+        """The expert-level balance loss under `aux.batch_scope` (core/losses.py), 1 at balance: this
         forward's routes (micro), the global batch's f_E (global scopes; every rank's first run of a forward
         joins the exact scope's all-reduce), or sequence by sequence."""
         if self.batch_scope == "sequence":

@@ -15,7 +15,7 @@ sampling) and both return forms behave exactly as DeepSpeed's (the sparse 7-tupl
     again (`core.tally.in_backward`);
   * multiplies `l_aux` by its layer's weight `aux_weight` (1.0 unless a controller sets it) and,
     when a controller sets `device_loss_weight` > 0, adds that times the device-level balance loss
-    (`core.policies.device_balance_loss`, DeepSeek-V2's, from the expert -> EP rank map; no collective),
+    (`core.losses.device_balance_loss`, DeepSeek-V2's, from the expert -> EP rank map; no collective),
     so user code that sums `l_aux` keeps working unchanged;
   * returns a well-formed empty result for an empty batch (DeepSpeed's gate asserts).
 
@@ -32,8 +32,8 @@ from deepspeed.comm import pg_utils
 from deepspeed.moe import sharded_moe as dsm
 from deepspeed.moe.sharded_moe import TopKGate
 
-from ...core.batch_scope import sequence_balance_loss
-from ...core.policies import device_balance_loss
+from ...core.losses import sequence_balance_loss
+from ...core.losses import device_balance_loss
 from ...core.tally import TallyRecorder, in_backward, nonfinite_tokens, routes_from_mask
 
 __all__ = ["CrossLayerGate", "unbias_gate_output"]
@@ -98,7 +98,7 @@ class CrossLayerGate(TopKGate):
         # View device of each expert's copy that this rank's tokens reach ([E]), when the model's EP groups
         # differ in size and the view tallies devices; None: the view sums experts onto devices itself.
         self.route_device_E: Optional[torch.Tensor] = None
-        # `aux.batch_scope` (core/batch_scope.py): "micro" is DeepSpeed's l_aux; the global scopes' source of
+        # `aux.batch_scope` (core/losses.py): "micro" is DeepSpeed's l_aux; the global scopes' source of
         # f_E (`Balancer`); "sequence": tokens per sequence of the next forward (the MoE layer's pre-hook)
         self.batch_scope = "micro"
         self.global_share: Optional[Callable[..., Optional[torch.Tensor]]] = None
@@ -223,7 +223,7 @@ class CrossLayerGate(TopKGate):
         return gate_output
 
     def _scope_loss(self, gate_output, clean_TE: torch.Tensor, sparse_routes: bool, first_run: bool) -> torch.Tensor:
-        """l_aux under `aux.batch_scope` (core/batch_scope.py), 1 at balance: the global scopes' E x sum_e f_e P_e
+        """l_aux under `aux.batch_scope` (core/losses.py), 1 at balance: the global scopes' E x sum_e f_e P_e
         (f of the global batch, P this micro-batch's mean probabilities; DeepSpeed's own until there is an f),
         or the sequence-wise loss (over the first choices' and later routes alike)."""
         probs_TE = F.softmax(clean_TE, dim=1)

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
-from ...core.policies import device_balance_loss
+from ...core.losses import device_balance_loss
 from ...core.tally import TallyRecorder, in_backward, routes_from_mask
 
 __all__ = ["EBRouter"]

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eb_deepspeed.core.batch_scope import GlobalShares, sequence_balance_loss
+from eb_deepspeed.core.losses import GlobalShares, sequence_balance_loss
 
 pytestmark = pytest.mark.unit
 

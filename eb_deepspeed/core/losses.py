@@ -1,6 +1,10 @@
-"""Whose expert frequencies the balance loss takes: `aux.batch_scope`.
+"""The balance losses the gates attach, and whose expert frequencies they take (`aux.batch_scope`).
 
-Shape legend: E experts, T tokens, K top-k, B sequences, S sequence length.
+Shape legend: E experts, T tokens, K top-k, B sequences, S sequence length, G devices.
+
+`device_balance_loss` is DeepSeek-V2's device-level balance loss (with one expert per "device", the
+expert-level one); `sequence_balance_loss` DeepSeek-V3's sequence-wise loss; `GlobalShares` the global
+batch's expert frequencies.
 
 The balance loss of one layer is l = E · Σ_e f_e · P_e (1 at balance): f_e the share of routes that went to
 expert e, P_e the mean router probability of expert e over this forward's tokens (the only differentiable part).
@@ -13,7 +17,6 @@ The scope says over which tokens f is counted:
     collective of its own; one step late);
   * "sequence": each sequence on its own, averaged over sequences (DeepSeek-V3's sequence-wise balance loss).
 
-`GlobalShares` holds f for the two global scopes; `sequence_balance_loss` is the sequence-wise loss.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BATCH_SCOPES", "GlobalShares", "sequence_balance_loss"]
+__all__ = ["BATCH_SCOPES", "GlobalShares", "device_balance_loss", "sequence_balance_loss"]
 
 BATCH_SCOPES = ("micro", "global_exact", "global_lagged", "sequence")
 
@@ -113,3 +116,26 @@ def sequence_balance_loss(probs_TE: torch.Tensor, selected_TK: torch.Tensor, seq
     P_BE = (probs_TE * mask_T[:, None]).view(B, seq_len, num_experts).sum(1) / tokens_B.clamp_min(1.0)[:, None]
     per_sequence_B = num_experts * (f_BE.detach() * P_BE).sum(1)
     return (per_sequence_B * real_B).sum() / real_B.sum().clamp_min(1.0)
+
+
+def device_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, expert_to_device_E: torch.Tensor,
+                        num_devices: int, k: int) -> torch.Tensor:
+    """DeepSeek-V2's device-level balance loss of one forward (1.0 when devices are balanced).
+
+    probs_TE: the router's unbiased probabilities over all experts; routed_E: routes per expert this
+    forward (its top-k choices). f_e = routed_e * E / (k * T): expert e's share (1 = its fair share);
+    P_e = mean over tokens of probs_e. Per device g: f'_g = mean of f_e over its experts, P'_g = sum
+    of P_e over them; loss = sum_g f'_g * P'_g. The gradient flows through P only and moves mass off
+    the devices that get more than their share, whichever of their experts the routes went to (the
+    expert-level l_aux does not see that). Local to the rank, no collective. With top-1's
+    `used_token` mask the masked tokens route nowhere and the loss sits below 1 at balance, as
+    DeepSpeed's l_aux does. Both adapters' gates call it.
+    """
+    T, E = probs_TE.shape
+    probs_E = probs_TE.mean(0)
+    share_E = routed_E.to(probs_E.dtype) * (E / (k * max(T, 1)))
+    experts_G = torch.bincount(expert_to_device_E, minlength=num_devices).clamp_min(1).to(probs_E.dtype)
+    zeros_G = torch.zeros(num_devices, dtype=probs_E.dtype, device=probs_E.device)
+    share_G = zeros_G.index_add(0, expert_to_device_E, share_E) / experts_G
+    probs_G = zeros_G.index_add(0, expert_to_device_E, probs_E)
+    return (share_G * probs_G).sum()
