@@ -66,13 +66,13 @@ def test_bias_update_is_a_sign_step_re_centred_with_a_device_term():
     counts = torch.tensor([[4.0, 2.0, 2.0, 0.0]])  # mean 2 -> expert signs [-1, 0, 0, +1]
     cross = torch.tensor([[10.0, 2.0]])            # device 0 (experts 0, 1) hot -> device signs [-1, -1, +1, +1]
     e2d = torch.tensor([0, 0, 1, 1])
-    plain = bias_update(torch.zeros(1, 4), counts, cross, e2d, rate=0.1, device_weight=0.0)
+    plain = bias_update(torch.zeros(1, 4), counts, cross, cross[:, e2d], rate=0.1, device_weight=0.0)
     assert plain.tolist() == [pytest.approx([-0.1, 0.0, 0.0, 0.1])]
-    aware = bias_update(torch.zeros(1, 4), counts, cross, e2d, rate=0.1, device_weight=1.0)
+    aware = bias_update(torch.zeros(1, 4), counts, cross, cross[:, e2d], rate=0.1, device_weight=1.0)
     # steps 0.1 * ([-1, 0, 0, 1] + [-1, -1, 1, 1]) / 2 = [-0.1, -0.05, 0.05, 0.1], mean 0 already
     assert aware.tolist() == [pytest.approx([-0.1, -0.05, 0.05, 0.1])]
     assert aware.sum().item() == pytest.approx(0.0)
-    idle = bias_update(aware, torch.zeros(1, 4), cross, e2d, rate=0.1, device_weight=1.0)
+    idle = bias_update(aware, torch.zeros(1, 4), cross, cross[:, e2d], rate=0.1, device_weight=1.0)
     assert torch.equal(idle, aware)  # a layer with no routes keeps its bias
 
 

@@ -78,20 +78,20 @@ def test_the_bias_of_a_padded_layer_moves_as_the_layer_alone_would_and_padding_s
     counts = padded([[6, 2], [1, 2, 3, 6]], 4)
     cross = torch.tensor([[5.0, 1.0], [2.0, 6.0]])
     view = LoadView(2, [2, 4], 2)
-    bias = bias_update(torch.zeros(2, 4), counts, cross, rate=0.1, device_weight=1.0,
-                       device_LE=view.expert_device_mean(cross), mask_LE=view.mask_LE)
+    bias = bias_update(torch.zeros(2, 4), counts, cross, view.expert_device_mean(cross), rate=0.1, device_weight=1.0,
+                       mask_LE=view.mask_LE)
     assert bias[0, 2:].tolist() == [0.0, 0.0]
     for layer, width in ((0, 2), (1, 4)):
         alone = bias_update(torch.zeros(1, width), counts[layer:layer + 1, :width], cross[layer:layer + 1],
-                            view.layer_map(layer), rate=0.1, device_weight=1.0)
+                            cross[layer:layer + 1, view.layer_map(layer)], rate=0.1, device_weight=1.0)
         assert torch.allclose(bias[layer, :width], alone[0], atol=1e-15)
         assert abs(float(bias[layer, :width].sum())) < 1e-12
     assert bias[0, :2].tolist() == pytest.approx([-0.1, 0.1])   # expert 0: more routes and on the hot device
     # a layer whose steps do not sum to 0 (3 experts in a row of 4): re-centred over its own 3 experts only
     mask = torch.tensor([[True, True, True, False]])
-    three = bias_update(torch.zeros(1, 4), torch.tensor([[1.0, 1.0, 7.0, 0.0]]), torch.ones(1, 2), rate=0.3,
-                        device_weight=0.0, device_LE=torch.ones(1, 4), mask_LE=mask)
-    alone = bias_update(torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 7.0]]), torch.ones(1, 2), torch.zeros(3, dtype=torch.long),
+    three = bias_update(torch.zeros(1, 4), torch.tensor([[1.0, 1.0, 7.0, 0.0]]), torch.ones(1, 2), torch.ones(1, 4),
+                        rate=0.3, device_weight=0.0, mask_LE=mask)
+    alone = bias_update(torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 7.0]]), torch.ones(1, 2), torch.ones(1, 3),
                         rate=0.3, device_weight=0.0)
     assert three[0, :3].tolist() == pytest.approx(alone[0].tolist()) and three[0, 3] == 0
     assert three[0, :3].tolist() == pytest.approx([0.2, 0.2, -0.4])       # steps +0.3, +0.3, -0.3 less their mean

@@ -90,25 +90,22 @@ def integral_weights(log_w_L: torch.Tensor, score_L: torch.Tensor, *, gain: floa
     return w_L.log()
 
 
-def bias_update(bias_LE: torch.Tensor, counts_LE: torch.Tensor, cross_LG: torch.Tensor,
-                expert_to_device_E: torch.Tensor | None = None, *, rate: float, device_weight: float,
-                device_LE: torch.Tensor | None = None, mask_LE: torch.Tensor | None = None) -> torch.Tensor:
+def bias_update(bias_LE: torch.Tensor, counts_LE: torch.Tensor, cross_LG: torch.Tensor, device_LE: torch.Tensor, *,
+                rate: float, device_weight: float, mask_LE: torch.Tensor | None = None) -> torch.Tensor:
     """One sign step of the selection bias. [L, E] bias, [L, E] routed counts, [L, G] window pressure.
 
     Per expert: +1 if it got fewer routes than its layer's mean, -1 if more (0 at the mean); the
     device-aware term does the same for the window pressure of the device holding it. The step is
     rate * (expert_sign + device_weight * device_sign) / (1 + device_weight), then each layer's bias
     is re-centred to mean 0. Layers with no routes this step are left as they are.
-    Where each expert sits: `expert_to_device_E` [E] (its device, every layer alike), or `device_LE`
-    [L, E] the window pressure at its device already looked up (an expert with copies on several
-    devices: their mean, `LoadView.expert_device_mean`). mask_LE [L, E]: the experts each layer has
+    device_LE [L, E]: the window pressure at each expert's device, looked up (`cross_LG[:, expert_to_device_E]`;
+    an expert with copies on several devices: their mean, `LoadView.expert_device_mean`). mask_LE [L, E]: the
+    experts each layer has
     when layers differ in size (the rest is padding: held at 0, left out of every mean); None: all.
     """
     counts_LE = counts_LE.to(torch.float64)
     cross_LG = cross_LG.to(torch.float64)
     mask_LE = torch.ones_like(counts_LE, dtype=torch.bool) if mask_LE is None else mask_LE.to(torch.bool)
-    if device_LE is None:
-        device_LE = cross_LG[:, expert_to_device_E]
     n_L1 = mask_LE.sum(1, keepdim=True).clamp_min(1)
     mean_L1 = torch.where(mask_LE, counts_LE, 0.0).sum(1, keepdim=True) / n_L1
     expert_sign_LE = torch.sign(mean_L1 - counts_LE)
@@ -229,9 +226,8 @@ def _bias_step(ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
     """The selection bias: one sign step from the last step's routes and the window pressure."""
     counts_LE = torch.where(valid_L[:, None], view.last.routed_LE, 0.0)   # a layer with no counts holds its bias
     cross_LG = view.cross_layer_pressure()
-    ctl.set_bias(bias_update(ctl.bias_LE, counts_LE, cross_LG, rate=ctl.cfg.bias_rate,
-                             device_weight=ctl.cfg.device_weight, device_LE=view.expert_device_mean(cross_LG),
-                             mask_LE=view.mask_LE))
+    ctl.set_bias(bias_update(ctl.bias_LE, counts_LE, cross_LG, view.expert_device_mean(cross_LG),
+                             rate=ctl.cfg.bias_rate, device_weight=ctl.cfg.device_weight, mask_LE=view.mask_LE))
     return True
 
 
