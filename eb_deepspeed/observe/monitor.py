@@ -134,11 +134,12 @@ def flatten_record(record: dict[str, Any], prefix: str = "easybalance") -> dict[
 
 
 class DeepSpeedMonitorLogger(BalanceLogger):
-    """Through `engine.monitor.write_events` (DeepSpeed logs on global rank 0 only)."""
+    """Through `engine.monitor.write_events` (DeepSpeed logs on global rank 0 only); with DeepSpeed's W&B
+    monitor on, the pressure heatmap goes to W&B as an image too."""
 
-    def __init__(self, monitor, heatmap: bool = True):
+    def __init__(self, monitor):
         self.monitor = monitor
-        self.heatmap = heatmap and getattr(monitor, "wandb_monitor", None) is not None
+        self.heatmap = getattr(monitor, "wandb_monitor", None) is not None
 
     def log(self, record: dict[str, Any], step: int) -> None:
         events = [(k, v, step) for k, v in flatten_record(record).items()]
