@@ -6,12 +6,14 @@ import torch
 
 from eb_deepspeed import sim
 from eb_deepspeed.sim import ClusterModel, SimConfig, TOPOLOGIES
+from eb_deepspeed.sim.workloads import Workload
 
 pytestmark = pytest.mark.unit
 
 
 def test_a_balanced_workload_makes_every_strategy_equal():
-    w = sim.uniform_workload(layers=4, experts=16, devices=4, steps=5, tokens_per_rank=256)
+    # exactly balanced: every source sends the same number of routes to every expert
+    w = Workload("uniform", torch.full((5, 4, 4, 16), 256 * 2 // 16, dtype=torch.long), k=2)
     cfg = SimConfig(model=ClusterModel(decision_s=0.0), extra_slots=0, warmup=1, replan_every=2)
     table = sim.run_table(w, cfg)
     for name, row in table["rows"].items():

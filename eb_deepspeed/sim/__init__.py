@@ -14,7 +14,7 @@ _EXPORTS = {
     "run_table": ".strategies", "evaluate_targets": ".strategies", "format_targets": ".strategies",
     "format_table": ".strategies",
     "simulate": ".strategies", "load_trace": ".traces", "Workload": ".workloads", "WORKLOADS": ".workloads",
-    "synthetic_workload": ".workloads", "trace_workload": ".workloads", "uniform_workload": ".workloads",
+    "synthetic_workload": ".workloads", "trace_workload": ".workloads",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)   # imported on first use

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Workload", "synthetic_workload", "uniform_workload", "trace_workload", "WORKLOADS"]
+__all__ = ["Workload", "synthetic_workload", "trace_workload", "WORKLOADS"]
 
 
 @dataclass
@@ -70,12 +70,6 @@ def synthetic_workload(name: str = "skewed_correlated", layers: int = 32, expert
     if mixed_lengths:
         weight_G = 2.0 ** (torch.rand(devices, generator=g, dtype=torch.float64) * 2 - 1)
     return Workload(name, torch.stack(counts), weight_G, k)
-
-
-def uniform_workload(layers=32, experts=64, devices=8, steps=10, tokens_per_rank=4096, k=2) -> Workload:
-    """Exactly balanced: every source sends the same number of routes to every expert."""
-    per = tokens_per_rank * k // experts
-    return Workload("uniform", torch.full((steps, layers, devices, experts), per, dtype=torch.long), k=k)
 
 
 WORKLOADS = {
