@@ -193,9 +193,11 @@ def test_every_record_key_is_in_the_one_table():
     table = set(R.META) | set(R.PER_LAYER) | set(R.SCALARS) | set(R.MATRICES)
     # serving adds two, a run's first log one, the training loop's note the rest
     assert set(record) == table - {"replans", "weight_moves", "run_start", *R.NOTES}
-    balancer.extra_metrics = lambda: {"replans": 2, "weight_moves": 5}
-    balancer.note(lm_loss=2.5)
-    assert set(balancer.record()) == table - {"run_start"} and balancer.record()["lm_loss"] == 2.5
+    serving = Balancer(config(mode="observe"), [ToyGate()], 2, extra_metrics=lambda: {"replans": 2, "weight_moves": 5})
+    serving.gates[0].forward(torch.tensor([0, 1, 2, 3]))
+    serving.step()
+    serving.note(lm_loss=2.5)
+    assert set(serving.record()) == table - {"run_start"} and serving.record()["lm_loss"] == 2.5
 
 
 @pytest.mark.parametrize("kwargs, message", [(dict(loss=1.0), "takes lm_loss"), (dict(lm_loss="2"), "finite"),
