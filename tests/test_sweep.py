@@ -66,6 +66,7 @@ def test_one_seed_has_no_spread_and_an_unrun_comparison_is_no_verdict():
 @pytest.mark.unit
 @pytest.mark.parametrize("argv, message", [
     (["bench", "train", "--policies", "fixed"], "only with bench train --sweep"),
+    (["bench", "train", "--scopes"], "--scopes: only with bench train --sweep"),
     (["bench", "gate", "--coeffs", "0.1"], "unrecognized arguments: --coeffs"),      # each benchmark its own options
     (["bench", "train", "--sweep", "--run", "x"], "unrecognized arguments: --run"),
     (["bench", "noise"], "the following arguments are required: --run"),
