@@ -261,7 +261,7 @@ def pareto_figure_framework(stats: list[dict], framework: str = "autoep"):
             for r, x, y in zip(rows, xs, ys):
                 ax.annotate(f"{r['coeff']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize="x-small")
     axes[0].set_xlabel("p90 over layers of device max/mean (second half; 1 = balanced)")
-    axes[1].set_xlabel("expert specialisation: code vs text usage, TV distance (higher = more specialised)"
+    axes[1].set_xlabel("expert specialisation: code vs text usage, TV distance (higher: more)"
                        if second == "specialisation_tv" else "training token drop rate (second half; lower is better)")
     for ax in axes:
         ax.set_ylabel("validation loss (lower is better)")
