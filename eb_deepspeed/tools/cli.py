@@ -37,121 +37,147 @@ def _report(args) -> int:
 
 
 def _bench(args) -> int:
-    if args.what == "gate":
-        from .bench import bench_gate
-        result = bench_gate(tokens=args.tokens, hidden=args.hidden, experts=tuple(args.experts), k=args.k,
-                            repeats=args.repeats, progress=not args.json)
-        if args.json:
-            print(json.dumps(result, indent=2))
-        else:
-            print(f"CrossLayerGate / TopKGate (forward+backward): ratio {result['ratio']:.3f} "
-                  f"(target <= {result['target']}); with the device loss on: {result['device_loss_ratio']:.3f}")
-        return 0
-    if args.what == "train" and args.sweep and args.from_json:
-        from ..core.files import load_json
-        from .bench_sweep import format_sweep_table, summarize_sweep
-        saved = load_json(args.from_json, "a saved sweep result (JSON)")
-        if not isinstance(saved, dict) or not isinstance(saved.get("runs"), list) \
-                or not all(isinstance(run, dict) for run in saved["runs"]):
-            raise ValueError(f"{args.from_json}: not a saved sweep result (expected an object whose \"runs\" is a "
-                             "list of objects: what `eb bench train --sweep --json` prints)")
-        if saved.get("framework") in ("autoep", "megatron", "deepspeed"):
-            from .bench_sweep_frameworks import format_sweep_table_framework, summarize_sweep_framework
-            result = summarize_sweep_framework(saved, args.out if args.out != "runs/bench_train" else
-                                               f"runs/bench_sweep_{saved['framework']}")
-            print(format_sweep_table_framework(result), file=sys.stderr if args.json else sys.stdout)
-        else:
-            result = summarize_sweep(saved, args.out if args.out != "runs/bench_train" else "runs/bench_sweep")
-            print(format_sweep_table(result), file=sys.stderr if args.json else sys.stdout)
-        if args.json:
-            print(json.dumps(result, indent=2))
-        return 0
-    if args.what == "train" and args.sweep and (args.framework in ("autoep", "megatron") or args.scopes):
-        from .bench_sweep_frameworks import bench_train_sweep_framework, format_sweep_table_framework
-        result = bench_train_sweep_framework(args.framework, quick=args.quick, progress=True,
-                                             out_dir=args.out if args.out != "runs/bench_train" else None,
-                                             coefficients=tuple(args.coeffs) if args.coeffs else None,
-                                             rows=tuple(args.policies) if args.policies else None,
-                                             seeds=tuple(range(1, args.sweep_seeds + 1)) if args.sweep_seeds else None,
-                                             steps=args.steps if args.steps_given else None)
-        print(format_sweep_table_framework(result), file=sys.stderr if args.json else sys.stdout)
-        if args.json:
-            print(json.dumps(result, indent=2))
-        return 0
-    if args.what == "train" and args.sweep:
-        from .bench_sweep import bench_train_sweep, format_sweep_table
-        result = bench_train_sweep(quick=args.quick, out_dir=args.out if args.out != "runs/bench_train" else
-                                   "runs/bench_sweep", bias_rate=args.bias_rate or 0.03, progress=True,
-                                   coefficients=tuple(args.coeffs) if args.coeffs else None,
-                                   policies=tuple(args.policies) if args.policies else None,
-                                   seeds=tuple(range(1, args.sweep_seeds + 1)) if args.sweep_seeds else None,
-                                   steps=args.steps if args.steps_given else None,
-                                   layers=args.layers if args.layers_given else None)
-        print(format_sweep_table(result), file=sys.stderr if args.json else sys.stdout)
-        if args.json:
-            print(json.dumps(result, indent=2))
-        return 0
-    if args.what == "train" and args.framework == "autoep":
-        from .bench import bench_train_autoep, format_autoep_table
-        result = bench_train_autoep(steps=args.steps if args.steps_given else 60, out_dir=args.out if args.out !=
-                                    "runs/bench_train" else "runs/bench_train_autoep",
-                                    seeds=tuple(range(1, (args.sweep_seeds or 3) + 1)), data=args.data, ffn=args.ffn)
-        print(format_autoep_table(result), file=sys.stderr if args.json else sys.stdout)
-        if args.json:
-            print(json.dumps(result, indent=2))
-        return 0
+    """`eb bench WHAT`: the benchmark WHAT (and for `train`, its variant) prints its table or its JSON."""
     if args.what == "train":
-        from .bench import bench_train, format_train_table
-        result = bench_train(steps=args.steps, coeff=args.coeff, capacity_factor=args.capacity_factor,
-                             seed=args.seed, out_dir=args.out, bias_rate=args.bias_rate, layers=args.layers,
-                             framework=args.framework)
-        print(format_train_table(result), file=sys.stderr if args.json else sys.stdout)
-        if args.json:
-            print(json.dumps(result, indent=2))
-        return 0
-    if args.what == "noise":
-        from .bench_sweep import score_noise
-        result = score_noise(args.run)
-        print(json.dumps(result, indent=2) if args.json else
-              f"gain rule: {result['gain_rule']} (median over layers), {result['gain_rule_stalling']} (layers "
-              f"persistently worse than the others); steps to tell skew from noise: {result['steps_to_tell_apart']}")
-        return 0
-    if args.what == "plan":
-        from .bench import bench_plan
-        result = bench_plan()
-        print(json.dumps(result, indent=2) if args.json else
-              f"planner {result['planner']['median_ms']} ms steered, {result['planner']['uniform_median_ms']} ms uniform "
-              f"(target <= 100); steering / MoE layer "
-              f"{result['steering']['ratio']:.4f} (target <= 0.02)")
-        return 0
-    if args.what == "optimum":
-        from .bench import bench_optimum
-        result = bench_optimum(seeds=args.seeds)
-        print(json.dumps(result, indent=2) if args.json else
-              "\n".join(f"{r['experts']} experts on {r['devices']} x {r['slots']}: worst {r['refined_worst']} "
-                        f"({r['refined_over_5pct']} of {r['seeds']} over 5 %); greedy only {r['greedy_only_worst']} "
-                        f"({r['greedy_only_over_5pct']} over)" for r in result["rows"]))
-        return 0
-    if args.what == "infer" and args.framework == "autoep":
-        from .bench_infer_autoep import bench_infer_autoep, format_autoep_infer_table
-        result = bench_infer_autoep(ranks=tuple(args.ranks), batches=args.batches if args.batches_given else 24,
-                                    replica_slots=args.replica_slots)
-        print(format_autoep_infer_table(result), file=sys.stderr if args.json else sys.stdout)
-        if args.json:
-            print(json.dumps(result, indent=2))
-        return 0
-    if args.what == "infer":
-        from .bench_infer import bench_infer
-        result = bench_infer(ranks=tuple(args.ranks), batches=args.batches, replica_slots=args.replica_slots,
-                             ckpt=args.ckpt)
-        print(json.dumps(result, indent=2) if args.json else "\n".join(
-            f"{r['row']:14s} {r['ranks']} ranks {r['split']:5s}: capacity/ideal {r['capacity_over_ideal_plain']} -> "
-            f"{r['capacity_over_ideal_ours']} (bound {r['capacity_over_ideal_bound']}), MoE speed-up {r['speedup']}, "
-            f"tokens/s {r['tokens_per_s_ratio']}x plain, slots {r['slots_serving']}, "
-            f"drops {r['drop_rate_plain']} -> {r['drop_rate_ours']}, overhead {r['overhead_ratio']}, "
-            f"equal {r['outputs_equal']}" for r in result["rows"]) + "\ntargets: " + json.dumps(result["targets"]))
-        return 0
-    raise AssertionError(args.what)
+        run = (_bench_sweep_saved if args.sweep and args.from_json else
+               _bench_sweep_framework if args.sweep and (args.framework in ("autoep", "megatron") or args.scopes) else
+               _bench_sweep if args.sweep else
+               _bench_train_autoep if args.framework == "autoep" else _bench_train)
+    elif args.what == "infer":
+        run = _bench_infer_autoep if args.framework == "autoep" else _bench_infer
+    else:
+        run = {"gate": _bench_gate, "noise": _bench_noise, "plan": _bench_plan, "optimum": _bench_optimum}[args.what]
+    return run(args)
+
+
+def _show(args, result: dict, table: str) -> int:
+    """The human table (on stderr when the JSON goes to stdout), then the JSON when asked."""
+    print(table, file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def _out(args, default: str | None) -> str | None:
+    """--out, or the benchmark's own default when the user left the shared one."""
+    return args.out if args.out != "runs/bench_train" else default
+
+
+def _seeds(args):
+    return tuple(range(1, args.sweep_seeds + 1)) if args.sweep_seeds else None
+
+
+def _bench_gate(args) -> int:
+    from .bench import bench_gate
+    result = bench_gate(tokens=args.tokens, hidden=args.hidden, experts=tuple(args.experts), k=args.k,
+                        repeats=args.repeats, progress=not args.json)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"CrossLayerGate / TopKGate (forward+backward): ratio {result['ratio']:.3f} "
+              f"(target <= {result['target']}); with the device loss on: {result['device_loss_ratio']:.3f}")
+    return 0
+
+
+def _bench_sweep_saved(args) -> int:
+    from ..core.files import load_json
+    from .bench_sweep import format_sweep_table, summarize_sweep
+    saved = load_json(args.from_json, "a saved sweep result (JSON)")
+    if not isinstance(saved, dict) or not isinstance(saved.get("runs"), list) \
+            or not all(isinstance(run, dict) for run in saved["runs"]):
+        raise ValueError(f"{args.from_json}: not a saved sweep result (expected an object whose \"runs\" is a "
+                         "list of objects: what `eb bench train --sweep --json` prints)")
+    if saved.get("framework") in ("autoep", "megatron", "deepspeed"):
+        from .bench_sweep_frameworks import format_sweep_table_framework, summarize_sweep_framework
+        result = summarize_sweep_framework(saved, _out(args, f"runs/bench_sweep_{saved['framework']}"))
+        return _show(args, result, format_sweep_table_framework(result))
+    result = summarize_sweep(saved, _out(args, "runs/bench_sweep"))
+    return _show(args, result, format_sweep_table(result))
+
+
+def _bench_sweep_framework(args) -> int:
+    from .bench_sweep_frameworks import bench_train_sweep_framework, format_sweep_table_framework
+    result = bench_train_sweep_framework(args.framework, quick=args.quick, progress=True, out_dir=_out(args, None),
+                                         coefficients=tuple(args.coeffs) if args.coeffs else None,
+                                         rows=tuple(args.policies) if args.policies else None, seeds=_seeds(args),
+                                         steps=args.steps if args.steps_given else None)
+    return _show(args, result, format_sweep_table_framework(result))
+
+
+def _bench_sweep(args) -> int:
+    from .bench_sweep import bench_train_sweep, format_sweep_table
+    result = bench_train_sweep(quick=args.quick, out_dir=_out(args, "runs/bench_sweep"),
+                               bias_rate=args.bias_rate or 0.03, progress=True,
+                               coefficients=tuple(args.coeffs) if args.coeffs else None,
+                               policies=tuple(args.policies) if args.policies else None, seeds=_seeds(args),
+                               steps=args.steps if args.steps_given else None,
+                               layers=args.layers if args.layers_given else None)
+    return _show(args, result, format_sweep_table(result))
+
+
+def _bench_train_autoep(args) -> int:
+    from .bench import bench_train_autoep, format_autoep_table
+    result = bench_train_autoep(steps=args.steps if args.steps_given else 60,
+                                out_dir=_out(args, "runs/bench_train_autoep"),
+                                seeds=tuple(range(1, (args.sweep_seeds or 3) + 1)), data=args.data, ffn=args.ffn)
+    return _show(args, result, format_autoep_table(result))
+
+
+def _bench_train(args) -> int:
+    from .bench import bench_train, format_train_table
+    result = bench_train(steps=args.steps, coeff=args.coeff, capacity_factor=args.capacity_factor,
+                         seed=args.seed, out_dir=args.out, bias_rate=args.bias_rate, layers=args.layers,
+                         framework=args.framework)
+    return _show(args, result, format_train_table(result))
+
+
+def _bench_noise(args) -> int:
+    from .bench_sweep import score_noise
+    result = score_noise(args.run)
+    print(json.dumps(result, indent=2) if args.json else
+          f"gain rule: {result['gain_rule']} (median over layers), {result['gain_rule_stalling']} (layers "
+          f"persistently worse than the others); steps to tell skew from noise: {result['steps_to_tell_apart']}")
+    return 0
+
+
+def _bench_plan(args) -> int:
+    from .bench import bench_plan
+    result = bench_plan()
+    print(json.dumps(result, indent=2) if args.json else
+          f"planner {result['planner']['median_ms']} ms steered, {result['planner']['uniform_median_ms']} ms uniform "
+          f"(target <= 100); steering / MoE layer "
+          f"{result['steering']['ratio']:.4f} (target <= 0.02)")
+    return 0
+
+
+def _bench_optimum(args) -> int:
+    from .bench import bench_optimum
+    result = bench_optimum(seeds=args.seeds)
+    print(json.dumps(result, indent=2) if args.json else
+          "\n".join(f"{r['experts']} experts on {r['devices']} x {r['slots']}: worst {r['refined_worst']} "
+                    f"({r['refined_over_5pct']} of {r['seeds']} over 5 %); greedy only {r['greedy_only_worst']} "
+                    f"({r['greedy_only_over_5pct']} over)" for r in result["rows"]))
+    return 0
+
+
+def _bench_infer_autoep(args) -> int:
+    from .bench_infer_autoep import bench_infer_autoep, format_autoep_infer_table
+    result = bench_infer_autoep(ranks=tuple(args.ranks), batches=args.batches if args.batches_given else 24,
+                                replica_slots=args.replica_slots)
+    return _show(args, result, format_autoep_infer_table(result))
+
+
+def _bench_infer(args) -> int:
+    from .bench_infer import bench_infer
+    result = bench_infer(ranks=tuple(args.ranks), batches=args.batches, replica_slots=args.replica_slots,
+                         ckpt=args.ckpt)
+    print(json.dumps(result, indent=2) if args.json else "\n".join(
+        f"{r['row']:14s} {r['ranks']} ranks {r['split']:5s}: capacity/ideal {r['capacity_over_ideal_plain']} -> "
+        f"{r['capacity_over_ideal_ours']} (bound {r['capacity_over_ideal_bound']}), MoE speed-up {r['speedup']}, "
+        f"tokens/s {r['tokens_per_s_ratio']}x plain, slots {r['slots_serving']}, "
+        f"drops {r['drop_rate_plain']} -> {r['drop_rate_ours']}, overhead {r['overhead_ratio']}, "
+        f"equal {r['outputs_equal']}" for r in result["rows"]) + "\ntargets: " + json.dumps(result["targets"]))
+    return 0
 
 
 def _simulate(args) -> int:
