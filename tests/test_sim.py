@@ -140,3 +140,14 @@ def test_a_balance_log_with_bad_counts_is_refused_like_the_other_importers(tmp_p
     (tmp_path / "balance.jsonl").write_text(json.dumps({"step": 1, "expert_counts_LE": counts}) + "\n")
     with pytest.raises(ValueError, match=message):
         sim.load_trace(str(tmp_path))
+
+
+def test_a_strategy_is_its_named_switches_and_an_unknown_name_is_refused():
+    from eb_deepspeed.sim.strategies import STRATEGY_SPECS, Strategy
+    assert set(STRATEGY_SPECS) == set(sim.STRATEGY_LABELS) and set(sim.STRATEGIES) < set(STRATEGY_SPECS)
+    w = sim.synthetic_workload(layers=2, experts=8, devices=2, steps=4, tokens_per_rank=64)
+    cfg = SimConfig(warmup=1, replan_every=2)
+    # the same switches by name or as an object give the same row
+    assert sim.simulate(w, "aggregated", cfg) == sim.simulate(w, Strategy(rebalance=True, aggregate=True), cfg)
+    with pytest.raises(ValueError, match=r"strategy \('magic'\) must be one of: static, per_token"):
+        sim.simulate(w, "magic", cfg)

@@ -23,7 +23,7 @@ from ..planning.steering import even_split, steer
 from .model import ClusterModel
 from .workloads import Workload
 
-__all__ = ["SimConfig", "STRATEGIES", "STRATEGY_LABELS", "simulate", "run_table", "evaluate_targets", "format_targets",
+__all__ = ["SimConfig", "Strategy", "STRATEGIES", "STRATEGY_LABELS", "STRATEGY_SPECS", "simulate", "run_table", "evaluate_targets", "format_targets",
            "format_table"]
 
 
@@ -40,6 +40,37 @@ STRATEGY_LABELS = {
     "placement_steering": "eb placement + steering, cross term in the plan",
     "placement_view": "eb placement, each expert's routes split evenly over its replicas (no steering)",
     "greedy_eplb": "per-layer greedy replication (EPLB-style)",
+}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What a strategy does, as named switches (`STRATEGY_SPECS`); `simulate` reads only these.
+
+    plan: how it places replicas at each re-plan: None (DeepSpeed's static layout), "steered" / "uniform"
+    (our planner under that dispatch model), "greedy" (per-layer EPLB-style). steer: split each expert's
+    routes over its replicas by `steering.steer` (else evenly). rebalance: the article's candidate-expert
+    re-routing at device level; per_token: decide every token on instantaneous loads (else batched, on the
+    EMA view's prediction); aggregate: rebalanced routes share messages. article_weights: steer with the
+    configured (article) cost weights instead of folding the cross-layer weight into the intra-layer one.
+    """
+    plan: str | None = None
+    steer: bool = False
+    rebalance: bool = False
+    per_token: bool = False
+    aggregate: bool = False
+    article_weights: bool = False
+
+
+STRATEGY_SPECS = {
+    "static": Strategy(),
+    "per_token": Strategy(rebalance=True, per_token=True),
+    "batched_ema": Strategy(rebalance=True),
+    "aggregated": Strategy(rebalance=True, aggregate=True),
+    "placement_steering_cross": Strategy(plan="steered", steer=True, article_weights=True),
+    "placement_steering": Strategy(plan="steered", steer=True),
+    "placement_view": Strategy(plan="uniform"),
+    "greedy_eplb": Strategy(plan="greedy"),
 }
 
 
@@ -115,106 +146,132 @@ def _candidate_rebalance(load_G: torch.Tensor, predicted_G: torch.Tensor, movabl
     return moved_GG
 
 
-def simulate(workload: Workload, strategy: str, cfg: SimConfig | None = None, progress=None) -> dict[str, float]:
-    """Run one strategy over the workload; returns step time, throughput, balance and moves."""
+def simulate(workload: Workload, strategy: str | Strategy, cfg: SimConfig | None = None,
+             progress=None) -> dict[str, float]:
+    """Run one strategy (a `STRATEGY_SPECS` name, or a `Strategy`) over the workload; returns step time,
+    throughput, balance and weight moves."""
     cfg = cfg or SimConfig()
+    if isinstance(strategy, str) and strategy not in STRATEGY_SPECS:
+        raise ValueError(f"strategy ({strategy!r}) must be one of: {', '.join(STRATEGY_SPECS)}")
+    spec = STRATEGY_SPECS[strategy] if isinstance(strategy, str) else strategy
     counts = workload.counts_NLGE
     N, L, G, E = counts.shape
-    model = cfg.model
-    node_G = model.node_of(G)
-    topology = model.topology
-    hop_GG = hop_cost(node_G, topology.node_hop)
-    weight_G = workload.weight_G
+    node_G = cfg.model.node_of(G)
+    hop_GG = hop_cost(node_G, cfg.model.topology.node_hop)
     S = E // G + cfg.extra_slots
     static = static_placement(L, E, G)
     placement = static
     view = LoadView(L, E, G, ema_alpha=cfg.ema_alpha, window=cfg.window)   # the real view, fed simulated loads
     moves = replan_moves = 0
     times, utils, bal_num, bal_den = [], [], 0.0, 0.0
-    tokens_per_step = float(counts[0].sum()) / workload.k
-    decision_batch = 1 if strategy == "per_token" else cfg.decision_batch
-    intra, cross, comm = cfg.cost_weights
-    # Within a synchronised step a layer waits for its slowest device whatever its neighbours do, so
-    # "placement_steering" folds the cross-layer weight into the intra-layer one; the cross-layer view
-    # still acts through the planner. "placement_steering_cross" keeps the configured (article) weights.
-    weights = cfg.cost_weights if strategy == "placement_steering_cross" else (intra + cross, 0.0, comm)
     for n in range(N):
-        c_LGE = counts[n]
-        replan = n == cfg.warmup or (n > cfg.warmup and n % cfg.replan_every == 0)
-        if strategy in ("placement_steering", "placement_steering_cross", "placement_view", "greedy_eplb") and replan:
-            if strategy.startswith("placement"):
-                new = plan_placement(view.heat_LE, G, S, num_nodes=int(node_G.max()) + 1,
-                                     previous=None if placement is static else placement,
-                                     dispatch="uniform" if strategy == "placement_view" else "steered")
-            else:
-                new = _greedy_eplb(view.heat_LE, G, S)
+        if spec.plan is not None and (n == cfg.warmup or (n > cfg.warmup and n % cfg.replan_every == 0)):
+            new = _replan(spec, view, placement, static, G, S, node_G)
             # weight copies: replicas on a device that did not hold that expert; the first plan (from
             # DeepSpeed's static layout, no `previous` to keep) is counted apart from the re-plans
             copies = int((new.holds_mask() & ~placement.holds_mask()).sum())
             moves += copies
-            if placement is not static:
-                replan_moves += copies
+            replan_moves += copies if placement is not static else 0
             placement = new
-        devices_LER = placement.expert_devices()
-        times_LG = torch.zeros(L, G, dtype=torch.float64)
-        load_LG = torch.zeros(L, G, dtype=torch.float64)
-        cross_LG = view.cross_layer_pressure() if view.steps else None
-        for l in range(L):   # layers of one step
-            c_GE = c_LGE[l]
-            dev_ER = devices_LER[l]
-            decisions_G = torch.zeros(G, dtype=torch.float64)
-            steered = strategy.startswith("placement_steering") and placement is not static
-            if steered:
-                cross_G = cross_LG[l] if cross_LG is not None else None
-                split = steer(c_GE, dev_ER, node_G, pressure_G=cross_G, weights=weights, topology=topology.name,
-                              decision_batch=cfg.decision_batch, weight_G=weight_G)
-                decisions_G = c_GE.sum(1).to(torch.float64) / cfg.decision_batch
-            else:
-                split = even_split(c_GE, dev_ER)
-            # traffic s -> d (tokens, weighted by the source's sequence-length cost)
-            traffic_GG = torch.zeros(G, G, dtype=torch.float64)
-            dst = dev_ER.clamp_min(0)[None].expand(G, -1, -1)
-            traffic_GG.scatter_add_(1, dst.reshape(G, -1), split.reshape(G, -1).to(torch.float64))
-            traffic_GG = traffic_GG * weight_G[:, None]
-            messages_G = ((traffic_GG > 0) & ~torch.eye(G, dtype=torch.bool)).sum(1).to(torch.float64)
-            if strategy in ("per_token", "batched_ema", "aggregated"):
-                actual_G = traffic_GG.sum(0)
-                if strategy == "per_token" or cross_LG is None:
-                    predicted_G = actual_G
-                else:
-                    p_G = view.pressure_LG[l]
-                    predicted_G = p_G / p_G.sum().clamp_min(1e-12) * actual_G.sum()
-                cross_G = cross_LG[l] if cross_LG is not None else torch.ones(G)
-                moved_GG = _candidate_rebalance(actual_G, predicted_G, cfg.movable, cross_G, cfg.cost_weights, hop_GG)
-                # moved tokens leave their device's queue and travel from their source to the new device:
-                # approximated as sent by the overloaded device's sources in proportion
-                src_share_GG = traffic_GG / traffic_GG.sum(0, keepdim=True).clamp_min(1e-12)  # [s, d_from]
-                extra_GG = src_share_GG @ moved_GG                                            # [s, d_to]
-                removed_G = moved_GG.sum(1)                                                   # from d
-                traffic_GG = traffic_GG - src_share_GG * removed_G[None, :] + extra_GG
-                decisions_G = c_GE.sum(1).to(torch.float64) / decision_batch
-                if strategy != "aggregated":   # without aggregation every decision is its own message
-                    messages_G = messages_G + (extra_GG.sum(1) / decision_batch)
-            processed_G = traffic_GG.sum(0)
-            compute_G = processed_G
-            if model.padded:
-                compute_G = torch.full_like(processed_G, float(processed_G.max()))
-            times_LG[l] = model.layer_times(traffic_GG, compute_G, messages_G, decisions_G,
-                                            model.steer_s if steered else 0.0)
-            load_LG[l] = processed_G
-        times.append(model.step_time(times_LG))
+        times_LG, load_LG = _step(spec, cfg, counts[n], placement, placement is not static, view, node_G, hop_GG,
+                                  workload.weight_G)
+        times.append(cfg.model.step_time(times_LG))
         utils.append(M.device_util_std(load_LG))
         bal_num += float(load_LG.mean(1).sum())
         bal_den += float(load_LG.amax(1).sum())
         # the view: sequence-length weighted heat per expert, device pressure from the simulated loads
-        heat_step_LE = (c_LGE * weight_G[None, :, None]).sum(1)
+        heat_step_LE = (counts[n] * workload.weight_G[None, :, None]).sum(1)
         view.update(Tally.build(heat_step_LE), device_load_LG=load_LG)
         if progress is not None:
             progress.update(1)
     step = sum(times) / len(times)
-    return {"step_ms": step * 1e3, "throughput_tokens_s": tokens_per_step / step,
+    return {"step_ms": step * 1e3, "throughput_tokens_s": float(counts[0].sum()) / workload.k / step,
             "device_util_std": sum(utils) / len(utils), "balancedness": bal_num / bal_den, "moves": moves,
             "replan_moves": replan_moves}
+
+
+def _replan(spec: Strategy, view: LoadView, placement: Placement, static: Placement, G: int, S: int,
+            node_G: torch.Tensor) -> Placement:
+    """A new placement from the view's heat: our planner (under the strategy's dispatch) or EPLB-style."""
+    if spec.plan == "greedy":
+        return _greedy_eplb(view.heat_LE, G, S)
+    return plan_placement(view.heat_LE, G, S, num_nodes=int(node_G.max()) + 1,
+                          previous=None if placement is static else placement, dispatch=spec.plan)
+
+
+def _step(spec: Strategy, cfg: SimConfig, c_LGE: torch.Tensor, placement: Placement, planned: bool,
+          view: LoadView, node_G: torch.Tensor, hop_GG: torch.Tensor, weight_G: torch.Tensor):
+    """One synchronised step, layer by layer: the routes' traffic, the strategy's decisions, each device's
+    time. Returns times_LG [L, G] and the processed load_LG [L, G]."""
+    L, G, _ = c_LGE.shape
+    model = cfg.model
+    devices_LER = placement.expert_devices()
+    cross_LG = view.cross_layer_pressure() if view.steps else None
+    intra, cross, comm = cfg.cost_weights
+    # Within a synchronised step a layer waits for its slowest device whatever its neighbours do, so
+    # steering folds the cross-layer weight into the intra-layer one (the cross-layer view still acts
+    # through the planner); `article_weights` keeps the configured weights.
+    weights = cfg.cost_weights if spec.article_weights else (intra + cross, 0.0, comm)
+    times_LG = torch.zeros(L, G, dtype=torch.float64)
+    load_LG = torch.zeros(L, G, dtype=torch.float64)
+    for l in range(L):   # layers of one step
+        c_GE, dev_ER = c_LGE[l], devices_LER[l]
+        steered = spec.steer and planned
+        decisions_G = torch.zeros(G, dtype=torch.float64)
+        if steered:
+            split = steer(c_GE, dev_ER, node_G, pressure_G=None if cross_LG is None else cross_LG[l],
+                          weights=weights, topology=model.topology.name, decision_batch=cfg.decision_batch,
+                          weight_G=weight_G)
+            decisions_G = c_GE.sum(1).to(torch.float64) / cfg.decision_batch
+        else:
+            split = even_split(c_GE, dev_ER)
+        traffic_GG = _traffic(split, dev_ER, weight_G)
+        messages_G = ((traffic_GG > 0) & ~torch.eye(G, dtype=torch.bool)).sum(1).to(torch.float64)
+        if spec.rebalance:
+            traffic_GG, decisions_G, extra_messages_G = _rebalance(spec, cfg, traffic_GG, c_GE, view, l, cross_LG,
+                                                                   hop_GG)
+            messages_G = messages_G + extra_messages_G
+        processed_G = traffic_GG.sum(0)
+        compute_G = torch.full_like(processed_G, float(processed_G.max())) if model.padded else processed_G
+        times_LG[l] = model.layer_times(traffic_GG, compute_G, messages_G, decisions_G,
+                                        model.steer_s if steered else 0.0)
+        load_LG[l] = processed_G
+    return times_LG, load_LG
+
+
+def _traffic(split_GER: torch.Tensor, dev_ER: torch.Tensor, weight_G: torch.Tensor) -> torch.Tensor:
+    """Tokens s -> d [G, G] of a split, weighted by each source's sequence-length cost."""
+    G = split_GER.shape[0]
+    traffic_GG = torch.zeros(G, G, dtype=torch.float64)
+    dst = dev_ER.clamp_min(0)[None].expand(G, -1, -1)
+    traffic_GG.scatter_add_(1, dst.reshape(G, -1), split_GER.reshape(G, -1).to(torch.float64))
+    return traffic_GG * weight_G[:, None]
+
+
+def _rebalance(spec: Strategy, cfg: SimConfig, traffic_GG: torch.Tensor, c_GE: torch.Tensor, view: LoadView,
+               layer: int, cross_LG, hop_GG: torch.Tensor):
+    """The article's candidate-expert re-routing of one layer: moved traffic, decisions per device, and the
+    messages it adds (none when aggregated)."""
+    G = traffic_GG.shape[0]
+    actual_G = traffic_GG.sum(0)
+    if spec.per_token or cross_LG is None:
+        predicted_G = actual_G
+    else:
+        p_G = view.pressure_LG[layer]
+        predicted_G = p_G / p_G.sum().clamp_min(1e-12) * actual_G.sum()
+    cross_G = cross_LG[layer] if cross_LG is not None else torch.ones(G)
+    moved_GG = _candidate_rebalance(actual_G, predicted_G, cfg.movable, cross_G, cfg.cost_weights, hop_GG)
+    # moved tokens leave their device's queue and travel from their source to the new device:
+    # approximated as sent by the overloaded device's sources in proportion
+    src_share_GG = traffic_GG / traffic_GG.sum(0, keepdim=True).clamp_min(1e-12)  # [s, d_from]
+    extra_GG = src_share_GG @ moved_GG                                            # [s, d_to]
+    removed_G = moved_GG.sum(1)                                                   # from d
+    traffic_GG = traffic_GG - src_share_GG * removed_G[None, :] + extra_GG
+    decision_batch = 1 if spec.per_token else cfg.decision_batch
+    decisions_G = c_GE.sum(1).to(torch.float64) / decision_batch
+    # without aggregation every decision is its own message
+    extra_messages_G = torch.zeros(G, dtype=torch.float64) if spec.aggregate else extra_GG.sum(1) / decision_batch
+    return traffic_GG, decisions_G, extra_messages_G
 
 
 def run_table(workload: Workload, cfg: SimConfig | None = None, strategies=STRATEGIES, progress=None) -> dict:
