@@ -193,6 +193,11 @@ def test_the_framework_sweep_judges_per_layer_weights_paired_and_the_global_loss
         pytest.approx(2.022)
     assert targets == {"cross_layer_beats_micro": True, "global_exact_beats_micro_at_equal_balance": True,
                        "global_lagged_beats_micro_at_equal_balance": None}
+    # where tokens drop, the drops must fall as well: the same p90 cut with drops unchanged wins nothing
+    dropping = [dict(r, token_drop_rate=0.2 + 0.001 * r["seed"]) for r in runs]
+    v, t = framework_targets(sweep_stats(dropping, AUTOEP_METRICS), dropping)
+    assert v["cross_layer@0.01"]["vs_micro_same_coeff"]["drop_rate_cut"] == pytest.approx(0.0)
+    assert t["cross_layer_beats_micro"] is False
     # the global row no better than micro's curve at its balance: no win
     worse = [dict(r, val_loss=2.03) if r["policy"] == "global_exact" else r for r in runs]
     assert framework_targets(sweep_stats(worse, AUTOEP_METRICS), worse)[1]["global_exact_beats_micro_at_equal_balance"] \

@@ -189,8 +189,9 @@ def framework_targets(stats: list[dict], runs: list[dict]) -> tuple[dict, dict]:
     """Verdicts per comparison and the targets (issue 26; docs/benchmarks.md).
 
     cross_layer vs micro, at each coefficient, paired: the view's per-layer weights win when the p90 device
-    excess (max/mean - 1) is cut >= 20 % beyond the seed spread (mean paired difference below minus its std)
-    at a validation loss no worse than +0.5 %; the target wants >= 2/3 of the coefficients.
+    excess (max/mean - 1) is cut >= 20 % beyond the seed spread (mean paired difference below minus its std),
+    and where tokens drop (capacity-bound runs) the drop rate too, at a validation loss no worse than +0.5 %;
+    the target wants >= 2/3 of the coefficients.
     global_exact (and global_lagged) vs micro at equal balance: micro's validation loss read off its curve
     (val loss against p90 device max/mean, through its coefficients) at the global row's p90; the global
     row wins there when its val loss is lower by more than its seed std; the target wants >= 2/3 of the
@@ -208,16 +209,23 @@ def framework_targets(stats: list[dict], runs: list[dict]) -> tuple[dict, dict]:
             b, r = base["device_max_over_mean_p90"]["mean"] - 1.0, row["device_max_over_mean_p90"]["mean"] - 1.0
             p90 = _paired(runs, name, "micro", c, "device_max_over_mean_p90")
             val = _paired(runs, name, "micro", c, "val_loss")
-            spec = _paired(runs, name, "micro", c, "specialisation_tv") if "specialisation_tv" in runs[0] \
-                else (0.0, 0.0, 0)
-            v["vs_micro_same_coeff"] = {
-                "p90_excess_cut": 1.0 - r / b if b > 0 else 0.0,
-                "p90_beyond_spread": None if p90[2] < 2 else bool(p90[0] < 0 and -p90[0] > p90[1]),
-                "val_loss_change": row["val_loss"]["mean"] / base["val_loss"]["mean"] - 1.0,
-                "val_loss_paired_diff": list(val[:2]), "specialisation_paired_diff": list(spec[:2])}
+            d = {"p90_excess_cut": 1.0 - r / b if b > 0 else 0.0,
+                 "p90_beyond_spread": None if p90[2] < 2 else bool(p90[0] < 0 and -p90[0] > p90[1]),
+                 "val_loss_change": row["val_loss"]["mean"] / base["val_loss"]["mean"] - 1.0,
+                 "val_loss_paired_diff": list(val[:2])}
+            if "specialisation_tv" in runs[0]:
+                d["specialisation_paired_diff"] = list(_paired(runs, name, "micro", c, "specialisation_tv")[:2])
+            dropping = "token_drop_rate" in runs[0]       # capacity-bound runs: the drops must fall too
+            if dropping:
+                drops = _paired(runs, name, "micro", c, "token_drop_rate")
+                bd = base["token_drop_rate"]["mean"]
+                d["drop_rate_cut"] = 1.0 - row["token_drop_rate"]["mean"] / bd if bd > 0 else 0.0
+                d["drop_beyond_spread"] = None if drops[2] < 2 else bool(drops[0] < 0 and -drops[0] > drops[1])
+            v["vs_micro_same_coeff"] = d
             if name == "cross_layer":
-                d = v["vs_micro_same_coeff"]
-                d["wins"] = bool(d["p90_excess_cut"] >= 0.2 and d["p90_beyond_spread"] and d["val_loss_change"] <= 0.005)
+                d["wins"] = bool(d["p90_excess_cut"] >= 0.2 and d["p90_beyond_spread"]
+                                 and d["val_loss_change"] <= 0.005
+                                 and (not dropping or (d["drop_rate_cut"] >= 0.2 and d["drop_beyond_spread"])))
                 wins["cross_layer_beats_micro"][0] += d["wins"]
                 wins["cross_layer_beats_micro"][1] += 1
         if name in ("global_exact", "global_lagged", "sequence", "hf_micro") and len(micro) >= 2:
