@@ -195,7 +195,8 @@ def test_the_framework_sweep_judges_per_layer_weights_paired_and_the_global_loss
                        "global_lagged_beats_micro_at_equal_balance": None}
     # where tokens drop, the drops must fall as well: the same p90 cut with drops unchanged wins nothing
     dropping = [dict(r, token_drop_rate=0.2 + 0.001 * r["seed"]) for r in runs]
-    v, t = framework_targets(sweep_stats(dropping, AUTOEP_METRICS), dropping)
+    with_drops = {**AUTOEP_METRICS, "token_drop_rate": ("train_second_half", "drop rate")}
+    v, t = framework_targets(sweep_stats(dropping, with_drops), dropping)
     assert v["cross_layer@0.01"]["vs_micro_same_coeff"]["drop_rate_cut"] == pytest.approx(0.0)
     assert t["cross_layer_beats_micro"] is False
     # the global row no better than micro's curve at its balance: no win

@@ -49,7 +49,8 @@ AUTOEP_ROWS = {
     "none": (lambda c: ["--mode", "observe"], "none"),
     "hf_micro": (lambda c: ["--mode", "observe", "--hf-aux-coef", str(c)], "one"),
     "micro": (lambda c: ["--aux-policy", "fixed", "--loss-coeff", str(c)], "all"),
-    "global_exact": (lambda c: ["--aux-policy", "fixed", "--batch-scope", "global_exact", "--loss-coeff", str(c)], "all"),
+    "global_exact": (lambda c: ["--aux-policy", "fixed", "--batch-scope", "global_exact", "--loss-coeff", str(c)],
+                     "all"),
     "global_lagged": (lambda c: ["--aux-policy", "fixed", "--batch-scope", "global_lagged", "--loss-coeff", str(c)],
                       "one"),
     "sequence": (lambda c: ["--aux-policy", "fixed", "--batch-scope", "sequence", "--loss-coeff", str(c)], "one"),
@@ -71,7 +72,8 @@ AUTOEP_METRICS = {
 MEGATRON_ROWS = {
     "none": (lambda c: ["--load-balancing", "none", "--mode", "observe", "--coeff", "0"], "none"),
     "micro": (lambda c: ["--aux-policy", "fixed", "--coeff", str(c)], "all"),
-    "global_exact": (lambda c: ["--load-balancing", "global_aux_loss", "--aux-policy", "fixed", "--coeff", str(c)], "all"),
+    "global_exact": (lambda c: ["--load-balancing", "global_aux_loss", "--aux-policy", "fixed", "--coeff", str(c)],
+                     "all"),
     "sequence": (lambda c: ["--load-balancing", "seq_aux_loss", "--aux-policy", "fixed", "--coeff", str(c)], "one"),
     "cross_layer": (lambda c: ["--aux-policy", "cross_layer", "--coeff", str(c)], "all"),
     "bias": (lambda c: ["--aux-policy", "bias", "--coeff", str(c)], "one"),
@@ -215,7 +217,7 @@ def framework_targets(stats: list[dict], runs: list[dict]) -> tuple[dict, dict]:
                  "val_loss_paired_diff": list(val[:2])}
             if "specialisation_tv" in runs[0]:
                 d["specialisation_paired_diff"] = list(_paired(runs, name, "micro", c, "specialisation_tv")[:2])
-            dropping = "token_drop_rate" in runs[0]       # capacity-bound runs: the drops must fall too
+            dropping = "token_drop_rate" in base         # capacity-bound runs: the drops must fall too
             if dropping:
                 drops = _paired(runs, name, "micro", c, "token_drop_rate")
                 bd = base["token_drop_rate"]["mean"]
