@@ -9,8 +9,9 @@ weight, instead of one fixed coefficient for all layers. Four policies (`easybal
   cross_layer       each layer's l_aux keeps weight 1 and gets a device-level balance loss (DeepSeek-V2's,
                     `losses.device_balance_loss`, computed in the gate) weighted per layer from the view:
                     up where the layer's device imbalance, weighed by how hot those devices are across
-                    the window, stays high; down where it stays low. Integral action on the log-weight (persistent skew accumulates,
-                    step noise averages out), clipped to `weight_range`, optionally kept at mean 1
+                    the window, stays high; down where it stays low. Integral action on the log-weight
+                    (persistent skew accumulates, step noise averages out), clipped to `weight_range`,
+                    optionally kept at mean 1
                     (`mean_one`: the same total device push, placed better), smoothed over steps.
   bias              aux-loss-free balancing (Wang et al. 2024, DeepSeek-V3): a per-expert bias added to
                     the selection scores only (never to the gate values), moved by `bias_rate` towards
