@@ -44,19 +44,28 @@ from .bench_sweep import _code_hash, _launch, _rounded, sweep_stats
 __all__ = ["AUTOEP_ROWS", "AUTOEP_METRICS", "MEGATRON_ROWS", "DEEPSPEED_ROWS", "DROPPING_METRICS", "FRAMEWORKS",
            "bench_train_sweep_framework", "summarize_sweep_framework"]
 
-# row -> (example arguments at coefficient c, which coefficients: "all" of the sweep's, "one" (the middle), "none")
+# A row: (its example arguments at coefficient c, which coefficients: "all" of the sweep's, "one" (the middle),
+# "none"). The controls' rows are the same on every framework; how a scope is asked for, and the coefficient's
+# flag, differ.
+POLICY_OF_ROW = {"micro": "fixed", "global_exact": "fixed", "global_lagged": "fixed", "sequence": "fixed",
+                 "cross_layer": "cross_layer", "bias": "bias", "bias_cross_layer": "bias_cross_layer"}
+COEFFS_OF_ROW = {"micro": "all", "global_exact": "all", "global_lagged": "one", "sequence": "one",
+                 "cross_layer": "all", "bias": "one", "bias_cross_layer": "one"}
+
+
+def _control_rows(names: tuple[str, ...], coeff_flag: str, scope_args: dict[str, list[str]]) -> dict:
+    """The rows `names` of one framework: the row's policy, its scope's arguments, the coefficient."""
+    def row(name):
+        return lambda c: [*scope_args.get(name, []), "--aux-policy", POLICY_OF_ROW[name], coeff_flag, str(c)]
+    return {name: (row(name), COEFFS_OF_ROW[name]) for name in names}
+
+
+_SCOPE_FLAGS = {scope: ["--batch-scope", scope] for scope in ("global_exact", "global_lagged", "sequence")}
 AUTOEP_ROWS = {
     "none": (lambda c: ["--mode", "observe"], "none"),
     "hf_micro": (lambda c: ["--mode", "observe", "--hf-aux-coef", str(c)], "one"),
-    "micro": (lambda c: ["--aux-policy", "fixed", "--loss-coeff", str(c)], "all"),
-    "global_exact": (lambda c: ["--aux-policy", "fixed", "--batch-scope", "global_exact", "--loss-coeff", str(c)],
-                     "all"),
-    "global_lagged": (lambda c: ["--aux-policy", "fixed", "--batch-scope", "global_lagged", "--loss-coeff", str(c)],
-                      "one"),
-    "sequence": (lambda c: ["--aux-policy", "fixed", "--batch-scope", "sequence", "--loss-coeff", str(c)], "one"),
-    "cross_layer": (lambda c: ["--aux-policy", "cross_layer", "--loss-coeff", str(c)], "all"),
-    "bias": (lambda c: ["--aux-policy", "bias", "--loss-coeff", str(c)], "one"),
-    "bias_cross_layer": (lambda c: ["--aux-policy", "bias_cross_layer", "--loss-coeff", str(c)], "one"),
+    **_control_rows(("micro", "global_exact", "global_lagged", "sequence", "cross_layer", "bias", "bias_cross_layer"),
+                    "--loss-coeff", _SCOPE_FLAGS),
 }
 # metric -> (where in summary.json (None: its top level), what it is)
 AUTOEP_METRICS = {
@@ -69,15 +78,11 @@ AUTOEP_METRICS = {
                           "distance averaged over layers (0: used alike; higher: more specialised)"),
     "tokens_per_s": (None, "training tokens/s (every rank; noisy on a shared host)"),
 }
-MEGATRON_ROWS = {
+MEGATRON_ROWS = {     # Megatron's own losses are the scopes (easybalance's batch_scope is refused there)
     "none": (lambda c: ["--load-balancing", "none", "--mode", "observe", "--coeff", "0"], "none"),
-    "micro": (lambda c: ["--aux-policy", "fixed", "--coeff", str(c)], "all"),
-    "global_exact": (lambda c: ["--load-balancing", "global_aux_loss", "--aux-policy", "fixed", "--coeff", str(c)],
-                     "all"),
-    "sequence": (lambda c: ["--load-balancing", "seq_aux_loss", "--aux-policy", "fixed", "--coeff", str(c)], "one"),
-    "cross_layer": (lambda c: ["--aux-policy", "cross_layer", "--coeff", str(c)], "all"),
-    "bias": (lambda c: ["--aux-policy", "bias", "--coeff", str(c)], "one"),
-    "bias_cross_layer": (lambda c: ["--aux-policy", "bias_cross_layer", "--coeff", str(c)], "one"),
+    **_control_rows(("micro", "global_exact", "sequence", "cross_layer", "bias", "bias_cross_layer"), "--coeff",
+                    {"global_exact": ["--load-balancing", "global_aux_loss"],
+                     "sequence": ["--load-balancing", "seq_aux_loss"]}),
 }
 DROPPING_METRICS = {
     "val_loss": ("final", "validation loss at the end (held-out stdlib sources)"),
@@ -86,14 +91,8 @@ DROPPING_METRICS = {
     "device_max_over_mean_p90": ("train_second_half", "p90 over layers of device max/mean, second half"),
     "tokens_per_s": (None, "training tokens/s (every rank; noisy on a shared host)"),
 }
-DEEPSPEED_ROWS = {
-    "micro": (lambda c: ["--aux-policy", "fixed", "--coeff", str(c)], "all"),
-    "global_exact": (lambda c: ["--aux-policy", "fixed", "--batch-scope", "global_exact", "--coeff", str(c)], "all"),
-    "global_lagged": (lambda c: ["--aux-policy", "fixed", "--batch-scope", "global_lagged", "--coeff", str(c)], "one"),
-    "sequence": (lambda c: ["--aux-policy", "fixed", "--batch-scope", "sequence", "--coeff", str(c)], "one"),
-    "cross_layer": (lambda c: ["--aux-policy", "cross_layer", "--coeff", str(c)], "all"),
-    "bias_cross_layer": (lambda c: ["--aux-policy", "bias_cross_layer", "--coeff", str(c)], "one"),
-}
+DEEPSPEED_ROWS = _control_rows(("micro", "global_exact", "global_lagged", "sequence", "cross_layer",
+                                 "bias_cross_layer"), "--coeff", _SCOPE_FLAGS)
 # framework -> its example, config (and the flag that takes it), arguments of every run, rows, metrics
 FRAMEWORKS = {
     "autoep": dict(script=os.path.join("examples", "train_hf_moe.py"), config="train_hf_cpu_2rank.json",
