@@ -296,9 +296,9 @@ def scenario_view(p):
     counts, calls = [], [0]
     original = eb.step
 
-    def counting():
+    def counting(*args, **kwargs):           # the step hook passes the sample count: step(samples=...)
         calls[0] += 1
-        return original()
+        return original(*args, **kwargs)
 
     eb.step = counting
     controls = []
