@@ -328,7 +328,7 @@ class Balancer:
         if self.controls_on and self.controller.update(self.view, valid_L):
             self.apply_controls()
         if self.global_shares is not None:
-            self.global_shares.after_view(self.view.last.routed_LE[self.layers], valid_L[self.layers])
+            self.global_shares.after_view(self._view.last.routed_LE[self.layers], valid_L[self.layers])
         self._warn_nonfinite([i for i, n in enumerate(tally.nonfinite_L.tolist()) if n > 0])
         if self.view.steps % self.config.log.interval == 0:
             self.flush_log()

@@ -60,7 +60,8 @@ class GlobalShares:
         """
         if self.scope == "global_lagged" or rerun:
             return self.share_LE[layer]
-        counts_E = routed_E.detach().to(self.routes_LE[layer].device, torch.float64).reshape(-1)
+        # a copy: the all-reduce works in place, and the gate's own counts must stay its own
+        counts_E = routed_E.detach().to(self.routes_LE[layer].device, torch.float64, copy=True).reshape(-1)
         if self.all_reduce is not None:
             self.all_reduce(counts_E)
         self.routes_LE[layer] += counts_E
