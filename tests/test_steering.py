@@ -4,6 +4,7 @@ import torch
 
 from eb_deepspeed.core.topology import hop_cost
 from eb_deepspeed.planning.placement import plan_placement
+from eb_deepspeed.planning import steering
 from eb_deepspeed.planning.steering import device_loads, reroute_near_ties, steer
 
 pytestmark = pytest.mark.unit
@@ -65,7 +66,7 @@ def messages(split_GER, devices_ER, G):
     return int(((per_GG > 0) & ~torch.eye(G, dtype=torch.bool)).sum())
 
 
-def test_the_aggregation_bonus_keeps_a_small_chunk_where_its_source_sends_anyway():
+def test_the_aggregation_bonus_keeps_a_small_chunk_where_its_source_sends_anyway(monkeypatch):
     # devices 0, 1, 2 on one node. Source 0 sends 16 tokens to expert 0 (replicas on devices 1, 2) and 16 to
     # expert 1 (device 1 only); source 2 sends 8 to expert 2 (device 2 only). Even split: expert 0 gives 8 to
     # each replica, loads d1 = 24, d2 = 16, mean 40 / 3.
@@ -76,8 +77,10 @@ def test_the_aggregation_bonus_keeps_a_small_chunk_where_its_source_sends_anyway
     devices_ER = torch.tensor([[1, 2], [1, -1], [2, -1]])
     counts_GE = torch.tensor([[16, 16, 0], [0, 0, 0], [0, 0, 8]])
     node_G = torch.zeros(3, dtype=torch.long)
-    runs = {agg: steer(counts_GE, devices_ER, node_G, weights=(0.2, 0.0, 0.8), aggregation=agg, decision_batch=1)
-            for agg in (0.0, 1.0)}
+    runs = {}
+    for agg in (0.0, 1.0):
+        monkeypatch.setattr(steering, "AGGREGATION", agg)
+        runs[agg] = steer(counts_GE, devices_ER, node_G, weights=(0.2, 0.0, 0.8), decision_batch=1)
     assert runs[0.0][0, 0].tolist() == [4, 12] and device_loads(runs[0.0], devices_ER, 3).tolist() == [0, 20, 20]
     assert runs[1.0][0, 0].tolist() == [16, 0] and device_loads(runs[1.0], devices_ER, 3).tolist() == [0, 32, 8]
     assert messages(runs[1.0], devices_ER, 3) == 1 < messages(runs[0.0], devices_ER, 3) == 2

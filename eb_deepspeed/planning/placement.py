@@ -306,78 +306,114 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     load_LE, G, S, previous = _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
                                               slot_budget, stickiness, refine_rounds, refine_iters, refine_work,
                                               dispatch, node_spread)
-    L, E = load_LE.shape
-    P = G * S
-    # The penalties below are absolute (a forbidden device costs 1e30): plan in units where the largest
-    # load is 1 when loads are far from that, and report the loads in the caller's units.
-    peak = float(load_LE.max())
-    scale = 2.0 ** math.frexp(peak)[1] if peak > 0 and not 1e-6 <= peak <= 1e12 else 1.0   # exact division
-    if scale != 1.0:
-        plan = plan_placement(load_LE / scale, G, S, num_nodes=num_nodes, previous=previous, slot_budget=slot_budget,
-                              stickiness=stickiness, refine_rounds=refine_rounds, refine_iters=refine_iters,
-                              refine_work=refine_work, dispatch=dispatch, node_spread=node_spread)
-        for name in ("device_load_LG", "steered_load_LG"):
-            if getattr(plan, name) is not None:
-                setattr(plan, name, getattr(plan, name) * scale)
-        return plan
-
     if node_spread is None:
         node_spread = SPREAD_WEIGHT if dispatch == "steered" else False
-    node_G = np.arange(G) // (G // num_nodes)
-    none_G = np.zeros(G, dtype=np.int64)
-    weighed = not isinstance(node_spread, bool) and num_nodes > 1
-    spread_G = none_G if node_spread is False else node_G
-    was = None if previous is None else SlotCounts.devices(previous.phy2log.numpy(), previous.slots_per_device, E)
-    load = load_LE.numpy()
-    small = L * P <= EXTRA_WORK
-    if dispatch in ("uniform", "padded"):
-        # Steps 1u-3u: balance without steering (spread over nodes, and not, where spread is weighed);
-        # padded: the counts that minimise the largest share stay, only swaps balance the devices.
-        cands = _uniform_phy(load_LE, G, S, [spread_G, none_G] if weighed else [spread_G], was, slot_budget,
-                             stickiness, refine_rounds, fixed_counts=dispatch == "padded")
-        x_LP = None
+    # The penalties of the search are absolute (a forbidden device costs 1e30): plan in units where the
+    # largest load is 1 when loads are far from that, and report the loads in the caller's units.
+    peak = float(load_LE.max())
+    scale = 2.0 ** math.frexp(peak)[1] if peak > 0 and not 1e-6 <= peak <= 1e12 else 1.0   # exact division
+    task = _Task(load_LE / scale if scale != 1.0 else load_LE, G, S, num_nodes, previous, slot_budget, stickiness,
+                 refine_rounds, refine_iters, refine_work, dispatch, node_spread)
+    if dispatch == "steered":
+        cands, x_LP = _steered_candidates(task)
     else:
-        # Steps 1u-3u, then 3: the plan that balances without steering, improved for steering.
-        uni = _uniform_phy(load_LE, G, S, [spread_G, none_G] if weighed and small else [spread_G], was,
-                           slot_budget, stickiness, refine_rounds, steered=True)
-        if refine_rounds is None:   # about the same refinement time at every size: fewer rounds on larger inputs
-            rounds = int(np.clip((1 << 16) // (L * P), 1, 64))
-        else:
-            rounds = refine_rounds
-        cands, x_LP = [uni[0]], None
-        if rounds > 0:
-            phy, x_LP = refine_for_steering(uni[0].copy(), load, G, S, spread_G, was, stickiness, rounds,
-                                           refine_iters, refine_work)
-            cands = [phy]
-        if small:
-            # Also from the load-proportional greedy start (steps 1-3), and the no-spread plan.
-            cnt_LE = replica_counts(load_LE, P, G, slot_budget)
-            phy = assign_replicas(load_LE, cnt_LE, G, S, spread_G, was, stickiness)
-            if rounds > 0:
-                phy, _ = refine_for_steering(phy, load, G, S, spread_G, was, stickiness, rounds, refine_iters,
-                                             refine_work)
-            cands += [phy] + uni[1:]
-    # Keeping a layer as it is moves nothing: `previous` is a candidate where it obeys this call's rules
-    # (not under a slot budget, which counts slots over all layers; with the spread rule, only on layers
-    # where it covers as many nodes as the plan's own candidate).
-    keep_LP = None
-    if previous is not None and previous.slots_per_device == S and _is_legal(previous) and slot_budget is None:
-        keep_LP = previous.phy2log.numpy().astype(np.int64)
-        if node_spread is True and num_nodes > 1:
-            own = np.stack(cands)
-            covered = _node_coverage(np.concatenate([own, keep_LP[None]]), node_G, S, E)
-            ok_L = covered[-1] >= covered[:-1].max(0)
-            keep_LP = np.where(ok_L[:, None], keep_LP, own[0])
+        cands, x_LP = _uniform_candidates(task), None
+    keep_LP = _kept_previous(task, cands)
+    if keep_LP is not None:
         cands.append(keep_LP)
     # Each layer keeps its best candidate under the runtime's dispatch, weighing node spread and weight moves.
     weight = 0.0 if isinstance(node_spread, bool) else float(node_spread)
-    phy, x_LP = _choose(np.stack(cands), load, G, S, node_G, weight, was, stickiness, dispatch, x_LP,
+    phy, x_LP = _choose(np.stack(cands), task.load, G, S, task.node_G, weight, task.was, stickiness, dispatch, x_LP,
                         refine_iters, refine_work)
-    plan = index_maps(torch.from_numpy(np.ascontiguousarray(phy)), E, G, S, load_LE, previous)
+    plan = index_maps(torch.from_numpy(np.ascontiguousarray(phy)), task.E, G, S, task.load_LE, previous)
     if x_LP is not None:
-        plan.steered_load_LG = torch.from_numpy(x_LP.reshape(L, G, S).sum(2))
+        plan.steered_load_LG = torch.from_numpy(x_LP.reshape(task.L, G, S).sum(2))
+    if scale != 1.0:
+        for name in ("device_load_LG", "steered_load_LG"):
+            if getattr(plan, name) is not None:
+                setattr(plan, name, getattr(plan, name) * scale)
     _assert_legal(plan)
     return plan
+
+
+@dataclass
+class _Task:
+    """One planning call's checked arguments, and what every step derives from them."""
+    load_LE: torch.Tensor
+    G: int
+    S: int
+    num_nodes: int
+    previous: Placement | None
+    slot_budget: int | None
+    stickiness: float
+    refine_rounds: int | None
+    refine_iters: int
+    refine_work: int
+    dispatch: str
+    node_spread: bool | float
+
+    def __post_init__(self):
+        self.L, self.E = self.load_LE.shape
+        self.P = self.G * self.S
+        self.load = self.load_LE.numpy()
+        self.node_G = np.arange(self.G) // (self.G // self.num_nodes)
+        self.none_G = np.zeros(self.G, dtype=np.int64)
+        # where spread is weighed (not a rule), plans without spread are candidates too
+        self.weighed = not isinstance(self.node_spread, bool) and self.num_nodes > 1
+        self.spread_G = self.none_G if self.node_spread is False else self.node_G
+        self.was = None if self.previous is None else SlotCounts.devices(self.previous.phy2log.numpy(),
+                                                                         self.previous.slots_per_device, self.E)
+        self.small = self.L * self.P <= EXTRA_WORK
+
+
+def _uniform_candidates(task: _Task) -> list[np.ndarray]:
+    """Steps 1u-3u for "uniform" and "padded" (balance without steering; padded: the counts that minimise
+    the largest share stay, only swaps balance the devices), spread over nodes, and not where spread is weighed."""
+    nodes_list = [task.spread_G, task.none_G] if task.weighed else [task.spread_G]
+    return _uniform_phy(task.load_LE, task.G, task.S, nodes_list, task.was, task.slot_budget, task.stickiness,
+                        task.refine_rounds, fixed_counts=task.dispatch == "padded")
+
+
+def _steered_candidates(task: _Task) -> tuple[list[np.ndarray], np.ndarray | None]:
+    """Steps 1u-3u, then 3: the plan that balances without steering, improved for steering; on small inputs also
+    from the load-proportional greedy start (steps 1-3), and the no-spread plan. -> (candidates, the first
+    candidate's steered slot loads x_LP or None)"""
+    t = task
+    nodes_list = [t.spread_G, t.none_G] if t.weighed and t.small else [t.spread_G]
+    uni = _uniform_phy(t.load_LE, t.G, t.S, nodes_list, t.was, t.slot_budget, t.stickiness, t.refine_rounds,
+                       steered=True)
+    # about the same refinement time at every size: fewer rounds on larger inputs
+    rounds = int(np.clip((1 << 16) // (t.L * t.P), 1, 64)) if t.refine_rounds is None else t.refine_rounds
+    refine = lambda phy: refine_for_steering(phy, t.load, t.G, t.S, t.spread_G, t.was, t.stickiness, rounds,
+                                             t.refine_iters, t.refine_work)
+    cands, x_LP = [uni[0]], None
+    if rounds > 0:
+        phy, x_LP = refine(uni[0].copy())
+        cands = [phy]
+    if t.small:
+        phy = assign_replicas(t.load_LE, replica_counts(t.load_LE, t.P, t.G, t.slot_budget), t.G, t.S, t.spread_G,
+                              t.was, t.stickiness)
+        if rounds > 0:
+            phy, _ = refine(phy)
+        cands += [phy] + uni[1:]
+    return cands, x_LP
+
+
+def _kept_previous(task: _Task, cands: list[np.ndarray]) -> np.ndarray | None:
+    """Keeping a layer as it is moves nothing: `previous` as a candidate where it obeys this call's rules (not
+    under a slot budget, which counts slots over all layers; with the spread rule, only on layers where it covers
+    as many nodes as the plan's own candidate; elsewhere the first candidate). None where it cannot be one."""
+    previous = task.previous
+    if previous is None or previous.slots_per_device != task.S or not _is_legal(previous) \
+            or task.slot_budget is not None:
+        return None
+    keep_LP = previous.phy2log.numpy().astype(np.int64)
+    if task.node_spread is True and task.num_nodes > 1:
+        own = np.stack(cands)
+        covered = _node_coverage(np.concatenate([own, keep_LP[None]]), task.node_G, task.S, task.E)
+        ok_L = covered[-1] >= covered[:-1].max(0)
+        keep_LP = np.where(ok_L[:, None], keep_LP, own[0])
+    return keep_LP
 
 
 def _uniform_phy(load_LE, G, S, nodes_list, was, slot_budget, stickiness, refine_rounds,

@@ -15,7 +15,7 @@ The cost of sending a chunk of tokens from source rank s to a replica on device 
   - comm   * aggregation * [s sends to d for another expert]   few, large messages (the EasyBalance article, §4.2)
 Starting from the even split over replicas, each round lets every source rank in turn move, for
 all its experts at once, tokens from its costliest replica to its cheapest one (never overshooting,
-never fewer than `decision_batch` tokens per decision): at most `rounds` x G vectorised steps per
+never fewer than `decision_batch` tokens per decision): at most ROUNDS x G vectorised steps per
 layer, never a Python loop over tokens.
 """
 from __future__ import annotations
@@ -26,15 +26,22 @@ import numpy as np
 import torch
 
 from ..core.topology import TOPOLOGIES, hop_cost
-from .slots import integer_tensor, is_integer, is_real, real_tensor
+from .slots import integer_tensor, is_real, real_tensor
 
 __all__ = ["steer", "even_split", "reroute_near_ties", "device_loads"]
 
 
+# The improvement loop's constants: rounds of G source moves at most; the aggregation bonus (a fraction of the
+# comm weight) for a device the source already sends other experts' tokens to; a move closes the cost gap by
+# 1 / OVERSHOOT_GUARD of its size (2: the two costs meet).
+ROUNDS = 16
+AGGREGATION = 0.5
+OVERSHOOT_GUARD = 2.0
+
+
 def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tensor, *,
           pressure_G: torch.Tensor | None = None, weights=None, topology: str = "pcie",
-          decision_batch: int = 8, rounds: int = 16, aggregation: float = 0.5,
-          overshoot_guard: float = 2.0, weight_G: torch.Tensor | None = None) -> torch.Tensor:
+          decision_batch: int = 8, weight_G: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens from each source rank to each replica of each expert. -> split_GER [G, E, R] (long)
 
     counts_GE: [G, E] tokens source rank s routes to logical expert e (this batch, this layer).
@@ -42,73 +49,55 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tenso
     node_G: [G] node of each rank. pressure_G: [G] the view's cross-layer pressure (None = none).
     topology: a `TOPOLOGIES` key (hop cost); weights: (intra, cross, comm), e.g.
     `EasyBalanceConfig.inference.weights`; None = the topology's preset.
+    decision_batch: the fewest tokens one decision moves (fewer: the chunk stays).
     weight_G: [G] cost of one token from each source (sequence-length weighting); None = 1.
     Conserves tokens (split_GER.sum(2) == counts_GE) and uses only existing replicas.
     """
     counts_GE, devices_ER, node_G, pressure_G, weight_G = _checked_maps(counts_GE, devices_ER, node_G, pressure_G,
                                                                         weight_G)
-    w_intra, w_cross, w_comm = _checked_options(weights, topology, decision_batch, rounds, aggregation, overshoot_guard)
-    G, E = counts_GE.shape
-    R = devices_ER.shape[1]
-    valid_ER = devices_ER >= 0
+    w_intra, w_cross, w_comm = _checked_options(weights, topology, decision_batch)
+    # Start from the even split over replicas (EPLB's assumption), then improve it.
+    split_GER = even_split(counts_GE, devices_ER)
+    if bool(((devices_ER >= 0).sum(1) == 1).all()):  # no replicas anywhere: nothing to decide
+        return split_GER
+    static_GER = _static_costs(devices_ER, node_G, pressure_G, topology, w_cross, w_comm)
+    w_G = np.ones(counts_GE.shape[0]) if weight_G is None else weight_G.numpy()
+    # The improvement loop runs in NumPy (a few us per call against torch's ~10): G steps per round.
+    split = split_GER.numpy().copy()
+    _improve(split, devices_ER.clamp_min(0).numpy(), static_GER.numpy(), w_G, w_intra, w_comm, decision_batch)
+    return torch.from_numpy(split)
+
+
+def _static_costs(devices_ER, node_G, pressure_G, topology: str, w_cross: float, w_comm: float) -> torch.Tensor:
+    """The terms of the cost that no move changes: cross-layer pressure and hops. -> [G, E, R] float64 (inf on
+    padding)"""
+    E, R = devices_ER.shape
     dev_ER = devices_ER.clamp_min(0)
-    hop_GG = hop_cost(node_G, TOPOLOGIES[topology].node_hop)
-    hop_GER = hop_GG[:, dev_ER]                                           # [G, E, R]
+    hop_GER = hop_cost(node_G, TOPOLOGIES[topology].node_hop)[:, dev_ER]
     if pressure_G is None:
         cross_term_ER = torch.zeros(E, R, dtype=torch.float64)
     else:
-        p = torch.as_tensor(pressure_G, dtype=torch.float64)
-        cross_term_ER = (p / p.mean().clamp_min(1e-12))[dev_ER]
+        cross_term_ER = (pressure_G / pressure_G.mean().clamp_min(1e-12))[dev_ER]
     static_GER = w_cross * cross_term_ER[None] + w_comm * hop_GER
-    static_GER = torch.where(valid_ER[None], static_GER, float("inf"))
+    return torch.where((devices_ER >= 0)[None], static_GER, float("inf"))
 
-    # Start from the even split over replicas (EPLB's assumption), then improve it: in each round every
-    # source rank in turn moves, for all its experts at once, tokens from its costliest replica to its
-    # cheapest one. Loads are updated between source ranks, so ranks do not all pile onto the same
-    # idle device; a move never overshoots (the load term would make the target the costlier one).
-    split_GER = even_split(counts_GE, devices_ER)
-    if bool((valid_ER.sum(1) == 1).all()):  # no replicas anywhere: nothing to decide
-        return split_GER
-    w_G = np.ones(G) if weight_G is None else torch.as_tensor(weight_G, dtype=torch.float64).numpy()
-    # The improvement loop runs in NumPy (a few us per call against torch's ~10): G steps per round.
-    split = split_GER.numpy().copy()
-    dev = dev_ER.numpy()
-    static = static_GER.numpy()
+
+def _improve(split, dev, static, w_G, w_intra: float, w_comm: float, decision_batch) -> None:
+    """Improve `split` [G, E, R] in place: in each round every source rank in turn moves, for all its experts at
+    once, tokens from its costliest replica to its cheapest one (`_source_moves`). Loads are updated between
+    source ranks, so ranks do not all pile onto the same idle device; a move never overshoots (the load term
+    would make the target the costlier one). Stops after ROUNDS rounds, or a round that moves nothing."""
+    G, E, _ = split.shape
     load = np.zeros(G)
     np.add.at(load, dev.reshape(-1), (split * w_G[:, None, None]).sum(0).reshape(-1))
     mean_load = max(float(load.sum()) / G, 1e-9)
     e_idx = np.arange(E)
-    for _ in range(rounds):
+    for _ in range(ROUNDS):
         moved_any = False
         for s in range(G):    # source ranks (not tokens)
-            sends = np.zeros(G)
-            np.add.at(sends, dev.reshape(-1), split[s].reshape(-1))
-            # aggregation: a replica on a device this source already sends other experts' tokens to costs less,
-            # so a chunk that alone opens a message moves where a message goes anyway (its own chunk does
-            # not count, or the even split's chunks would hold every replica in place)
-            others_ER = sends[dev] - split[s]
-            cost = static[s] + w_intra * (load / mean_load)[dev] - (w_comm * aggregation) * (others_ER > 0)
-            src = np.where(split[s] > 0, cost, -np.inf).argmax(1)
-            dst = cost.argmin(1)
-            gain = cost[e_idx, src] - cost[e_idx, dst]
-            avail = split[s, e_idx, src].astype(np.float64)
-            moving = gain > 1e-9
-            if not moving.any():
-                continue
-            if w_intra > 0:
-                # moving x tokens closes the gap by 2 * w_intra * x * w_s / mean_load: with overshoot_guard 2
-                # a move stops where the two costs meet; experts of this source moving between the same
-                # devices share that gap
-                limit = np.minimum(avail, gain * mean_load / (overshoot_guard * w_intra * w_G[s]))
-                src_dev, dst_dev = dev[e_idx, src], dev[e_idx, dst]
-                n_dst = np.maximum(np.bincount(dst_dev[moving], minlength=G), 1)
-                n_src = np.maximum(np.bincount(src_dev[moving], minlength=G), 1)
-                limit = limit / np.maximum(n_dst[dst_dev], n_src[src_dev])
-            else:
-                limit = avail
-            amount = np.floor(limit)
-            amount = np.where(moving & (amount >= np.minimum(avail, decision_batch)), amount, 0).astype(np.int64)
-            if not amount.any():
+            src, dst, amount = _source_moves(split[s], dev, static[s], load, mean_load, w_G[s], w_intra, w_comm,
+                                             decision_batch)
+            if amount is None:
                 continue
             moved_any = True
             split[s, e_idx, src] -= amount
@@ -117,7 +106,41 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, node_G: torch.Tenso
             np.add.at(load, dev[e_idx, dst], amount * w_G[s])
         if not moved_any:
             break
-    return torch.from_numpy(split)
+
+
+def _source_moves(split_ER, dev, static_ER, load, mean_load: float, w_s: float, w_intra: float, w_comm: float,
+                  decision_batch):
+    """One source's move for each expert: (from replica [E], to replica [E], tokens [E] long), or (.., None)
+    where no expert moves at least `decision_batch` tokens (or all it has)."""
+    G, E = load.shape[0], split_ER.shape[0]
+    e_idx = np.arange(E)
+    sends = np.zeros(G)
+    np.add.at(sends, dev.reshape(-1), split_ER.reshape(-1))
+    # aggregation: a replica on a device this source already sends other experts' tokens to costs less,
+    # so a chunk that alone opens a message moves where a message goes anyway (its own chunk does
+    # not count, or the even split's chunks would hold every replica in place)
+    others_ER = sends[dev] - split_ER
+    cost = static_ER + w_intra * (load / mean_load)[dev] - (w_comm * AGGREGATION) * (others_ER > 0)
+    src = np.where(split_ER > 0, cost, -np.inf).argmax(1)
+    dst = cost.argmin(1)
+    gain = cost[e_idx, src] - cost[e_idx, dst]
+    avail = split_ER[e_idx, src].astype(np.float64)
+    moving = gain > 1e-9
+    if not moving.any():
+        return src, dst, None
+    if w_intra > 0:
+        # moving x tokens closes the gap by 2 * w_intra * x * w_s / mean_load: with OVERSHOOT_GUARD 2 a move
+        # stops where the two costs meet; experts of this source moving between the same devices share that gap
+        limit = np.minimum(avail, gain * mean_load / (OVERSHOOT_GUARD * w_intra * w_s))
+        src_dev, dst_dev = dev[e_idx, src], dev[e_idx, dst]
+        n_dst = np.maximum(np.bincount(dst_dev[moving], minlength=G), 1)
+        n_src = np.maximum(np.bincount(src_dev[moving], minlength=G), 1)
+        limit = limit / np.maximum(n_dst[dst_dev], n_src[src_dev])
+    else:
+        limit = avail
+    amount = np.floor(limit)
+    amount = np.where(moving & (amount >= np.minimum(avail, decision_batch)), amount, 0).astype(np.int64)
+    return src, dst, amount if amount.any() else None
 
 
 def _checked_maps(counts_GE, devices_ER, node_G, pressure_G, weight_G):
@@ -147,7 +170,7 @@ def _checked_maps(counts_GE, devices_ER, node_G, pressure_G, weight_G):
     return counts_GE, devices_ER, node_G, *per_rank
 
 
-def _checked_options(weights, topology, decision_batch, rounds, aggregation, overshoot_guard) -> tuple:
+def _checked_options(weights, topology, decision_batch) -> tuple:
     """(w_intra, w_cross, w_comm) after checking `steer`'s options; ValueError naming the bad one."""
     if not isinstance(topology, str) or topology not in TOPOLOGIES:
         raise ValueError(f"topology ({topology!r}) must be one of {sorted(TOPOLOGIES)}")
@@ -159,11 +182,8 @@ def _checked_options(weights, topology, decision_batch, rounds, aggregation, ove
     weights = tuple(weights) if isinstance(weights, (tuple, list, np.ndarray)) else (weights,)
     if not (len(weights) == 3 and all(is_real(w) and math.isfinite(w) and w >= 0 for w in weights)):
         raise ValueError(f"weights ({given!r}) must be three finite non-negative numbers (intra, cross, comm)")
-    if not (is_real(decision_batch) and decision_batch >= 1 and is_integer(rounds) and rounds >= 0
-            and is_real(aggregation) and math.isfinite(aggregation) and is_real(overshoot_guard) and overshoot_guard > 0):
-        raise ValueError(f"decision_batch ({decision_batch!r}) must be a number >= 1, rounds ({rounds!r}) an integer "
-                         f">= 0, aggregation ({aggregation!r}) a finite number and overshoot_guard ({overshoot_guard!r}) "
-                         "a number > 0")
+    if not (is_real(decision_batch) and decision_batch >= 1):
+        raise ValueError(f"decision_batch ({decision_batch!r}) must be a number >= 1")
     return tuple(float(w) for w in weights)
 
 
