@@ -173,113 +173,142 @@ def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_A, move_cost_A, K: int,
     device loads y_AKG, the current device loads y_AG). Move kinds as in `refine_uniform`; swaps and
     adds look at the slots of the `partners` least loaded devices, drops at the `takers` experts
     whose new replica would be lightest."""
-    A, P = phy_AP.shape
-    E = load_AE.shape[1]
-    rows = np.arange(A)[:, None]
-    cnt, share, w_AP = _shares(phy_AP, load_AE)
-    y_AG = w_AP.reshape(A, G, S).sum(2)
-    rank_AG = np.argsort(y_AG, 1, kind="stable")
-    g = rank_AG[:, -1]                                                 # the slowest device
-    M = min(G - 1, partners)
-    p_AS, q_AQ = move_slots(w_AP, g, rank_AG[:, :M], S)               # slots of g*, of the partners
-    h_AQ = q_AQ // S
-    yg = y_AG[rows[:, 0], g][:, None]
-    holds = SlotCounts.devices(phy_AP, S, E).counts                    # (rows, devices, experts) -> replicas
-    a_AS = phy_AP[rows, p_AS]
-    a_id = a_AS.clip(0)
-    real_a = a_AS >= 0
-    sa = w_AP[rows, p_AS]
-    b_AQ = phy_AP[rows, q_AQ]
-    b_id = b_AQ.clip(0)
-    wb = w_AP[rows, q_AQ][:, None, :]
-    yh = y_AG[rows, h_AQ][:, None, :]
-    # the slowest holder of x other than g* after x loses a replica: loads rise by la / (c - 1) - la / c
-    y_slot = np.where(phy_AP >= 0, y_AG[rows, np.arange(P) // S], -np.inf)
-    y_slot[rows, g[:, None] * S + np.arange(S)] = -np.inf
-    top_AE = np.full(A * (E + 1), -np.inf)
-    np.maximum.at(top_AE, (rows * (E + 1) + phy_AP + 1).ravel(), y_slot.ravel())
-    top_AE = top_AE.reshape(A, E + 1)[:, 1:]
-    rise_AE = np.where(cnt >= 2, load_AE / (cnt - 1).clip(1) - share, 0.0)   # (count 1: such moves are illegal)
-    c_new = load_AE / (cnt + 1)                                        # a new replica's share
+    f = _Frame(phy_AP, load_AE, G, S, partners)
+    est, c_AC = _estimates(f, node_AG, takers, swaps_only)
+    if was_A is not None:   # the weight copies a move makes or undoes, priced
+        moves_AX = _move_count(was_A.counts, f.a_AS, f.g, f.b_AQ, f.h_AQ, c_AC)
+        est = est + moves_AX * move_cost_A[:, None]
+    K = min(K, est.shape[1])
+    pick = np.argpartition(est, K - 1, 1)[:, :K] if K < est.shape[1] else np.tile(np.arange(K), (f.A, 1))
+    est_AK = np.take_along_axis(est, pick, 1)
+    kind, p, q, c = _decoded(f, pick, c_AC)
+    cand, y_AKG = _applied(f, kind, p, q, c)
+    score = y_AKG.max(2)
+    if was_A is not None:
+        score = score + np.take_along_axis(moves_AX, pick, 1) * move_cost_A[:, None]
+    return cand, np.where(np.isfinite(est_AK), score, np.inf), y_AKG, f.y_AG
 
+
+class _Frame:
+    """What every move of a round looks at: each layer's slowest device g*, its slots p_AS and the partners'
+    q_AQ (on devices h_AQ), the shares, and how an expert's other holders change when it gains or loses one."""
+
+    def __init__(self, phy_AP, load_AE, G: int, S: int, partners: int):
+        A, P = phy_AP.shape
+        E = load_AE.shape[1]
+        self.phy_AP, self.A, self.P, self.E, self.G, self.S = phy_AP, A, P, E, G, S
+        self.rows = rows = np.arange(A)[:, None]
+        self.cnt, self.share, self.w_AP = cnt, share, w_AP = _shares(phy_AP, load_AE)
+        self.y_AG = y_AG = w_AP.reshape(A, G, S).sum(2)
+        rank_AG = np.argsort(y_AG, 1, kind="stable")
+        self.g = g = rank_AG[:, -1]                                        # the slowest device
+        self.p_AS, self.q_AQ = move_slots(w_AP, g, rank_AG[:, :min(G - 1, partners)], S)   # slots of g*, partners'
+        self.h_AQ = self.q_AQ // S
+        self.yg = y_AG[rows[:, 0], g][:, None]
+        self.holds = SlotCounts.devices(phy_AP, S, E).counts               # (rows, devices, experts) -> replicas
+        self.a_AS = phy_AP[rows, self.p_AS]
+        self.b_AQ = phy_AP[rows, self.q_AQ]
+        # the slowest holder of x other than g* after x loses a replica: loads rise by la / (c - 1) - la / c
+        y_slot = np.where(phy_AP >= 0, y_AG[rows, np.arange(P) // S], -np.inf)
+        y_slot[rows, g[:, None] * S + np.arange(S)] = -np.inf
+        top_AE = np.full(A * (E + 1), -np.inf)
+        np.maximum.at(top_AE, (rows * (E + 1) + phy_AP + 1).ravel(), y_slot.ravel())
+        self.top_AE = top_AE.reshape(A, E + 1)[:, 1:]
+        self.rise_AE = np.where(cnt >= 2, load_AE / (cnt - 1).clip(1) - share, 0.0)   # (count 1: illegal moves)
+        self.c_new = load_AE / (cnt + 1)                                   # a new replica's share
+        self.g_holds_AE = self.holds(rows, g[:, None], np.arange(E)) > 0
+
+
+def _estimates(f: _Frame, node_AG, takers: int, swaps_only: bool):
+    """Every move's estimate, the largest new load among the devices it touches (inf: illegal), in the order
+    swaps [S x Q], drops [S x C], adds [S x Q]. -> (est [A, X], the takers c_AC)"""
+    rows, holds, cnt, share, c_new = f.rows, f.holds, f.cnt, f.share, f.c_new
+    a_AS, b_AQ, h_AQ, g, yg = f.a_AS, f.b_AQ, f.h_AQ, f.g, f.yg
+    a_id, b_id = a_AS.clip(0), b_AQ.clip(0)
+    real_a = a_AS >= 0
+    sa = f.w_AP[rows, f.p_AS]
+    wb = f.w_AP[rows, f.q_AQ][:, None, :]
+    yh = f.y_AG[rows, h_AQ][:, None, :]
     # swap: slot s of g* <-> partner slot q (d = load leaving g*); only g* and h change
     d = sa[:, :, None] - wb
     est_swap = np.maximum(yg[:, :, None] - d, yh + d)
     a_free_h = holds(rows[:, :, None], h_AQ[:, None, :], a_id[:, :, None]) == 0       # h does not hold a
     ok_swap = (~real_a[:, :, None] | a_free_h) & ((b_AQ < 0) | (holds(rows, g[:, None], b_id) == 0))[:, None, :] & (d > 0)
     # drop: a (on g*, count >= 2) -> c (one of the takers: not on g*, count < G, lightest new share)
-    g_holds_AE = holds(rows, g[:, None], np.arange(E)) > 0
-    c_key = np.where(~g_holds_AE & (cnt < G), c_new, np.inf)
-    C = min(E, takers)
-    c_AC = np.argpartition(c_key, C - 1, 1)[:, :C] if C < E else np.tile(np.arange(E), (A, 1))
+    c_key = np.where(~f.g_holds_AE & (cnt < f.G), c_new, np.inf)
+    C = min(f.E, takers)
+    c_AC = np.argpartition(c_key, C - 1, 1)[:, :C] if C < f.E else np.tile(np.arange(f.E), (f.A, 1))
     est_drop = np.maximum((yg - sa)[:, :, None] + c_new[rows, c_AC][:, None, :],
-                          (top_AE[rows, a_id] + rise_AE[rows, a_id])[:, :, None])
+                          (f.top_AE[rows, a_id] + f.rise_AE[rows, a_id])[:, :, None])
     ok_drop = (real_a & (cnt[rows, a_id] >= 2))[:, :, None] & np.isfinite(c_key[rows, c_AC])[:, None, :]
     # add: partner slot q (b, count >= 2, h without a) -> a new replica of a (on g*)
     gain_a = (share - c_new)[rows, a_id]                               # every replica of a sheds this
     yh_new = (yh - wb) + c_new[rows, a_id][:, :, None]
-    b_top = (top_AE + rise_AE)[rows, b_id][:, None, :]                 # b's other holders (an upper bound)
-    g_rise = (g_holds_AE[rows, b_id] * rise_AE[rows, b_id])[:, None, :]   # when g* holds b too
+    b_top = (f.top_AE + f.rise_AE)[rows, b_id][:, None, :]             # b's other holders (an upper bound)
+    g_rise = (f.g_holds_AE[rows, b_id] * f.rise_AE[rows, b_id])[:, None, :]   # when g* holds b too
     est_add = np.maximum(np.maximum((yg - gain_a)[:, :, None] + g_rise, yh_new), b_top)
     ok_add = (real_a[:, :, None] & a_free_h & ((b_AQ >= 0) & (cnt[rows, b_id] >= 2))[:, None, :]
               & (b_AQ[:, None, :] != a_AS[:, :, None]))
     if node_AG is not None:
-        per_node = SlotCounts(phy_AP, node_AG[:, np.arange(P) // S], int(node_AG.max()) + 1, E).counts
+        per_node = SlotCounts(f.phy_AP, node_AG[:, np.arange(f.P) // f.S], int(node_AG.max()) + 1, f.E).counts
         ok_swap &= _keeps_nodes(per_node, a_AS, b_AQ, g, h_AQ, node_AG)
         ok_drop &= (per_node(rows, node_AG[rows[:, 0], g][:, None], a_id) >= 2)[:, :, None]
         ok_add &= (per_node(rows, node_AG[rows, h_AQ], b_id) >= 2)[:, None, :]
     if swaps_only:
         ok_drop, ok_add = np.zeros_like(ok_drop), np.zeros_like(ok_add)
-    est = np.concatenate([np.where(ok_swap, est_swap, np.inf).reshape(A, -1),
-                          np.where(ok_drop, est_drop, np.inf).reshape(A, -1),
-                          np.where(ok_add, est_add, np.inf).reshape(A, -1)], 1)
-    if was_A is not None:   # the weight copies a move makes or undoes, priced
-        moves_AX = _move_count(was_A.counts, a_AS, g, b_AQ, h_AQ, c_AC)
-        est = est + moves_AX * move_cost_A[:, None]
-    K = min(K, est.shape[1])
-    pick = np.argpartition(est, K - 1, 1)[:, :K] if K < est.shape[1] else np.tile(np.arange(K), (A, 1))
-    est_AK = np.take_along_axis(est, pick, 1)
-    Sp, Q = p_AS.shape[1], q_AQ.shape[1]
+    est = np.concatenate([np.where(ok_swap, est_swap, np.inf).reshape(f.A, -1),
+                          np.where(ok_drop, est_drop, np.inf).reshape(f.A, -1),
+                          np.where(ok_add, est_add, np.inf).reshape(f.A, -1)], 1)
+    return est, c_AC
+
+
+def _decoded(f: _Frame, pick, c_AC):
+    """The picked estimates' moves: (kind [A, K] 0 swap / 1 drop / 2 add, slot p on g*, partner slot q, taker c)."""
+    C = c_AC.shape[1]
+    Sp, Q = f.p_AS.shape[1], f.q_AQ.shape[1]
     n_swap, n_drop = Sp * Q, Sp * C
     kind = np.where(pick < n_swap, 0, np.where(pick < n_swap + n_drop, 1, 2))
     local = np.where(kind == 0, pick, np.where(kind == 1, pick - n_swap, pick - n_swap - n_drop))
     s = np.where(kind == 1, local // C, local // Q)
     x = np.where(kind == 1, local % C, local % Q)
-    ra, kk = np.broadcast_to(rows, (A, K)), np.broadcast_to(np.arange(K), (A, K))
-    p = np.take_along_axis(p_AS, s, 1)
-    qi = np.where(kind == 1, 0, x)
-    q = np.take_along_axis(q_AQ, qi, 1)
+    p = np.take_along_axis(f.p_AS, s, 1)
+    q = np.take_along_axis(f.q_AQ, np.where(kind == 1, 0, x), 1)
     c = np.take_along_axis(c_AC, np.where(kind == 1, x, 0), 1)
-    a, b = phy_AP[ra, p], phy_AP[ra, q]
+    return kind, p, q, c
+
+
+def _applied(f: _Frame, kind, p, q, c):
+    """The moves made: (cand_AKP the placements, y_AKG their exact device loads, from the changes each move
+    makes rather than by recounting)."""
+    A, K = kind.shape
+    rows, holds, share, c_new, rise_AE, yg = f.rows, f.holds, f.share, f.c_new, f.rise_AE, f.yg
+    ra, kk = np.broadcast_to(rows, (A, K)), np.broadcast_to(np.arange(K), (A, K))
+    a, b = f.phy_AP[ra, p], f.phy_AP[ra, q]
     swap, drop, add = kind == 0, kind == 1, kind == 2
-    cand = np.repeat(phy_AP[:, None, :], K, 1)
+    cand = np.repeat(f.phy_AP[:, None, :], K, 1)
     cand[ra[swap], kk[swap], q[swap]] = a[swap]
     cand[ra[swap], kk[swap], p[swap]] = b[swap]
     cand[ra[drop], kk[drop], p[drop]] = c[drop]
     cand[ra[add], kk[add], q[add]] = a[add]
-    # Exact device loads of each candidate from the changes its move makes.
-    h = q // S
+    h = q // f.S
     a0, b0, c0 = a.clip(0), b.clip(0), c.clip(0)
-    hold_a = holds(ra[..., None], np.arange(G), a0[..., None]) > 0      # [A, K, G]
-    hold_b = holds(ra[..., None], np.arange(G), b0[..., None]) > 0
-    hold_c = holds(ra[..., None], np.arange(G), c0[..., None]) > 0
-    sa_k, sb_k = w_AP[ra, p], w_AP[ra, q]
-    dy = np.zeros((A, K, G))
+    hold_a = holds(ra[..., None], np.arange(f.G), a0[..., None]) > 0      # [A, K, G]
+    hold_b = holds(ra[..., None], np.arange(f.G), b0[..., None]) > 0
+    hold_c = holds(ra[..., None], np.arange(f.G), c0[..., None]) > 0
+    sa_k, sb_k = f.w_AP[ra, p], f.w_AP[ra, q]
+    dy = np.zeros((A, K, f.G))
     dy += (drop * rise_AE[ra, a0])[..., None] * hold_a                  # drop: a's other holders take more
     dy -= (drop * (share - c_new)[ra, c0])[..., None] * hold_c          #       c's holders take less
     dy -= (add * (share - c_new)[ra, a0])[..., None] * hold_a           # add:  a's holders take less
     dy += (add & (b >= 0))[..., None] * rise_AE[ra, b0][..., None] * hold_b   # b's other holders take more
-    y_AKG = y_AG[:, None, :] + dy
-    g_add = yg - (share - c_new)[ra, a0] + (b >= 0) * g_holds_AE[ra, b0] * rise_AE[ra, b0]   # g* may hold b
+    y_AKG = f.y_AG[:, None, :] + dy
+    g_add = yg - (share - c_new)[ra, a0] + (b >= 0) * f.g_holds_AE[ra, b0] * rise_AE[ra, b0]   # g* may hold b
     g_new = np.where(swap, yg - sa_k + sb_k, np.where(drop, yg - sa_k + c_new[ra, c0], g_add))
-    h_new = np.where(swap, y_AG[ra, h] + sa_k - sb_k, y_AG[ra, h] - sb_k + c_new[ra, a0])
-    y_AKG[ra, kk, g[:, None]] = g_new
+    h_new = np.where(swap, f.y_AG[ra, h] + sa_k - sb_k, f.y_AG[ra, h] - sb_k + c_new[ra, a0])
+    y_AKG[ra, kk, f.g[:, None]] = g_new
     hh = ~drop
     y_AKG[ra[hh], kk[hh], h[hh]] = h_new[hh]
-    score = y_AKG.max(2)
-    if was_A is not None:
-        score = score + np.take_along_axis(moves_AX, pick, 1) * move_cost_A[:, None]
-    return cand, np.where(np.isfinite(est_AK), score, np.inf), y_AKG, y_AG
+    return cand, y_AKG
 
 
 def _move_count(was, a_AS, g_A, b_AQ, h_AQ, c_AC) -> np.ndarray:
