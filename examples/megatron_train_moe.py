@@ -4,9 +4,9 @@
     deepspeed --num_gpus 2 examples/megatron_train_moe.py --config configs/megatron_cpu.json
     torchrun --nproc_per_node 2 examples/megatron_train_moe.py --config configs/megatron_cpu.json
 
-Megatron-Core's `GPTModel` (local spec: `TopKRouter`, `SequentialMLP` experts, the alltoall
-dispatcher), expert-parallel over the ranks; `eb_deepspeed.adapters.megatron.attach` turns its routers
-into `EBRouter`s and hooks the optimizer. The same `easybalance` block as on DeepSpeed, read from
+Megatron-Core's `GPTModel` (local spec with `eb_router_spec`: `EBRouter`, `SequentialMLP` experts, the
+alltoall dispatcher), expert-parallel over the ranks; `eb_deepspeed.adapters.megatron.attach` builds the
+balancer over its routers and hooks the optimizer. The same `easybalance` block as on DeepSpeed, read from
 `--config` (a JSON file holding an "easybalance" block). Writes RUN_DIR/balance/balance.jsonl, its
 PNGs, RUN_DIR/summary.json and RUN_DIR/ckpt/easybalance.pt.
 
@@ -73,7 +73,8 @@ def build_model(args):
         moe_expert_capacity_factor=args.capacity_factor, moe_token_drop_policy="probs",
         expert_model_parallel_size=torch.distributed.get_world_size(), use_cpu_initialization=True,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32)
-    spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
+    from eb_deepspeed.adapters.megatron import eb_router_spec
+    spec = eb_router_spec(get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False))
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=256, max_sequence_length=args.seq_len,
                     share_embeddings_and_output_weights=False)
 

@@ -25,7 +25,7 @@ E, H, L, VOCAB, T = 4, 16, 2, 32, 12
 
 
 class Net(torch.nn.Module):
-    def __init__(self, layers=L, **cfg_kw):
+    def __init__(self, layers=L, eb_spec=False, **cfg_kw):
         super().__init__()
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
         from megatron.core.transformer import TransformerConfig
@@ -37,6 +37,9 @@ class Net(torch.nn.Module):
         kw.update(cfg_kw)
         self.config = TransformerConfig(**kw)
         spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
+        if eb_spec:                               # EBRouters from the spec (attach converts a plain model's)
+            from eb_deepspeed.adapters.megatron import eb_router_spec
+            spec = eb_router_spec(spec)
         self.embed = torch.nn.Embedding(VOCAB, H)
         self.moes = torch.nn.ModuleList(build_module(spec, config=self.config, layer_number=i + 1)
                                         for i in range(layers))
@@ -95,17 +98,19 @@ def block(p, **kw):
 
 
 def scenario_equivalence(p):
-    """plain / enabled: false / observe: the same losses, gradients and parameters after 3 steps."""
+    """plain / enabled: false / observe (routers converted by attach, or built by eb_router_spec): the same
+    losses, gradients and parameters after 3 steps."""
     from eb_deepspeed.adapters.megatron import attach
     rank = dist.get_rank()
     out = {}
-    for variant in ("plain", "disabled", "observe"):
-        model = make()
+    for variant in ("plain", "disabled", "observe", "observe_spec"):
+        model = make(eb_spec=variant == "observe_spec")
+        built_as = type(model.moes[0].router).__name__
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         eb = None
         if variant == "disabled":
             eb = attach(model, block(p, enabled=False), optimizer=opt)
-        elif variant == "observe":
+        elif variant.startswith("observe"):
             eb = attach(model, block(p, mode="observe"), optimizer=opt)
         losses, grads = train(model, 3, opt, rank)
         out[variant] = {"losses": losses, "grads": grads, "params": {n: t.detach().clone() for n, t in
@@ -114,7 +119,7 @@ def scenario_equivalence(p):
                         "view": None if eb is None else {"steps": eb.view.steps, "pressure_LG": eb.view.pressure_LG,
                                                          "heat_LE": eb.view.heat_LE,
                                                          "tokens_L": eb.view.last.tokens_L},
-                        "router_class": type(model.moes[0].router).__name__}
+                        "router_class": type(model.moes[0].router).__name__, "built_as": built_as}
     return out
 
 

@@ -14,7 +14,7 @@ def test_observe_and_disabled_give_plain_megatrons_losses_gradients_and_paramete
     ranks = run_megatron("equivalence")
     for rank in ranks:
         plain = rank["plain"]
-        for variant in ("disabled", "observe"):
+        for variant in ("disabled", "observe", "observe_spec"):
             got = rank[variant]
             assert got["losses"] == plain["losses"], variant
             for g, g0 in zip(got["grads"], plain["grads"]):
@@ -22,7 +22,9 @@ def test_observe_and_disabled_give_plain_megatrons_losses_gradients_and_paramete
             assert all(torch.equal(got["params"][k], t) for k, t in plain["params"].items()), variant
         assert rank["disabled"]["router_class"] == "TopKRouter" and not rank["disabled"]["balancer"]
         view = rank["observe"]["view"]
-        assert rank["observe"]["router_class"] == "EBRouter"
+        assert rank["observe"]["router_class"] == "EBRouter" and rank["observe"]["built_as"] == "TopKRouter"
+        assert rank["observe_spec"]["built_as"] == rank["observe_spec"]["router_class"] == "EBRouter"
+        assert rank["observe_spec"]["view"]["tokens_L"].tolist() == [48.0, 48.0]
         assert view["steps"] == 3                                  # the optimizer hook: once per step
         assert view["tokens_L"].tolist() == [48.0, 48.0]           # 2 ranks x 24 tokens, each counted once
         for key in ("pressure_LG", "heat_LE"):                     # one all-reduce: every rank the same view
@@ -109,3 +111,18 @@ def test_a_batch_scope_on_megatron_points_to_megatrons_own_loss_before_any_route
     with pytest.raises(ValueError, match=rf"batch_scope \('{scope}'\) is for DeepSpeed-MoE and AutoEP.*{megatrons}"):
         attach(model, {"easybalance": {"aux": {"batch_scope": scope}}})
     assert not hasattr(model, "easybalance")
+
+
+@pytest.mark.unit
+def test_eb_router_spec_puts_ebrouter_in_every_moe_layer_of_a_copy_and_refuses_a_dense_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from eb_deepspeed.adapters.megatron import EBRouter, eb_router_spec
+    plain = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    spec = eb_router_spec(plain)
+    assert spec.submodules.mlp.submodules.router is EBRouter
+    assert plain.submodules.mlp.submodules.router is TopKRouter            # the caller's spec is left as it was
+    assert eb_router_spec([plain, plain])[1].submodules.mlp.submodules.router is EBRouter
+    with pytest.raises(ValueError, match="holds no MoE layer"):
+        eb_router_spec(get_gpt_layer_local_spec())

@@ -22,6 +22,7 @@ Worker processes are started here with RANK / WORLD_SIZE set (no launcher needed
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -143,62 +144,83 @@ def _plain_capacity(module) -> int:
 
 
 def run_rank(args: dict) -> dict:
+    """One rank's row: plain DeepSpeed and our serving engine on the same batches, measured side by side."""
     import deepspeed
-
-    from ..adapters.deepspeed import init_inference
-    from ..adapters.deepspeed.engine import find_moe_layers
     deepspeed.init_distributed(dist_backend="gloo")
-    rank, G = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    kind = args["router"]
+    G = torch.distributed.get_world_size()
     block = {"mode": "balance", "warmup_batches": args["warmup"], "log": {"dir": args["log_dir"], "interval": 10},
              "inference": {"replica_slots": args["replica_slots"], "split": args["split"],
                            "view_interval": args["view_interval"], "replan_interval": args["replan_interval"],
                            "replan_threshold": args["replan_threshold"], "trial_batches": args["trial_batches"]}}
+    build = functools.partial(_build_model, args, G)
+    plain, engine = _plain_and_ours(args, build, block)
+    n = args["warmup_batches"] + args["trial_batches"] + args["batches"]
+    rank = torch.distributed.get_rank()
+    batches = _example_batches(args, n, rank) if args["router"] == "example" else \
+        _zipf_batches(plain.classes, n, args["tokens"], args["zipf"], rank, args.get("drift", 0))
+    timer = _ServingTimer(engine.serving)
+    run = _interleaved(args, plain, engine, batches, timer)
+    drops = _drop_rates(args, build, _plain_of, block, batches[args["warmup_batches"]:], rank)
+    return _result(args, engine, run, timer, drops, batches[-1], rank)
 
-    def build(drop):
-        if kind == "example":
-            return _example_model(args, G, drop, args.get("ckpt"))
-        return _ZipfModel(args["experts"], args["hidden"], G, drop)
 
-    def plain_of(model):
-        for _, moe in find_moe_layers(model):
-            moe.set_deepspeed_parallelism()
-        return model.eval()
+def _build_model(args: dict, G: int, drop: bool):
+    """The row's model: the example LM (from the main job's checkpoint when there is one) or the Zipf layer."""
+    if args["router"] == "example":
+        return _example_model(args, G, drop, args.get("ckpt"))
+    return _ZipfModel(args["experts"], args["hidden"], G, drop)
 
-    plain = plain_of(build(False))
+
+def _plain_of(model):
+    """Plain DeepSpeed's exact expert-parallel forward: groups handed, eval mode."""
+    from ..adapters.deepspeed.engine import find_moe_layers
+    for _, moe in find_moe_layers(model):
+        moe.set_deepspeed_parallelism()
+    return model.eval()
+
+
+def _plain_and_ours(args: dict, build, block: dict):
+    """(plain model, our serving engine) with the same weights: the checkpoint's, where the row has one."""
+    from ..adapters.deepspeed import init_inference
+    plain = _plain_of(build(False))
     engine = init_inference(build(False), config={"easybalance": block})
-    if kind == "example" and args.get("ckpt"):
+    if args["router"] == "example" and args.get("ckpt"):
         engine.serving.load_checkpoint(args["ckpt"])
         _load_plain(plain, engine)
-    classes = None if kind == "example" else plain.classes
-    n = args["warmup_batches"] + args["trial_batches"] + args["batches"]
-    batches = _example_batches(args, n, rank) if kind == "example" else \
-        _zipf_batches(classes, n, args["tokens"], args["zipf"], rank, args.get("drift", 0))
+    return plain, engine
+
+
+class _ServingTimer:
+    """Wall time of the serving engine's per-batch view update and of each applied re-plan, by wrapping the
+    two `Serving` methods the engine calls after a batch."""
+
+    def __init__(self, serving):
+        self.view_s, self.replan_s = 0.0, []
+        self._after, self._replan = serving.after_batch, serving.maybe_replan
+        serving.after_batch, serving.maybe_replan = self._timed_after, self._timed_replan
+
+    def _timed_after(self):
+        t0 = time.perf_counter()
+        self._after()
+        self.view_s += time.perf_counter() - t0
+
+    def _timed_replan(self):
+        t0 = time.perf_counter()
+        applied = self._replan()
+        if applied:
+            self.replan_s.append(time.perf_counter() - t0)
+        return applied
+
+
+def _interleaved(args: dict, plain, engine, batches, timer: _ServingTimer) -> dict:
+    """Warm the view up and let the first placement's trial end, then run plain and ours on each batch in
+    alternating order: outputs compared, forwards timed, padded capacities against the ideal recorded."""
+    serving = engine.serving
     times = {"plain": [0.0, 0.0], "ours": [0.0, 0.0]}
     _timed_moes(plain, times["plain"])
     _timed_moes(engine.module, times["ours"])
-    serving = engine.serving
-    replan_s = []
-    view_s = [0.0]
-    original_after = serving.after_batch
-
-    def timed_after():
-        t0 = time.perf_counter()
-        original_after()
-        view_s[0] += time.perf_counter() - t0
-    serving.after_batch = timed_after
-    original_apply = serving.maybe_replan
-
-    def timed_replan():
-        t0 = time.perf_counter()
-        applied = original_apply()
-        if applied:
-            replan_s.append(time.perf_counter() - t0)
-        return applied
-    serving.maybe_replan = timed_replan
-    equal, caps_plain, caps_ours, ideal_plain, ideal_ours = True, [], [], [], []
-    replan_warmup = 0.0
-    forward_s = {"plain": 0.0, "ours": 0.0}
+    run = dict(times=times, equal=True, caps_plain=[], caps_ours=[], ideal_plain=[], ideal_ours=[],
+               forward_s={"plain": 0.0, "ours": 0.0}, replan_warmup=0.0)
     measuring = False
     with torch.no_grad():
         for b, x in enumerate(batches):
@@ -210,39 +232,43 @@ def run_rank(args: dict) -> dict:
             if not measuring:
                 measuring = True
                 times["plain"][:], times["ours"][:] = [0.0, 0.0], [0.0, 0.0]
-                view_s[0] = 0.0
-                replan_warmup = sum(replan_s)
-            if len(caps_ours) == args["batches"]:
+                timer.view_s = 0.0
+                run["replan_warmup"] = sum(timer.replan_s)
+            if len(run["caps_ours"]) == args["batches"]:
                 break
+            out = {}
             for name in (("plain", "ours") if b % 2 else ("ours", "plain")):
                 torch.manual_seed(b)
                 torch.distributed.barrier()          # every rank starts the timed forward together
                 t0 = time.perf_counter()
-                out = (plain if name == "plain" else engine)(x)[0]
-                forward_s[name] += time.perf_counter() - t0
-                if name == "plain":
-                    ref = out
-                else:
-                    mine = out
-            equal &= bool(torch.equal(ref, mine))
+                out[name] = (plain if name == "plain" else engine)(x)[0]
+                run["forward_s"][name] += time.perf_counter() - t0
+            run["equal"] &= bool(torch.equal(out["plain"], out["ours"]))
             routes = torch.tensor([x.shape[0] * x.shape[1] * 2 if x.dim() == 2 else x.shape[1] * 2])
             torch.distributed.all_reduce(routes, op=torch.distributed.ReduceOp.MAX)
-            caps_plain.append(_plain_capacity(plain))
-            caps_ours.append(max(g.last_capacity for g in serving.gates))
-            ideal_plain.append(int(routes) / serving.E)
-            ideal_ours.append(int(routes) / serving.P)
+            run["caps_plain"].append(_plain_capacity(plain))
+            run["caps_ours"].append(max(g.last_capacity for g in serving.gates))
+            run["ideal_plain"].append(int(routes) / serving.E)
+            run["ideal_ours"].append(int(routes) / serving.P)
+    return run
+
+
+def _result(args: dict, engine, run: dict, timer: _ServingTimer, drops: dict, last_batch, rank: int) -> dict:
+    """The row's numbers (docs/benchmarks.md): capacities, drops, forward times, and our overheads."""
+    serving = engine.serving
+    G = torch.distributed.get_world_size()
     heat = engine.easybalance.view.heat_LE
     share = heat / heat.sum(1, keepdim=True)
     bound = max(slot_bound(share[layer], G, serving.S_max) for layer in range(share.shape[0]))
-    # drop rate at eval capacity factor 1.0: equal batches per rank (plain DeepSpeed requires them)
-    drops = _drop_rates(args, build, plain_of, block, batches[args["warmup_batches"]:], rank)
     expert_bytes = sum(p.numel() * p.element_size() for p in serving.expert_module(0, 0).parameters())
-    measured = len(caps_ours)
+    measured = len(run["caps_ours"])
+    times, forward_s, replan_s = run["times"], run["forward_s"], timer.replan_s
+    ratio = lambda caps, ideal: round(statistics.mean(c / i for c, i in zip(caps, ideal)), 4)
     result = {
-        "router": kind, "ranks": G, "split": args["split"], "replica_slots": args["replica_slots"],
-        "experts": serving.E, "slots": serving.P, "batches": measured, "outputs_equal": equal,
-        "capacity_over_ideal_plain": round(statistics.mean(c / i for c, i in zip(caps_plain, ideal_plain)), 4),
-        "capacity_over_ideal_ours": round(statistics.mean(c / i for c, i in zip(caps_ours, ideal_ours)), 4),
+        "router": args["router"], "ranks": G, "split": args["split"], "replica_slots": args["replica_slots"],
+        "experts": serving.E, "slots": serving.P, "batches": measured, "outputs_equal": run["equal"],
+        "capacity_over_ideal_plain": ratio(run["caps_plain"], run["ideal_plain"]),
+        "capacity_over_ideal_ours": ratio(run["caps_ours"], run["ideal_ours"]),
         "capacity_over_ideal_bound": round(bound, 4),
         "drop_rate_plain": drops["plain"], "drop_rate_ours": drops["ours"],
         "moe_forward_ms_plain": round(1e3 * times["plain"][0] / measured, 3),
@@ -253,8 +279,8 @@ def run_rank(args: dict) -> dict:
         # tokens/s end to end against plain (the same tokens): the whole forward, view update and trials included
         "tokens_per_s_ratio": round(forward_s["plain"] / max(forward_s["ours"], 1e-12), 4),
         "layout_trials": serving.trials, "slots_serving": serving.P,
-        "steering_ms": _steering_ms(serving, batches[-1]) if rank == 0 else 0.0,
-        "view_ms": round(1e3 * (view_s[0] - (sum(replan_s) - replan_warmup)) / measured, 3),
+        "steering_ms": _steering_ms(serving, last_batch) if rank == 0 else 0.0,
+        "view_ms": round(1e3 * (timer.view_s - (sum(replan_s) - run["replan_warmup"])) / measured, 3),
         "replans": serving.replans, "weight_moves": serving.weight_moves,
         "replan_ms": round(1e3 * statistics.mean(replan_s), 2) if replan_s else 0.0,
         "replan_bytes": serving.weight_moves * expert_bytes,

@@ -9,8 +9,10 @@ Shape legend: L MoE layers, E experts per layer, G EP ranks, W packed tally widt
 
 The loop is `core.Balancer`; this file connects it to Megatron-Core:
 
-* every `TopKRouter` in the model becomes an `EBRouter` (its class changes; parameters, buffers and
-  state-dict keys stay), in module order: the layer index;
+* every router is an `EBRouter`, in module order: the layer index. Build the model with
+  `eb_router_spec(spec)` (Megatron's spec door); a plain `TopKRouter` of an already-built model is converted
+  in place (its class becomes the subclass `EBRouter`, which adds no parameter or buffer: the optimizer's
+  parameters, DDP's hooks and the state-dict keys stay the same objects);
 * the **reduce** is one all-reduce per step of the stacked [L, W] tally over Megatron's
   tensor x data x context-parallel group, the group Megatron itself reduces its expert-bias counts
   over (routers are replicated there; each rank routed its own tokens); the expert-parallel ranks are

@@ -12,14 +12,18 @@ Routing, capacity dropping and the aux losses are Megatron's own (`TopKRouter.ro
     `MoEAuxLossAutoScaler` scale is one global: per-layer weights must go through the coefficient);
   * `selection_bias_E` (the `bias` policy) selects the top-k on logits + bias (logit units, as on
     DeepSpeed, for softmax and sigmoid score functions alike); the probabilities that combine expert
-    outputs and every aux loss come from the unbiased logits. It is this project's bias: Megatron's own `expert_bias`
+    outputs and every aux loss come from the unbiased logits. The routing stays Megatron's
+    (`TopKRouter.routing`); only the top-k choice goes through its own door, the `router_replay` object
+    `topk_routing_with_score_function` asks for the top-k (`_LogitBiasTopK`, for the call only). It is this project's bias: Megatron's own `expert_bias`
     (`moe_router_enable_expert_bias`) must be off with it (`attach` refuses both);
   * `device_loss_weight` adds DeepSeek-V2's device-level balance loss (as the DeepSpeed gate does),
     with coefficient `device_loss_weight x moe_aux_loss_coeff`, through Megatron's own
     `attach_and_log_load_balancing_loss` (its gradient flows like the aux losses').
 
-Swap it in with a spec (`MoESubmodules(router=EBRouter, ...)`) or let `adapters.megatron.attach`
-turn the routers of a built model into EBRouters (their parameters and state-dict keys unchanged).
+Build it with the model: `eb_router_spec(spec)` is any Megatron layer/block/MoE spec with `EBRouter` as every
+`MoESubmodules.router` (Megatron's own door for a router class). A model built with plain `TopKRouter`s is
+converted by `adapters.megatron.attach` (each router's class becomes its subclass `EBRouter`, which adds no
+parameter or buffer: the optimizer's parameters, DDP's hooks and the state-dict keys are the same objects).
 """
 from __future__ import annotations
 
@@ -31,7 +35,39 @@ from megatron.core.transformer.moe.router import TopKRouter
 from ...core.losses import device_balance_loss
 from ...core.tally import TallyRecorder, in_backward, routes_from_mask
 
-__all__ = ["EBRouter"]
+__all__ = ["EBRouter", "eb_router_spec"]
+
+
+def eb_router_spec(spec):
+    """A copy of a Megatron module spec (a `ModuleSpec`, a block's `TransformerBlockSubmodules`, a list of
+    layer specs, ...) with `EBRouter` as the router of every MoE layer in it.
+
+    Args:
+        spec: e.g. `get_gpt_layer_local_spec(num_experts=8)` or `get_moe_module_spec(...)`.
+    Returns:
+        The spec, copied, every `MoESubmodules.router` replaced; ValueError when it holds no MoE layer.
+    """
+    import copy
+    import dataclasses
+
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    found = []
+
+    def visit(node):
+        if isinstance(node, MoESubmodules):
+            node.router = EBRouter
+            found.append(node)
+        if isinstance(node, (list, tuple, dict)):
+            for item in (node.values() if isinstance(node, dict) else node):
+                visit(item)
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for f in dataclasses.fields(node):
+                visit(getattr(node, f.name))
+    spec = copy.deepcopy(spec)
+    visit(spec)
+    if not found:
+        raise ValueError(f"eb_router_spec: {type(spec).__name__} holds no MoE layer (no MoESubmodules)")
+    return spec
 
 
 class EBRouter(TopKRouter):
@@ -121,48 +157,21 @@ class EBRouter(TopKRouter):
                                      layer=self.layer_index)
 
     def _biased_routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor]):
-        """Megatron's routing with the top-k chosen on scores + bias (its z-loss, capacity dropping and
-        aux losses unchanged; they read the unbiased logits)."""
-        from megatron.core.transformer.moe.moe_utils import (apply_router_token_dropping,
-                                                            compute_routing_scores_for_aux_loss)
+        """Megatron's own routing (`TopKRouter.routing`: z-loss, score function, scaling, capacity dropping, aux
+        losses) with the top-k chosen on logits + bias: the choice goes through Megatron's top-k door, the
+        `router_replay` object its routing asks for the top-k (`_LogitBiasTopK`), for this call only."""
         cfg = self.config
-        if cfg.moe_router_num_groups or self.routing_type == "sinkhorn" or self.expert_bias is not None:
-            raise ValueError("the easybalance selection bias needs ungrouped top-k routing without Megatron's own "
-                             "expert bias (moe_router_num_groups, sinkhorn and moe_router_enable_expert_bias are off)")
-        seq_length, bsz = logits.shape[:2]
-        logits = logits.view(-1, self.num_experts)
-        if padding_mask is not None:
-            padding_mask = padding_mask.reshape(-1)
-        logits = self.apply_z_loss(logits, padding_mask=padding_mask)
-        if self.score_function == "softmax":
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
-        else:
-            scores = torch.sigmoid(logits.float()).type_as(logits)
-        # The bias is in logit units for both score functions, as on DeepSpeed (its rate means the same
-        # everywhere); softmax and sigmoid are monotone, so the unbiased top-k is Megatron's.
-        top_TK = torch.topk(logits + self.selection_bias_E.to(logits.dtype), k=self.topk, dim=1).indices
-        if self.score_function == "softmax" and not cfg.moe_router_pre_softmax:
-            weights_TK = torch.softmax(logits.gather(1, top_TK), dim=-1, dtype=torch.float32).type_as(logits)
-        else:
-            weights_TK = scores.gather(1, top_TK)
-            if self.score_function == "sigmoid" and self.topk > 1:
-                weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-        if cfg.moe_router_topk_scaling_factor:
-            weights_TK = weights_TK * cfg.moe_router_topk_scaling_factor
-        probs = torch.zeros_like(logits).scatter(1, top_TK, weights_TK)
-        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_TK, True)
-        if cfg.moe_expert_capacity_factor is not None:
-            probs, routing_map = apply_router_token_dropping(
-                probs, routing_map, router_topk=self.topk, capacity_factor=cfg.moe_expert_capacity_factor,
-                drop_policy=cfg.moe_token_drop_policy, pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
-        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
-            aux_map, aux_scores = compute_routing_scores_for_aux_loss(
-                logits, self.topk, self.score_function, fused=cfg.moe_router_fusion, padding_mask=padding_mask)
-            with_mask = padding_mask is not None
-            probs = self._apply_aux_loss(probs, aux_scores, aux_map, with_padding_mask=with_mask)
-            probs = self._apply_seq_aux_loss(probs, aux_scores, aux_map, seq_length, bsz, with_padding_mask=with_mask)
-            probs = self._apply_global_aux_loss(probs, aux_scores, aux_map, with_padding_mask=with_mask)
-        return probs, routing_map
+        if cfg.moe_router_num_groups or self.routing_type == "sinkhorn" or self.expert_bias is not None \
+                or self.router_replay is not None or cfg.moe_router_fusion:
+            raise ValueError("the easybalance selection bias needs ungrouped, unfused top-k routing without "
+                             "Megatron's own expert bias or routing replay (moe_router_num_groups, sinkhorn, "
+                             "moe_router_enable_expert_bias, moe_enable_routing_replay and moe_router_fusion off)")
+        self.router_replay = _LogitBiasTopK(logits.reshape(-1, self.num_experts), self.selection_bias_E)
+        try:
+            return super().routing(logits, padding_mask)
+        finally:
+            self.router_replay = None
+
 
     def _attach_device_loss(self, logits_TE, probs, routing_map_TE, padding_mask):
         valid_T = None if padding_mask is None else ~padding_mask.reshape(-1).to(torch.bool)
@@ -181,3 +190,18 @@ class EBRouter(TopKRouter):
         # Megatron's convention: the loss handed over already carries its coefficient
         return self.attach_and_log_load_balancing_loss(probs, coeff, coeff * loss, "device_balance_loss",
                                                        self.tp_cp_group)
+
+
+class _LogitBiasTopK:
+    """Megatron's top-k door (the `RouterReplay.get_replay_topk` protocol): the experts are chosen on the
+    logits + bias (logit units, as on DeepSpeed, for softmax and sigmoid alike; both are monotone, so without a
+    bias the choice is Megatron's), the values returned are the unbiased scores at the chosen experts. So the
+    probabilities that combine expert outputs, and every aux loss, come from the unbiased logits."""
+
+    def __init__(self, logits_TE: torch.Tensor, bias_E: torch.Tensor):
+        self.logits_TE, self.bias_E = logits_TE, bias_E
+
+    def get_replay_topk(self, scores_TE, topk: int, num_groups=None, group_topk=None, default_compute_topk=None):
+        with torch.no_grad():
+            top_TK = torch.topk(self.logits_TE + self.bias_E.to(self.logits_TE.dtype), k=topk, dim=1).indices
+        return scores_TE.gather(1, top_TK), top_TK
