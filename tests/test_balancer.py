@@ -292,7 +292,7 @@ def test_a_state_that_does_not_fit_is_refused_before_anything_changes(damage, me
     damage(state)
     other = Balancer(config(), [ToyGate()], 2)
     before = other.state_dict()
-    assert other.state_problem(state) is not None
+    assert other.why_unfit(state) is not None
     with pytest.raises(ValueError, match=message):
         other.load_state_dict(state)
     after = other.state_dict()
@@ -489,7 +489,7 @@ def test_a_finite_but_impossible_state_is_refused_naming_its_field_and_nothing_c
     gates = [ToyGate(), ToyGate()]
     fresh = Balancer(config(aux={"policy": "bias"}), gates, 2)
     before = fresh.state_dict()
-    assert fresh.state_problem(state) is not None
+    assert fresh.why_unfit(state) is not None
     with pytest.raises(ValueError, match=says):
         fresh.load_state_dict(state)
     after = fresh.state_dict()

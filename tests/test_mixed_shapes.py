@@ -161,7 +161,7 @@ def test_the_balancer_packs_layers_of_different_sizes_into_one_reduce_and_contro
     assert torch.equal(twin.controller.bias_LE, balancer.controller.bias_LE)
     assert torch.equal(twin.view.pressure_LG, balancer.view.pressure_LG)
     other = Balancer(config(mode="observe"), [SizedGate(4), SizedGate(2), SizedGate(8)], 2)
-    assert "experts_L per layer is [2, 4, 8], this model's [4, 2, 8]" in other.state_problem(balancer.state_dict())
+    assert "experts_L per layer is [2, 4, 8], this model's [4, 2, 8]" in other.why_unfit(balancer.state_dict())
 
 
 def test_gates_of_smaller_ep_groups_tally_their_copy_and_the_view_takes_the_exact_device_load():
@@ -203,7 +203,7 @@ def test_a_uniform_checkpoint_of_the_format_before_per_layer_shapes_still_loads(
     restored.load_state_dict(old)
     assert torch.equal(restored.pressure_LG, view.pressure_LG)
     mixed = LoadView(2, [2, 4], 2)
-    assert "saved before them" in mixed.state_problem({**old, "heat_LE": torch.zeros(2, 4)})
+    assert "saved before them" in mixed.why_unfit({**old, "heat_LE": torch.zeros(2, 4)})
 
 
 def test_a_pr_moe_balance_log_is_refused_as_a_trace_with_the_reason(tmp_path):

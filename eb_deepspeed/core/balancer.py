@@ -444,7 +444,7 @@ class Balancer:
         return {"version": self.VERSION, "view": self.view.state_dict(), "aux": self.controller.state_dict(),
                 "config": self.config.to_dict()}
 
-    def state_problem(self, state: object) -> Optional[str]:
+    def why_unfit(self, state: object) -> Optional[str]:
         """Why a saved state cannot be restored into this balancer (None: it can, or it is of an older
         format, which `load_state_dict` skips). Checks everything before anything is changed."""
         if not isinstance(state, dict):
@@ -457,16 +457,16 @@ class Balancer:
         if version != self.VERSION:
             return (f"the balancer state format {version} is newer than this eb_deepspeed reads ({self.VERSION}); "
                     "upgrade eb_deepspeed")
-        return self.view.state_problem(state.get("view")) or self.controller.state_problem(state.get("aux"))
+        return self.view.why_unfit(state.get("view")) or self.controller.why_unfit(state.get("aux"))
 
     def load_state_dict(self, state: dict[str, object]) -> bool:
         """Restore a saved state; returns False (and changes nothing) for a state of an older format.
 
-        A state that does not fit (`state_problem`) raises ValueError and changes nothing. A state saved
+        A state that does not fit (`why_unfit`) raises ValueError and changes nothing. A state saved
         under another config is restored as far as the current config allows, and one warning says
         which options differ and what that changed (see `AuxController.load_state_dict`).
         """
-        problem = self.state_problem(state)
+        problem = self.why_unfit(state)
         if problem is not None:
             raise ValueError(problem)
         if state.get("version", 0) < self.VERSION:

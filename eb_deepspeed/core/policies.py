@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .tally import tensor_problem
+from .state import why_tensors_unfit
 
 __all__ = ["POLICIES", "AuxPolicy", "device_scores", "integral_weights", "clip_mean_one",
            "bias_update", "AuxController"]
@@ -307,7 +307,7 @@ class AuxController:
         return {"policy": self.cfg.policy, "weight_L": self.weight_L.clone(), "bias_LE": self.bias_LE.clone(),
                 "layer_w_L": self.layer_w_L.clone(), "log_w_L": self.log_w_L.clone(), "updates": self.updates}
 
-    def state_problem(self, state: object) -> str | None:
+    def why_unfit(self, state: object) -> str | None:
         """Why `state` cannot be this controller's (None: it can)."""
         if not isinstance(state, dict) or not isinstance(state.get("policy"), str) \
                 or not isinstance(state.get("updates"), int) or isinstance(state.get("updates"), bool):
@@ -316,14 +316,14 @@ class AuxController:
             return f"the checkpointed aux updates is {state['updates']}, expected an integer >= 0"
         shapes = {"weight_L": tuple(self.weight_L.shape), "bias_LE": tuple(self.bias_LE.shape)}
         shapes.update({key: tuple(self.layer_w_L.shape) for key in _SINCE_DEVICE_LOSS if key in state})
-        return tensor_problem(state, "aux", shapes, STATE_RANGES)
+        return why_tensors_unfit(state, "aux", shapes, STATE_RANGES)
 
     def load_state_dict(self, state: dict[str, object]) -> list[str]:
         """Restore the saved weights and bias, made to obey the current config; returns what that changed.
 
         A checkpoint of another policy is not this policy's state: the controller starts fresh.
         """
-        problem = self.state_problem(state)
+        problem = self.why_unfit(state)
         if problem is not None:
             raise ValueError(problem)
         if state["policy"] != self.cfg.policy:

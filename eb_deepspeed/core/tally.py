@@ -25,13 +25,12 @@ scratch slot.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["Tally", "TallyLayout", "TallyRecorder", "PER_EXPERT_FIELDS", "PER_LAYER_FIELDS", "tensor_problem", "in_backward",
+__all__ = ["Tally", "TallyLayout", "TallyRecorder", "PER_EXPERT_FIELDS", "PER_LAYER_FIELDS", "in_backward",
            "widen_row", "logit_sums", "nonfinite_tokens", "routes_from_mask", "route_counts"]
 
 PER_EXPERT_FIELDS = ("routed", "kept", "load")
@@ -475,23 +474,3 @@ def in_backward() -> bool:
     public name for "inside backward".)"""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current is not None and current() != -1
-
-
-def tensor_problem(state: dict, what: str, shapes: dict[str, tuple[int, ...]],
-                   ranges: Optional[dict[str, tuple[float, float]]] = None) -> str | None:
-    """Why the tensors of a checkpointed `state` do not fit `shapes` (missing, wrong shape, non-finite), or lie
-    outside their plausible `ranges` ({key: (lo, hi)}, both included): a finite but impossible value (a
-    negative count, a bias that puts every token on one expert) is refused as a damaged state, naming it."""
-    for key, shape in shapes.items():
-        t = state.get(key)
-        if not isinstance(t, torch.Tensor) or t.is_complex():
-            return f"the {what} state's {key} is not a real tensor"
-        if tuple(t.shape) != shape:
-            return f"the checkpointed {what} {key} has shape {tuple(t.shape)}, this model {shape}"
-        if not bool(torch.isfinite(t).all()):
-            return f"the checkpointed {what} {key} holds NaN or inf"
-        lo, hi = (ranges or {}).get(key, (-math.inf, math.inf))
-        if t.numel() and (float(t.min()) < lo or float(t.max()) > hi):
-            return (f"the checkpointed {what} {key} holds values in [{float(t.min()):.4g}, {float(t.max()):.4g}], "
-                    f"outside the plausible [{lo:g}, {hi:g}]")
-    return None

@@ -18,7 +18,8 @@ import torch
 
 from . import metrics as M
 from .record import PER_LAYER
-from .tally import Tally, TallyLayout, tensor_problem
+from .state import why_tensors_unfit
+from .tally import Tally, TallyLayout
 
 __all__ = ["LoadView", "sequence_length_weights"]
 
@@ -275,7 +276,7 @@ class LoadView:
             out["expert_to_device_E"] = self.expert_to_device_LE[0].clone()   # what readers before PR-MoE take
         return out
 
-    def state_problem(self, state: object) -> str | None:
+    def why_unfit(self, state: object) -> str | None:
         """Why `state` cannot be this view's (None: it can). Checks everything `load_state_dict` reads.
 
         A state saved before per-layer shapes (no `experts_L`) is read as uniform layers with one map."""
@@ -304,7 +305,7 @@ class LoadView:
             return "the checkpointed load view has no per-layer shapes (saved before them); this model's layers differ"
         # counts and loads are never negative; every field of the last tally is a count or a non-negative loss
         ranges = {key: (0.0, math.inf) for key in ("heat_LE", "pressure_LG", "updates_L", "last_tally", "last_load_LG")}
-        problem = tensor_problem(state, "load view", shapes, ranges)
+        problem = why_tensors_unfit(state, "load view", shapes, ranges)
         if problem is None and "experts_L" in state:
             for key, mine in (("experts_L", self.experts_L), ("devices_L", self.devices_L)):
                 if not torch.equal(state[key].to(torch.long), mine):
@@ -318,7 +319,7 @@ class LoadView:
         return problem
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        problem = self.state_problem(state)
+        problem = self.why_unfit(state)
         if problem is not None:
             raise ValueError(problem)
         self.heat_LE = state["heat_LE"].to(torch.float64).clone()

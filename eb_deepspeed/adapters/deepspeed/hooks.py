@@ -142,7 +142,7 @@ def wrap_checkpointing(engine, balancer: Balancer, hook: StepHook) -> None:
         bound = load_sig.bind(*args, **kwargs)
         _refuse_incomplete(engine, bound.arguments["load_dir"], bound.arguments.get("tag"))
         path, state = saved_state(engine, bound.arguments["load_dir"], bound.arguments.get("tag"))
-        problem = None if state is None else balancer.state_problem(state)
+        problem = None if state is None else balancer.why_unfit(state)
         if problem is not None and mode == "strict":
             raise ValueError(f"easybalance: {path}: {problem}. Nothing was loaded. To load the model and drop this "
                              'balancer state, set "easybalance": {"checkpoint": "ignore_mismatch"}')
@@ -151,7 +151,7 @@ def wrap_checkpointing(engine, balancer: Balancer, hook: StepHook) -> None:
             return load_path, client_state
         hook.reset()
         state = client_state.pop(STATE_KEY, None)
-        problem = None if state is None else balancer.state_problem(state)
+        problem = None if state is None else balancer.why_unfit(state)
         if state is None:
             warnings.warn(f"easybalance: checkpoint {load_path} holds no balancer state; the load view starts cold")
         elif problem is not None and mode == "ignore_mismatch":
