@@ -386,10 +386,28 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `eb` command: parse, check the arguments that depend on each other, run the sub-command."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:   # bad input files and values: the message, not a traceback
+        print(f"eb {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eb", description="eb_deepspeed tools")
     sub = parser.add_subparsers(dest="command", required=True)
+    _report_parser(sub)
+    _bench_parsers(sub.add_parser("bench", help="side-by-side benchmarks (eb bench WHAT --help: its options)"))
+    _simulate_parser(sub)
+    _plan_parser(sub)
+    return parser
 
+
+def _report_parser(sub) -> None:
     p = sub.add_parser("report", help="render balance curves and the heatmap from a run's JSONL log")
     p.add_argument("run_dir", nargs="+",
                    help="directory holding balance.jsonl (easybalance.log.dir), or the .jsonl file; with --compare, "
@@ -399,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="output directory (default RUN_DIR/plots); with --compare the PNG file (eb_compare.png)")
     p.set_defaults(func=_report)
 
-    _bench_parsers(sub.add_parser("bench", help="side-by-side benchmarks (eb bench WHAT --help: its options)"))
 
+def _simulate_parser(sub) -> None:
     p = sub.add_parser("simulate", help="cluster simulator: the EasyBalance article's table plus placement + steering")
     p.add_argument("--workload", default="skewed_correlated", choices=_Choices(_workloads), metavar="NAME",
                    help="a synthetic workload, all of them, or trace (--trace FILE): one of %(choices)s")
@@ -418,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.set_defaults(func=_simulate)
 
+
+def _plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="plan expert replicas and placement from a load file; write ours / SGLang's JSON")
     p.add_argument("load", help="balance.jsonl or its run directory, an SGLang expert-distribution dump (.pt), or a "
                                 "torch.save'd vLLM EPLB load (expert_load_window + physical_to_logical_map)")
@@ -436,7 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=_plan)
 
-    args = parser.parse_args(argv)
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Defaults that depend on whether an option was given, and the options that only go together."""
     if args.command == "bench" and args.what == "infer":
         args.batches_given, args.batches = args.batches is not None, args.batches or 40
     if args.command == "bench" and args.what == "train":
@@ -457,11 +479,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("eb plan needs exactly one of --slots S or --redundant R")
     if args.command == "simulate" and (args.workload == "trace") != (args.trace is not None):
         parser.error("--trace FILE goes with --workload trace (and only with it)")
-    try:
-        return args.func(args)
-    except (ValueError, OSError) as e:   # bad input files and values: the message, not a traceback
-        print(f"eb {args.command}: error: {e}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":
