@@ -88,7 +88,7 @@ def test_every_screened_move_is_legal_and_its_loads_are_exact():
         phy = np.stack([_random_legal(rng, G, S, E) for _ in range(3)])
         cand, score, y_AKG, _ = un._moves(phy, load, G, S, None, None, np.zeros(3), 64)
         A, K, P = cand.shape
-        recount = un.device_loads(cand.reshape(A * K, P), np.repeat(load, K, 0), G, S).reshape(A, K, G)
+        recount = un.even_split_loads(cand.reshape(A * K, P), np.repeat(load, K, 0), G, S).reshape(A, K, G)
         for a in range(A):
             for k in np.flatnonzero(np.isfinite(score[a])):
                 c = cand[a, k]
@@ -113,8 +113,8 @@ def test_the_uniform_search_never_lowers_node_coverage_and_never_raises_the_slow
         on[np.arange(len(phy))[:, None], node_G[np.arange(G * S) // S][None, :], phy + 1] = True
         return on[:, :, 1:].sum(1)
     assert (coverage(refined) >= coverage(greedy)).all()
-    assert (un.device_loads(refined, load, G, S).max(1) <= un.device_loads(greedy, load, G, S).max(1) + 1e-9).all()
-    assert (un.device_loads(refined, load, G, S).max(1) < un.device_loads(greedy, load, G, S).max(1) - 1e-9).any()
+    assert (un.even_split_loads(refined, load, G, S).max(1) <= un.even_split_loads(greedy, load, G, S).max(1) + 1e-9).all()
+    assert (un.even_split_loads(refined, load, G, S).max(1) < un.even_split_loads(greedy, load, G, S).max(1) - 1e-9).any()
 
 
 @pytest.mark.parametrize("dispatch", ["uniform", "steered"])

@@ -5,7 +5,7 @@ import torch
 from eb_deepspeed.core.topology import hop_cost
 from eb_deepspeed.planning.placement import plan_placement
 from eb_deepspeed.planning import steering
-from eb_deepspeed.planning.steering import device_loads, reroute_near_ties, steer
+from eb_deepspeed.planning.steering import reroute_near_ties, split_device_loads, steer
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +45,7 @@ def test_a_hot_expert_is_split_over_its_replicas_to_shrink_the_slowest_device():
     devices_ER = torch.tensor([[0, 2], [1, -1], [2, -1], [3, -1]])
     counts_GE = torch.tensor([[400, 100, 50, 100], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
     split = steer(counts_GE, devices_ER, torch.tensor([0, 0, 0, 0]), weights=(1.0, 0.0, 0.0))
-    load = device_loads(split, devices_ER, 4)
+    load = split_device_loads(split, devices_ER, 4)
     all_on_first = torch.tensor([400.0, 100, 50, 100])
     assert float(load.max()) < float(all_on_first.max()) and float(load.max()) <= 0.5 * 450 + 50
 
@@ -81,8 +81,8 @@ def test_the_aggregation_bonus_keeps_a_small_chunk_where_its_source_sends_anyway
     for agg in (0.0, 1.0):
         monkeypatch.setattr(steering, "AGGREGATION", agg)
         runs[agg] = steer(counts_GE, devices_ER, node_G, weights=(0.2, 0.0, 0.8), decision_batch=1)
-    assert runs[0.0][0, 0].tolist() == [4, 12] and device_loads(runs[0.0], devices_ER, 3).tolist() == [0, 20, 20]
-    assert runs[1.0][0, 0].tolist() == [16, 0] and device_loads(runs[1.0], devices_ER, 3).tolist() == [0, 32, 8]
+    assert runs[0.0][0, 0].tolist() == [4, 12] and split_device_loads(runs[0.0], devices_ER, 3).tolist() == [0, 20, 20]
+    assert runs[1.0][0, 0].tolist() == [16, 0] and split_device_loads(runs[1.0], devices_ER, 3).tolist() == [0, 32, 8]
     assert messages(runs[1.0], devices_ER, 3) == 1 < messages(runs[0.0], devices_ER, 3) == 2
 
 

@@ -148,7 +148,7 @@ class LoadView:
         return torch.where(self.mask_LE, out_LE / self.copies_L[:, None], 0.0)
 
     # ------------------------------------------------------------------ update
-    def device_load(self, per_expert_LE: torch.Tensor) -> torch.Tensor:
+    def expert_to_device_load(self, per_expert_LE: torch.Tensor) -> torch.Tensor:
         """Sum per-expert load onto the devices holding the experts. [L, E] -> [L, G]
 
         A layer whose EP group is copied across the view's devices has its load split evenly over its
@@ -193,7 +193,7 @@ class LoadView:
                              f"{self.experts_L.tolist()}); a gate recorded a corrupt count")
         if device_load_LG is None:
             device_load_LG = tally.device_LG
-        load_LG = self.device_load(tally.load_LE) if device_load_LG is None else \
+        load_LG = self.expert_to_device_load(tally.load_LE) if device_load_LG is None else \
             torch.as_tensor(device_load_LG, dtype=torch.float64).detach().cpu().clone()
         if load_LG.shape != (self.L, self.G):
             raise ValueError(f"device_load_LG must be [{self.L}, {self.G}], got {tuple(load_LG.shape)}")

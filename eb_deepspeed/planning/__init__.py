@@ -11,9 +11,9 @@ from .flows import steer_flows, steered_load
 from .oracle import brute_force_optimum, steered_max_load
 from .placement import (Placement, assign_replicas, expected_device_load, expected_padded_cost, expected_slot_ratio,
                         index_maps, plan_placement, replica_counts, static_placement)
-from .steering import device_loads, even_split, reroute_near_ties, steer
+from .steering import even_split, reroute_near_ties, split_device_loads, steer
 
 __all__ = ["Placement", "plan_placement", "static_placement", "replica_counts", "assign_replicas", "index_maps",
-           "steer_flows", "steered_load", "steer", "even_split", "device_loads", "reroute_near_ties",
+           "steer_flows", "steered_load", "steer", "even_split", "split_device_loads", "reroute_near_ties",
            "steered_max_load", "brute_force_optimum", "expected_padded_cost", "expected_slot_ratio",
            "expected_device_load"]

@@ -25,7 +25,7 @@ from ..core.files import load_json
 from ..core.metrics import aggregate_balancedness, balancedness
 from .flows import steered_load
 from .placement import Placement, index_maps
-from .uniform import device_loads
+from .uniform import even_split_loads
 
 __all__ = ["PLAN_FORMAT", "placement_json", "read_placement_json", "sglang_mapping", "trivial_placement",
            "balance_table", "format_balance_table"]
@@ -117,7 +117,7 @@ def sglang_mapping(plan: Placement) -> dict:
 
 def _loads(load_LE: torch.Tensor, plan: Placement) -> dict[str, torch.Tensor]:
     """[L, G] device loads under both dispatch models."""
-    uniform = device_loads(plan.phy2log.numpy(), load_LE.numpy(), plan.num_devices, plan.slots_per_device)
+    uniform = even_split_loads(plan.phy2log.numpy(), load_LE.numpy(), plan.num_devices, plan.slots_per_device)
     return {"uniform": torch.from_numpy(uniform), "steered": steered_load(plan, load_LE, iters=100)}
 
 

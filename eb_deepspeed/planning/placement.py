@@ -46,7 +46,7 @@ from .flows import steer_flows
 from .refine import refine_for_steering
 from .slots import SlotCounts, holds_mask, integer_tensor, is_integer, is_real, real_tensor
 from .uniform import count_variants, refine_uniform, slot_shares
-from .uniform import device_loads as _uniform_loads
+from .uniform import even_split_loads as _uniform_loads
 
 # Sizes the planner takes. Its memory is linear in layers x (slots + experts) (a few hundred bytes a slot);
 # its time grows with layers x slots (each refinement round) and with layers x slots x devices (step 2 looks

@@ -28,7 +28,7 @@ import torch
 from ..core.topology import TOPOLOGIES, hop_cost
 from .slots import integer_tensor, is_real, real_tensor
 
-__all__ = ["steer", "even_split", "reroute_near_ties", "device_loads"]
+__all__ = ["steer", "even_split", "reroute_near_ties", "split_device_loads"]
 
 
 # The improvement loop's constants: rounds of G source moves at most; the aggregation bonus (a fraction of the
@@ -196,7 +196,7 @@ def even_split(counts_GE: torch.Tensor, devices_ER: torch.Tensor) -> torch.Tenso
     return (base[:, :, None] + (r_idx[None, None, :] < rem[:, :, None]).long()) * valid_ER[None]
 
 
-def device_loads(split_GER: torch.Tensor, devices_ER: torch.Tensor, num_devices: int) -> torch.Tensor:
+def split_device_loads(split_GER: torch.Tensor, devices_ER: torch.Tensor, num_devices: int) -> torch.Tensor:
     """Tokens each device processes: [G, E, R] split -> [G] load."""
     dev_ER = torch.as_tensor(devices_ER).clamp_min(0)
     per_ER = split_GER.sum(0).to(torch.float64)

@@ -23,7 +23,7 @@ import numpy as np
 
 from .slots import SlotCounts, move_slots, row_chunks
 
-__all__ = ["uniform_counts", "count_variants", "refine_uniform", "device_loads", "slot_shares"]
+__all__ = ["uniform_counts", "count_variants", "refine_uniform", "even_split_loads", "slot_shares"]
 
 PARTNERS = 8    # a move pairs the slowest device with this many of the least loaded
 ONE_AT_A_TIME = 256   # `uniform_counts` hands out up to this many extra replicas in a loop, more by bisection
@@ -146,7 +146,7 @@ def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, roun
     return phy_LP
 
 
-def device_loads(phy_NP: np.ndarray, load_NE: np.ndarray, G: int, S: int) -> np.ndarray:
+def even_split_loads(phy_NP: np.ndarray, load_NE: np.ndarray, G: int, S: int) -> np.ndarray:
     """y_NG [N, G]: each device's load when every expert splits evenly over its replicas in phy_NP."""
     return slot_shares(phy_NP, load_NE).reshape(len(phy_NP), G, S).sum(2)
 
