@@ -28,8 +28,7 @@ from .files import MAX_JSON_DEPTH, json_too_deep, load_json
 from .policies import POLICIES
 from .topology import TOPOLOGIES
 
-__all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "InferenceConfig", "EasyBalanceConfig", "MODES",
-           "CONTEXTS", "SPLITS", "CHECKPOINT_MODES"]
+__all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "InferenceConfig", "EasyBalanceConfig", "SPLITS"]
 
 MODES = ("observe", "balance")
 SPLITS = ("view", "exact")          # how serving splits an expert's routes over its replicas

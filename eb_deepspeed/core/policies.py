@@ -30,8 +30,7 @@ import torch
 
 from .state import why_tensors_unfit
 
-__all__ = ["POLICIES", "AuxPolicy", "device_scores", "integral_weights", "clip_mean_one",
-           "bias_update", "AuxController"]
+__all__ = ["POLICIES", "device_scores", "bias_update", "AuxController"]
 
 _ERROR_CLIP = 1.0   # one step moves a log-weight by at most gain x this (a single outlier step cannot jump it)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["META", "PER_LAYER", "SCALARS", "NOTES", "MATRICES", "PRESSURE", "EXPERT_COUNTS", "BalanceLogger", "NullLogger"]
+__all__ = ["PER_LAYER", "SCALARS", "NOTES", "PRESSURE", "EXPERT_COUNTS", "BalanceLogger", "NullLogger"]
 
 # Identification of a record. `run_start` is on a run's first record only: the step the run started
 # from (0, or the step of the checkpoint it resumed); readers drop older records past it (superseded).

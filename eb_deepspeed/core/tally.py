@@ -30,8 +30,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["Tally", "TallyLayout", "TallyRecorder", "PER_EXPERT_FIELDS", "PER_LAYER_FIELDS", "in_backward",
-           "widen_row", "logit_sums", "nonfinite_tokens", "routes_from_mask", "route_counts"]
+__all__ = ["Tally", "TallyLayout", "TallyRecorder", "in_backward", "widen_row", "logit_sums", "nonfinite_tokens",
+           "routes_from_mask", "route_counts"]
 
 PER_EXPERT_FIELDS = ("routed", "kept", "load")
 PER_LAYER_FIELDS = ("tokens", "nonfinite", "aux", "forwards")

@@ -18,8 +18,7 @@ from typing import Any, Iterator, Optional, Sequence
 from ..core import record as R
 from ..core.files import open_regular
 
-__all__ = ["read_log", "iter_log", "log_path", "render_report", "render_compare", "heatmap_figure", "curve_figure",
-           "CURVES", "SUMMARY", "JSONL_NAME"]
+__all__ = ["read_log", "render_report", "render_compare", "heatmap_figure", "JSONL_NAME"]
 
 JSONL_NAME = "balance.jsonl"     # the log file in a run's balance directory (written by monitor.JsonlLogger)
 

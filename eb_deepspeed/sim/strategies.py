@@ -23,8 +23,8 @@ from ..planning.steering import even_split, steer
 from .model import ClusterModel
 from .workloads import Workload
 
-__all__ = ["SimConfig", "Strategy", "STRATEGIES", "STRATEGY_LABELS", "STRATEGY_SPECS", "simulate", "run_table", "evaluate_targets", "format_targets",
-           "format_table"]
+__all__ = ["SimConfig", "STRATEGIES", "STRATEGY_LABELS", "simulate", "run_table", "evaluate_targets",
+           "format_targets", "format_table"]
 
 
 # The article's table and ours (`placement_view`, replicas with an even split, is simulated on request: `eb bench

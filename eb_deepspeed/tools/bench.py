@@ -22,8 +22,8 @@ import torch
 
 from ..planning.oracle import brute_force_optimum, steered_max_load
 
-__all__ = ["bench_gate", "bench_train", "bench_train_autoep", "bench_plan", "bench_optimum", "free_port", "pareto_loads",
-           "TRAIN_ROWS", "AUTOEP_ROWS"]
+__all__ = ["bench_gate", "bench_train", "bench_train_autoep", "bench_plan", "bench_optimum", "free_port",
+           "AUTOEP_ROWS"]
 
 
 def _sync(device: torch.device) -> None:

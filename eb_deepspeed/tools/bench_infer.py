@@ -32,7 +32,7 @@ import time
 
 import torch
 
-__all__ = ["bench_infer", "zipf", "slot_bound", "gate_medians_ms", "launch_ranks", "worker_main"]
+__all__ = ["bench_infer", "slot_bound", "gate_medians_ms", "launch_ranks", "worker_main"]
 
 TARGETS = {"capacity_over_ideal": 1.15, "speedup_zipf": 1.5, "drop_rate_cut": 0.5, "overhead_ratio": 0.03,
            "example_vs_plain": 0.98}

@@ -43,7 +43,7 @@ import time
 
 import torch
 
-__all__ = ["bench_infer_autoep", "format_autoep_infer_table", "ROWS", "TARGETS"]
+__all__ = ["bench_infer_autoep", "format_autoep_infer_table"]
 
 # (row, the easybalance.inference options of its block; None: plain AutoEP)
 ROWS = (("static", None),

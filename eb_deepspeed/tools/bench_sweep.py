@@ -21,8 +21,7 @@ import time
 
 from .bench import _repo_root, free_port, unlink_shm_buffers
 
-__all__ = ["SWEEP_POLICIES", "SWEEP_METRICS", "bench_train_sweep", "summarize_sweep", "sweep_stats", "sweep_targets",
-           "pareto_figure", "score_noise"]
+__all__ = ["SWEEP_POLICIES", "bench_train_sweep", "summarize_sweep", "sweep_stats", "score_noise"]
 
 # (row name, aux policy, extra example arguments). `device_uniform` is `cross_layer` with every weight
 # held at 1: the device loss without the view's per-layer weighting (what the weighting adds on its own).

@@ -41,8 +41,7 @@ import time
 from .bench import _repo_root
 from .bench_sweep import _code_hash, _launch, _rounded, sweep_stats
 
-__all__ = ["AUTOEP_ROWS", "AUTOEP_METRICS", "MEGATRON_ROWS", "DEEPSPEED_ROWS", "DROPPING_METRICS", "FRAMEWORKS",
-           "bench_train_sweep_framework", "summarize_sweep_framework"]
+__all__ = ["AUTOEP_ROWS", "bench_train_sweep_framework", "summarize_sweep_framework"]
 
 # A row: (its example arguments at coefficient c, which coefficients: "all" of the sweep's, "one" (the middle),
 # "none"). The controls' rows are the same on every framework; how a scope is asked for, and the coefficient's

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-__all__ = ["gpu_check", "bf16_parity"]
+__all__ = ["gpu_check"]
 
 
 def bf16_parity(device: str, tokens: int = 4096, hidden: int = 1024, experts: int = 64, k: int = 2) -> dict:

@@ -28,7 +28,7 @@ from ..deepspeed.hooks import StepHook, reduce_for, wrap_checkpointing
 from .layer import AutoEPBalance
 
 __all__ = ["autoep_enabled", "check_autoep_config", "check_versions", "find_autoep_layers", "attach",
-           "BROKEN_TRANSFORMERS", "expert_to_device"]
+           "expert_to_device"]
 
 # DeepSpeed's AutoEP breaks inside deepspeed.initialize with these transformers releases
 # (`_CanRecordRegistry.get()` takes 2 positional arguments but 3 were given): (deepspeed up to, transformers from).

@@ -58,7 +58,7 @@ from .engine import check_world_size, find_moe_layers
 from .hooks import incomplete_problem, mark_complete, mark_incomplete, on_rank0_for_all, refuse
 from .replicas import ReplicaGate, SlotTable
 
-__all__ = ["init_inference", "Serving", "load_moe_checkpoint", "choose_placement", "check_one_serving_shape"]
+__all__ = ["init_inference", "Serving", "load_moe_checkpoint", "choose_placement"]
 
 EXPERTS_PREFIX = ".deepspeed_moe.experts.deepspeed_experts."
 # A new placement must be expected to cut the padded cost by this much: the expectation is of the EMA
