@@ -24,7 +24,8 @@ easybalance's `batch_scope` is refused there), the policies on top; same rows wh
 
     eb bench train --sweep --framework autoep --json > docs/bench_train_sweep_autoep.json    # ~80 min here
     eb bench train --sweep --framework megatron --json > docs/bench_train_sweep_megatron.json
-    eb bench train --sweep --framework deepspeed --scopes --json > docs/bench_train_sweep_scopes.json
+    eb bench train --sweep --framework deepspeed --scopes --policies micro global_exact global_lagged sequence \
+        bias_cross_layer --json > docs/bench_train_sweep_scopes.json                          # ~80 min here
 
 DeepSpeed-MoE (`--scopes`; the policies' own sweep is `eb bench train --sweep`): the example LM, 8 layers, top-1
 and top-2 alternating, micro-batch 4 x 2 accumulation steps, the batch scopes of DeepSpeed's `l_aux`.
