@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from eb_deepspeed.tools.bench import AUTOEP_ROWS, bench_train_autoep
+from benchmarks.bench import AUTOEP_ROWS, bench_train_autoep
 
 CANDIDATES = (("eb_coeff0.1", ("--mode", "balance", "--loss-coeff", "0.1")),
               ("eb_coeff0.1_rate0.01", ("--mode", "balance", "--loss-coeff", "0.1", "--bias-rate", "0.01")),

@@ -7,7 +7,7 @@
 Prints one JSON object: the median forward time of each gate, their difference per forward, the cost of the
 tally's `take()` (one view step every `--view-interval` forwards, amortised), the extra work as a share of
 DeepSpeed's gate, and `targets`: that share at most 20 % (the recorder that counted forward by forward cost
-45-50 % here; the issue's own target is end to end, `eb bench infer`: serving >= 0.98x plain's tokens/s).
+45-50 % here; the issue's own target is end to end, `python -m benchmarks infer`: serving >= 0.98x plain's tokens/s).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def measure(T: int, E: int, M: int, view_interval: int, repeats: int) -> dict:
 
     from eb_deepspeed.adapters.deepspeed.replicas import ReplicaGate, SlotTable
     from eb_deepspeed.planning.placement import static_placement
-    from eb_deepspeed.tools.bench_infer import gate_medians_ms
+    from benchmarks.infer import gate_medians_ms
     torch.set_num_threads(1)
     torch.manual_seed(0)
     plain = TopKGate(M, E, 2, 1.0, 1.0, 4, None, False, True, None, True).eval()

@@ -8,8 +8,8 @@
 The `"easybalance"` block of the ds_config switches it on; see README.md and docs/. The same `initialize`
 takes models built from `deepspeed.moe.layer.MoE` and Hugging Face MoE models that DeepSpeed's AutoEP converts
 (an enabled `"expert_parallel"` section). Layout: `core` (framework-neutral loop), `planning` (placement,
-steering), `adapters` (`common`, `deepspeed`, `autoep`, `megatron`), `observe` (logs, W&B, plots), `sim`
-(cluster simulator), `tools` (the `eb` CLI, benchmarks).
+steering), `adapters` (`common`, `deepspeed`, `autoep`, `megatron`), `observe` (logs, W&B, plots),
+`tools` (the `eb` CLI). The benchmarks and the cluster simulator live in the checkout's `benchmarks/`.
 """
 from .core._lazy import lazy_exports
 
@@ -19,13 +19,13 @@ _EXPORTS = {
     "metrics": ".core.metrics", "Balancer": ".core.balancer", "ConfigError": ".core.config",
     "CostWeights": ".core.config", "EasyBalanceConfig": ".core.config", "LogConfig": ".core.config",
     "LoadView": ".core.view", "sequence_length_weights": ".core.view", "plan_placement": ".planning.placement",
-    "steer": ".planning.steering", "load_trace": ".sim.traces",
+    "steer": ".planning.steering", "load_trace": ".observe.traces",
     # the DeepSpeed-facing parts import deepspeed (slow)
     "initialize": ".adapters.deepspeed", "init_inference": ".adapters.serving",
     "load_moe_checkpoint": ".adapters.deepspeed", "swap_gates": ".adapters.deepspeed",
     "CrossLayerGate": ".adapters.deepspeed",
-    # the subpackages, as attributes (`eb_deepspeed.sim.simulate`)
-    "core": ".core", "planning": ".planning", "observe": ".observe", "sim": ".sim", "adapters": ".adapters",
+    # the subpackages, as attributes (`eb_deepspeed.planning.plan_placement`)
+    "core": ".core", "planning": ".planning", "observe": ".observe", "adapters": ".adapters",
     "tools": ".tools",
 }
 __all__ = [*(k for k in _EXPORTS if not _EXPORTS[k].endswith("." + k) or k == "metrics"), "__version__"]

@@ -1,6 +1,6 @@
 """Tiny Hugging Face MoE language models from configs (random weights, no downloads), for DeepSpeed's AutoEP.
 
-Used by `train_hf_moe.py`, the tests and `eb bench train --framework autoep`. Shape legend: B batch, S sequence.
+Used by `train_hf_moe.py`, the tests and `python -m benchmarks train --framework autoep`. Shape legend: B batch, S sequence.
 
     model = hf_moe_model("mixtral", layers=4, hidden=64, experts=8, k=2)      # or "qwen3_moe", "deepseek_v3"
     ds_config["expert_parallel"] = autoep_section("mixtral", ep_size=2)

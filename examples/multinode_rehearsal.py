@@ -103,7 +103,7 @@ def _route_devices(out, slots_per_device: int) -> torch.Tensor:
 def serve(args, rank: int, world: int, node_of_rank: list[int]) -> dict:
     from eb_deepspeed import init_inference
     from eb_deepspeed.adapters.deepspeed.engine import find_moe_layers
-    from eb_deepspeed.tools.bench_infer import _zipf_batches, _ZipfModel
+    from benchmarks.infer import _zipf_batches, _ZipfModel
 
     E, hidden = 8, 64
     # what the rehearsal shows is where routes go under the exact split (node-local), not its speed on one

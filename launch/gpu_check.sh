@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One CUDA GPU, one JSON (last line): gate overhead ratio, steering cost / MoE-layer forward at 4096 tokens
 # (ep 1), bf16 gate parity. Sets itself up: a venv with the CUDA torch pip picks (GPU machines) or,
-# with --cpu, this project's CPU set-up; then runs eb_deepspeed/tools/gpu_check.py (a few minutes).
+# with --cpu, this project's CPU set-up; then runs benchmarks.gpu_check.py (a few minutes).
 #   bash launch/gpu_check.sh                  # on a machine with one CUDA GPU
 #   bash launch/gpu_check.sh --cpu [--quick]  # the same code on CPU (tested in the suite with --quick)
 set -euo pipefail
@@ -26,4 +26,4 @@ else
   export PATH="$VENV/bin:$PATH"
 fi
 cd "$ROOT"
-python -m eb_deepspeed.tools.gpu_check --device "$device" --out "runs/gpu_check_$device.json" "${extra[@]+"${extra[@]}"}"
+python -m benchmarks.gpu_check --device "$device" --out "runs/gpu_check_$device.json" "${extra[@]+"${extra[@]}"}"

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from eb_deepspeed.tools.bench import free_port
+from benchmarks.bench import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))

@@ -216,8 +216,9 @@ def test_steer_conserves_huge_counts():
 
 # ---- importers: one validation path, bounded work, a ValueError naming the file ----
 
-from eb_deepspeed import sim  # noqa: E402
+from benchmarks import sim  # noqa: E402
 from eb_deepspeed.tools.cli import main as eb_main  # noqa: E402
+from benchmarks.__main__ import main as bench_main  # noqa: E402
 
 
 @pytest.mark.parametrize("content, message", [
@@ -258,11 +259,11 @@ def test_hostile_balance_logs_are_refused_with_the_line(tmp_path, lines, message
     (["simulate", "--trace", "x.pt"], "--trace FILE goes with --workload trace"),
     (["simulate", "--steps", "0"], "--steps: 0 must be >= 1"),
     (["simulate", "--devices", "-2"], "--devices: -2 must be >= 1"),
-    (["bench", "gate", "--experts", "16", "0"], "--experts: 0 must be >= 1"),
+    (["gate", "--experts", "16", "0"], "--experts: 0 must be >= 1"),
 ])
 def test_cli_arguments_out_of_range_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        eb_main(argv)
+        bench_main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 

@@ -45,7 +45,7 @@ def test_every_eb_option_has_help_text():
 
 def test_eb_simulate_trace_reads_the_rank_count_from_our_log(tmp_path):
     from eb_deepspeed.core.record import EXPERT_COUNTS, PRESSURE
-    from eb_deepspeed.sim.traces import ranks_in_log
+    from eb_deepspeed.observe.traces import ranks_in_log
     log = tmp_path / "balance.jsonl"
     with open(log, "w") as f:
         for step in (5, 10):
@@ -55,11 +55,11 @@ def test_eb_simulate_trace_reads_the_rank_count_from_our_log(tmp_path):
 
 
 def test_each_benchmark_has_its_own_help_with_only_its_options(capsys):
-    from eb_deepspeed.tools.cli import main
+    from benchmarks.__main__ import main
     for what, has, lacks in (("gate", "--tokens", "--steps"), ("train", "--sweep", "--tokens"),
                              ("infer", "--ranks", "--sweep"), ("plan", "--json", "--ranks")):
         with pytest.raises(SystemExit):
-            main(["bench", what, "--help"])
+            main([what, "--help"])
         text = capsys.readouterr().out
         assert has in text and lacks not in text, what
 
@@ -75,7 +75,7 @@ def test_eb_plan_names_its_metric_and_which_way_is_better(tmp_path, capsys):
 
 
 def test_eb_simulate_ends_with_its_targets_in_words_not_a_raw_json_line(capsys):
-    from eb_deepspeed.tools.cli import main
+    from benchmarks.__main__ import main
     assert main(["simulate", "--layers", "2", "--experts", "8", "--devices", "4", "--steps", "4"]) == 0
     tail = capsys.readouterr().out.strip().splitlines()[-3:]
     assert tail[0] == "targets:" and "target >= 1.35" in tail[1] and "higher is better" in tail[2]

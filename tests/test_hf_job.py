@@ -46,7 +46,7 @@ def test_the_hf_job_balances_an_autoep_mixtral_logs_plots_checkpoints_and_resume
 
 
 def test_the_autoep_bench_runs_its_rows_side_by_side_and_judges_its_targets(tmp_path):
-    from eb_deepspeed.tools.bench import AUTOEP_ROWS, bench_train_autoep, format_autoep_table
+    from benchmarks.bench import AUTOEP_ROWS, bench_train_autoep, format_autoep_table
     result = bench_train_autoep(steps=4, seeds=(1, ), micro_batch=2, seq_len=32, out_dir=str(tmp_path / "bench"),
                                 progress=False)
     assert list(result["rows"]) == [name for name, _ in AUTOEP_ROWS] == ["plain", "hf_aux", "easybalance"]
@@ -60,7 +60,7 @@ def test_the_autoep_bench_runs_its_rows_side_by_side_and_judges_its_targets(tmp_
 
 
 def test_the_autoep_serving_bench_runs_the_articles_rows_side_by_side_with_equal_outputs(tmp_path):
-    from eb_deepspeed.tools.bench_infer_autoep import ROWS, bench_infer_autoep, format_autoep_infer_table
+    from benchmarks.infer_autoep import ROWS, bench_infer_autoep, format_autoep_infer_table
     result = bench_infer_autoep(ranks=(2, ), batches=3, warmup_batches=4, layers=2, ffn=64, seq_len=32,
                                 out_dir=str(tmp_path), progress=False)
     run, = result["runs"]

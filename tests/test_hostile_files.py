@@ -16,11 +16,12 @@ import zipfile
 import pytest
 import torch
 
-from eb_deepspeed import sim
+from benchmarks import sim
 from eb_deepspeed.core.config import ConfigError, EasyBalanceConfig
 from eb_deepspeed.observe.report import read_log
 from eb_deepspeed.planning.export import placement_json, read_placement_json, trivial_placement
 from eb_deepspeed.tools.cli import main as eb_main
+from benchmarks.__main__ import main as bench_main
 
 pytestmark = pytest.mark.unit
 
@@ -49,15 +50,16 @@ import contextlib, io, json, sys
 from eb_deepspeed.core.config import ConfigError, EasyBalanceConfig
 from eb_deepspeed.planning.export import read_placement_json
 from eb_deepspeed.tools.cli import main
+from benchmarks.__main__ import main as bench_main
 d, out = sys.argv[1], {}
 plan = ["--devices", "2", "--slots", "2"]
 for name, argv in {"eb report": ["report", f"{d}/run"], "eb plan LOG": ["plan", f"{d}/run", *plan],
                    "eb plan PT": ["plan", f"{d}/dump.pt", *plan],
-                   "eb bench --from": ["bench", "train", "--sweep", "--from", f"{d}/doc.json", "--out", f"{d}/x"],
+                   "eb bench --from": ["train", "--sweep", "--from", f"{d}/doc.json", "--out", f"{d}/x"],
                    }.items():
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        out[name] = [main(argv), err.getvalue()]
+        out[name] = [(bench_main if name.startswith("eb bench") else main)(argv), err.getvalue()]
 for name, read, error in (("plan file", read_placement_json, ValueError),
                           ("ds_config", EasyBalanceConfig.from_ds_config, ConfigError)):
     try:
@@ -180,7 +182,7 @@ def test_a_json_document_larger_than_64_mib_is_refused_before_reading(tmp_path, 
         with pytest.raises(ConfigError, match=message):
             EasyBalanceConfig.from_ds_config(str(path))
     else:
-        assert eb_main(["bench", "train", "--sweep", "--from", str(path), "--out", str(tmp_path / "out")]) == 2
+        assert bench_main(["train", "--sweep", "--from", str(path), "--out", str(tmp_path / "out")]) == 2
         assert "doc.json holds 67108865 bytes" in capsys.readouterr().err
 
 
@@ -294,6 +296,6 @@ def test_deeply_nested_plan_and_sweep_files_are_clear_errors(tmp_path, text, cap
     (tmp_path / "doc.json").write_text(text)
     with pytest.raises(ValueError, match=r"doc.json: not an eb_deepspeed plan \(JSON\) \(nested too deeply"):
         read_placement_json(str(tmp_path / "doc.json"))
-    assert eb_main(["bench", "train", "--sweep", "--from", str(tmp_path / "doc.json"),
+    assert bench_main(["train", "--sweep", "--from", str(tmp_path / "doc.json"),
                     "--out", str(tmp_path / "out")]) == 2
     assert "doc.json: not a saved sweep result (JSON) (nested too deeply" in capsys.readouterr().err

@@ -17,9 +17,8 @@ ALLOWED = {
     "core": {"core"},
     "planning": {"core", "planning"},
     "observe": {"core", "observe"},
-    "sim": {"core", "planning", "observe", "sim"},
     "adapters": {"core", "planning", "observe", "adapters"},
-    "tools": {"core", "planning", "observe", "sim", "adapters", "tools"},
+    "tools": {"core", "planning", "observe", "adapters", "tools"},
 }
 FRAMEWORKS = ("deepspeed", "megatron")
 

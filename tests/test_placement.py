@@ -6,7 +6,7 @@ import torch
 from eb_deepspeed.planning.flows import steer_flows
 from eb_deepspeed.planning.oracle import brute_force_optimum, steered_max_load
 from eb_deepspeed.planning.placement import plan_placement, replica_counts, static_placement
-from eb_deepspeed.tools.bench import pareto_loads
+from benchmarks.bench import pareto_loads
 
 pytestmark = pytest.mark.unit
 skewed = pareto_loads

@@ -11,7 +11,7 @@ from eb_deepspeed.planning import uniform as un
 from eb_deepspeed.planning.oracle import steered_max_load
 from eb_deepspeed.planning.placement import assign_replicas, plan_placement
 from eb_deepspeed.planning.slots import holds_mask
-from eb_deepspeed.tools.bench import pareto_loads
+from benchmarks.bench import pareto_loads
 
 pytestmark = pytest.mark.unit
 
@@ -159,7 +159,7 @@ def test_padded_dispatch_keeps_the_counts_that_minimise_the_largest_slot_and_rea
     # DeepSpeed's MOELayer pads every slot to the largest: the cost is slots x the largest share, whose
     # least value over every placement of these slots is `slot_bound` (counts by largest share, whole slots)
     from eb_deepspeed.planning.placement import expected_padded_cost
-    from eb_deepspeed.tools.bench_infer import slot_bound, zipf
+    from benchmarks.infer import slot_bound, zipf
     for E, G, S in ((8, 2, 5), (8, 4, 3), (16, 4, 6)):
         z = zipf(E, 1.0)
         heat = (z + z.roll(1))[None] * 1000

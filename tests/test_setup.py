@@ -40,10 +40,10 @@ def test_sourcing_the_setup_leaves_the_callers_shell_options_as_they_were():
     assert proc.stdout.splitlines()[-2:] == ["same-options", "still here: cpu"]
 
 
-def test_an_installed_package_runs_eb_bench_gate_outside_a_checkout_and_names_what_needs_one(tmp_path):
+def test_an_installed_package_plans_and_reports_outside_a_checkout(tmp_path):
     """`pip install .` (here into a target folder; its dependencies are this venv's), then `eb` from another
-    directory: the benchmarks of the package's own parts run; those that launch the repository's examples say
-    so in one line."""
+    directory: the package is what a user imports (no benchmarks, no simulator) and `eb plan` / `eb report` work
+    from it alone."""
     import json
     import shutil
     import sys
@@ -57,16 +57,17 @@ def test_an_installed_package_runs_eb_bench_gate_outside_a_checkout_and_names_wh
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                            "--target", str(target), str(source)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (target / "benchmarks").exists() and (target / "eb_deepspeed").is_dir()
     env = dict(os.environ, PYTHONPATH=str(target), DS_ACCELERATOR="cpu")
-    eb = [sys.executable, str(target / "bin" / "eb")]
-    gate = subprocess.run(eb + ["bench", "gate", "--json", "--repeats", "3", "--tokens", "256", "--hidden", "64",
-                                "--experts", "8"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
-    assert gate.returncode == 0, gate.stderr[-3000:]
-    result = json.loads(gate.stdout)
-    assert result["benchmark"] == "gate" and [r["experts"] for r in result["rows"]] == [8]
     where = subprocess.run([sys.executable, "-c", "import eb_deepspeed; print(eb_deepspeed.__file__)"], cwd=elsewhere,
                            env=env, capture_output=True, text=True, timeout=300)
     assert where.stdout.strip().startswith(str(target)), where.stdout
-    train = subprocess.run(eb + ["bench", "train", "--steps", "2"], cwd=elsewhere, env=env, capture_output=True,
-                           text=True, timeout=300)
-    assert train.returncode == 2 and "needs the repository's examples/" in train.stderr, train.stderr[-2000:]
+    log = elsewhere / "run"
+    log.mkdir()
+    records = [{"step": i, "expert_counts_LE": [[9, 1, 1, 1]] * 2} for i in range(1, 4)]
+    (log / "balance.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    eb = [sys.executable, str(target / "bin" / "eb")]
+    plan = subprocess.run(eb + ["plan", str(log), "--devices", "2", "--slots", "3", "--json"], cwd=elsewhere, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert json.loads(plan.stdout)["slots_per_device"] == 3

@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from eb_deepspeed import sim
-from eb_deepspeed.sim import ClusterModel, SimConfig, TOPOLOGIES
-from eb_deepspeed.sim.workloads import Workload
+from benchmarks import sim
+from benchmarks.sim import ClusterModel, SimConfig, TOPOLOGIES
+from benchmarks.sim.workloads import Workload
 
 pytestmark = pytest.mark.unit
 
@@ -143,7 +143,7 @@ def test_a_balance_log_with_bad_counts_is_refused_like_the_other_importers(tmp_p
 
 
 def test_a_strategy_is_its_named_switches_and_an_unknown_name_is_refused():
-    from eb_deepspeed.sim.strategies import STRATEGY_SPECS, Strategy
+    from benchmarks.sim.strategies import STRATEGY_SPECS, Strategy
     assert set(STRATEGY_SPECS) == set(sim.STRATEGY_LABELS) and set(sim.STRATEGIES) < set(STRATEGY_SPECS)
     w = sim.synthetic_workload(layers=2, experts=8, devices=2, steps=4, tokens_per_rank=64)
     cfg = SimConfig(warmup=1, replan_every=2)

@@ -5,8 +5,9 @@ import statistics
 
 import pytest
 
-from eb_deepspeed.tools.bench_sweep import SWEEP_METRICS, score_noise, sweep_stats, sweep_targets
+from benchmarks.sweep import SWEEP_METRICS, score_noise, sweep_stats, sweep_targets
 from eb_deepspeed.tools.cli import main as eb_main
+from benchmarks.__main__ import main as bench_main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -65,15 +66,15 @@ def test_one_seed_has_no_spread_and_an_unrun_comparison_is_no_verdict():
 
 @pytest.mark.unit
 @pytest.mark.parametrize("argv, message", [
-    (["bench", "train", "--policies", "fixed"], "only with bench train --sweep"),
-    (["bench", "train", "--scopes"], "--scopes: only with bench train --sweep"),
-    (["bench", "gate", "--coeffs", "0.1"], "unrecognized arguments: --coeffs"),      # each benchmark its own options
-    (["bench", "train", "--sweep", "--run", "x"], "unrecognized arguments: --run"),
-    (["bench", "noise"], "the following arguments are required: --run"),
+    (["train", "--policies", "fixed"], "only with bench train --sweep"),
+    (["train", "--scopes"], "--scopes: only with bench train --sweep"),
+    (["gate", "--coeffs", "0.1"], "unrecognized arguments: --coeffs"),      # each benchmark its own options
+    (["train", "--sweep", "--run", "x"], "unrecognized arguments: --run"),
+    (["noise"], "the following arguments are required: --run"),
 ])
 def test_sweep_and_noise_options_are_refused_where_they_do_nothing(argv, message, capsys):
     with pytest.raises(SystemExit):
-        eb_main(argv)
+        bench_main(argv)
     assert message in capsys.readouterr().err
 
 
@@ -82,7 +83,7 @@ def test_a_saved_sweep_is_re_judged_and_re_drawn_from_its_runs(tmp_path, capsys)
     runs = [run(p, 0.01, s, d + 0.001 * s, 1.1) for p, d in (("fixed", 0.1), ("cross_layer", 0.05)) for s in (1, 2)]
     saved = tmp_path / "saved.json"
     saved.write_text(json.dumps({"benchmark": "train_sweep", "runs": runs, "targets": {"stale": True}}))
-    assert eb_main(["bench", "train", "--sweep", "--from", str(saved), "--out", str(tmp_path / "out"), "--json"]) == 0
+    assert bench_main(["train", "--sweep", "--from", str(saved), "--out", str(tmp_path / "out"), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert "stale" not in result["targets"] and result["runs"] == runs
     assert result["against"]["0.01"]["cross_layer_vs_fixed"]["drop_rate_cut"] == pytest.approx(0.5, abs=0.02)
@@ -127,7 +128,7 @@ def test_eb_report_compare_overlays_runs_in_one_png(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_quick_sweep_runs_the_real_launcher_and_writes_stats_a_pareto_png_and_targets(tmp_path, capsys):
-    assert eb_main(["bench", "train", "--sweep", "--quick", "--json", "--out", str(tmp_path)]) == 0
+    assert bench_main(["train", "--sweep", "--quick", "--json", "--out", str(tmp_path)]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["quick"] and result["seeds"] == [1, 2] and len(result["runs"]) == 4
     assert {r["policy"] for r in result["rows"]} == {"fixed", "cross_layer"}
@@ -166,7 +167,7 @@ def test_the_noise_measurement_reads_only_the_latest_run_of_a_re_run_log(tmp_pat
 
 
 def framework_run(policy, coeff, seed, p90, loss, spec=0.2):
-    from eb_deepspeed.tools.bench_sweep_frameworks import AUTOEP_METRICS
+    from benchmarks.sweep_frameworks import AUTOEP_METRICS
     values = {m: 1.0 for m in AUTOEP_METRICS}
     values.update(device_max_over_mean_p90=p90, val_loss=loss, specialisation_tv=spec)
     return {"policy": policy, "coeff": coeff, "seed": seed, **values}
@@ -174,7 +175,7 @@ def framework_run(policy, coeff, seed, p90, loss, spec=0.2):
 
 @pytest.mark.unit
 def test_the_framework_sweep_judges_per_layer_weights_paired_and_the_global_loss_at_micros_balance():
-    from eb_deepspeed.tools.bench_sweep_frameworks import AUTOEP_METRICS, framework_targets
+    from benchmarks.sweep_frameworks import AUTOEP_METRICS, framework_targets
     runs = []
     for s in (1, 2, 3):
         # micro: more coefficient, better balance, worse loss (p90 1.4 / 1.3 / 1.2, loss 2.00 / 2.02 / 2.04)
@@ -216,7 +217,7 @@ def test_a_saved_framework_sweep_is_re_judged_with_its_own_metrics(tmp_path, cap
             ("micro", "cross_layer") for s in (1, 2)]
     saved = tmp_path / "saved.json"
     saved.write_text(json.dumps({"benchmark": "train_sweep", "framework": "autoep", "runs": runs}))
-    assert eb_main(["bench", "train", "--sweep", "--from", str(saved), "--out", str(tmp_path / "out"), "--json"]) == 0
+    assert bench_main(["train", "--sweep", "--from", str(saved), "--out", str(tmp_path / "out"), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert {r["policy"] for r in result["rows"]} == {"micro", "cross_layer"} and "specialisation_tv" in result["rows"][0]
     assert result["against"]["cross_layer@0.01"]["vs_micro_same_coeff"]["p90_excess_cut"] == pytest.approx(
@@ -226,7 +227,7 @@ def test_a_saved_framework_sweep_is_re_judged_with_its_own_metrics(tmp_path, cap
 
 @pytest.mark.slow
 def test_the_quick_autoep_sweep_trains_under_the_real_launcher_and_measures_specialisation(tmp_path, capsys):
-    assert eb_main(["bench", "train", "--sweep", "--framework", "autoep", "--quick", "--policies", "global_exact",
+    assert bench_main(["train", "--sweep", "--framework", "autoep", "--quick", "--policies", "global_exact",
                     "--json", "--out", str(tmp_path)]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["framework"] == "autoep" and result["steps"] == 8 and len(result["runs"]) == 2

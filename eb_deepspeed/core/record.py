@@ -58,7 +58,7 @@ SCALARS: dict[str, str] = {
 NOTES = ("lm_loss", )
 
 PRESSURE = "pressure_LG"        # [L, G] EMA device pressure: the heatmap
-EXPERT_COUNTS = "expert_counts_LE"   # [L, E] the step's routed counts: a trace `eb simulate` replays
+EXPERT_COUNTS = "expert_counts_LE"   # [L, E] the step's routed counts: a trace `eb plan` and the simulator read
 MATRICES = (PRESSURE, EXPERT_COUNTS)
 
 

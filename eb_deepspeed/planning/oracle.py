@@ -1,4 +1,4 @@
-"""Exact answers for tiny inputs, for tests and `eb bench optimum`: what steering can reach on a
+"""Exact answers for tiny inputs, for tests and `python -m benchmarks optimum`: what steering can reach on a
 placement, and the best placement of all.
 
 Shape legend: G devices, E logical experts, S slots per device.

@@ -32,7 +32,7 @@ every slot padded to the largest: DeepSpeed's MOELayer; the replica counts stay 
     (`node_spread`: a weight on `cross_node_fraction`, or a rule) and weight moves priced against
     `previous` (which is itself a candidate); `index_maps`: phy2log, log2phy, logcnt, moves, loads.
 
-Costs are measured by `eb bench plan` (docs/benchmarks.md).
+Costs are measured by `python -m benchmarks plan`.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""`eb bench infer --framework autoep`: the EasyBalance article's serving table on real AutoEP layers.
+"""`python -m benchmarks infer --framework autoep`: the EasyBalance article's serving table on real AutoEP layers.
 
 Shape legend: B batches, L MoE layers, E logical experts, G EP ranks, S slots per rank, P physical slots (G * S).
 
-    eb bench infer --framework autoep --json        # 2 and 4 gloo ranks, a tiny HF Mixtral of 8 AutoEP layers
+    python -m benchmarks infer --framework autoep --json        # 2 and 4 gloo ranks, a tiny HF Mixtral of 8 AutoEP layers
 
 A tiny Hugging Face Mixtral (examples/hf_moe.py), converted by DeepSpeed's AutoEP, whose routers are skewed the
 same way in every layer (cross-layer correlated hot experts: each router's logits get log Zipf(s) offsets), is
@@ -63,7 +63,7 @@ REPLAN_INTERVAL = 50        # the default: re-planning time is amortised over it
 def _skew_hooks(module, experts: int, zipf_s: float, spread: float) -> None:
     """Every router's logits x `spread` (a random tiny model's logits are nearly equal: this makes the choice
     depend on the token) + log Zipf(zipf_s) over the experts (the same hot experts in every layer)."""
-    from ..adapters.autoep import find_autoep_layers
+    from eb_deepspeed.adapters.autoep import find_autoep_layers
     offset_E = -zipf_s * torch.log(torch.arange(1, experts + 1, dtype=torch.float32))
     for _, layer in find_autoep_layers(module):
         layer.router.gate.register_forward_hook(lambda m, a, logits: logits * spread + offset_E)
@@ -98,7 +98,7 @@ def _build_row(name: str, inference: dict | None, args: dict):
     """One row's model: the seeded model AutoEP converted, skewed; served by easybalance unless `static`."""
     import deepspeed
 
-    from ..adapters.serving import init_inference
+    from eb_deepspeed.adapters.serving import init_inference
     sys.path.insert(0, os.path.join(args["root"], "examples"))
     from hf_moe import autoep_section, hf_moe_model
     G = torch.distributed.get_world_size()
@@ -127,7 +127,7 @@ class _RowClock:
     steering and planning seconds, each rank's routes sent to each rank per layer and batch (`loads`)."""
 
     def __init__(self, module):
-        from ..adapters.autoep import find_autoep_layers
+        from eb_deepspeed.adapters.autoep import find_autoep_layers
         self.module = module
         self.layers = [m for _, m in find_autoep_layers(module)]
         self.moe_s, self.steer_s, self.plan_s, self.move_s = [0.0], [0.0], [0.0], [0.0]
@@ -249,7 +249,7 @@ def bench_infer_autoep(ranks=(2, 4), batches: int = 24, warmup_batches: int = 4,
     import shutil
 
     from .bench import _repo_root, free_port, unlink_shm_buffers
-    from .bench_infer import launch_ranks
+    from .infer import launch_ranks
     root = _repo_root()
     out_dir = os.path.abspath(out_dir)
     log_dir = os.path.join(out_dir, "logs")
@@ -262,11 +262,11 @@ def bench_infer_autoep(ranks=(2, 4), batches: int = 24, warmup_batches: int = 4,
                 "zipf": 1.2, "spread": 8.0,
                 "seed": 0, "log_dir": log_dir, "out_dir": out_dir}
         if progress:
-            print(f"[eb bench infer --framework autoep] {G} ranks, {len(ROWS)} rows side by side ...", file=sys.stderr,
+            print(f"[benchmarks infer --framework autoep] {G} ranks, {len(ROWS)} rows side by side ...", file=sys.stderr,
                   flush=True)
         port = free_port()
         try:
-            runs.append(launch_ranks(args, G, port, module="eb_deepspeed.tools.bench_infer_autoep", out_dir=out_dir))
+            runs.append(launch_ranks(args, G, port, module="benchmarks.infer_autoep", out_dir=out_dir))
         finally:
             unlink_shm_buffers(port)
     for run in runs:
@@ -288,10 +288,10 @@ def _simulated(run: dict, view_log: str, replica_slots: int) -> dict:
     """The simulator on the loads this run served (the `view` row's balance log, one record a batch): each row's
     throughput against static, as the article's model has it (steering free) and corrected by what exact
     steering cost here per layer (in the model's units: its measured share of the static layer's time)."""
-    from ..sim.model import ClusterModel
-    from ..sim.strategies import SimConfig, simulate
-    from ..sim.traces import load_trace
-    from ..sim.workloads import trace_workload
+    from .sim.model import ClusterModel
+    from .sim.strategies import SimConfig, simulate
+    from eb_deepspeed.observe.traces import load_trace
+    from .sim.workloads import trace_workload
     G, L = run["ranks"], run["layers"]
     workload = trace_workload(load_trace(view_log), G)
     rows = {r["row"]: r for r in run["rows"]}
@@ -324,5 +324,9 @@ def format_autoep_infer_table(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    from .bench_infer import worker_main
-    worker_main(run_rank)
+    if "--worker" in sys.argv:           # one rank of a run `launch_ranks` started
+        from .infer import worker_main
+        worker_main(run_rank)
+    else:                                # python -m benchmarks.infer_autoep [options]: the same as python -m benchmarks infer
+        from .__main__ import main
+        sys.exit(main(["infer", "--framework", "autoep", *sys.argv[1:]]))

@@ -1,9 +1,9 @@
-"""`eb bench infer`: replicated serving against plain DeepSpeed on real MoE layers and gloo ranks.
+"""`python -m benchmarks infer`: replicated serving against plain DeepSpeed on real MoE layers and gloo ranks.
 
 Shape legend: T tokens per rank, M model dim, E logical experts, K top-k, G EP ranks, S slots per rank,
 P physical slots (G * S).
 
-    eb bench infer --json          # 2 and 4 ranks: the trained example model, a Zipf router, a drifting one
+    python -m benchmarks infer --json          # 2 and 4 ranks: the trained example model, a Zipf router, a drifting one
 
 Every row runs plain DeepSpeed (groups handed, eval mode: its exact expert-parallel forward) and
 `eb_deepspeed.init_inference` with replicas side by side in the same processes, on the same batches,
@@ -111,7 +111,7 @@ def _example_model(args, G: int, drop: bool, ckpt: str | None):
 
 def _timed_moes(module, into: list):
     """Forward hooks that add each MoE layer's forward time (and its gate's) to `into` = [moe_s, gate_s]."""
-    from ..adapters.deepspeed.engine import find_moe_layers
+    from eb_deepspeed.adapters.deepspeed.engine import find_moe_layers
     for _, moe in find_moe_layers(module):
         start = {}
 
@@ -136,7 +136,7 @@ def _timed_moes(module, into: list):
 
 def _plain_capacity(module) -> int:
     """DeepSpeed's no-drop capacity of the last forward: the most routes any rank sent to one expert."""
-    from ..adapters.deepspeed.engine import find_moe_layers
+    from eb_deepspeed.adapters.deepspeed.engine import find_moe_layers
     worst = max(int(m.deepspeed_moe.exp_counts.max()) for _, m in find_moe_layers(module))
     t = torch.tensor([worst])
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -173,7 +173,7 @@ def _build_model(args: dict, G: int, drop: bool):
 
 def _plain_of(model):
     """Plain DeepSpeed's exact expert-parallel forward: groups handed, eval mode."""
-    from ..adapters.deepspeed.engine import find_moe_layers
+    from eb_deepspeed.adapters.deepspeed.engine import find_moe_layers
     for _, moe in find_moe_layers(model):
         moe.set_deepspeed_parallelism()
     return model.eval()
@@ -181,7 +181,7 @@ def _plain_of(model):
 
 def _plain_and_ours(args: dict, build, block: dict):
     """(plain model, our serving engine) with the same weights: the checkpoint's, where the row has one."""
-    from ..adapters.deepspeed import init_inference
+    from eb_deepspeed.adapters.deepspeed import init_inference
     plain = _plain_of(build(False))
     engine = init_inference(build(False), config={"easybalance": block})
     if args["router"] == "example" and args.get("ckpt"):
@@ -303,7 +303,7 @@ def _steering_ms(serving, x, repeats: int = 30) -> float:
     Both run without collectives (one rank holds every slot), so waits on other ranks do not count."""
     from deepspeed.moe.sharded_moe import TopKGate
 
-    from ..adapters.deepspeed.replicas import ReplicaGate, SlotTable
+    from eb_deepspeed.adapters.deepspeed.replicas import ReplicaGate, SlotTable
     gate = serving.gates[0]
     E, M = gate.wg.weight.shape[0], gate.wg.weight.shape[1]
     plain = TopKGate(M, E, gate.k, gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, None,
@@ -355,8 +355,8 @@ def _load_plain(plain, engine) -> None:
 def _drop_rates(args, build, plain_of, block, batches, rank) -> dict:
     """Dropped routes / routes at eval capacity factor 1.0 (drop_tokens=True), plain and ours, after our
     first placement serves. Kept routes: indices >= 0 in the gates' sparse outputs."""
-    from ..adapters.deepspeed import init_inference
-    from ..adapters.deepspeed.engine import find_moe_layers
+    from eb_deepspeed.adapters.deepspeed import init_inference
+    from eb_deepspeed.adapters.deepspeed.engine import find_moe_layers
     plain = plain_of(build(True))
     engine = init_inference(build(True), config={"easybalance": {**block, "log": {
         "dir": block["log"]["dir"] + "_drops", "interval": 1000}}})
@@ -401,7 +401,7 @@ ROWS = (
 
 def bench_infer(ranks=(2, 4), splits=("view", "exact"), batches: int = 40, warmup_batches: int = 6,
                 replica_slots: int = 1, ckpt: str = "runs/main/ckpt", progress: bool = True) -> dict:
-    from ..tools.bench import _repo_root, free_port
+    from .bench import _repo_root, free_port
     root = _repo_root()
     rows = []
     for G in ranks:
@@ -422,7 +422,7 @@ def bench_infer(ranks=(2, 4), splits=("view", "exact"), batches: int = 40, warmu
                         "batch": 4, "ckpt": os.path.abspath(ckpt) if row["router"] == "example" and os.path.isdir(ckpt) else None,
                         "log_dir": os.path.join("runs", "bench_infer", f"{row['name']}_{G}_{split}")}
                 if progress:
-                    print(f"[eb bench infer] {row['name']}, {G} ranks, split {split} ...", file=sys.stderr, flush=True)
+                    print(f"[benchmarks infer] {row['name']}, {G} ranks, split {split} ...", file=sys.stderr, flush=True)
                 result = launch_ranks(args, G, free_port())
                 result["row"] = row["name"]
                 rows.append(result)
@@ -442,7 +442,7 @@ def bench_infer(ranks=(2, 4), splits=("view", "exact"), batches: int = 40, warmu
     return {"benchmark": "infer", "rows": rows, "targets": targets, "target_values": TARGETS}
 
 
-def launch_ranks(args: dict, world: int, port: int, module: str = "eb_deepspeed.tools.bench_infer",
+def launch_ranks(args: dict, world: int, port: int, module: str = "benchmarks.infer",
                  out_dir: str | None = None) -> dict:
     """Run `module`'s `run_rank(args)` on `world` gloo ranks started here (RANK / WORLD_SIZE set, no launcher);
     rank 0's result, read back from a JSON file in out_dir (default runs/bench_infer under args["root"])."""
@@ -452,7 +452,8 @@ def launch_ranks(args: dict, world: int, port: int, module: str = "eb_deepspeed.
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([args["root"], os.environ.get("PYTHONPATH", "")]))
         procs.append(subprocess.Popen([sys.executable, "-m", module, "--worker", json.dumps({**args, "out": out})],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=3600)[0] for p in procs]
@@ -479,4 +480,9 @@ def worker_main(run_rank, argv=None) -> None:
 
 
 if __name__ == "__main__":
-    worker_main(run_rank)
+    if "--worker" in sys.argv:           # one rank of a run `launch_ranks` started
+        from .infer import worker_main
+        worker_main(run_rank)
+    else:                                # python -m benchmarks.infer [options]: the same as python -m benchmarks infer
+        from .__main__ import main
+        sys.exit(main(["infer", *sys.argv[1:]]))

@@ -1,7 +1,7 @@
 """One accelerator check, one JSON: the numbers that need a GPU to mean anything.
 
-    python -m eb_deepspeed.tools.gpu_check --device cuda --out gpu_check.json     # on a CUDA machine
-    python -m eb_deepspeed.tools.gpu_check --device cpu --quick                   # the same code on CPU
+    python -m benchmarks.gpu_check --device cuda --out gpu_check.json     # on a CUDA machine
+    python -m benchmarks.gpu_check --device cpu --quick                   # the same code on CPU
 
 Measured on `--device`, side by side in one run:
   * gate overhead: CrossLayerGate / DeepSpeed's TopKGate, forward + backward (target <= 1.05);
@@ -28,7 +28,7 @@ def bf16_parity(device: str, tokens: int = 4096, hidden: int = 1024, experts: in
     """Route the same bf16 tokens through DeepSpeed's TopKGate and the swapped CrossLayerGate."""
     from deepspeed.moe.sharded_moe import TopKGate
 
-    from ..adapters.deepspeed.gate import CrossLayerGate
+    from eb_deepspeed.adapters.deepspeed.gate import CrossLayerGate
     torch.manual_seed(0)
     ds = TopKGate(hidden, experts, k=k, min_capacity=4).to(device, torch.bfloat16).train()
     eb = CrossLayerGate.from_topk_gate(ds, layer_index=0).train()

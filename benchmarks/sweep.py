@@ -1,4 +1,4 @@
-"""`eb bench train --sweep`: aux policies x coefficients x seeds on the example model, a Pareto plot.
+"""`python -m benchmarks train --sweep`: aux policies x coefficients x seeds on the example model, a Pareto plot.
 
 Every run is the example LM (`examples/train_moe_lm.py`) under the real `deepspeed` launcher with 2
 CPU ranks, on the same data. A row is one (policy, coefficient); its numbers are the mean and the
@@ -6,9 +6,9 @@ sample standard deviation over seeds. The Pareto plot puts validation loss again
 drop rate and against the p90 device max/mean, one curve per policy through its coefficients,
 with seed error bars both ways.
 
-    eb bench train --sweep --json > docs/bench_train_sweep.json     # ~45 min on 2 cores
-    eb bench train --sweep --quick                                  # the test suite's small version
-    eb bench train --sweep --from docs/bench_train_sweep.json --json   # re-judge and re-draw, no training
+    python -m benchmarks train --sweep --json > docs/bench_train_sweep.json     # ~45 min on 2 cores
+    python -m benchmarks train --sweep --quick                                  # the test suite's small version
+    python -m benchmarks train --sweep --from docs/bench_train_sweep.json --json   # re-judge and re-draw, no training
 """
 from __future__ import annotations
 
@@ -258,7 +258,7 @@ def bench_train_sweep(quick: bool = False, out_dir: str = "runs/bench_sweep", bi
                                bias_rate, code)
                 runs.append({"policy": name, "coeff": coeff, "seed": seed, "run_dir": run_dir, **metrics})
                 if progress:
-                    print(f"[eb bench train --sweep] {len(runs)}/{total} {name} coeff {coeff:g} seed {seed}: "
+                    print(f"[benchmarks train --sweep] {len(runs)}/{total} {name} coeff {coeff:g} seed {seed}: "
                           + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=sys.stderr, flush=True)
     result = {"benchmark": "train_sweep", "quick": quick, "steps": plan["steps"], "layers": plan["layers"],
               "k": plan["k"], "ranks": 2, "bias_rate": bias_rate, "seeds": list(plan["seeds"]),
@@ -269,7 +269,7 @@ def bench_train_sweep(quick: bool = False, out_dir: str = "runs/bench_sweep", bi
 
 def summarize_sweep(result: dict, out_dir: str) -> dict[str, object]:
     """Rows, verdicts, targets and the Pareto plot (PNG + W&B image) of a sweep's runs; `result` holds
-    them under "runs" (a fresh sweep, or a saved result: `eb bench train --sweep --from RESULT.json`
+    them under "runs" (a fresh sweep, or a saved result: `python -m benchmarks train --sweep --from RESULT.json`
     re-draws and re-judges it without training)."""
     runs = result["runs"]
     stats = sweep_stats(runs)
@@ -332,9 +332,9 @@ def score_noise(run_dir: str, skip: float = 0.25, window: int | None = None) -> 
 
     import torch
 
-    from ..core.config import EasyBalanceConfig
-    from ..core.policies import device_scores
-    from ..observe.report import read_log
+    from eb_deepspeed.core.config import EasyBalanceConfig
+    from eb_deepspeed.core.policies import device_scores
+    from eb_deepspeed.observe.report import read_log
 
     records = [r for r in read_log(run_dir) if r.get("pressure_LG")]   # a re-run's superseded records left out
     if len(records) < 8:

@@ -1,4 +1,4 @@
-"""`eb bench train --sweep --framework autoep|megatron|deepspeed --scopes`: training controls on an HF Mixtral
+"""`python -m benchmarks train --sweep --framework autoep|megatron|deepspeed --scopes`: training controls on an HF Mixtral
 under DeepSpeed's AutoEP, on the Megatron-Core example, and (the batch scopes) on the DeepSpeed-MoE example.
 
 AutoEP: every run is `examples/train_hf_moe.py` (4 layers, 8 experts, top-2, dropless) under the real `deepspeed`
@@ -22,15 +22,15 @@ Megatron-Core: `examples/megatron_train_moe.py` (4 layers, 8 experts, top-2, cap
 2 CPU ranks, Megatron's own losses by `moe_router_load_balancing_type` (aux_loss, global_aux_loss, seq_aux_loss;
 easybalance's `batch_scope` is refused there), the policies on top; same rows where they exist.
 
-    eb bench train --sweep --framework autoep --json > docs/bench_train_sweep_autoep.json    # ~80 min here
-    eb bench train --sweep --framework megatron --json > docs/bench_train_sweep_megatron.json
-    eb bench train --sweep --framework deepspeed --scopes --policies micro global_exact global_lagged sequence \
+    python -m benchmarks train --sweep --framework autoep --json > docs/bench_train_sweep_autoep.json    # ~80 min here
+    python -m benchmarks train --sweep --framework megatron --json > docs/bench_train_sweep_megatron.json
+    python -m benchmarks train --sweep --framework deepspeed --scopes --policies micro global_exact global_lagged sequence \
         bias_cross_layer --json > docs/bench_train_sweep_scopes.json                          # ~80 min here
 
-DeepSpeed-MoE (`--scopes`; the policies' own sweep is `eb bench train --sweep`): the example LM, 8 layers, top-1
+DeepSpeed-MoE (`--scopes`; the policies' own sweep is `python -m benchmarks train --sweep`): the example LM, 8 layers, top-1
 and top-2 alternating, micro-batch 4 x 2 accumulation steps, the batch scopes of DeepSpeed's `l_aux`.
-    eb bench train --sweep --framework autoep --quick                                        # the tests' size
-    eb bench train --sweep --framework autoep --from docs/bench_train_sweep_autoep.json     # re-judge only
+    python -m benchmarks train --sweep --framework autoep --quick                                        # the tests' size
+    python -m benchmarks train --sweep --framework autoep --from docs/bench_train_sweep_autoep.json     # re-judge only
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import sys
 import time
 
 from .bench import _repo_root
-from .bench_sweep import _code_hash, _launch, _rounded, sweep_stats
+from .sweep import _code_hash, _launch, _rounded, sweep_stats
 
 __all__ = ["AUTOEP_ROWS", "bench_train_sweep_framework", "summarize_sweep_framework"]
 
@@ -157,7 +157,7 @@ def bench_train_sweep_framework(framework: str = "autoep", quick: bool = False, 
             run["specialisation_tv_per_layer"] = summary["final"]["specialisation_tv_per_layer"]
         runs.append(run)
         if progress:
-            print(f"[eb bench train --sweep --framework {framework}] {len(runs)}/{len(jobs)} {name} coeff {c:g} seed "
+            print(f"[benchmarks train --sweep --framework {framework}] {len(runs)}/{len(jobs)} {name} coeff {c:g} seed "
                   f"{seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=sys.stderr, flush=True)
     result = {"benchmark": "train_sweep", "framework": framework, **fw["shape"], "quick": quick,
               "steps": plan["steps"], "ranks": 2, "seeds": list(plan["seeds"]),

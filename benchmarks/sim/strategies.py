@@ -1,4 +1,4 @@
-"""Strategies compared by the simulator, and the table `eb simulate` prints.
+"""Strategies compared by the simulator, and the table `python -m benchmarks simulate` prints.
 
 Shape legend: N steps, L layers, G devices (= source ranks), E logical experts, R replicas.
 
@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core import metrics as M
-from ..core.tally import Tally
-from ..core.topology import hop_cost
-from ..core.view import LoadView
-from ..planning.placement import Placement, index_maps, plan_placement, static_placement
-from ..planning.steering import even_split, steer
+from eb_deepspeed.core import metrics as M
+from eb_deepspeed.core.tally import Tally
+from eb_deepspeed.core.topology import hop_cost
+from eb_deepspeed.core.view import LoadView
+from eb_deepspeed.planning.placement import Placement, index_maps, plan_placement, static_placement
+from eb_deepspeed.planning.steering import even_split, steer
 from .model import ClusterModel
 from .workloads import Workload
 

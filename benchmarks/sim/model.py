@@ -9,7 +9,7 @@ Cost of one layer on device d (seconds):
     decisions = routes decided on d / decision_batch * decision_s   (the EasyBalance article's 2-3 ms per layer
                 per-token cost against 0.3 ms batched is what decision_s and decision_batch model)
               + steer_s per layer for per-batch exact steering (its all-gather of counts and the host's split;
-                0 by default, as the article has it: `eb bench infer --framework autoep` measured 4-15 ms)
+                0 by default, as the article has it: `python -m benchmarks infer --framework autoep` measured 4-15 ms)
 Execution is synchronised per layer (a layer takes its slowest device), or with bounded run-ahead:
 a device may start layer l once every device has finished layer l - window. Links, latencies and
 devices per node come from the one topology table, `core.topology.TOPOLOGIES`.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.topology import TOPOLOGIES, Topology
+from eb_deepspeed.core.topology import TOPOLOGIES, Topology
 
 __all__ = ["ClusterModel"]
 

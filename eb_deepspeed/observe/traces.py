@@ -1,4 +1,4 @@
-"""Expert-load traces from files, for `eb simulate --workload trace` and the planner.
+"""Expert-load traces from files, for `eb plan` and the simulator (`python -m benchmarks simulate --workload trace`).
 
 Shape legend: N steps, L layers, E logical experts, P physical slots.
 

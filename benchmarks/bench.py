@@ -1,10 +1,10 @@
 """Benchmarks that print ratios measured side by side in one run (absolute times here are noise).
 
-    eb bench gate --json      # CrossLayerGate vs DeepSpeed's TopKGate, forward + backward
-    eb bench train --json     # aux policies fixed / cross_layer / bias (+ no balancing), same seed and data
-    eb bench train --framework autoep --json   # an HF Mixtral under AutoEP: plain, HF's aux loss, easybalance
-    eb bench plan --json      # planner time at 61 x 256 x 64, steering time vs one MoE layer forward
-    eb bench optimum --json   # planner vs a brute-force optimum on tiny inputs, with and without refinement
+    python -m benchmarks gate --json      # CrossLayerGate vs DeepSpeed's TopKGate, forward + backward
+    python -m benchmarks train --json     # aux policies fixed / cross_layer / bias (+ no balancing), same seed and data
+    python -m benchmarks train --framework autoep --json   # an HF Mixtral under AutoEP: plain, HF's aux loss, easybalance
+    python -m benchmarks plan --json      # planner time at 61 x 256 x 64, steering time vs one MoE layer forward
+    python -m benchmarks optimum --json   # planner vs a brute-force optimum on tiny inputs, with and without refinement
 
 Shape legend: T tokens, M model dim, E experts, K top-k.
 """
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ..planning.oracle import brute_force_optimum, steered_max_load
+from eb_deepspeed.planning.oracle import brute_force_optimum, steered_max_load
 
 __all__ = ["bench_gate", "bench_train", "bench_train_autoep", "bench_plan", "bench_optimum", "free_port",
            "AUTOEP_ROWS"]
@@ -55,7 +55,7 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
     """
     from deepspeed.moe.sharded_moe import TopKGate
 
-    from ..adapters.deepspeed.gate import CrossLayerGate
+    from eb_deepspeed.adapters.deepspeed.gate import CrossLayerGate
 
     rows = []
     for num_experts in experts:
@@ -108,11 +108,8 @@ TRAIN_KEYS = ("token_drop_rate", "val_token_drop_rate", "val_max_vio", "device_m
 
 
 def _repo_root() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if not os.path.exists(os.path.join(root, "examples", "train_moe_lm.py")):
-        raise FileNotFoundError(f"eb bench train needs the repository's examples/ (not found under {root}); "
-                                "install with `pip install -e .` from a checkout")
-    return root
+    """The checkout this file lies in (the benchmarks run the repository's examples/)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def unlink_shm_buffers(port: int) -> None:
@@ -163,7 +160,7 @@ def bench_train(steps: int = 200, coeff: float = 0.01, capacity_factor: float = 
         if bias_rate is not None:
             cmd += ["--bias-rate", str(bias_rate)]
         if progress:
-            print(f"[eb bench train] {name}: policy {policy}, coefficient {coeff * mult} ...", file=sys.stderr,
+            print(f"[benchmarks train] {name}: policy {policy}, coefficient {coeff * mult} ...", file=sys.stderr,
                   flush=True)
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True,
@@ -235,7 +232,7 @@ def bench_train_autoep(steps: int = 60, seeds=(1, 2, 3), lr: float = 1e-3, data:
                    "--seed", str(seed), "--lr", str(lr), "--data", data, "--micro-batch", str(micro_batch),
                    "--seq-len", str(seq_len), "--ffn", str(ffn), "--no-report", *row_args, *extra]
             if progress:
-                print(f"[eb bench train autoep] {name}, seed {seed} ...", file=sys.stderr, flush=True)
+                print(f"[benchmarks train autoep] {name}, seed {seed} ...", file=sys.stderr, flush=True)
             proc = subprocess.run(cmd, capture_output=True, text=True,
                                   env=dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1"))
             unlink_shm_buffers(port)
@@ -325,8 +322,8 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
     (`steer_experts` experts of hidden -> 4 * hidden -> hidden, ep_size 1) on the same `tokens`
     in this process, side by side (target: steering <= 2 % of the layer).
     """
-    from ..planning.flows import steered_load
-    from ..planning.placement import plan_placement
+    from eb_deepspeed.planning.flows import steered_load
+    from eb_deepspeed.planning.placement import plan_placement
 
     g = torch.Generator().manual_seed(0)
     load_LE = torch.rand(layers, experts, generator=g).pow(-1 / 1.2)
@@ -367,8 +364,8 @@ def bench_steering(tokens: int = 4096, hidden: int = 1024, experts: int = 64, de
     from deepspeed.moe.experts import Experts
     from deepspeed.moe.sharded_moe import MOELayer, TopKGate
 
-    from ..planning.placement import plan_placement
-    from ..planning.steering import steer
+    from eb_deepspeed.planning.placement import plan_placement
+    from eb_deepspeed.planning.steering import steer
 
     g = torch.Generator().manual_seed(1)
     E, G = experts, devices
@@ -414,7 +411,7 @@ def bench_optimum(seeds: int = 30, shapes=OPTIMUM_SHAPES) -> dict[str, object]:
     """plan_placement against the brute-force optimum on tiny inputs (experts, devices, slots), one
     Pareto load per seed; the steered slowest device of the plan over the optimum's, with the
     refinement (default) and without it (refine_rounds=0), side by side (target: within 5 %)."""
-    from ..planning.placement import plan_placement
+    from eb_deepspeed.planning.placement import plan_placement
 
     rows = []
     for E, G, S in shapes:
