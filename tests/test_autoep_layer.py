@@ -35,12 +35,12 @@ class Layer(nn.Module):
 def make(score_func="softmax", balance=True, correction=None, scale=lambda: 1.0, coeff=0.1):
     torch.manual_seed(0)
     layer = Layer(score_func, correction)
-    gate = AutoEPBalance(layer, 0, torch.arange(E) // (E // 2), loss_coeff=coeff, grad_scale=scale, balance=balance)
+    gate = AutoEPBalance(layer, 0, loss_coeff=coeff, grad_scale=scale, balance=balance)
     return layer, gate
 
 
 def counts(gate) -> Tally:
-    return Tally.unpack(gate.take_tally()[None], E)
+    return Tally.unpack(gate.tally.take()[None], E)
 
 
 def test_the_tally_counts_every_route_of_a_training_forward_once_and_no_eval_or_no_grad_forward():
@@ -84,7 +84,7 @@ def test_the_bias_moves_the_top_k_as_biased_logits_and_never_the_gate_values(sco
     layer, gate = make(score_func)
     x = torch.randn(T, H)
     bias_E = torch.linspace(-0.3, 0.3, E)
-    gate.set_selection_bias(bias_E)
+    gate.controls.set_bias(bias_E)
     top, selected, _ = layer(x)
     logits = layer.router.gate(x).float()
     # the same choice as the top-k of the biased logits (sets: AutoEP's top-k is unsorted)
@@ -101,7 +101,7 @@ def test_a_pretrained_score_correction_bias_is_kept_and_ours_adds_to_it():
     layer, gate = make("sigmoid", correction=correction_E.clone())
     x = torch.randn(T, H)
     bias_E = torch.linspace(-0.3, 0.3, E)
-    gate.set_selection_bias(bias_E)
+    gate.controls.set_bias(bias_E)
     _, selected, _ = layer(x)
     logits = layer.router.gate(x).float()
     want = (torch.sigmoid(logits + bias_E) + correction_E).topk(K, dim=1).indices.sort(1).values
@@ -114,19 +114,19 @@ def test_the_balance_loss_reaches_the_router_with_its_weights_and_leaves_the_for
     torch.manual_seed(0)
     plain = Layer()                                           # the same weights, no hooks
     layer, gate = make(coeff=0.1, scale=lambda: 0.5)         # 0.5: e.g. two gradient-accumulation steps
-    gate.set_aux_weight(2.0)
-    gate.set_device_loss(3.0, torch.arange(E) // (E // 2))
+    gate.controls.set_device_map(torch.arange(E) // (E // 2))
+    gate.controls.device_loss_weight = 3.0
     x = torch.randn(T, H)
     top, selected, _ = layer(x)
     top_plain, selected_plain, _ = plain(x)
     assert torch.equal(top, top_plain) and torch.equal(selected, selected_plain)
     top.sum().backward()
-    # by hand: the user's loss (sum of top) plus 0.5 x 0.1 x (2 x expert-level + 3 x device-level)
+    # by hand: the user's loss (sum of top) plus 0.5 x 0.1 x (expert-level + 3 x device-level)
     probs = F.softmax(plain.router.gate(x).float(), 1)
     routed = torch.bincount(selected.flatten(), minlength=E)
-    own = device_balance_loss(probs, routed, torch.arange(E), E, K)
-    device = device_balance_loss(probs, routed, torch.arange(E) // (E // 2), 2, K)
-    (top_plain.sum() + 0.5 * 0.1 * (2.0 * own + 3.0 * device)).backward()
+    own = device_balance_loss(probs, routed, torch.arange(E), torch.ones(E), K)           # one expert per "device"
+    device = device_balance_loss(probs, routed, torch.arange(E) // (E // 2), torch.tensor([E // 2, E // 2]), K)
+    (top_plain.sum() + 0.5 * 0.1 * (own + 3.0 * device)).backward()
     torch.testing.assert_close(layer.router.gate.weight.grad, plain.router.gate.weight.grad, rtol=1e-5, atol=1e-7)
     assert float(counts(gate).aux_L[0]) == pytest.approx(float(own.detach()), rel=1e-6)   # unweighted, in the record
 
@@ -136,7 +136,13 @@ def test_a_global_share_replaces_the_forwards_own_routes_in_the_expert_level_los
     plain = Layer()
     layer, gate = make(coeff=0.1)
     share_E = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0])
-    gate.set_batch_scope("global_lagged", lambda routed_E=None, rerun=False: share_E)
+    asked = []
+
+    class Shares:                   # the balancer's GlobalShares, as this layer sees it
+        def share(self, layer, routed_E=None, rerun=False):
+            asked.append(rerun)
+            return share_E
+    gate.controls.batch_scope, gate.controls.global_shares = "global_exact", Shares()
     x = torch.randn(T, H)
     top, _, _ = layer(x)
     top.sum().backward()
@@ -144,6 +150,7 @@ def test_a_global_share_replaces_the_forwards_own_routes_in_the_expert_level_los
     top_plain, _, _ = plain(x)
     (top_plain.sum() + 0.1 * E * (share_E * probs.mean(0)).sum()).backward()     # E x sum f_e P_e
     torch.testing.assert_close(layer.router.gate.weight.grad, plain.router.gate.weight.grad, rtol=1e-5, atol=1e-7)
+    assert asked == [False]                          # the first run of the forward: its all-reduce
 
 
 def test_observe_attaches_nothing():

@@ -20,11 +20,10 @@ class _Layer(torch.nn.Module):
 
 def _routes(plan, layer_index=0, split="view"):
     from eb_deepspeed.adapters.autoep.serving import AutoEPRoutes
-    from eb_deepspeed.adapters.deepspeed.replicas import SlotTable
+    from eb_deepspeed.adapters.serving.store import Routing, SlotTable
     G = plan.num_devices
-    return AutoEPRoutes(_Layer(plan.num_experts, 2), layer_index, G, plan.slots_per_device, rank=0,
-                        table=SlotTable.even(plan.log2phy[layer_index]), split=split,
-                        node_G=torch.zeros(G, dtype=torch.long), steer_options={})
+    return AutoEPRoutes(_Layer(plan.num_experts, 2), layer_index, G, plan.slots_per_device,
+                        table=SlotTable.even(plan.log2phy[layer_index]), routing=Routing(split=split))
 
 
 def test_each_route_goes_to_a_slot_of_its_expert_and_replicas_share_its_routes_evenly():

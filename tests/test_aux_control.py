@@ -31,35 +31,25 @@ def test_clip_mean_one_keeps_mean_one_and_the_range():
 def test_integral_weights_accumulate_persistent_skew_relative_to_the_other_layers():
     log_w = torch.zeros(2, dtype=torch.float64)
     score = torch.tensor([0.3, 0.1])          # mean 0.2 -> errors [+0.5, -0.5]
-    step = integral_weights(log_w, score, gain=0.1, w_min=0.25, w_max=4.0, mean_one=True, target=0.05)
+    step = integral_weights(log_w, score, gain=0.1, w_min=0.25, w_max=4.0)
     w = step.exp()
     assert w[0] > 1.0 > w[1] and w.mean().item() == pytest.approx(1.0)
     assert (w[0] / w[1]).item() == pytest.approx(torch.tensor(0.1).exp().item(), rel=1e-6)   # e^{0.05} / e^{-0.05}
     for _ in range(200):                      # persistent: keeps growing until the range stops it
-        step = integral_weights(step, score, gain=0.1, w_min=0.25, w_max=4.0, mean_one=True, target=0.05)
+        step = integral_weights(step, score, gain=0.1, w_min=0.25, w_max=4.0)
     assert step.exp().tolist() == pytest.approx([1.75, 0.25])    # the floor binds; mean 1 holds
     # no wind-up: one step the other way moves it back at once
-    back = integral_weights(step, score.flip(0), gain=0.1, w_min=0.25, w_max=4.0, mean_one=True, target=0.05)
+    back = integral_weights(step, score.flip(0), gain=0.1, w_min=0.25, w_max=4.0)
     assert back.exp()[0] < 1.75
+    assert torch.equal(integral_weights(step, torch.zeros(2), gain=0.1, w_min=0.25, w_max=4.0), step)  # balanced: hold
 
 
 def test_integral_weights_let_alternating_noise_cancel():
     log_w = torch.zeros(2, dtype=torch.float64)
     for i in range(100):                      # the same skew flips between layers every step: noise, not skew
         score = torch.tensor([0.3, 0.1]) if i % 2 == 0 else torch.tensor([0.1, 0.3])
-        log_w = integral_weights(log_w, score, gain=0.1, w_min=0.25, w_max=4.0, mean_one=True, target=0.05)
+        log_w = integral_weights(log_w, score, gain=0.1, w_min=0.25, w_max=4.0)
     assert log_w.exp().tolist() == pytest.approx([1.0, 1.0], abs=1e-9)
-
-
-def test_integral_weights_against_an_absolute_target_push_and_relax_without_mean_one():
-    log_w = torch.zeros(2, dtype=torch.float64)
-    # layer 0 at 3x the target (error clipped to +1), layer 1 balanced (error -1)
-    step = integral_weights(log_w, torch.tensor([0.15, 0.0]), gain=0.1, w_min=0.25, w_max=4.0, mean_one=False,
-                            target=0.05)
-    assert step.tolist() == pytest.approx([0.1, -0.1])
-    both_bad = integral_weights(log_w, torch.tensor([0.15, 0.10]), gain=0.1, w_min=0.25, w_max=4.0,
-                                mean_one=False, target=0.05)
-    assert bool((both_bad > 0).all())          # more push everywhere: the total is not held
 
 
 def test_bias_update_is_a_sign_step_re_centred_with_a_device_term():
@@ -85,30 +75,29 @@ def _view(steps, routed_LE, warmup=2):
 
 def test_the_controller_waits_for_warm_up_and_fixed_never_moves():
     routed = [[6.0, 2.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]]
-    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "cross_layer", "smoothing": 1.0,
-                                                                    "device_scale": 0.5}}})
+    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "cross_layer"}}})
     ctl = AuxController(2, 4, cfg.aux)
-    assert ctl.update(_view(1, routed)) is False and ctl.layer_w_L.tolist() == [1.0, 1.0]
+    assert ctl.update(_view(1, routed)) is False and ctl.device_loss_weights().tolist() == [1.0, 1.0]
     assert ctl.update(_view(2, routed)) is True
-    # layer 0's devices are [8, 0], layer 1's [4, 4]: layer 0's device loss gets more weight, l_aux stays 1
-    assert ctl.layer_w_L[0] > 1.0 > ctl.layer_w_L[1] and ctl.weight_L.tolist() == [1.0, 1.0]
-    assert ctl.device_loss_weights().tolist() == pytest.approx((0.5 * ctl.layer_w_L).tolist())
+    # layer 0's devices are [8, 0], layer 1's [4, 4]: layer 0's device loss gets more weight, at mean 1
+    w_L = ctl.device_loss_weights()
+    assert w_L[0] > 1.0 > w_L[1] and w_L.mean().item() == pytest.approx(1.0) and ctl.bias_LE.abs().sum() == 0
     fixed = AuxController(2, 4, EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "fixed"}}}).aux)
-    assert fixed.update(_view(5, routed)) is False and fixed.weight_L.tolist() == [1.0, 1.0]
-    assert fixed.device_loss_weights().tolist() == [0.0, 0.0]
+    assert fixed.update(_view(5, routed)) is False and fixed.device_loss_weights().tolist() == [0.0, 0.0]
 
 
-def test_bias_cross_layer_moves_the_bias_and_the_device_loss_weights_together():
-    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "bias_cross_layer", "aux_scale": 0.1,
-                                                                    "smoothing": 1.0}}})
+def test_bias_cross_layer_moves_the_bias_and_the_device_loss_weights_together_and_restores_them():
+    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "bias_cross_layer", "bias_rate": 0.01}}})
     ctl = AuxController(2, 4, cfg.aux)
     ctl.update(_view(3, [[6.0, 2.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]]))
-    assert ctl.bias_LE[0, 0] < 0 < ctl.bias_LE[0, 3] and ctl.weight_L.tolist() == [0.1, 0.1]
-    assert ctl.layer_w_L[0] > 1.0 > ctl.layer_w_L[1]
+    assert ctl.bias_LE[0, 0] < 0 < ctl.bias_LE[0, 3] and ctl.bias_LE.sum(1).abs().max() < 1e-12
+    assert ctl.device_loss_weights()[0] > 1.0 > ctl.device_loss_weights()[1]
     restored = AuxController(2, 4, cfg.aux)
-    assert restored.load_state_dict(ctl.state_dict()) == []
-    for key in ("bias_LE", "layer_w_L", "log_w_L", "weight_L"):
+    assert restored.load_state_dict(ctl.state_dict()) == [] and restored.updates == ctl.updates == 1
+    for key in ("bias_LE", "log_w_L"):
         assert torch.equal(getattr(restored, key), getattr(ctl, key)), key
+    with pytest.raises(ValueError, match=r"checkpointed aux bias_LE has shape \(2, 4\), this model \(3, 4\)"):
+        AuxController(3, 4, cfg.aux).load_state_dict(ctl.state_dict())
 
 
 def test_a_state_saved_before_the_device_loss_restores_with_fresh_device_weights():
@@ -116,61 +105,17 @@ def test_a_state_saved_before_the_device_loss_restores_with_fresh_device_weights
     old = {"policy": "cross_layer", "weight_L": torch.tensor([1.5, 0.5], dtype=torch.float64),
            "bias_LE": torch.zeros(2, 4, dtype=torch.float64), "updates": 7}
     ctl = AuxController(2, 4, cfg.aux)
-    assert ctl.load_state_dict(old) == ["aux weights set to 1.0"]   # the old law weighed l_aux; this one does not
-    assert ctl.weight_L.tolist() == [1.0, 1.0] and ctl.layer_w_L.tolist() == [1.0, 1.0] and ctl.updates == 7
-
-
-def test_the_bias_policy_keeps_aux_scale_weights_and_moves_the_bias():
-    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "bias", "aux_scale": 0.1,
-                                                                    "bias_rate": 0.01}}})
-    ctl = AuxController(2, 4, cfg.aux)
-    assert ctl.weight_L.tolist() == [0.1, 0.1]
-    ctl.update(_view(3, [[6.0, 2.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]]))
-    assert ctl.bias_LE[0, 0] < 0 < ctl.bias_LE[0, 3]
-    assert ctl.bias_LE.sum(1).abs().max() < 1e-12
-    restored = AuxController(2, 4, cfg.aux)
-    restored.load_state_dict(ctl.state_dict())
-    assert torch.equal(restored.bias_LE, ctl.bias_LE) and restored.updates == ctl.updates == 1
-    with pytest.raises(ValueError, match=r"checkpointed aux weight_L has shape \(2,\), this model \(3,\)"):
-        AuxController(3, 4, cfg.aux).load_state_dict(ctl.state_dict())
-
-
-@pytest.mark.parametrize("aux, message", [
-    ({"policy": "sometimes"}, r"easybalance\.aux\.policy \('sometimes'\) must be one of: fixed, cross_layer, bias, "
-                              r"bias_cross_layer"),
-    ({"weight_range": [1.5, 2.0]}, r"easybalance\.aux\.weight_range \(\[1\.5, 2\.0\]\) must be \[min, max\] with 0 < min <= 1 <= max"),
-    ({"weight_range": [0, 2.0]}, r"easybalance\.aux\.weight_range \(\[0\.0, 2\.0\]\) must be \[min, max\] with 0 < min"),
-    ({"gain": 0}, r"easybalance\.aux\.gain \(0\.0\) must be in \(0, 10\]"),
-    ({"mean_one": "yes"}, r"easybalance\.aux\.mean_one"),
-    ({"target": -1}, r"easybalance\.aux\.target \(-1\.0\) must be in \(0, 100\]"),
-    ({"device_scale": float("inf")}, r"easybalance\.aux\.device_scale"),
-    ({"weight_range": 2}, r"easybalance\.aux\.weight_range \(2\) must be \[min, max\]"),
-    ({"smoothing": 0}, r"easybalance\.aux\.smoothing \(0\.0\) must be in \(0, 1\]"),
-    ({"bias_rate": -1e-3}, r"easybalance\.aux\.bias_rate \(-0\.001\) must be in \(0, 1\]"),
-    ({"loss_coeff": -0.1}, r"easybalance\.aux\.loss_coeff \(-0\.1\) must be in \[0, 1e6\]"),
-    ({"rate": 1}, r"easybalance\.aux\.rate: unknown key; valid keys: aux_scale, batch_scope, bias_rate, device_scale, device_weight, gain, "
-                     r"loss_coeff, mean_one, policy, smoothing, target, weight_range"),
-])
-def test_bad_aux_options_name_their_path(aux, message):
-    from eb_deepspeed import ConfigError
-    with pytest.raises(ConfigError, match=message):
-        EasyBalanceConfig.from_ds_config({"easybalance": {"aux": aux}})
+    assert ctl.load_state_dict(old) == []           # its per-layer l_aux weights are no longer state
+    assert ctl.device_loss_weights().tolist() == [1.0, 1.0] and ctl.updates == 7
 
 
 def test_options_the_policy_does_not_use_are_reported_once_each():
-    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "bias", "smoothing": 0.5}}})
-    assert cfg.ignored_options("train") == ["easybalance.aux.smoothing"]
-
-
-def test_the_config_takes_its_policy_choices_and_options_from_the_registry():
     # every option of every policy is a valid aux key, and each policy reports the others' as ignored
     # (set to other than their defaults: a key left at its default changes nothing and warns about nothing)
     every = sorted({o for p in POLICIES.values() for o in p.options})
-    changed = {"weight_range": [0.5, 2.0], "smoothing": 0.5, "gain": 0.04, "mean_one": False, "target": 0.1,
-               "device_scale": 2.0, "bias_rate": 0.05, "device_weight": 0.25, "aux_scale": 2.0}
+    changed = {"weight_range": [0.5, 2.0], "gain": 0.04, "bias_rate": 0.05, "device_weight": 0.25}
     assert sorted(changed) == every
     for name, policy in POLICIES.items():
-        block = {"aux": {"policy": name, **changed}}
-        cfg = EasyBalanceConfig.from_ds_config({"easybalance": block})
+        cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": name, **changed}}})
         assert cfg.ignored_options("train") == [f"easybalance.aux.{o}" for o in every if o not in policy.options]
     assert tuple(POLICIES) == ("fixed", "cross_layer", "bias", "bias_cross_layer")

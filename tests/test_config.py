@@ -1,8 +1,11 @@
-"""The easybalance ds_config block: defaults from seed 000's tuning table, presets, strict errors."""
+"""The easybalance ds_config block: defaults from seed 000's tuning table, presets, strict errors (every bad
+value, tried as a hostile user would: a clear error naming its JSON path; the user's dict never changed)."""
 import copy
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from eb_deepspeed import ConfigError, EasyBalanceConfig
 from eb_deepspeed.core.topology import TOPOLOGIES
@@ -36,12 +39,6 @@ def test_topology_presets_set_the_cost_weights_the_way_the_seed_says(topology, e
     assert w.as_tuple() == expected == TOPOLOGIES[topology].weights
 
 
-def test_explicit_weights_override_the_preset_key_by_key():
-    block = {"inference": {"topology": "multi_node", "weights": {"comm": 0.7}}}
-    w = EasyBalanceConfig.from_ds_config({"easybalance": block}).inference.weights
-    assert w.as_tuple() == (0.2, 0.4, 0.7)
-
-
 def test_the_config_reads_a_json_file(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 4, "easybalance": {"mode": "observe", "window": 7}}))
@@ -49,24 +46,36 @@ def test_the_config_reads_a_json_file(tmp_path):
     assert cfg.mode == "observe" and cfg.window_for(100) == 7
 
 
-def test_the_users_dict_is_never_changed():
-    user = {"easybalance": {"mode": "observe", "inference": {"weights": {"comm": 0.5}}, "log": {"interval": 3}}}
+@pytest.mark.parametrize("block", [{"mode": "observe", "inference": {"topology": "nvlink"}, "log": {"interval": 3}},
+                                   {"aux": {"policy": "bias", "bias_rate": "x"}}])
+def test_the_users_dict_is_never_changed_whether_it_parses_or_fails(block):
+    user = {"easybalance": block}
     before = copy.deepcopy(user)
-    EasyBalanceConfig.from_ds_config(user)
+    try:
+        EasyBalanceConfig.from_ds_config(user)
+    except ConfigError:
+        pass
     assert user == before
 
 
 @pytest.mark.parametrize("block, message", [
     ({"ema_alfa": 0.3}, r"easybalance\.ema_alfa: unknown key; valid keys: aux, checkpoint, ema_alpha, enabled, inference, log"),
-    ({"inference": {"weights": {"crosss": 0.5}}},
-     r"easybalance\.inference\.weights\.crosss: unknown key; valid keys: comm, cross, intra"),
     ({"inference": {"replicas": 1}}, r"easybalance\.inference\.replicas: unknown key; valid keys: decision_batch, "
-                                     r"replan_interval, replan_threshold, replica_slots, split, topology, trial_batches, view_interval, weights"),
+                                     r"replan_interval, replan_threshold, replica_slots, split, topology, trial_batches, view_interval$"),
+    # keys that left, each with its reason
+    ({"inference": {"weights": {"cross": 0.5}}},
+     r"easybalance\.inference\.weights: removed \(the cost weights come from inference\.topology's preset\)"),
+    ({"aux": {"smoothing": 0.5}}, r"easybalance\.aux\.smoothing: removed \(.*gain per step\); valid keys: batch_scope, "
+                                  r"bias_rate, device_weight, gain, loss_coeff, policy, weight_range"),
+    ({"aux": {"mean_one": False}}, r"easybalance\.aux\.mean_one: removed"),
+    ({"aux": {"aux_scale": 0.1}}, r"easybalance\.aux\.aux_scale: removed \(every l_aux keeps weight 1"),
+    ({"log": {"max_mb": 1}}, r"easybalance\.log\.max_mb: removed"),
+    ({"aux": {"batch_scope": "global_lagged"}},
+     r"easybalance\.aux\.batch_scope \('global_lagged'\) must be one of: micro, global_exact, sequence"),
     ({"inference": {"split": "fast"}}, r"easybalance\.inference\.split \('fast'\) must be one of: view, exact"),
     ({"topology": "nvlink"}, r"easybalance\.topology: moved to easybalance\.inference\.topology"),
-    ({"weights": {"comm": 0.1}}, r"easybalance\.weights: moved to easybalance\.inference\.weights"),
     ({"decision_batch": 4}, r"easybalance\.decision_batch: moved to easybalance\.inference\.decision_batch"),
-    ({"log": {"every": 2}}, r"easybalance\.log\.every: unknown key; valid keys: dir, interval, max_mb, wandb"),
+    ({"log": {"every": 2}}, r"easybalance\.log\.every: unknown key; valid keys: dir, interval, wandb"),
     ({"mode": "fast"}, r"easybalance\.mode \('fast'\) must be one of: observe, balance"),
     ({"inference": {"topology": "infiniband"}},
      r"easybalance\.inference\.topology \('infiniband'\) must be one of: pcie, nvlink, multi_node"),
@@ -82,9 +91,20 @@ def test_the_users_dict_is_never_changed():
     ({"window": -1}, r"easybalance\.window \(-1\) must be >= 0 or \"auto\""),
     ({"window": 2.5}, r"easybalance\.window \(2\.5\) must be an integer >= 0 or \"auto\""),
     ({"warmup_batches": True}, r"easybalance\.warmup_batches \(True\) must be an integer >= 0"),
-    ({"inference": {"weights": {"cross": 1.2}}}, r"easybalance\.inference\.weights\.cross \(1\.2\) must be in \[0, 1\]"),
-    ({"inference": {"weights": {"intra": 0, "cross": 0, "comm": 0}}},
-     r"easybalance\.inference\.weights: intra, cross and comm .* must not all be 0"),
+    ({"warmup_batches": 10 ** 400}, r"easybalance\.warmup_batches \(1000.*\.\.\.\) must be <= 2147483647"),
+    ({"window": 2 ** 63}, r"easybalance\.window \(9223372036854775808\) must be <= 2147483647"),
+    ({"ema_alpha": 10 ** 400}, r"easybalance\.ema_alpha \(1000.*\.\.\.\) must be a finite number"),
+    ({1: 2}, r"easybalance: keys must be strings, got \[1\]"),
+    ({"log": {"dir": "a\x00b"}}, r"easybalance\.log\.dir .* must be a non-empty string"),
+    ({"aux": {"policy": "sometimes"}}, r"easybalance\.aux\.policy \('sometimes'\) must be one of: fixed, cross_layer, "
+                                       r"bias, bias_cross_layer"),
+    ({"aux": {"weight_range": [1.5, 2.0]}}, r"easybalance\.aux\.weight_range \(\[1\.5, 2\.0\]\) must be \[min, max\] "
+                                            r"with 0 < min <= 1 <= max"),
+    ({"aux": {"weight_range": 2}}, r"easybalance\.aux\.weight_range \(2\) must be \[min, max\]"),
+    ({"aux": {"gain": 0}}, r"easybalance\.aux\.gain \(0\.0\) must be in \(0, 10\]"),
+    ({"aux": {"bias_rate": -1e-3}}, r"easybalance\.aux\.bias_rate \(-0\.001\) must be in \(0, 1\]"),
+    ({"aux": {"loss_coeff": -0.1}}, r"easybalance\.aux\.loss_coeff \(-0\.1\) must be in \[0, 1e6\]"),
+    (None, r'easybalance \(null\) must be a JSON object; use \{"enabled": false\}'),
     ({"enabled": "yes"}, r"easybalance\.enabled \('yes'\) must be true or false"),
     ({"log": {"interval": 0}}, r"easybalance\.log\.interval \(0\) must be >= 1"),
     ([1, 2], r"easybalance must be a JSON object, got list"),
@@ -114,7 +134,7 @@ def test_a_config_error_is_caught_where_value_errors_are_with_its_path():
     ({"aux": {"policy": "fixed"}, "window": 3, "warmup_batches": 2}, "train",
      ["easybalance.warmup_batches", "easybalance.window"]),
     # balance, serving: the training controls
-    ({"aux": {"smoothing": 0.5}, "inference": {"replica_slots": 2}}, "inference", ["easybalance.aux.smoothing"]),
+    ({"aux": {"gain": 0.5}, "inference": {"replica_slots": 2}}, "inference", ["easybalance.aux.gain"]),
     ({"inference": {"decision_batch": 4}, "aux": {"policy": "bias", "bias_rate": 0.01}}, "inference",
      ["easybalance.aux.bias_rate", "easybalance.aux.policy"]),
     ({"ema_alpha": 0.2, "seq_len_weighting": True}, "train", []),
@@ -145,3 +165,64 @@ def test_a_config_file_with_a_key_given_twice_is_refused_as_deepspeed_refuses_it
     path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
     with pytest.raises(ConfigError, match=r"\['train_batch_size'\]"):
         EasyBalanceConfig.from_ds_config(str(path))
+
+
+def test_a_missing_or_broken_config_file_is_a_config_error_naming_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.json: cannot read the DeepSpeed config"):
+        EasyBalanceConfig.from_ds_config(str(tmp_path / "nope.json"))
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"easybalance": {')
+    with pytest.raises(ConfigError, match=r"broken\.json: not a JSON DeepSpeed config"):
+        EasyBalanceConfig.from_ds_config(str(broken))
+
+
+VALID = {"enabled": True, "mode": "balance", "ema_alpha": 0.3, "window": "auto", "warmup_batches": 4,
+         "seq_len_weighting": False, "checkpoint": "strict", "log": {"interval": 10, "dir": "x", "wandb": True},
+         "aux": {"policy": "bias", "weight_range": [0.5, 2.0], "gain": 0.02, "bias_rate": 0.001, "device_weight": 0.5,
+                 "loss_coeff": 0.01, "batch_scope": "micro"},
+         "inference": {"replica_slots": 1, "split": "view", "topology": "pcie", "decision_batch": 8,
+                       "replan_threshold": 1.5, "replan_interval": 50, "view_interval": 8, "trial_batches": 8}}
+EDGES = st.sampled_from([10 ** 400, -10 ** 400, 2 ** 63, 2 ** 31, -1, 0, float("nan"), float("inf"), "", "\x00", [], {}])
+JSONISH = st.recursive(
+    EDGES | st.none() | st.booleans() | st.integers(min_value=-10**400, max_value=10**400)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6) | st.integers(), children,
+                                                                      max_size=3),
+    max_leaves=6)
+
+
+def _paths(block, prefix=()):
+    for key, value in block.items():
+        yield prefix + (key, )
+        if isinstance(value, dict):
+            yield from _paths(value, prefix + (key, ))
+
+
+def test_the_valid_block_has_every_key_and_it_parses_back_from_its_dict():
+    def leaves(d):
+        return sum(leaves(v) if isinstance(v, dict) else 1 for v in d.values())
+    cfg = EasyBalanceConfig.from_ds_config({"easybalance": VALID})
+    assert leaves(VALID) == leaves(cfg.to_dict()) == 25          # every key, each with its reason in docs/config.md
+    assert EasyBalanceConfig.from_block(cfg.to_dict()) == cfg
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(where=st.sampled_from(list(_paths(VALID))), value=JSONISH,
+       extra=st.one_of(st.none(), st.tuples(st.text(max_size=6), JSONISH)))
+def test_every_mutated_block_is_valid_or_a_config_error_naming_its_path(where, value, extra):
+    block = copy.deepcopy(VALID)
+    node = block
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    if extra is not None:
+        node[extra[0]] = extra[1]
+    try:
+        cfg = EasyBalanceConfig.from_ds_config({"easybalance": block})
+    except ConfigError as e:
+        assert str(e).startswith("easybalance"), str(e)
+        assert len(str(e)) < 1000          # a huge value never makes a huge message
+        return
+    # what parsed is usable: the numbers that reach the loop are finite and in range
+    assert 0 < cfg.ema_alpha <= 1 and cfg.window_for(64) < 2 ** 31 and cfg.inference.view_interval >= 1
+    cfg.ignored_options("train"), cfg.ignored_options("inference"), cfg.to_dict()

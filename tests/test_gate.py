@@ -15,7 +15,7 @@ M, E = 16, 8
 
 def taken(gate) -> Tally:
     """The gate's tally since the last call, by name."""
-    return Tally.unpack(gate.take_tally()[None], E)
+    return Tally.unpack(gate.tally.take()[None], E)
 
 
 def pair(k, **kw):
@@ -87,7 +87,7 @@ def test_the_tally_holds_demand_kept_routes_and_tokens(k, sparse):
     assert part.load_LE[0].tolist() == kept.double().tolist()
     assert part.tokens_L.item() == 40 and part.nonfinite_L.item() == 0
     assert part.kept_LE.sum() < part.routed_LE.sum()  # capacity factor 0.5 drops routes
-    assert eb.take_tally().abs().sum() == 0  # taking the tally resets it
+    assert eb.tally.take().abs().sum() == 0  # taking the tally resets it
 
 
 def test_the_gate_accumulates_over_micro_batches_and_only_in_training():
@@ -101,26 +101,18 @@ def test_the_gate_accumulates_over_micro_batches_and_only_in_training():
     assert part.tokens_L.item() == 64 and part.routed_LE.sum().item() == 128
 
 
-def test_aux_weight_scales_l_aux_and_its_gradient():
-    ds, eb = pair(2, min_capacity=2)
-    x = torch.randn(32, M)
-    l_ds = call(ds, x, 0, True)[0]
-    l_ds.backward()
-    g_ds = ds.wg.weight.grad.clone()
-    ds.wg.weight.grad = None
-    eb.aux_weight = 2.5
-    l_eb = call(eb, x, 0, True)[0]
-    l_eb.backward()
-    assert torch.allclose(l_eb, 2.5 * l_ds) and torch.allclose(eb.wg.weight.grad, 2.5 * g_ds)
-
-
 @pytest.mark.parametrize("k", [1, 2])
 def test_a_global_share_makes_l_aux_e_times_the_global_frequencies_dot_this_batchs_probabilities(k):
     ds, eb = pair(k, min_capacity=2)
     x = torch.randn(32, M)
     share_E = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0])
     asked = []
-    eb.set_batch_scope("global_exact", lambda routed_E=None, rerun=False: asked.append(routed_E) or share)
+
+    class Shares:                   # the balancer's GlobalShares, as this gate sees it: one all-reduce per forward
+        def share(self, layer, routed_E=None, rerun=False):
+            asked.append(routed_E)
+            return share
+    eb.controls.batch_scope, eb.controls.global_shares = "global_exact", Shares()
     share = share_E
     l_eb = call(eb, x, 0, True)[0]
     l_eb.backward()                                       # (eb shares DeepSpeed's wg parameter)
@@ -146,12 +138,13 @@ def test_the_device_loss_is_one_when_devices_are_balanced_and_hand_derived_other
     e2d = torch.tensor([0, 0, 1, 1])
     # uniform router, 2 tokens x top-1 spread one per device: f' = [1, 1], P' = [1/2, 1/2] -> 1
     logits = torch.zeros(2, 4)
-    assert device_balance_loss(logits.softmax(1), torch.tensor([1, 0, 1, 0]), e2d, 2, 1).item() == pytest.approx(1.0)
+    two = torch.tensor([2, 2])                          # experts on each device
+    assert device_balance_loss(logits.softmax(1), torch.tensor([1, 0, 1, 0]), e2d, two, 1).item() == pytest.approx(1.0)
     # both routes on device 0: f = [4, 0, 0, 0] * ... f_e = routed_e * E / (k T) = [4, 0, 0, 0]; f' = [2, 0];
     # P' = [1/2, 1/2] -> 1.0; with the router leaning to device 0 (P' = [0.8, 0.2]) -> 1.6
-    assert device_balance_loss(logits.softmax(1), torch.tensor([2, 0, 0, 0]), e2d, 2, 1).item() == pytest.approx(1.0)
+    assert device_balance_loss(logits.softmax(1), torch.tensor([2, 0, 0, 0]), e2d, two, 1).item() == pytest.approx(1.0)
     lean = torch.log(torch.tensor([[0.4, 0.4, 0.1, 0.1]])).expand(2, 4)
-    assert device_balance_loss(lean.softmax(1), torch.tensor([2, 0, 0, 0]), e2d, 2, 1).item() == pytest.approx(1.6)
+    assert device_balance_loss(lean.softmax(1), torch.tensor([2, 0, 0, 0]), e2d, two, 1).item() == pytest.approx(1.6)
 
 
 def test_the_device_loss_weight_adds_the_device_loss_and_pushes_probability_off_the_hot_device():
@@ -161,10 +154,11 @@ def test_the_device_loss_weight_adds_the_device_loss_and_pushes_probability_off_
     plain = call(eb, x, 0, True)
     assert_same(plain, call(ds, x, 0, True))            # weight 0: DeepSpeed's output, nothing computed
     e2d = torch.arange(E) // (E // 2)
-    eb.set_device_loss(0.7, e2d)
+    eb.controls.set_device_map(e2d)
+    eb.controls.device_loss_weight = 0.7
     out = call(eb, x, 0, True)
     logits = torch.nn.functional.linear(x, eb.wg.weight)
-    extra = device_balance_loss(logits.softmax(1), out[6], e2d, 2, 2)
+    extra = device_balance_loss(logits.softmax(1), out[6], e2d, torch.tensor([E // 2, E // 2]), 2)
     assert torch.allclose(out[0], plain[0] + 0.7 * extra)
     assert_same(out[1:], plain[1:])                     # routing untouched
     eb.wg.weight.grad = None
@@ -204,7 +198,7 @@ def test_an_empty_batch_gives_a_well_formed_result_through_deepspeeds_moe_layer(
     (out.sum() + layer.l_aux).backward()
     assert layer.l_aux.item() == 0.0
     assert gate.wg.weight.grad is not None and gate.wg.weight.grad.abs().sum() == 0
-    assert gate.take_tally().abs().sum() == 0  # nothing recorded, nothing poisoned
+    assert gate.tally.take().abs().sum() == 0  # nothing counted, nothing poisoned
     l_aux, combine_TEC, dispatch_TEC, counts = gate(torch.randn(0, M))
     assert combine_TEC.shape[0] == 0 and counts.tolist() == [0] * E
 
@@ -231,8 +225,7 @@ def test_the_selection_bias_changes_which_experts_are_chosen_but_never_the_gate_
     _, eb = pair(k, capacity_factor=float(E), min_capacity=1, use_rts=False)  # capacity >= T: nothing dropped
     x = torch.randn(64, M)
     probs = torch.softmax(eb.wg(x), 1)
-    eb.selection_bias_E = torch.zeros(E)
-    eb.selection_bias_E[3] = 50.0  # expert 3 wins every first choice
+    eb.controls.set_bias(torch.zeros(E).index_fill_(0, torch.tensor([3]), 50.0))  # expert 3 wins every first choice
     out = call(eb, x, 0, sparse)
     if sparse:
         idx_KT, gates_KT = out[3].long(), out[5]
@@ -259,7 +252,7 @@ def test_the_selection_bias_changes_which_experts_are_chosen_but_never_the_gate_
 @pytest.mark.parametrize("k, drop_tokens, sparse", CASES)
 def test_a_zero_bias_routes_exactly_like_deepspeed(k, drop_tokens, sparse):
     ds, eb = pair(k, capacity_factor=1.0, min_capacity=2, drop_tokens=drop_tokens)
-    eb.selection_bias_E = torch.zeros(E)
+    eb.controls.set_bias(torch.zeros(E))
     x = torch.randn(64, M)
     theirs, ours = call(ds, x, 4, sparse), call(eb, x, 4, sparse)
     for a, b in zip(theirs, ours):
@@ -267,10 +260,9 @@ def test_a_zero_bias_routes_exactly_like_deepspeed(k, drop_tokens, sparse):
             else (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
 
 
-def test_the_gate_uses_its_selection_bias_and_records_the_biased_routes():
+def test_the_gate_uses_its_selection_bias_and_counts_the_biased_routes():
     _, eb = pair(2, min_capacity=2, capacity_factor=float(E))
-    eb.selection_bias_E = torch.zeros(E)
-    eb.selection_bias_E[5] = 50.0
+    eb.controls.set_bias(torch.zeros(E).index_fill_(0, torch.tensor([5]), 50.0))
     out = call(eb, torch.randn(32, M), 0, True)
     assert (out[3] == 5).any(0).all()
     part = taken(eb)

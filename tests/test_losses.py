@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eb_deepspeed.core.losses import GlobalShares, sequence_balance_loss
+from eb_deepspeed.core.losses import sequence_balance_loss
 
 pytestmark = pytest.mark.unit
 
@@ -34,15 +34,15 @@ def test_the_sequence_loss_leaves_padding_out_and_refuses_a_ragged_batch():
         sequence_balance_loss(probs_TE[:3], selected_TK[:3], 2, 2)
 
 
-def test_global_shares_know_their_scopes():
-    with pytest.raises(ValueError, match="scope .'micro'. must be 'global_exact' or 'global_lagged'"):
-        GlobalShares("micro", [4])
-    lagged = GlobalShares("global_lagged", [2, 3], all_reduce=lambda t: pytest.fail("the lagged scope reduces nothing"))
-    assert lagged.share(0, torch.tensor([5.0, 1.0])) is None          # before a step: the forward's own
-    lagged.after_view(torch.tensor([[1.0, 3.0, 0.0], [2.0, 2.0, 4.0]]), torch.tensor([True, False]))
-    assert torch.allclose(lagged.share(0), torch.tensor([0.25, 0.75])) and lagged.share(1) is None
-    lagged.new_step()                                                 # the lagged f outlives the step boundary
-    assert torch.allclose(lagged.share(0), torch.tensor([0.25, 0.75]))
+def test_the_expert_loss_is_one_at_balance_and_e_times_f_dot_p_otherwise():
+    from eb_deepspeed.core.losses import expert_balance_loss
+    probs_TE = torch.full((4, 2), 0.5)
+    assert float(expert_balance_loss(probs_TE, torch.tensor([2, 2]), k=1)) == pytest.approx(1.0)
+    probs_TE = torch.tensor([[0.9, 0.1], [0.7, 0.3], [0.6, 0.4], [0.8, 0.2]])      # P = (0.75, 0.25)
+    # f = (3, 1) / 4: 2 x (0.75 x 0.75 + 0.25 x 0.25) = 1.25; a global f of (0.5, 0.5) instead: 1.0
+    assert float(expert_balance_loss(probs_TE, torch.tensor([3, 1]), k=1)) == pytest.approx(1.25)
+    assert float(expert_balance_loss(probs_TE, torch.tensor([3, 1]), k=1, share_E=torch.tensor([0.5, 0.5]))) == \
+        pytest.approx(1.0)
 
 
 def test_the_deepspeed_gate_takes_the_sequence_loss_over_its_sequences():
@@ -51,12 +51,12 @@ def test_the_deepspeed_gate_takes_the_sequence_loss_over_its_sequences():
     torch.manual_seed(0)
     M, E = 16, 8
     gate = CrossLayerGate.from_topk_gate(TopKGate(M, E, k=1, capacity_factor=8.0, min_capacity=4), layer_index=0)
-    gate.set_batch_scope("sequence", None)
-    gate.seq_len = 8
+    gate.controls.batch_scope = "sequence"
+    gate.controls.seq_len = 8
     x = torch.randn(32, M)
     out = gate(x, None, True, False)
     probs_TE = F.softmax(x @ gate.wg.weight.detach().t(), dim=1)
     wanted = sequence_balance_loss(probs_TE, out[3].t(), 8, E)
     torch.testing.assert_close(out[0].detach(), wanted)
-    gate.seq_len = None                                               # unknown: the forward is one sequence
+    gate.controls.seq_len = None                                      # unknown: the forward is one sequence
     torch.testing.assert_close(gate(x, None, True, False)[0].detach(), sequence_balance_loss(probs_TE, out[3].t(), 32, E))

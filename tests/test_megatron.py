@@ -103,8 +103,7 @@ def test_a_bad_config_is_a_config_error_with_its_path_before_any_router_changes(
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("scope, megatrons", [("global_exact", "global_aux_loss"), ("sequence", "seq_aux_loss"),
-                                              ("global_lagged", "global_aux_loss")])
+@pytest.mark.parametrize("scope, megatrons", [("global_exact", "global_aux_loss"), ("sequence", "seq_aux_loss")])
 def test_a_batch_scope_on_megatron_points_to_megatrons_own_loss_before_any_router_changes(scope, megatrons):
     from eb_deepspeed.adapters.megatron import attach
     model = torch.nn.Linear(2, 2)

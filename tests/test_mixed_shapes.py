@@ -3,7 +3,7 @@ with a mask, smaller EP groups copied across the view's devices, controls per la
 import pytest
 import torch
 
-from eb_deepspeed.core import Balancer, EasyBalanceConfig, Tally, TallyRecorder
+from eb_deepspeed.core import Balancer, EasyBalanceConfig, LayerControls, LayerTally, ModelShape, Tally
 from eb_deepspeed.core import metrics as M
 from eb_deepspeed.core.policies import bias_update
 from eb_deepspeed.core.tally import TallyLayout, widen_row
@@ -98,35 +98,16 @@ def test_the_bias_of_a_padded_layer_moves_as_the_layer_alone_would_and_padding_s
 
 
 class SizedGate:
-    """A BalancedGate of `experts` experts: routes the given expert ids, records through a TallyRecorder."""
+    """A BalancedGate of `experts` experts: routes the given expert ids (on the given view devices)."""
 
     def __init__(self, experts, devices=0):
         self.num_experts = experts
-        self.recorder = TallyRecorder(experts, devices)
-        self.bias_E, self.device_map, self.device_loss = None, None, 0.0
+        self.tally = LayerTally(experts, devices)
+        self.controls = LayerControls(experts)
 
     def forward(self, experts_T, devices_T=None):
-        routed_E = torch.bincount(experts_T, minlength=self.num_experts).double()
-        self.recorder.record(routed_E, experts_T, experts_T.numel(), torch.tensor(0), torch.tensor(1.0),
-                             route_device_R=devices_T)
-
-    def take_tally(self, device="cpu"):
-        return self.recorder.take(device)
-
-    def discard_tally(self, last_forward_only=False):
-        self.recorder.discard(last_forward_only)
-
-    def set_aux_weight(self, weight):
-        pass
-
-    def set_selection_bias(self, bias_E):
-        self.bias_E = bias_E
-
-    def set_device_loss(self, weight, expert_to_device_E):
-        self.device_loss, self.device_map = weight, expert_to_device_E
-
-    def set_token_weights(self, weights_T):
-        pass
+        self.tally.add_routes(experts_T[:, None], nonfinite=torch.tensor(0), l_aux=torch.tensor(1.0),
+                              device_TK=None if devices_T is None else devices_T[:, None])
 
 
 def config(**block):
@@ -136,8 +117,8 @@ def config(**block):
 def test_the_balancer_packs_layers_of_different_sizes_into_one_reduce_and_controls_each_at_its_size():
     gates = [SizedGate(2), SizedGate(4), SizedGate(8)]
     reduced = []
-    balancer = Balancer(config(mode="balance", aux={"policy": "bias_cross_layer", "bias_rate": 0.05}), gates, 2,
-                        reduce=lambda t: reduced.append(t.clone()))
+    balancer = Balancer(config(mode="balance", aux={"policy": "bias_cross_layer", "bias_rate": 0.05}), gates,
+                        ModelShape([2, 4, 8], [2, 2, 2]), reduce=lambda t: reduced.append(t.clone()))
     assert balancer.num_experts == 8 and balancer.experts_L == [2, 4, 8]
     for _ in range(3):
         gates[0].forward(torch.tensor([0, 0, 0, 1]))
@@ -148,33 +129,34 @@ def test_the_balancer_packs_layers_of_different_sizes_into_one_reduce_and_contro
     assert balancer.view.last.routed_LE.tolist()[0] == [3.0, 1.0] + [0.0] * 6
     assert balancer.view.pressure_LG.tolist() == [pytest.approx(r) for r in ([3.0, 1.0], [1.0, 3.0], [1.0, 3.0])]
     for gate in gates:       # each gate: a bias of its own size, its own layer's expert -> device map
-        assert gate.bias_E.shape == (gate.num_experts, ) and gate.bias_E.abs().sum() > 0
-        assert gate.device_map.tolist() == balancer.view.layer_map(gates.index(gate)).tolist()
+        ctl = gate.controls
+        assert ctl.bias_E.shape == (gate.num_experts, ) and ctl.bias_E.abs().sum() > 0
+        assert ctl.expert_to_device_E.tolist() == balancer.view.layer_map(gates.index(gate)).tolist()
     assert balancer.controller.bias_LE[0, 2:].abs().sum() == 0 and balancer.controller.bias_LE[1, 4:].abs().sum() == 0
-    record = balancer.record()
+    record = balancer.log.record(balancer)
     assert [len(row) for row in record["expert_counts_LE"]] == [2, 4, 8]
     assert all(s > 0 for s in record["bias_spread"])
     # the state round-trips into a balancer of the same shapes, and not into one of other shapes
     twin = Balancer(config(mode="balance", aux={"policy": "bias_cross_layer", "bias_rate": 0.05}),
-                    [SizedGate(2), SizedGate(4), SizedGate(8)], 2)
+                    [SizedGate(2), SizedGate(4), SizedGate(8)], ModelShape([2, 4, 8], [2, 2, 2]))
     twin.load_state_dict(balancer.state_dict())
     assert torch.equal(twin.controller.bias_LE, balancer.controller.bias_LE)
     assert torch.equal(twin.view.pressure_LG, balancer.view.pressure_LG)
-    other = Balancer(config(mode="observe"), [SizedGate(4), SizedGate(2), SizedGate(8)], 2)
+    other = Balancer(config(mode="observe"), [SizedGate(4), SizedGate(2), SizedGate(8)], ModelShape([4, 2, 8], [2, 2, 2]))
     assert "experts_L per layer is [2, 4, 8], this model's [4, 2, 8]" in other.why_unfit(balancer.state_dict())
 
 
 def test_gates_of_smaller_ep_groups_tally_their_copy_and_the_view_takes_the_exact_device_load():
     # 2 ranks: layer 0 = 2 experts on ep_size 1 (copy 0 on rank 0, copy 1 on rank 1), layer 1 = 4 experts on ep 2
     ranks = [[SizedGate(2, 2), SizedGate(4, 2)] for _ in range(2)]
-    balancers = [Balancer(config(mode="observe"), gates, [1, 2], device_tally=True) for gates in ranks]
+    balancers = [Balancer(config(mode="observe"), gates, ModelShape([2, 4], [1, 2])) for gates in ranks]
     routes = {0: torch.tensor([0, 0, 1]), 1: torch.tensor([1])}
     rows = []
     for rank, gates in enumerate(ranks):
         gates[0].forward(routes[rank], torch.full_like(routes[rank], rank))     # this rank's copy is view device `rank`
         experts = torch.tensor([0, 3, 3])
         gates[1].forward(experts, experts // 2)
-        rows.append(balancers[rank].gather_tally())
+        rows.append(balancers[rank].gather())
     total = rows[0] + rows[1]                                                 # what the all-reduce gives
     tally = Tally.unpack(total, 4, 2)
     view = balancers[0].view
@@ -184,10 +166,10 @@ def test_gates_of_smaller_ep_groups_tally_their_copy_and_the_view_takes_the_exac
 
 
 def test_a_short_row_widens_into_the_padded_layout_field_by_field():
-    recorder = TallyRecorder(2, 2)
-    recorder.record(torch.tensor([2.0, 1.0]), torch.tensor([0, 0, 1, -1]), 2, torch.tensor(1), torch.tensor(0.5),
-                    route_device_R=torch.tensor([1, 1, 0, -1]))
-    wide = Tally.unpack(widen_row(recorder.take(), 2, 5, 2)[None], 5, 2)
+    tally = LayerTally(2, 2)
+    tally.add_routes(torch.tensor([[0, 0], [1, -1]]), routed_E=torch.tensor([2.0, 1.0]), nonfinite=torch.tensor(1),
+                     l_aux=torch.tensor(0.5), device_TK=torch.tensor([[1, 1], [0, -1]]))
+    wide = Tally.unpack(widen_row(tally.take(), 2, 5, 2)[None], 5, 2)
     assert wide.routed_LE.tolist() == [[2.0, 1.0, 0.0, 0.0, 0.0]] and wide.kept_LE.tolist() == [[2.0, 1.0, 0, 0, 0]]
     assert wide.device_LG.tolist() == [[1.0, 2.0]] and wide.tokens_L.tolist() == [2.0]
     assert wide.nonfinite_L.tolist() == [1.0] and wide.aux_L.tolist() == [0.5] and wide.forwards_L.tolist() == [1.0]

@@ -15,7 +15,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def records():
     return [{"step": s, "device_max_over_mean": [1.0 + s / 100, 1.5], "max_vio": [0.1 * s, 0.2],
-             "aux_weight": [1.2, 0.8], "device_loss_weight": [1.5, 0.5], "aux_loss": [1.01, 1.02],
+             "device_loss_weight": [1.5, 0.5], "aux_loss": [1.01, 1.02],
              "bias_spread": [0.02 * s, 0.0],
              "layer_token_drop_rate": [0.1, 0.0],
              "expert_max_over_mean": [1.3, 1.1], "device_util_std": 0.05 * s, "token_drop_rate": 0.05,
@@ -34,7 +34,7 @@ def test_the_jsonl_logger_appends_one_record_per_line(tmp_path):
 def test_flattened_keys_are_namespaced_per_layer():
     flat = flatten_record(records()[0])
     assert flat["easybalance_layer_00/device_max_over_mean"] == 1.05
-    assert flat["easybalance_layer_01/aux_weight"] == 0.8
+    assert flat["easybalance_layer_01/device_loss_weight"] == 0.5
     assert flat["easybalance/device_util_std"] == 0.25
     assert "easybalance/pressure_LG" not in flat
 
@@ -154,7 +154,7 @@ def test_eb_report_takes_an_example_run_directory_as_eb_report_compare_does(tmp_
 
 
 def test_a_serving_log_gets_serving_plots_not_the_training_ones(tmp_path, capsys):
-    # before: x axis "optimizer step", the training policy in titles, aux-weight and device-loss-weight panels
+    # before: x axis "optimizer step", the training policy in titles, device-loss-weight panels
     served = [{**r, "phase": "serve", "mode": "balance", "policy": "bias_cross_layer", "replans": i // 2}
               for i, r in enumerate(records())]
     (tmp_path / "balance.jsonl").write_text("".join(json.dumps(r) + "\n" for r in served))
@@ -165,47 +165,27 @@ def test_a_serving_log_gets_serving_plots_not_the_training_ones(tmp_path, capsys
     fig = curve_figure(served, "device_max_over_mean", "device max/mean")
     assert fig.axes[0].get_xlabel().startswith("view update") and "serving, mode balance" in fig.axes[0].get_title()
     assert "bias_cross_layer" not in fig.axes[0].get_title()
-    assert curve_figure(served, "aux_weight", "aux weight") is None
+    assert curve_figure(served, "device_loss_weight", "device-loss weight") is None
 
 
 def test_the_balancer_marks_its_records_as_training_or_serving():
-    import torch
-
-    from eb_deepspeed.core import Balancer, EasyBalanceConfig, TallyRecorder
+    from eb_deepspeed.core import Balancer, EasyBalanceConfig, LayerTally, ModelShape
 
     class Gate:
-        num_experts = 2
-
-        def __init__(self):
-            self.recorder = TallyRecorder(2)
-
-        def take_tally(self, device="cpu"):
-            return self.recorder.take(device)
-
-        def discard_tally(self, last_forward_only=False):
-            self.recorder.discard(last_forward_only)
-
-        def set_aux_weight(self, w):
-            pass
-
-        def set_selection_bias(self, b):
-            pass
-
-        def set_device_loss(self, w, d):
-            pass
+        tally, controls = LayerTally(2), None
     config = EasyBalanceConfig.from_block({"mode": "observe"})
-    assert Balancer(config, [Gate()], 2).record()["phase"] == "train"
-    assert Balancer(config, [Gate()], 2, train_controls=False).record()["phase"] == "serve"
-    assert torch.is_tensor(Balancer(config, [Gate()], 2).view.heat_LE)
+    for train, phase in ((True, "train"), (False, "serve")):
+        balancer = Balancer(config, [Gate()], ModelShape.uniform(1, 2, 2), train=train)
+        assert balancer.log.record(balancer)["phase"] == phase
 
 
 def test_a_flat_curve_says_why_it_is_flat():
-    # before: under the default policy the aux-weight plot was lines under one flat line at 1.0, no word why
-    flat = [{"step": s, "aux_weight": [1.0, None if s == 2 else 1.0], "mode": "balance", "policy": "bias_cross_layer"}
+    # before: a curve held at one value (a weight a policy keeps) was lines under one flat line, no word why
+    flat = [{"step": s, "aux_loss": [1.0, None if s == 2 else 1.0], "mode": "balance", "policy": "bias_cross_layer"}
             for s in (1, 2, 3)]
-    title = curve_figure(flat, "aux_weight", "aux-loss weight per layer").axes[0].get_title()
+    title = curve_figure(flat, "aux_loss", "aux loss per layer").axes[0].get_title()
     assert "flat: mode balance, policy bias_cross_layer keeps it at 1 every step" in title
-    assert "flat" not in curve_figure(records(), "aux_weight", "aux-loss weight").axes[0].get_title()
+    assert "flat" not in curve_figure(records(), "device_loss_weight", "device-loss weight").axes[0].get_title()
 
 
 def test_eb_report_compare_puts_the_lm_loss_beside_balance_when_the_runs_noted_it(tmp_path):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from eb_deepspeed.adapters.deepspeed.serving import MIN_GAIN, choose_placement
+from eb_deepspeed.adapters.serving.engine import MIN_GAIN, choose_placement
 from eb_deepspeed.planning.placement import expected_padded_cost, plan_placement, static_placement
 
 pytestmark = pytest.mark.unit
@@ -38,7 +38,8 @@ def test_serving_returns_to_deepspeeds_layout_when_the_hot_expert_cools():
 def test_replica_slots_past_the_planners_slots_a_layer_are_refused_before_any_expert_is_copied():
     from deepspeed.moe.layer import MoE
 
-    from eb_deepspeed.adapters.deepspeed.serving import Serving
+    from eb_deepspeed.adapters.deepspeed.serving import MoEStore
+    from eb_deepspeed.adapters.serving.engine import ServingEngine
     from eb_deepspeed.core.config import MAX_REPLICA_SLOTS, EasyBalanceConfig
     from eb_deepspeed.planning.placement import MAX_SLOTS
     assert MAX_REPLICA_SLOTS == MAX_SLOTS - 1        # the config's static bound: one rank, one home expert
@@ -46,17 +47,18 @@ def test_replica_slots_past_the_planners_slots_a_layer_are_refused_before_any_ex
     config = EasyBalanceConfig.from_block({"mode": "balance", "inference": {"replica_slots": MAX_SLOTS - 3}})
     # 1 rank x (4 home + 65533 replica slots) = 65537 > 65536: refused with the most that fits (65532)
     with pytest.raises(ValueError, match=r"replica_slots \(65533\).*65536 slots a layer; use at most 65532"):
-        Serving(model, config)
+        ServingEngine(MoEStore(model), config)
     assert len(model[0].deepspeed_moe.experts.deepspeed_experts) == 4
 
 
 def test_replica_slots_a_re_plan_could_not_plan_are_refused_at_start_up():
     from deepspeed.moe.layer import MoE
 
-    from eb_deepspeed.adapters.deepspeed.serving import Serving
+    from eb_deepspeed.adapters.deepspeed.serving import MoEStore
+    from eb_deepspeed.adapters.serving.engine import ServingEngine
     from eb_deepspeed.core.config import EasyBalanceConfig
     # 300 layers x (4 + 60000) slots: within 65536 a layer, past 2^24 in all, which every re-plan would refuse
     model = torch.nn.Sequential(*[MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=1, k=1) for _ in range(300)])
     config = EasyBalanceConfig.from_block({"mode": "balance", "inference": {"replica_slots": 60000}})
     with pytest.raises(ValueError, match=r"replica_slots \(60000\): 300 layers x 60004 slots .* more than the planner"):
-        Serving(model, config)
+        ServingEngine(MoEStore(model), config)

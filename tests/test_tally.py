@@ -1,4 +1,4 @@
-"""The deferred `TallyRecorder` against adding one forward at a time, and the replica gate's tally.
+"""The deferred `LayerTally` against adding one forward at a time, and the replica gate's tally.
 
 Shape legend: E experts, G EP ranks (devices), T tokens, K routes per token, W packed width.
 """
@@ -7,14 +7,14 @@ import random
 import pytest
 import torch
 
-from eb_deepspeed.core.tally import Tally, TallyLayout, TallyRecorder, logit_sums, nonfinite_tokens
+from eb_deepspeed.core.tally import Tally, TallyLayout, LayerTally, logit_sums, nonfinite_tokens
 
 pytestmark = pytest.mark.unit
 E, G = 6, 3
 
 
 class OneAtATime:
-    """The reference: every forward added to the packed row [W] at once, as the recorder did before it
+    """The reference: every forward added to the packed row [W] at once, as the tally did before it
     deferred (three index_add_ per forward, -1 routes onto the scratch slots)."""
 
     def __init__(self, num_experts, num_devices=0):
@@ -22,7 +22,7 @@ class OneAtATime:
         self.row_W, self.undo = None, None
         self.tokens = self.forwards = 0
 
-    def record(self, routed_E, expert_R, tokens, nonfinite, l_aux, weight_R=None, device_R=None):
+    def add(self, routed_E, expert_R, tokens, nonfinite, l_aux, weight_R=None, device_R=None):
         lay = self.layout
         self.undo = (None if self.row_W is None else self.row_W.clone(), self.tokens, self.forwards)
         if self.row_W is None:
@@ -59,7 +59,7 @@ class OneAtATime:
 
 
 def random_forward(g: torch.Generator, kind: str, device_E: torch.Tensor):
-    """One forward's arguments for `record_routes` and the same forward for `OneAtATime.record`."""
+    """One forward's arguments for `add_routes` and the same forward for `OneAtATime.record`."""
     T, K = int(torch.randint(1, 40, (1, ), generator=g)), 2
     logits_TE = torch.randn(T, E, generator=g)
     bad_T = torch.rand(T, generator=g) < 0.1           # a few tokens with NaN or Inf logits
@@ -82,7 +82,7 @@ def random_forward(g: torch.Generator, kind: str, device_E: torch.Tensor):
     if float(torch.rand((), generator=g)) < 0.05:
         l_aux = torch.tensor(float("nan"))              # a NaN aux, as NaN logits give
     tokens = T if float(torch.rand((), generator=g)) < 0.5 else torch.tensor(T)
-    kwargs = dict(routed_E=routed_E, l_aux=l_aux, tokens=tokens, token_weights_T=weights_T)
+    kwargs = dict(routed_E=routed_E, l_aux=l_aux, tokens=tokens)
     if by_map:
         kwargs["device_E"] = device_E
     else:
@@ -95,80 +95,83 @@ def random_forward(g: torch.Generator, kind: str, device_E: torch.Tensor):
         kwargs["nonfinite"] = nonfinite_tokens(logits_TE)
     reference = (routed_E, expert_TK.reshape(-1), tokens, nonfinite_tokens(logits_TE), l_aux,
                  None if weights_T is None else weights_T.reshape(T, 1).expand(T, K).reshape(-1), device_TK.reshape(-1))
-    return expert_TK, kwargs, reference
+    return expert_TK, kwargs, reference, weights_T
 
 
 @pytest.mark.parametrize("fold_every", [1, 3, 16])
 @pytest.mark.parametrize("kind", ["dropless", "by map", "by route", "weighted", "weighted by map", "mixed"])
-def test_a_deferred_recorder_gives_the_rows_of_adding_one_forward_at_a_time(kind, fold_every):
+def test_a_deferred_tally_gives_the_rows_of_adding_one_forward_at_a_time(kind, fold_every):
     g = torch.Generator().manual_seed(7 * fold_every + len(kind))
     device_E = torch.tensor([0, 0, 1, 2, 2, 1])
-    recorder, reference = TallyRecorder(E, G), OneAtATime(E, G)
-    recorder.fold_every = fold_every
+    tally, reference = LayerTally(E, G), OneAtATime(E, G)
+    tally.fold_every = fold_every
     rows, rng = 0, random.Random(fold_every)
     for step in range(60):                              # more forwards than the fold bound between takes
-        expert_TK, kwargs, args = random_forward(g, kind, device_E)
-        recorder.record_routes(expert_TK, **kwargs)
-        reference.record(*args)
-        assert len(recorder._pending) <= fold_every     # memory stays bounded without a take
+        expert_TK, kwargs, args, weights_T = random_forward(g, kind, device_E)
+        tally.token_weights_T = weights_T            # sequence-length weighting of this forward
+        tally.add_routes(expert_TK, **kwargs)
+        reference.add(*args)
+        assert len(tally._pending) <= fold_every     # memory stays bounded without a take
         if rng.random() < 0.15:                         # a skipped micro-batch: forget its forward (once)
-            recorder.discard(last_forward_only=True)
+            tally.discard(last_forward_only=True)
             reference.discard_last()
             if rng.random() < 0.5:
-                recorder.discard(last_forward_only=True)
+                tally.discard(last_forward_only=True)
         if rng.random() < 0.1 or step == 59:
-            got, want = recorder.take(), reference.take()
+            got, want = tally.take(), reference.take()
             assert torch.equal(got, want), (step, (got - want).abs().max())
             rows += 1
     assert rows >= 3
 
 
-def test_the_fold_adds_weights_and_aux_in_record_order_not_just_to_the_same_sum():
+def test_the_fold_adds_weights_and_aux_in_the_order_added_not_just_to_the_same_sum():
     # 1e16 + 1 + 1 in that order stays 1e16 in float64 (each 1 is half an ulp, rounded to even), while
-    # 1 + 1 first would give 1e16 + 2: only the record order matches adding one forward at a time.
-    recorder, reference = TallyRecorder(2), OneAtATime(2)
+    # 1 + 1 first would give 1e16 + 2: only the order added matches adding one forward at a time.
+    tally, reference = LayerTally(2), OneAtATime(2)
     for w in (1e16, 1.0, 1.0):
         w = torch.tensor(w, dtype=torch.float64)
-        recorder.record_routes(torch.tensor([[0]]), routed_E=torch.tensor([1, 0]), token_weights_T=w[None], l_aux=w)
-        reference.record(torch.tensor([1, 0]), torch.tensor([0]), 1, torch.tensor(0), w, w[None])
-    row = recorder.take()
+        tally.token_weights_T = w[None]
+        tally.add_routes(torch.tensor([[0]]), routed_E=torch.tensor([1, 0]), l_aux=w)
+        reference.add(torch.tensor([1, 0]), torch.tensor([0]), 1, torch.tensor(0), w, w[None])
+    row = tally.take()
     tally = Tally.unpack(row[None], 2)
     assert torch.equal(row, reference.take())
     assert tally.load_LE.tolist() == [[1e16, 0.0]] and tally.aux_L.tolist() == [1e16]
 
 
 def test_discarding_the_last_forward_forgets_exactly_that_forward_even_right_after_a_fold():
-    recorder = TallyRecorder(2)
-    recorder.fold_every = 2
-    for expert in (0, 1, 1):                            # the third record folds the first two
-        recorder.record_routes(torch.tensor([[expert]]), routed_E=torch.eye(2)[expert], l_aux=torch.tensor(0.5))
-    recorder.discard(last_forward_only=True)
-    recorder.discard(last_forward_only=True)            # forgets nothing more
-    tally = Tally.unpack(recorder.take()[None], 2)
+    tally = LayerTally(2)
+    tally.fold_every = 2
+    for expert in (0, 1, 1):                            # the third add_routes folds the first two
+        tally.add_routes(torch.tensor([[expert]]), routed_E=torch.eye(2)[expert], l_aux=torch.tensor(0.5))
+    tally.discard(last_forward_only=True)
+    tally.discard(last_forward_only=True)            # forgets nothing more
+    tally = Tally.unpack(tally.take()[None], 2)
     assert tally.kept_LE.tolist() == [[1.0, 1.0]] and tally.forwards_L.tolist() == [2.0]
     assert tally.tokens_L.tolist() == [2.0] and tally.aux_L.tolist() == [1.0]
 
 
 def test_a_tally_with_devices_refuses_routes_without_their_devices():
     with pytest.raises(ValueError, match="3 devices needs the device of every route"):
-        TallyRecorder(E, 3).record_routes(torch.zeros(4, 2, dtype=torch.long), routed_E=torch.zeros(E))
+        LayerTally(E, 3).add_routes(torch.zeros(4, 2, dtype=torch.long), routed_E=torch.zeros(E))
 
 
-def test_a_recorded_aux_loss_keeps_no_autograd_graph_until_the_take():
-    recorder = TallyRecorder(2)
+def test_a_counted_aux_loss_keeps_no_autograd_graph_until_the_take():
+    tally = LayerTally(2)
     w = torch.ones((), requires_grad=True)
-    recorder.record_routes(torch.tensor([[0]]), routed_E=torch.tensor([1, 0]), l_aux=w * 2)
-    assert not recorder._pending[0].l_aux.requires_grad
-    assert Tally.unpack(recorder.take()[None], 2).aux_L.tolist() == [2.0]
+    tally.add_routes(torch.tensor([[0]]), routed_E=torch.tensor([1, 0]), l_aux=w * 2)
+    assert not tally._pending[0].l_aux.requires_grad
+    assert Tally.unpack(tally.take()[None], 2).aux_L.tolist() == [2.0]
 
 
 def replica_gate(num_devices: int, log2phy_ER: torch.Tensor, slots_per_device: int, drop_tokens: bool):
     from deepspeed.moe.sharded_moe import TopKGate
 
-    from eb_deepspeed.adapters.deepspeed.replicas import ReplicaGate, SlotTable
+    from eb_deepspeed.adapters.deepspeed.replicas import ReplicaGate
+    from eb_deepspeed.adapters.serving.store import SlotTable
     torch.manual_seed(0)
     plain = TopKGate(16, E, 2, 1.0, 0.5, 1, None, drop_tokens, False, None, True).eval()
-    return ReplicaGate.from_gate(plain, num_devices, slots_per_device, rank=0, table=SlotTable.even(log2phy_ER))
+    return ReplicaGate.from_gate(plain, num_devices, slots_per_device, table=SlotTable.even(log2phy_ER))
 
 
 @pytest.mark.parametrize("layout", ["home, 3 ranks", "replicas, drops"])
@@ -192,7 +195,7 @@ def test_the_replica_gate_tallies_its_kept_routes_by_logical_expert_and_rank(lay
         slot_R = slot_KT.t().reshape(-1).long()
         kept_R = slot_R >= 0
         logits_TE = x_TM @ gate.wg.weight.t()
-        reference.record(counts_E, torch.where(kept_R, phy2log_P[slot_R.clamp_min(0)], -1), x_TM.shape[0],
+        reference.add(counts_E, torch.where(kept_R, phy2log_P[slot_R.clamp_min(0)], -1), x_TM.shape[0],
                          nonfinite_tokens(logits_TE), l_aux, None, torch.where(kept_R, slot_R // S, -1))
     tally = Tally.unpack(gate.tally.take()[None], E, gate.G)
     want = Tally.unpack(reference.take()[None], E, gate.G)

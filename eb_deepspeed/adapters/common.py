@@ -1,11 +1,14 @@
 """The adapter kit: what every adapter (DeepSpeed-MoE, AutoEP, Megatron-Core, serving) shares.
 
-    gathered, rank, logger = gather_startup({"config": cfg.to_dict(), ...}, prepare=lambda: make_logger(cfg))
-    check_agreement([...], rank); rank_to_node(gathered)
-    reduce = reduce_over(group)                  # the per-step all-reduce (None: nothing to reduce)
+    balancer = attach(cfg, gates, {"layers": len(gates)}, shape_of=lambda gathered: ModelShape.uniform(...),
+                      reduce=reduce_over(group), device=..., hook=lambda b: ..., owners=[model])
     inner = torch_optimizer(engine.optimizer)    # the torch optimizer inside the framework's wrappers
 
-Routes reach the tally through one door, `core.tally.TallyRecorder.record_routes`. An adapter holds only
+`attach` is the one recipe every training adapter follows: one start-up all-gather (every rank's summary, rank 0
+opening the log), agreement, the adapter's own checks on what was gathered, the `Balancer`, its step hook, and
+`owner.easybalance`.
+
+Routes reach the tally through one door, `core.tally.LayerTally.add_routes`. An adapter holds only
 what differs between frameworks: which layer class, where its routes come from, and how the bias and the
 balance loss reach its router. World size 1 (no process group) works everywhere: no communication.
 """
@@ -19,13 +22,42 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..core.balancer import Balancer, ModelShape, check_agreement
 from ..core.config import EasyBalanceConfig
 from ..core.record import BalanceLogger, NullLogger
 from ..core.topology import node_map
 from ..observe.monitor import DeepSpeedMonitorLogger, JsonlLogger, MultiLogger, WandbRunLogger
 
-__all__ = ["dist_ready", "dist_rank", "gather_startup", "join_startup_off", "rank_to_node", "reduce_over",
+__all__ = ["attach", "dist_ready", "dist_rank", "gather_startup", "join_startup_off", "rank_to_node", "reduce_over",
            "make_logger", "torch_optimizer", "write_atomically"]
+
+
+def attach(config: EasyBalanceConfig, gates: list, summary: dict[str, Any], *,
+           shape_of: Callable[[list[dict[str, Any]]], ModelShape], reduce, device, hook: Callable[[Balancer], Any],
+           owners: list, monitor=None, agree_on_all: bool = True) -> Balancer:
+    """Build a training balancer over `gates` and hook it in: the recipe every training adapter follows.
+
+    Args:
+        summary: this rank's model summary for the start-up all-gather (the config is added).
+        shape_of: every rank's summary (host names included) -> the model's `ModelShape`; raises the adapter's
+            own errors (every rank evaluates the same list, so every rank raises the same).
+        reduce / device: the per-step all-reduce (None: world size 1) and its tensors' device.
+        hook: connects `balancer.step()` to the framework's optimizer step.
+        owners: objects that get `.easybalance` (the engine, the model chunks).
+        monitor: DeepSpeed's monitor, for W&B; agree_on_all: every rank's whole summary must agree (False: the
+            config only; pipeline stages hold different layers).
+    """
+    gathered, rank, logger = gather_startup({"config": config.to_dict(), **summary},
+                                            prepare=lambda: make_logger(config, monitor=monitor))
+    check_agreement([{k: v for k, v in g.items() if k != "host" and (agree_on_all or k == "config")}
+                     for g in gathered], rank)
+    shape = shape_of(gathered)
+    shape.rank_to_node = rank_to_node(gathered)
+    balancer = Balancer(config, gates, shape, reduce=reduce, logger=logger, device=device)
+    hook(balancer)
+    for owner in owners:
+        owner.easybalance = balancer
+    return balancer
 
 
 def dist_ready() -> bool:
@@ -103,7 +135,7 @@ def make_logger(cfg: EasyBalanceConfig, monitor=None) -> BalanceLogger:
     Other ranks get the no-op logger."""
     if dist_rank() != 0:
         return NullLogger()
-    loggers: list[BalanceLogger] = [JsonlLogger(cfg.log.dir, cfg.log.max_mb)]
+    loggers: list[BalanceLogger] = [JsonlLogger(cfg.log.dir)]
     if cfg.log.wandb:
         if monitor is not None:
             if getattr(monitor, "enabled", False):

@@ -6,11 +6,12 @@ on it, and it runs in one CPU process. See docs/design.md for the layering.
 from ._lazy import lazy_exports
 
 _EXPORTS = {
-    "metrics": ".metrics", "Balancer": ".balancer", "BalancedGate": ".balancer", "check_agreement": ".balancer",
+    "metrics": ".metrics", "Balancer": ".balancer", "BalancedGate": ".balancer", "ModelShape": ".balancer",
+    "check_agreement": ".balancer", "LayerControls": ".controls", "BalanceLog": ".record",
     "EasyBalanceConfig": ".config", "ConfigError": ".config", "CostWeights": ".config", "LogConfig": ".config",
     "AuxConfig": ".config", "InferenceConfig": ".config", "POLICIES": ".policies", "AuxController": ".policies",
     "BalanceLogger": ".record", "NullLogger": ".record", "Tally": ".tally", "TallyLayout": ".tally",
-    "TallyRecorder": ".tally", "TOPOLOGIES": ".topology", "Topology": ".topology", "hop_cost": ".topology",
+    "LayerTally": ".tally", "TOPOLOGIES": ".topology", "Topology": ".topology", "hop_cost": ".topology",
     "node_map": ".topology", "resolve_topology": ".topology", "LoadView": ".view",
     "sequence_length_weights": ".view",
 }

@@ -4,11 +4,11 @@
     cfg.enabled, cfg.mode, cfg.aux.policy, cfg.inference.weights.cross, cfg.window_for(num_layers)
     cfg.ignored_options("train")    # JSON paths set by the user that have no effect here
 
-Defaults come from the tuning table of the EasyBalance article (the EasyBalance article, §5.1): EMA alpha 0.3,
-cross-layer window 5-8 layers, cost weights intra 0.3 / cross 0.5 / comm 0.2, decision batch 8,
-warm-up 3-5 batches. The options that only steer inference (topology, cost weights, decision
-batch, replica slots, re-planning) live under `easybalance.inference`; the topology presets come
-from `topology.TOPOLOGIES`, the aux policies and their options from `policies.POLICIES`.
+Defaults come from the tuning table of the EasyBalance article (§5.1): EMA alpha 0.3, cross-layer window 5-8
+layers, cost weights intra 0.3 / cross 0.5 / comm 0.2 (the `inference.topology` preset), decision batch 8,
+warm-up 3-5 batches. The options that only steer serving live under `easybalance.inference`; the topology
+presets come from `topology.TOPOLOGIES`, the aux policies and their options from `policies.POLICIES`.
+docs/config.md gives each key's reason (a measured win, or the anchor users come from).
 
 Every mistake raises `ConfigError` naming the JSON path, e.g.
     easybalance.ema_alpha (1.5) must be in (0, 1]
@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from .losses import BATCH_SCOPES
@@ -35,7 +35,17 @@ SPLITS = ("view", "exact")          # how serving splits an expert's routes over
 CONTEXTS = ("train", "inference")   # eb_deepspeed.initialize / eb_deepspeed.init_inference
 CHECKPOINT_MODES = ("strict", "ignore_mismatch")   # easybalance.checkpoint: a saved state that does not fit
 # Keys of earlier versions, and where they live now.
-MOVED = {"topology": "inference.topology", "weights": "inference.weights", "decision_batch": "inference.decision_batch"}
+MOVED = {"topology": "inference.topology", "decision_batch": "inference.decision_batch"}
+# Keys of earlier versions that left, and why (measured no gain, or one law with another's knob).
+REMOVED = {
+    "aux.smoothing": "the integrator already moves a weight by at most gain per step",
+    "aux.mean_one": "the weights always have mean 1 (the absolute-target variant measured no better)",
+    "aux.target": "the weights always have mean 1 (the absolute-target variant measured no better)",
+    "aux.device_scale": "the device loss's weight is the per-layer weight; scale both losses with your coefficient",
+    "aux.aux_scale": "every l_aux keeps weight 1; set your own aux coefficient (aux.loss_coeff on AutoEP)",
+    "log.max_mb": "the log rotates at a fixed 256 MiB",
+    "inference.weights": "the cost weights come from inference.topology's preset",
+}
 
 
 class ConfigError(ValueError):
@@ -59,7 +69,6 @@ class LogConfig:
     interval: int = 10              # boundaries between two log records
     dir: str = "easybalance_log"    # JSONL log (rank 0); `eb report DIR` renders it
     wandb: bool = True              # also send to W&B when DeepSpeed's own `wandb` block is enabled
-    max_mb: float = 256.0           # balance.jsonl rotates to balance.jsonl.1 past this size (disk: <= 2x)
 
 
 @dataclass(frozen=True)
@@ -67,14 +76,9 @@ class AuxConfig:
     """Training control (`easybalance.aux`): per-layer aux-loss weights or a selection bias."""
     policy: str = "bias_cross_layer"                 # the sweep's best (docs/benchmarks.md)
     weight_range: tuple[float, float] = (0.25, 4.0)  # cross_layer: clip of the per-layer device-loss weights
-    smoothing: float = 0.3                           # cross_layer: fraction of the way to the integrator per step
     gain: float = 0.02                               # cross_layer: integral gain on the log-weights (measured)
-    mean_one: bool = True                            # cross_layer: keep the weights at mean 1 (same total push)
-    target: float = 0.05                             # cross_layer, mean_one false: the device score aimed at
-    device_scale: float = 1.0                        # cross_layer: device-loss weight at w_l = 1 (x l_aux's)
     bias_rate: float = 0.03                          # bias: sign-update rate u (logits; measured, docs/training.md)
     device_weight: float = 0.5                       # bias: weight of the device (window pressure) term
-    aux_scale: float = 1.0                           # bias: weight of every layer's l_aux
     loss_coeff: float = 0.01                         # AutoEP: coefficient of the balance loss easybalance attaches
     # over which tokens the balance loss counts its expert frequencies f_e (core/losses.py)
     batch_scope: str = "micro"
@@ -86,14 +90,18 @@ class InferenceConfig:
     """Serving (`easybalance.inference`): replicas, steering and re-planning."""
     replica_slots: int = 1          # extra physical expert slots per EP rank (0 = no replicas)
     split: str = "view"             # "view": split table from the plan, no collective; "exact": steer each batch
-    topology: str = "pcie"          # sets `weights` and the hop cost
-    weights: CostWeights = field(default_factory=lambda: CostWeights(*TOPOLOGIES[InferenceConfig.topology].weights))
+    topology: str = "pcie"          # sets the steering cost weights (`weights`) and the hop cost
     decision_batch: int = 8         # tokens per steering decision (the EasyBalance article, §4.1)
     replan_threshold: float = 1.5   # consider a re-plan when a layer's expected slot max/mean passes this
     replan_interval: int = 50       # batches between two re-plans, at least
     view_interval: int = 8          # batches between two view updates (one all-reduce each)
     trial_batches: int = 8          # batches of a layout trial (replicas vs DeepSpeed's cost, in turns); 0 = none
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
+
+    @property
+    def weights(self) -> CostWeights:
+        """Steering's cost weights (intra-layer heat, cross-layer pressure, comm): the topology's preset."""
+        return CostWeights(*TOPOLOGIES[self.topology].weights)
 
 
 @dataclass(frozen=True)
@@ -283,6 +291,11 @@ def _reject_unknown(block: Mapping[str, Any], path: str, valid: list[str]) -> No
     if odd:
         raise ConfigError(f"{path}: keys must be strings, got {odd!r}; valid keys: {', '.join(sorted(valid))}")
     unknown = sorted(set(block) - set(valid))
+    gone = [k for k in unknown if f"{path}.{k}".removeprefix("easybalance.") in REMOVED]
+    if gone:
+        key = f"{path}.{gone[0]}"
+        raise ConfigError(f"{key}: removed ({REMOVED[key.removeprefix('easybalance.')]}); valid keys: "
+                          f"{', '.join(sorted(valid))}")
     if unknown:
         where = ", ".join(f"{path}.{k}" for k in unknown)
         raise ConfigError(f"{where}: unknown key; valid keys: {', '.join(sorted(valid))}")
@@ -328,34 +341,14 @@ def _choice(value: Any, path: str, valid) -> str:
     return value
 
 
-def _weights(block: Any, path: str, preset: tuple[float, float, float]) -> CostWeights:
-    block = dict(_mapping(block, path))
-    _reject_unknown(block, path, ["intra", "cross", "comm"])
-    values = {}
-    for f in fields(CostWeights):
-        if f.name in block:
-            v = _number(block[f.name], f"{path}.{f.name}")
-            if not 0.0 <= v <= 1.0:
-                raise ConfigError(f"{path}.{f.name} ({v}) must be in [0, 1]")
-            values[f.name] = v
-    out = replace(CostWeights(*preset), **values)
-    if out.intra + out.cross + out.comm <= 0.0:
-        raise ConfigError(f"{path}: intra, cross and comm ({out.intra}, {out.cross}, {out.comm}) "
-                          "must not all be 0")
-    return out
-
-
 def _log(block: Any, path: str) -> LogConfig:
     block = dict(_mapping(block, path))
-    _reject_unknown(block, path, ["interval", "dir", "wandb", "max_mb"])
+    _reject_unknown(block, path, ["interval", "dir", "wandb"])
     d = block.get("dir", LogConfig.dir)
     if not isinstance(d, str) or not d or "\x00" in d:
         raise ConfigError(f"{path}.dir ({_short(d)}) must be a non-empty string")
-    max_mb = _number(block.get("max_mb", LogConfig.max_mb), f"{path}.max_mb")
-    if not 0.001 <= max_mb <= 1e6:
-        raise ConfigError(f"{path}.max_mb ({_short(max_mb)}) must be in [0.001, 1e6] (MiB)")
     return LogConfig(interval=_int(block.get("interval", LogConfig.interval), f"{path}.interval", minimum=1),
-                     dir=d, wandb=_bool(block.get("wandb", LogConfig.wandb), f"{path}.wandb"), max_mb=max_mb)
+                     dir=d, wandb=_bool(block.get("wandb", LogConfig.wandb), f"{path}.wandb"))
 
 
 def _aux(block: Any, path: str) -> AuxConfig:
@@ -371,36 +364,21 @@ def _aux(block: Any, path: str) -> AuxConfig:
     if not 0.0 < lo <= 1.0 <= hi <= 1e6:
         raise ConfigError(f"{path}.weight_range ([{lo}, {hi}]) must be [min, max] with 0 < min <= 1 <= max <= 1e6 "
                           "(weights start at 1)")
-    smoothing = _number(block.get("smoothing", d.smoothing), f"{path}.smoothing")
-    if not 0.0 < smoothing <= 1.0:
-        raise ConfigError(f"{path}.smoothing ({smoothing}) must be in (0, 1]")
     gain = _number(block.get("gain", d.gain), f"{path}.gain")
     if not 0.0 < gain <= 10.0:
         raise ConfigError(f"{path}.gain ({gain}) must be in (0, 10]")
-    mean_one = _bool(block.get("mean_one", d.mean_one), f"{path}.mean_one")
-    target = _number(block.get("target", d.target), f"{path}.target")
-    if not 0.0 < target <= 100.0:
-        raise ConfigError(f"{path}.target ({target}) must be in (0, 100] (the heat-weighted device excess over the mean)")
-    device_scale = _number(block.get("device_scale", d.device_scale), f"{path}.device_scale")
-    if not 0.0 <= device_scale <= 1e6:
-        raise ConfigError(f"{path}.device_scale ({device_scale}) must be in [0, 1e6]")
     rate = _number(block.get("bias_rate", d.bias_rate), f"{path}.bias_rate")
     if not 0.0 < rate <= 1.0:
         raise ConfigError(f"{path}.bias_rate ({rate}) must be in (0, 1]")
     device_weight = _number(block.get("device_weight", d.device_weight), f"{path}.device_weight")
     if device_weight < 0:
         raise ConfigError(f"{path}.device_weight ({device_weight}) must be >= 0")
-    aux_scale = _number(block.get("aux_scale", d.aux_scale), f"{path}.aux_scale")
-    if aux_scale < 0:
-        raise ConfigError(f"{path}.aux_scale ({aux_scale}) must be >= 0")
     loss_coeff = _number(block.get("loss_coeff", d.loss_coeff), f"{path}.loss_coeff")
     if not 0.0 <= loss_coeff <= 1e6:
         raise ConfigError(f"{path}.loss_coeff ({loss_coeff}) must be in [0, 1e6]")
     batch_scope = _choice(block.get("batch_scope", d.batch_scope), f"{path}.batch_scope", BATCH_SCOPES)
-    return AuxConfig(policy=policy, weight_range=(lo, hi), smoothing=smoothing, gain=gain, mean_one=mean_one,
-                     target=target, device_scale=device_scale, bias_rate=rate,
-                     device_weight=device_weight, aux_scale=aux_scale, loss_coeff=loss_coeff,
-                     batch_scope=batch_scope, explicit=frozenset(block))
+    return AuxConfig(policy=policy, weight_range=(lo, hi), gain=gain, bias_rate=rate, device_weight=device_weight,
+                     loss_coeff=loss_coeff, batch_scope=batch_scope, explicit=frozenset(block))
 
 
 def _inference(block: Any, path: str) -> InferenceConfig:
@@ -416,7 +394,6 @@ def _inference(block: Any, path: str) -> InferenceConfig:
                            maximum=MAX_REPLICA_SLOTS),
         split=_choice(block.get("split", d.split), f"{path}.split", SPLITS),
         topology=topology,
-        weights=_weights(block.get("weights", {}), f"{path}.weights", TOPOLOGIES[topology].weights),
         decision_batch=_int(block.get("decision_batch", d.decision_batch), f"{path}.decision_batch", minimum=1),
         replan_threshold=threshold,
         replan_interval=_int(block.get("replan_interval", d.replan_interval), f"{path}.replan_interval", minimum=1),

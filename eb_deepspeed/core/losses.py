@@ -2,10 +2,6 @@
 
 Shape legend: E experts, T tokens, K top-k, B sequences, S sequence length, G devices.
 
-`device_balance_loss` is DeepSeek-V2's device-level balance loss (with one expert per "device", the
-expert-level one); `sequence_balance_loss` DeepSeek-V3's sequence-wise loss; `GlobalShares` the global
-batch's expert frequencies.
-
 The balance loss of one layer is l = E · Σ_e f_e · P_e (1 at balance): f_e the share of routes that went to
 expert e, P_e the mean router probability of expert e over this forward's tokens (the only differentiable part).
 The scope says over which tokens f is counted:
@@ -13,10 +9,10 @@ The scope says over which tokens f is counted:
   * "micro": this micro-batch on this rank (DeepSpeed's l_aux, HF's loss; the framework's own);
   * "global_exact": every data-parallel rank, and every micro-batch of the optimizer step so far
     (arXiv 2501.11873; Megatron-Core's `global_aux_loss`): one all-reduce of [E] per layer per micro-batch;
-  * "global_lagged": the whole global batch of the last optimizer step, from the view's reduced tally (no
-    collective of its own; one step late);
   * "sequence": each sequence on its own, averaged over sequences (DeepSeek-V3's sequence-wise balance loss).
 
+`device_balance_loss` is DeepSeek-V2's device-level balance loss (with one expert per "device", the expert-level
+one). `core.controls.LayerControls` is where gates call them from.
 """
 from __future__ import annotations
 
@@ -25,28 +21,24 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BATCH_SCOPES", "GlobalShares", "device_balance_loss", "sequence_balance_loss"]
+__all__ = ["BATCH_SCOPES", "GlobalShares", "expert_balance_loss", "device_balance_loss", "sequence_balance_loss"]
 
-BATCH_SCOPES = ("micro", "global_exact", "global_lagged", "sequence")
+BATCH_SCOPES = ("micro", "global_exact", "sequence")
 
 
 class GlobalShares:
-    """The global batch's expert frequencies f_E of each layer, for the balance loss.
+    """The global batch's expert frequencies f_E of each layer (the "global_exact" scope), for the balance loss.
 
     Args:
-        scope: "global_exact" or "global_lagged".
-        experts_L: experts of each layer.
+        experts_L: experts of each local layer.
         all_reduce: sums a tensor in place over the data-parallel ranks (None: one rank).
-        device: where the counts are reduced (the balancer's tally device: the process group's).
+        device: where the counts are reduced (the process group's device).
     """
 
-    def __init__(self, scope: str, experts_L: Sequence[int], all_reduce: Optional[Callable] = None,
+    def __init__(self, experts_L: Sequence[int], all_reduce: Optional[Callable] = None,
                  device: torch.device | str = "cpu"):
-        if scope not in ("global_exact", "global_lagged"):
-            raise ValueError(f"scope ({scope!r}) must be 'global_exact' or 'global_lagged'")
-        self.scope = scope
         self.all_reduce = all_reduce
-        self.routes_LE = [torch.zeros(int(e), dtype=torch.float64, device=device) for e in experts_L]   # exact: the step so far
+        self.routes_LE = [torch.zeros(int(e), dtype=torch.float64, device=device) for e in experts_L]   # the step so far
         self.share_LE: list[Optional[torch.Tensor]] = [None] * len(self.routes_LE)        # the f handed out last
 
     def share(self, layer: int, routed_E: Optional[torch.Tensor] = None, rerun: bool = False) -> Optional[torch.Tensor]:
@@ -54,11 +46,11 @@ class GlobalShares:
         forward's own).
 
         Args:
-            routed_E: this forward's routes per expert (exact scope, first run of a forward). Every rank must
-                call it for the same forwards: it is one all-reduce.
+            routed_E: this forward's routes per expert (first run of a forward). Every rank must call it for
+                the same forwards: it is one all-reduce.
             rerun: the re-run of a forward (activation checkpointing): the first run's f, no collective.
         """
-        if self.scope == "global_lagged" or rerun:
+        if rerun:
             return self.share_LE[layer]
         # a copy: the all-reduce works in place, and the gate's own counts must stay its own
         counts_E = routed_E.detach().to(self.routes_LE[layer].device, torch.float64, copy=True).reshape(-1)
@@ -70,21 +62,27 @@ class GlobalShares:
         return self.share_LE[layer]
 
     def new_step(self) -> None:
-        """An optimizer step boundary (or a skipped step): the exact scope starts counting afresh."""
-        if self.scope == "global_exact":
-            for routes_E in self.routes_LE:
-                routes_E.zero_()
-            self.share_LE = [None] * len(self.routes_LE)
+        """An optimizer step boundary (or a skipped step): counting starts afresh."""
+        for routes_E in self.routes_LE:
+            routes_E.zero_()
+        self.share_LE = [None] * len(self.routes_LE)
 
-    def after_view(self, routed_LE: torch.Tensor, valid_L: torch.Tensor) -> None:
-        """The lagged scope takes the view's reduced routes of the step just taken [L, >=E]; a layer the view
-        did not take, or that saw no routes, goes back to each forward's own (None)."""
-        if self.scope != "global_lagged":
-            return
-        for layer, routes_E in enumerate(self.routes_LE):
-            row_E = routed_LE[layer, :routes_E.numel()].to(torch.float64)
-            total = float(row_E.sum())
-            self.share_LE[layer] = (row_E / total).float() if bool(valid_L[layer]) and total > 0 else None
+
+def expert_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, k: int,
+                        share_E: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """E · Σ_e f_e · P_e, 1 at balance.
+
+    Args:
+        probs_TE: [T, E] router probabilities of the tokens that count; P_E is their mean.
+        routed_E: [E] this forward's routes per expert: f_e = routed_e / (K · T) (the "micro" scope).
+        share_E: [E] f of the global batch instead (summing to 1), or None.
+    """
+    T, E = probs_TE.shape
+    if share_E is not None:
+        routed_E = share_E.to(probs_TE.device) * (k * T)
+    # the device-level loss with one expert per device, in its own order of operations
+    share_E = routed_E.to(probs_TE.dtype) * (E / (k * max(T, 1)))
+    return (share_E * probs_TE.mean(0)).sum()
 
 
 def sequence_balance_loss(probs_TE: torch.Tensor, selected_TK: torch.Tensor, seq_len: int, num_experts: int,
@@ -120,23 +118,25 @@ def sequence_balance_loss(probs_TE: torch.Tensor, selected_TK: torch.Tensor, seq
 
 
 def device_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, expert_to_device_E: torch.Tensor,
-                        num_devices: int, k: int) -> torch.Tensor:
+                        experts_G: torch.Tensor, k: int) -> torch.Tensor:
     """DeepSeek-V2's device-level balance loss of one forward (1.0 when devices are balanced).
 
-    probs_TE: the router's unbiased probabilities over all experts; routed_E: routes per expert this
-    forward (its top-k choices). f_e = routed_e * E / (k * T): expert e's share (1 = its fair share);
-    P_e = mean over tokens of probs_e. Per device g: f'_g = mean of f_e over its experts, P'_g = sum
-    of P_e over them; loss = sum_g f'_g * P'_g. The gradient flows through P only and moves mass off
-    the devices that get more than their share, whichever of their experts the routes went to (the
-    expert-level l_aux does not see that). Local to the rank, no collective. With top-1's
-    `used_token` mask the masked tokens route nowhere and the loss sits below 1 at balance, as
-    DeepSpeed's l_aux does. Both adapters' gates call it.
+    Args:
+        probs_TE: [T, E] the router's unbiased probabilities over all experts.
+        routed_E: [E] routes per expert this forward (its top-k choices).
+        expert_to_device_E: [E] device of each expert; experts_G: [G] experts on each device (>= 1).
+    Returns:
+        Σ_g f'_g · P'_g with f_e = routed_e · E / (k · T) (1 = its fair share), f'_g the mean of f_e over the
+        device's experts, P'_g the sum over them of P_e = mean over tokens of probs_e. The gradient flows
+        through P only and moves mass off the devices that get more than their share, whichever of their
+        experts the routes went to (the expert-level loss does not see that). Local to the rank, no collective,
+        no host sync. With top-1's `used_token` mask the masked tokens route nowhere and the loss sits below 1
+        at balance, as DeepSpeed's l_aux does.
     """
     T, E = probs_TE.shape
     probs_E = probs_TE.mean(0)
     share_E = routed_E.to(probs_E.dtype) * (E / (k * max(T, 1)))
-    experts_G = torch.bincount(expert_to_device_E, minlength=num_devices).clamp_min(1).to(probs_E.dtype)
-    zeros_G = torch.zeros(num_devices, dtype=probs_E.dtype, device=probs_E.device)
-    share_G = zeros_G.index_add(0, expert_to_device_E, share_E) / experts_G
+    zeros_G = torch.zeros(experts_G.shape[0], dtype=probs_E.dtype, device=probs_E.device)
+    share_G = zeros_G.index_add(0, expert_to_device_E, share_E) / experts_G.to(probs_E.dtype)
     probs_G = zeros_G.index_add(0, expert_to_device_E, probs_E)
     return (share_G * probs_G).sum()

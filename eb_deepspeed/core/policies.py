@@ -3,24 +3,23 @@
 Shape legend: L MoE layers, E experts per layer, G EP ranks (devices).
 
 The EasyBalance article, §6: feed the cross-layer load view into training and adjust each layer's auxiliary-loss
-weight, instead of one fixed coefficient for all layers. Four policies (`easybalance.aux.policy`):
+weight, instead of one fixed coefficient for all layers. Four policies (`easybalance.aux.policy`); every
+layer's l_aux keeps the user's coefficient in all of them:
 
-  fixed             every weight 1.0, no device loss: DeepSpeed's behaviour, the baseline.
-  cross_layer       each layer's l_aux keeps weight 1 and gets a device-level balance loss (DeepSeek-V2's,
+  fixed             no device loss, no bias: DeepSpeed's behaviour, the baseline.
+  cross_layer       each layer's l_aux gets a device-level balance loss (DeepSeek-V2's,
                     `losses.device_balance_loss`, computed in the gate) weighted per layer from the view:
                     up where the layer's device imbalance, weighed by how hot those devices are across
                     the window, stays high; down where it stays low. Integral action on the log-weight
                     (persistent skew accumulates, step noise averages out), clipped to `weight_range`,
-                    optionally kept at mean 1
-                    (`mean_one`: the same total device push, placed better), smoothed over steps.
+                    kept at mean 1 (the same total device push, placed better).
   bias              aux-loss-free balancing (Wang et al. 2024, DeepSeek-V3): a per-expert bias added to
                     the selection scores only (never to the gate values), moved by `bias_rate` towards
-                    balance with a sign update and re-centred to mean 0, made device-aware by the view;
-                    every layer's l_aux keeps weight `aux_scale` (a small aux loss can stay on).
+                    balance with a sign update and re-centred to mean 0, made device-aware by the view.
   bias_cross_layer  both: the bias selects, the per-layer device loss takes the residual.
 
 `POLICIES` is the registry: each entry names the `aux.*` options it reads (the config takes its
-choices and its "ignored option" warnings from it) and holds its control step.
+choices and its "ignored option" warnings from it) and says which controls it moves.
 `AuxController.update(view)` runs once per gradient-accumulation boundary, after the view update,
 on every rank with the same reduced view, so every rank computes the same weights and bias.
 """
@@ -68,26 +67,23 @@ def clip_mean_one(raw_L: torch.Tensor, w_min: float, w_max: float, iters: int = 
     return (raw_L * (lo + hi) / 2).clamp(w_min, w_max)
 
 
-def integral_weights(log_w_L: torch.Tensor, score_L: torch.Tensor, *, gain: float, w_min: float, w_max: float,
-                     mean_one: bool, target: float) -> torch.Tensor:
+def integral_weights(log_w_L: torch.Tensor, score_L: torch.Tensor, *, gain: float, w_min: float,
+                     w_max: float) -> torch.Tensor:
     """One integral step of the per-layer log-weights [L]; returns the new log-weights.
 
-    error_l = score_l / reference - 1, clipped to [-1, 1]: reference is the mean score over layers
-    (`mean_one`: push where a layer is worse than the others) or the absolute `target` (push where
-    it is worse than the target, relax where it is better). log w_l += gain * error_l; the weights
-    exp(log w) are clipped to [w_min, w_max] (and rescaled to mean 1 under `mean_one`), and the
-    log-weights follow the clipped weights (no wind-up past a limit). A layer that stays worse
-    keeps accumulating; zero-mean step noise adds up only as a random walk (see docs/training.md
-    for the measurement behind the default gain).
+    error_l = score_l / mean score - 1, clipped to [-1, 1] (push where a layer stalls the cluster more than the
+    others); log w_l += gain * error_l; the weights exp(log w) are clipped to [w_min, w_max] and rescaled to
+    mean 1 (the same total device push, placed better), and the log-weights follow the clipped weights (no
+    wind-up past a limit). A layer that stays worse keeps accumulating; zero-mean step noise adds up only as a
+    random walk (docs/training.md has the measurement behind the default gain). One step moves a weight by at
+    most a factor exp(gain): no further smoothing is needed.
     """
-    reference = float(score_L.mean()) if mean_one else float(target)
+    reference = float(score_L.mean())
     if reference <= 0:                       # nothing imbalanced anywhere: hold
         return log_w_L.clone()
     error_L = (score_L.to(torch.float64) / reference - 1.0).clamp(-_ERROR_CLIP, _ERROR_CLIP)
     w_L = (log_w_L.to(torch.float64) + gain * error_L).exp().clamp(w_min, w_max)
-    if mean_one:
-        w_L = clip_mean_one(w_L, w_min, w_max)
-    return w_L.log()
+    return clip_mean_one(w_L, w_min, w_max).log()
 
 
 def bias_update(bias_LE: torch.Tensor, counts_LE: torch.Tensor, cross_LG: torch.Tensor, device_LE: torch.Tensor, *,
@@ -125,25 +121,15 @@ class AuxPolicy:
     uses_view = False          # acts on the view (so `window` and `warmup_batches` matter)
     uses_device_loss = False   # hands each gate a device-level balance loss weight
 
-    def initial_weight(self, cfg) -> float:
-        return 1.0
-
     def step(self, ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
         """One control step from the warm view; returns whether anything changed. valid_L [L]: the
         layers the view took this step (the others' routes were non-finite or absent)."""
-        return False
-
-    def conform(self, ctl: "AuxController") -> list[str]:
-        """Make restored state obey the current config (after a resume); returns what changed."""
-        return []
-
-
-def conform_aux(ctl: "AuxController", weight: float, from_aux_scale: bool) -> list[str]:
-    """Every layer's l_aux weight set to what the policy defines (after a resume); what that changed."""
-    if bool((ctl.weight_L == weight).all()):
-        return []
-    ctl.set_aux_weights(torch.full_like(ctl.weight_L, float(weight)))
-    return [f"aux weights set to {'aux_scale ' if from_aux_scale else ''}{weight}"]
+        changed = False
+        if self.uses_bias:
+            changed |= _bias_step(ctl, view, valid_L)
+        if self.uses_device_loss:
+            changed |= _cross_layer_step(ctl, view, valid_L)
+        return changed
 
 
 class FixedPolicy(AuxPolicy):
@@ -152,73 +138,34 @@ class FixedPolicy(AuxPolicy):
 
 class CrossLayerPolicy(AuxPolicy):
     name = "cross_layer"
-    options = ("weight_range", "smoothing", "gain", "mean_one", "target", "device_scale")
+    options = ("weight_range", "gain")
     uses_view = True
     uses_device_loss = True
-
-    def step(self, ctl, view, valid_L) -> bool:
-        return _cross_layer_step(ctl, view, valid_L)
-
-    def conform(self, ctl) -> list[str]:
-        lo, hi = ctl.cfg.weight_range
-        mean_one = ctl.cfg.mean_one
-        fitted = {}
-        for name, w_L in (("layer_w_L", ctl.layer_w_L), ("log_w_L", ctl.log_w_L.exp())):
-            fits = bool(((w_L >= lo - 1e-9) & (w_L <= hi + 1e-9)).all()) and \
-                (not mean_one or abs(float(w_L.mean()) - 1.0) <= 1e-6)
-            if not fits:
-                w_L = w_L.clamp(max(lo, 1e-12), hi)
-                fitted[name] = clip_mean_one(w_L, lo, hi) if mean_one else w_L
-        out = []
-        if fitted:
-            ctl.set_layer_weights(fitted["log_w_L"].log() if "log_w_L" in fitted else ctl.log_w_L,
-                                  fitted.get("layer_w_L", ctl.layer_w_L))
-            out.append(f"device-loss weights re-clipped to weight_range [{lo}, {hi}]"
-                       + (" with mean 1" if mean_one else ""))
-        return out + conform_aux(ctl, self.initial_weight(ctl.cfg), self.uses_bias)
 
 
 class BiasPolicy(AuxPolicy):
     name = "bias"
-    options = ("bias_rate", "device_weight", "aux_scale")
+    options = ("bias_rate", "device_weight")
     uses_bias = True
     uses_view = True
 
-    def initial_weight(self, cfg) -> float:
-        return float(cfg.aux_scale)
 
-    def conform(self, ctl) -> list[str]:
-        return conform_aux(ctl, self.initial_weight(ctl.cfg), True)
-
-    def step(self, ctl, view, valid_L) -> bool:
-        return _bias_step(ctl, view, valid_L)
-
-
-class BiasCrossLayerPolicy(CrossLayerPolicy):
+class BiasCrossLayerPolicy(AuxPolicy):
     """The bias selects; the per-layer device loss (weights from the view) takes the residual."""
     name = "bias_cross_layer"
     options = BiasPolicy.options + CrossLayerPolicy.options
     uses_bias = True
-
-    def initial_weight(self, cfg) -> float:
-        return float(cfg.aux_scale)
-
-    def step(self, ctl, view, valid_L) -> bool:
-        _bias_step(ctl, view, valid_L)
-        _cross_layer_step(ctl, view, valid_L)
-        return True
+    uses_view = True
+    uses_device_loss = True
 
 
 def _cross_layer_step(ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
-    """The per-layer device-loss weights: one integrator step on the view's device scores, then smoothing."""
+    """The per-layer device-loss weights: one integrator step on the view's device scores."""
     if not bool(valid_L.all()):   # the weights are relative to each other: hold them all while a layer is out
         return False
-    cfg = ctl.cfg
-    lo, hi = cfg.weight_range
-    log_w_L = integral_weights(ctl.log_w_L, device_scores(view.pressure_LG, view.cross_layer_pressure()),
-                               gain=cfg.gain, w_min=lo, w_max=hi, mean_one=cfg.mean_one, target=cfg.target)
-    # a convex mix of two in-range (mean-1) vectors is again in range (mean 1): no re-normalising
-    ctl.set_layer_weights(log_w_L, (1.0 - cfg.smoothing) * ctl.layer_w_L + cfg.smoothing * log_w_L.exp())
+    lo, hi = ctl.cfg.weight_range
+    ctl.log_w_L = integral_weights(ctl.log_w_L, device_scores(view.pressure_LG, view.cross_layer_pressure()),
+                                   gain=ctl.cfg.gain, w_min=lo, w_max=hi)
     return True
 
 
@@ -226,8 +173,8 @@ def _bias_step(ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
     """The selection bias: one sign step from the last step's routes and the window pressure."""
     counts_LE = torch.where(valid_L[:, None], view.last.routed_LE, 0.0)   # a layer with no counts holds its bias
     cross_LG = view.cross_layer_pressure()
-    ctl.set_bias(bias_update(ctl.bias_LE, counts_LE, cross_LG, view.expert_device_mean(cross_LG),
-                             rate=ctl.cfg.bias_rate, device_weight=ctl.cfg.device_weight, mask_LE=view.mask_LE))
+    ctl.bias_LE = bias_update(ctl.bias_LE, counts_LE, cross_LG, view.expert_device_mean(cross_LG),
+                              rate=ctl.cfg.bias_rate, device_weight=ctl.cfg.device_weight, mask_LE=view.mask_LE)
     return True
 
 
@@ -235,43 +182,25 @@ POLICIES: dict[str, AuxPolicy] = {p.name: p for p in (FixedPolicy(), CrossLayerP
                                                        BiasCrossLayerPolicy())}
 
 
-_SINCE_DEVICE_LOSS = ("layer_w_L", "log_w_L")     # state keys that older checkpoints lack
-# What a saved control state can hold (every config bound, with room): aux weights are aux_scale or the
-# weight_range's values (<= 1e6), never negative; a bias of 1e4 logits is far past any a run can use (a softmax
-# saturates near 100: past that every token of a layer goes to one expert), so more is a damaged state; the
-# per-layer weights are positive and the integrator is their log.
+# What a saved control state can hold: a bias of 1e4 logits is far past any a run can use (a softmax saturates near
+# 100: past that every token of a layer goes to one expert), so more is a damaged state; the integrator is the log
+# of weights in weight_range (<= 1e6).
 BIAS_BOUND = 1e4
-STATE_RANGES = {"weight_L": (0.0, 1e6), "bias_LE": (-BIAS_BOUND, BIAS_BOUND), "layer_w_L": (1e-12, 1e6),
-                "log_w_L": (-28.0, 14.0)}
+STATE_RANGES = {"bias_LE": (-BIAS_BOUND, BIAS_BOUND), "log_w_L": (-28.0, 14.0)}
 
 
 class AuxController:
-    """Holds the controls; `update(view)` applies the configured policy.
+    """Holds the control state; `update(view)` applies the configured policy.
 
-    weight_L [L]: each layer's l_aux weight. bias_LE [L, E]: the selection bias. layer_w_L [L]: the
-    per-layer device-loss weights (smoothed; the gate's device-loss weight is device_scale x this);
-    log_w_L [L]: their integrator (log of the unsmoothed weights).
+    bias_LE [L, E]: the selection bias. log_w_L [L]: log of the per-layer device-loss weights (mean 1).
     """
 
     def __init__(self, num_layers: int, num_experts: int, aux_config):
         self.cfg = aux_config
         self.policy = POLICIES[aux_config.policy]
-        self.weight_L = torch.full((num_layers, ), self.policy.initial_weight(aux_config), dtype=torch.float64)
         self.bias_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64)
-        self.layer_w_L = torch.ones(num_layers, dtype=torch.float64)
         self.log_w_L = torch.zeros(num_layers, dtype=torch.float64)
         self.updates = 0
-
-    # ------------------------------------------------------------------ the policies' writes
-    def set_aux_weights(self, weight_L: torch.Tensor) -> None:
-        self.weight_L = weight_L.to(torch.float64)
-
-    def set_bias(self, bias_LE: torch.Tensor) -> None:
-        self.bias_LE = bias_LE.to(torch.float64)
-
-    def set_layer_weights(self, log_w_L: torch.Tensor, layer_w_L: torch.Tensor) -> None:
-        """The per-layer device-loss weights: the integrator (log of the unsmoothed weights) and the smoothed."""
-        self.log_w_L, self.layer_w_L = log_w_L.to(torch.float64), layer_w_L.to(torch.float64)
 
     @property
     def uses_bias(self) -> bool:
@@ -284,8 +213,8 @@ class AuxController:
     def device_loss_weights(self) -> torch.Tensor:
         """Weight of each layer's device-level balance loss [L] (zeros when the policy has none)."""
         if not self.policy.uses_device_loss:
-            return torch.zeros_like(self.layer_w_L)
-        return self.cfg.device_scale * self.layer_w_L
+            return torch.zeros_like(self.log_w_L)
+        return self.log_w_L.exp()
 
     def update(self, view, valid_L: torch.Tensor | None = None) -> bool:
         """One control step from the (reduced, identical) view; returns whether anything changed.
@@ -303,8 +232,8 @@ class AuxController:
         return changed
 
     def state_dict(self) -> dict[str, object]:
-        return {"policy": self.cfg.policy, "weight_L": self.weight_L.clone(), "bias_LE": self.bias_LE.clone(),
-                "layer_w_L": self.layer_w_L.clone(), "log_w_L": self.log_w_L.clone(), "updates": self.updates}
+        return {"policy": self.cfg.policy, "bias_LE": self.bias_LE.clone(), "log_w_L": self.log_w_L.clone(),
+                "updates": self.updates}
 
     def why_unfit(self, state: object) -> str | None:
         """Why `state` cannot be this controller's (None: it can)."""
@@ -313,24 +242,30 @@ class AuxController:
             return "the aux state is not a dict with a policy and an update count"
         if state["updates"] < 0:
             return f"the checkpointed aux updates is {state['updates']}, expected an integer >= 0"
-        shapes = {"weight_L": tuple(self.weight_L.shape), "bias_LE": tuple(self.bias_LE.shape)}
-        shapes.update({key: tuple(self.layer_w_L.shape) for key in _SINCE_DEVICE_LOSS if key in state})
+        shapes = {"bias_LE": tuple(self.bias_LE.shape)}
+        if "log_w_L" in state:                  # absent from states saved before the device loss
+            shapes["log_w_L"] = tuple(self.log_w_L.shape)
         return why_tensors_unfit(state, "aux", shapes, STATE_RANGES)
 
     def load_state_dict(self, state: dict[str, object]) -> list[str]:
-        """Restore the saved weights and bias, made to obey the current config; returns what that changed.
+        """Restore the saved bias and weights, made to obey the current config; returns what that changed.
 
-        A checkpoint of another policy is not this policy's state: the controller starts fresh.
+        A checkpoint of another policy is not this policy's state: the controller starts fresh. (States of
+        earlier versions also hold per-layer aux weights and smoothed weights: no longer state, ignored.)
         """
         problem = self.why_unfit(state)
         if problem is not None:
             raise ValueError(problem)
         if state["policy"] != self.cfg.policy:
             return [f"aux.policy was \"{state['policy']}\": weights and bias start fresh"]
-        self.weight_L = state["weight_L"].to(torch.float64).clone()
         self.bias_LE = state["bias_LE"].to(torch.float64).clone()
-        for key in _SINCE_DEVICE_LOSS:            # absent from states saved before the device loss: start fresh
-            if key in state:
-                setattr(self, key, state[key].to(torch.float64).clone())
+        if "log_w_L" in state:
+            self.log_w_L = state["log_w_L"].to(torch.float64).clone()
         self.updates = int(state["updates"])
-        return self.policy.conform(self)
+        lo, hi = self.cfg.weight_range
+        w_L = self.log_w_L.exp()
+        if self.uses_device_loss and not (bool(((w_L >= lo - 1e-9) & (w_L <= hi + 1e-9)).all())
+                                          and abs(float(w_L.mean()) - 1.0) <= 1e-6):
+            self.log_w_L = clip_mean_one(w_L.clamp(max(lo, 1e-12), hi), lo, hi).log()
+            return [f"device-loss weights re-clipped to weight_range [{lo}, {hi}] with mean 1"]
+        return []

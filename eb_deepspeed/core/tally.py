@@ -3,10 +3,11 @@
 Shape legend: L MoE layers, E experts per layer, W packed width (`TallyLayout(E).width`),
 R routes of one forward (K * T; -1 = a route the capacity limit dropped), T tokens, K routes per token.
 
-A gate owns a `TallyRecorder` and calls `record_routes(...)` on every training forward with its routes by
-token (no host sync, no collective); every adapter's gate goes through that one door. At the step boundary the balancer stacks each layer's packed row into one `[L, W]`
-tensor, all-reduces it once, and reads it back by name with `Tally.unpack`. (The recorder keeps each forward's
-tensors and adds them all to the row when the row is taken: see `TallyRecorder`.)
+A gate owns a `LayerTally` and calls `add_routes(...)` on every counted forward with its routes by token (no
+host sync, no collective); every adapter's gate goes through that one door. (A "record" is a log line, never a
+count: `core/record.py`.) At the step boundary the balancer stacks each layer's packed row into one `[L, W]`
+tensor, all-reduces it once, and reads it back by name with `Tally.unpack`. (The tally keeps each forward's
+tensors and adds them all to the row when the row is taken: see `LayerTally`.)
 
     routed_LE    route requests per expert, before the capacity limit (demand)
     kept_LE      routes kept per expert (what the experts processed)
@@ -14,12 +15,12 @@ tensors and adds them all to the row when the row is taken: see `TallyRecorder`.
     tokens_L     tokens seen
     nonfinite_L  tokens whose router logits held NaN/Inf
     aux_L        sum of the layer's unweighted l_aux over forwards (and ranks)
-    forwards_L   forward calls that recorded (aux / forwards is the mean l_aux)
+    forwards_L   forwards counted (aux / forwards is the mean l_aux)
     device_LG    optional: kept routes (weighted) per EP rank, for gates that know where each route
                  went (replicated experts); None when experts sit where the view's map says
 
 The packed layout is private to this file: `TallyLayout` gives every field its slice. Each
-per-expert (and the per-device) field is preceded by one scratch slot, so recording a route of
+per-expert (and the per-device) field is preceded by one scratch slot, so counting a route of
 expert id `e` is an `index_add_` at `offset + e` with no mask: a dropped route (id -1) lands on the
 scratch slot.
 """
@@ -30,7 +31,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["Tally", "TallyLayout", "TallyRecorder", "in_backward", "widen_row", "logit_sums", "nonfinite_tokens",
+__all__ = ["Tally", "TallyLayout", "LayerTally", "in_backward", "widen_row", "logit_sums", "nonfinite_tokens",
            "routes_from_mask", "route_counts"]
 
 PER_EXPERT_FIELDS = ("routed", "kept", "load")
@@ -138,7 +139,7 @@ class Tally:
         return (self.routed_LE.sum(1) - self.kept_LE.sum(1)).clamp_min(0)
 
     def mean_aux_L(self) -> torch.Tensor:
-        """[L] mean unweighted l_aux per forward (0 for layers that did not record)."""
+        """[L] mean unweighted l_aux per forward (0 for layers that counted no forward)."""
         return torch.where(self.forwards_L > 0, self.aux_L / self.forwards_L.clamp_min(1), 0.0)
 
 
@@ -168,7 +169,7 @@ def _field(attribute: str) -> str:
 
 
 class _Forward(NamedTuple):
-    """One recorded forward, waiting to be folded into the row (see `TallyRecorder`)."""
+    """One counted forward, waiting to be folded into the row (see `LayerTally`)."""
     routed_E: torch.Tensor                   # [E] route requests before the capacity limit
     expert_TK: torch.Tensor                  # [T, K] int expert of each route, -1 = dropped
     weight_TK: Optional[torch.Tensor]        # [T, K] load weight of each route (None: 1)
@@ -182,15 +183,15 @@ class _Forward(NamedTuple):
     l_aux: Optional[torch.Tensor]            # [] the unweighted aux loss
 
 
-class TallyRecorder:
+class LayerTally:
     """One layer's running tally, filled during forward and drained at the step boundary.
 
-    A forward's record keeps its tensors and does no arithmetic (a small tensor op costs mostly its fixed
+    `add_routes` keeps a forward's tensors and does no arithmetic (a small tensor op costs mostly its fixed
     overhead, and counting forward by forward took some twenty of them each); `take` folds every kept
-    forward into the packed row with about a dozen ops for all of them, as does a record that finds
+    forward into the packed row with about a dozen ops for all of them, as does an `add_routes` that finds
     `fold_every` forwards waiting (memory stays bounded when nobody takes). The fold gives the row that
     adding one forward at a time gives (`_fold`). The hazard of keeping tensors: a caller must not change
-    a recorded tensor in place before the next `take` (the gates hand over tensors that their forward
+    a counted tensor in place before the next `take` (the gates hand over tensors that their forward
     made and nothing writes again).
 
     The row is a plain float64 tensor allocated on the routes' device, not a module buffer:
@@ -198,7 +199,7 @@ class TallyRecorder:
     Tokens given as a number and the forward count stay on the host until the fold.
     """
 
-    fold_every = 16     # forwards kept before a record folds them into the row
+    fold_every = 16     # forwards kept before `add_routes` folds them into the row
 
     def __init__(self, num_experts: int, num_devices: int = 0):
         self.layout = TallyLayout(num_experts, num_devices)
@@ -208,28 +209,13 @@ class TallyRecorder:
         self._scratch_dirty = False     # a fold route by route wrote to the scratch slots since the last take
         self._cache: dict[tuple, tuple] = {}     # the fold's fixed tensors per device: (the map they hold, tensor)
         self._constants: dict[tuple, torch.Tensor] = {}     # `_constant`
+        self.token_weights_T: Optional[torch.Tensor] = None   # [T] load weight of each token of the next forwards
+        self.generation = 0             # rows taken or discarded so far (a reader's "new step" signal)
 
-    def record(self, routed_E: torch.Tensor, route_expert_R: torch.Tensor, tokens, nonfinite: Optional[torch.Tensor],
-               l_aux: Optional[torch.Tensor], token_w_R: Optional[torch.Tensor] = None,
-               route_device_R: Optional[torch.Tensor] = None, *, logit_sums_T: Optional[torch.Tensor] = None) -> None:
-        """Add one forward's routes (no host sync).
-
-        routed_E: [E] route requests before the capacity limit; route_expert_R: [R] int expert id of
-        each route, -1 where it was dropped; tokens: int or 0-dim tensor; nonfinite: 0-dim count of
-        tokens with non-finite logits (None: 0); l_aux: the unweighted aux loss (None: 0); token_w_R: [R]
-        load weight of each route (sequence-length weighting), None = 1; route_device_R: [R] int EP rank
-        that processes each route, -1 where dropped (only with a layout that has devices); logit_sums_T:
-        [T] per-token sums of the router logits (`logit_sums`), whose non-finite entries the fold counts
-        as non-finite tokens (instead of, or besides, `nonfinite`).
-        """
-        self._add(routed_E, route_expert_R.reshape(-1, 1), tokens, nonfinite, logit_sums_T, l_aux,
-                  None if token_w_R is None else token_w_R.reshape(-1, 1),
-                  None if route_device_R is None else route_device_R.reshape(-1, 1), None, None)
-
-    def record_routes(self, expert_TK: torch.Tensor, *, routed_E: Optional[torch.Tensor] = None,
+    def add_routes(self, expert_TK: torch.Tensor, *, routed_E: Optional[torch.Tensor] = None,
                       nonfinite: Optional[torch.Tensor] = None, logits_TE: Optional[torch.Tensor] = None,
                       logit_sums_T: Optional[torch.Tensor] = None, l_aux: Optional[torch.Tensor] = None, tokens=None,
-                      token_weights_T: Optional[torch.Tensor] = None, valid_T: Optional[torch.Tensor] = None,
+                      valid_T: Optional[torch.Tensor] = None,
                       device_TK: Optional[torch.Tensor] = None, device_E: Optional[torch.Tensor] = None,
                       kept_E: Optional[torch.Tensor] = None, layer: int = 0) -> None:
         """Add one forward's routes, given by token (no host sync): what every adapter's gate calls.
@@ -239,8 +225,8 @@ class TallyRecorder:
         dropless layer). nonfinite: 0-dim count of tokens with NaN/Inf router logits, or `logits_TE` [T, E]
         to count them here, or `logit_sums_T` [T] (`logit_sums`, taken before gating changed the logits) to
         count them at the fold. l_aux: the layer's unweighted aux loss (None: 0). tokens: tokens seen (None:
-        T, or the valid ones). token_weights_T: [T] load weight of each token (sequence-length weighting;
-        None: 1). valid_T: [T] bool, False for padding tokens: their routes are left out everywhere (the
+        T, or the valid ones). Each token's load weight is `token_weights_T` (sequence-length weighting, set
+        before the forward; None: 1). valid_T: [T] bool, False for padding tokens: their routes are left out everywhere (the
         caller's routed_E and kept_E must leave them out too). device_TK: [T, K] int view device of each
         route, -1 where dropped, or device_E: [E] int view device of every route of each expert (the same
         as device_TK = device_E[expert_TK], -1 where dropped, and cheaper): only with a layout that has
@@ -248,6 +234,7 @@ class TallyRecorder:
         passes its routed_E; None: counted from expert_TK). layer: the layer's index, for messages.
         """
         T, K = expert_TK.shape
+        token_weights_T = self.token_weights_T
         if token_weights_T is not None and token_weights_T.numel() != T:
             raise ValueError(f"layer {layer}: sequence-length weights cover {token_weights_T.numel()} tokens, the batch "
                              f"has {T}; call set_sequence_lengths() with one length per sequence")
@@ -296,7 +283,7 @@ class TallyRecorder:
 
         Counts (routed, kept, unweighted load and devices, tokens, nonfinite, forwards) are integers, which
         float64 sums exactly in any order: each is summed over the pending forwards at once. The fractional
-        values (weighted load and devices, aux) go through one `index_add_` in record order (within a
+        values (weighted load and devices, aux) go through one `index_add_` in the order they were added (within a
         forward, in route order), the order in which adding one forward at a time adds them on the CPU.
         (On CUDA `index_add_` adds in no fixed order: those sums may differ in the last bit, as the
         weighted ones already could within one forward.)"""
@@ -307,7 +294,7 @@ class TallyRecorder:
         if self._row_W is None:
             self._row_W = torch.zeros(lay.width, dtype=f64, device=pending[0].routed_E.device)
         row = self._row_W
-        by = _Forward(*zip(*pending))     # each field over the pending forwards, in record order
+        by = _Forward(*zip(*pending))     # each field over the pending forwards, in the order added
         # Step 1: routed and kept routes per expert (float counts summed in float64: exact past 2**24)
         routed_nE = torch.stack(by.routed_E)
         routed_E = routed_nE.sum(0, dtype=f64 if routed_nE.is_floating_point() else None)
@@ -401,10 +388,11 @@ class TallyRecorder:
         return self._constants[key]
 
     def discard(self, last_forward_only: bool = False) -> None:
-        """Forget what was recorded since the last `take` (or only the last forward's routes; a second
+        """Forget what was counted since the last `take` (or only the last forward's routes; a second
         call then forgets nothing more)."""
         if not last_forward_only:
             self._row_W, self._pending, self._scratch_dirty = None, [], False
+            self.generation += 1
         elif self._last_pending:
             self._pending.pop()
         self._last_pending = False
@@ -422,6 +410,7 @@ class TallyRecorder:
             # NaN logits give a NaN l_aux; the nonfinite count already says so
             out[lay.start["aux"]:lay.start["aux"] + 1].nan_to_num_(0.0, 0.0, 0.0)
         self._last_pending = self._scratch_dirty = False
+        self.generation += 1
         return out
 
 
@@ -439,7 +428,7 @@ def _cat_routes(parts_TK: list[torch.Tensor]) -> torch.Tensor:
 
 def logit_sums(logits_TE: torch.Tensor) -> torch.Tensor:
     """Per-token sums of the router logits [T, E] -> [T], no autograd node: a sum is non-finite iff its row
-    holds a NaN or Inf, so the recorder counts non-finite tokens from these at the fold (`record_routes`)."""
+    holds a NaN or Inf, so the tally counts non-finite tokens from these at the fold (`add_routes`)."""
     return (logits_TE.detach() if logits_TE.requires_grad else logits_TE).sum(dim=1)
 
 

@@ -2,7 +2,7 @@
 
 Shape legend: L layers, G EP ranks.
 
-A record is a dict of Python numbers and per-layer lists (`Balancer.record()`; keys in `core/record.py`).
+A record is a dict of Python numbers and per-layer lists (`BalanceLog.record`; keys in `core/record.py`).
   * `JsonlLogger` appends it to `DIR/balance.jsonl` — always on, rank 0 only; `eb report DIR`
     renders it to PNGs (see `report.py`), so nothing needs a W&B account.
   * `DeepSpeedMonitorLogger` sends it through DeepSpeed's own monitor (`engine.monitor`), so
@@ -45,7 +45,7 @@ class MultiLogger(BalanceLogger):
 class JsonlLogger(BalanceLogger):
     """Appends one JSON object per record to DIR/balance.jsonl (append: a resumed run continues it).
 
-    Bounded: past `max_mb` MiB (`easybalance.log.max_mb`) the file rotates to balance.jsonl.1 (replacing an older one), so the log
+    Bounded: past `max_mb` MiB (256) the file rotates to balance.jsonl.1 (replacing an older one), so the log
     holds at most about 2 x max_mb on disk and readers see the newest records. A partial last line
     left by a killed run is cut off (with a warning) before anything is appended.
     """

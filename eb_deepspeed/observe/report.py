@@ -24,10 +24,10 @@ JSONL_NAME = "balance.jsonl"     # the log file in a run's balance directory (wr
 
 # Per-layer curves drawn, one PNG each (file name: the key, but `layer_token_drop_rate` -> token_drop_rate.png).
 # (max_vio is logged too, but it is expert_max_over_mean - 1: one of the two is drawn.)
-CURVES = ("device_max_over_mean", "expert_max_over_mean", "layer_token_drop_rate", "aux_weight",
+CURVES = ("device_max_over_mean", "expert_max_over_mean", "layer_token_drop_rate",
           "device_loss_weight", "bias_spread", "aux_loss")
 SMOOTH = 5          # records in the trailing mean drawn over the faint logged values
-ZERO_MEANS_OFF = ("bias_spread", )   # all zero: the policy has no such control, so no PNG
+ZERO_MEANS_OFF = ("bias_spread", "device_loss_weight")   # all zero: the policy has no such control, so no PNG
 FILE_NAMES = {"layer_token_drop_rate": "token_drop_rate.png"}
 MAX_POINTS = 2000   # records drawn per curve: a longer log is thinned evenly while it is read
 # The longest line read as one record: the largest real one (expert_counts_LE of 61 layers x 256 experts,
@@ -36,7 +36,7 @@ MAX_RECORD_BYTES = 16 * 2 ** 20
 # Scalars of the summary figure.
 SUMMARY = ("device_util_std", "token_drop_rate", "device_max_over_mean_p90")
 # A serving run (records with phase "serve"): no training controls, its own summary, another x axis.
-TRAINING_ONLY = ("aux_weight", "device_loss_weight", "bias_spread", "aux_loss")
+TRAINING_ONLY = ("device_loss_weight", "bias_spread", "aux_loss")
 SERVE_SUMMARY = ("device_max_over_mean_p90", "device_util_std", "token_drop_rate", "replans")
 
 
@@ -257,7 +257,7 @@ def _run_label(records: list[dict[str, Any]]) -> str:
 
 
 def _reference_line(ax, key: str) -> None:
-    if "max_over_mean" in key or key in ("aux_weight", "device_loss_weight"):
+    if "max_over_mean" in key or key == "device_loss_weight":
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)   # balanced / the base weight
 
 

@@ -21,9 +21,10 @@ from typing import Any, Optional
 
 import torch
 
-from ...core.balancer import Balancer, check_agreement
+from ...core.balancer import Balancer, ModelShape
 from ...core.config import ConfigError, EasyBalanceConfig
-from ..common import gather_startup, make_logger, rank_to_node
+from ...core.policies import POLICIES
+from .. import common
 from ..deepspeed.hooks import StepHook, reduce_for, wrap_checkpointing
 from .layer import AutoEPBalance
 
@@ -125,34 +126,32 @@ def attach(engine, config: EasyBalanceConfig) -> Balancer:
     layers = [m for _, m in named]
     shapes = [(int(m.num_experts), int(m.ep_size), int(m.top_k), m.router.score_func) for m in layers]
     maps = [expert_to_device(m).tolist() for m in layers]
-    gathered, rank, logger = gather_startup({"config": config.to_dict(), "shapes": shapes, "maps": maps},
-                                            prepare=lambda: make_logger(config, monitor=getattr(engine, "monitor", None)))
-    check_agreement([{k: v for k, v in g.items() if k != "host"} for g in gathered], rank)
-    if not layers:
-        raise ValueError("easybalance is enabled but DeepSpeed's AutoEP converted no MoE layer of the model "
-                         "(expert_parallel.preset_model, moe_layer_pattern?)")
-    experts = sorted({e for e, _, _, _ in shapes})
-    devices = {g for _, g, _, _ in shapes}
-    if len(experts) > 1 or len(devices) > 1:
-        raise ValueError("easybalance: AutoEP layers of different shapes (num_experts, ep_size): "
-                         + ", ".join(f"{n}: {s[:2]}" for (n, _), s in zip(named, shapes)))
+
+    def shape_of(gathered) -> ModelShape:
+        if not layers:
+            raise ValueError("easybalance is enabled but DeepSpeed's AutoEP converted no MoE layer of the model "
+                             "(expert_parallel.preset_model, moe_layer_pattern?)")
+        if len({s[:2] for s in shapes}) > 1:
+            raise ValueError("easybalance: AutoEP layers of different shapes (num_experts, ep_size): "
+                             + ", ".join(f"{n}: {s[:2]}" for (n, _), s in zip(named, shapes)))
+        return ModelShape.uniform(len(layers), shapes[0][0], shapes[0][1], expert_to_device_LE=torch.tensor(maps))
+
     balance = config.mode == "balance"
     if balance and any(getattr(m, "expert_bias", None) is not None for m in layers) and \
-            config.aux.policy in ("bias", "bias_cross_layer"):
+            POLICIES[config.aux.policy].uses_bias:
         raise ValueError(f"easybalance.aux.policy {config.aux.policy!r} owns the selection bias, but AutoEP's layers "
                          "already carry their own expert_bias (load_balance_coeff): two biases would fight")
     _warn_hf_aux_loss(engine.module, config)
-    gates = [AutoEPBalance(m, index, torch.tensor(maps[index]), loss_coeff=config.aux.loss_coeff,
-                           grad_scale=lambda: _loss_scale(engine), balance=balance) for index, m in enumerate(layers)]
-    balancer = Balancer(config, gates, devices.pop(), reduce=reduce_for(engine),
-                        expert_to_device_E=torch.tensor(maps), rank_to_node=rank_to_node(gathered),
-                        tally_device=get_accelerator().current_device_name(),
-                        logger=logger)
-    engine.module.register_forward_pre_hook(_padding_hook(gates), with_kwargs=True)
-    hook = StepHook(engine, balancer)
-    wrap_checkpointing(engine, balancer, hook)
-    engine.easybalance = balancer
-    return balancer
+    gates = [AutoEPBalance(m, index, loss_coeff=config.aux.loss_coeff, grad_scale=lambda: _loss_scale(engine),
+                           balance=balance) for index, m in enumerate(layers)]
+
+    def hook(balancer: Balancer) -> None:
+        engine.module.register_forward_pre_hook(_padding_hook(gates), with_kwargs=True)
+        wrap_checkpointing(engine, balancer, StepHook(engine, balancer))
+
+    return common.attach(config, gates, {"shapes": shapes, "maps": maps}, shape_of=shape_of,
+                         reduce=reduce_for(engine), device=get_accelerator().current_device_name(), hook=hook,
+                         owners=[engine], monitor=getattr(engine, "monitor", None))
 
 
 def _padding_hook(gates: list[AutoEPBalance]):
@@ -169,5 +168,5 @@ def _padding_hook(gates: list[AutoEPBalance]):
         seq_len = int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else \
             int(embeds.shape[1]) if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 else None
         for gate in gates:
-            gate.valid_T, gate.seq_len = valid_T, seq_len
+            gate.valid_T, gate.controls.seq_len = valid_T, seq_len
     return hook

@@ -23,9 +23,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ...core.balancer import Balancer, check_agreement
+from ...core.balancer import Balancer, ModelShape
 from ...core.config import EasyBalanceConfig, strip_block
-from ..common import dist_ready, gather_startup, join_startup_off, make_logger, rank_to_node
+from .. import common
+from ..common import dist_ready, join_startup_off
 from .gate import CrossLayerGate
 from .hooks import STATE_KEY, StepHook, is_pipeline, reduce_for, wrap_checkpointing
 
@@ -90,30 +91,28 @@ def _sequence_length_hook(gate: CrossLayerGate):
     one sequence)."""
     def hook(module, args):
         x = args[0] if args else None
-        gate.seq_len = int(x.shape[-2]) if isinstance(x, torch.Tensor) and x.dim() >= 3 else None
+        gate.controls.seq_len = int(x.shape[-2]) if isinstance(x, torch.Tensor) and x.dim() >= 3 else None
     return hook
 
 
-def _layout(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> dict[str, Any]:
-    """One all-gather: check that every rank agrees, and learn the pipeline layout and node map.
-
-    Returns the global index of each local gate, the model's layer count, E and G per layer (layers may
-    differ: PR-MoE), rank -> node, and for layers whose EP group is smaller than the largest the view
-    device each local gate's experts sit on (see `_copy_devices`). Every rank evaluates the same gathered
-    data, so a disagreement raises the same error everywhere.
-    """
+def _summary(engine, gates: list[CrossLayerGate]) -> dict[str, Any]:
+    """This rank's MoE layers for the start-up all-gather: its pipeline stage, each gate's top-k and (experts,
+    ep_size), and for layers whose EP group is smaller than the largest the view device each gate's experts sit
+    on (`_copy_devices`)."""
     check_shapes(engine.module)               # `attach` called directly: the same refusal as `initialize`'s
     ep_of = {id(m.deepspeed_moe.gate): int(m.ep_size) for _, m in find_moe_layers(engine.module)}
     shapes = [(int(g.num_experts), ep_of.get(id(g), 1)) for g in gates]
-    stage = int(engine.stage_id) if is_pipeline(engine) else 0
     largest = max((e for _, e in shapes), default=0)          # 0: this rank holds no MoE layer
     copies = _copy_devices(gates, shapes, largest) if largest > 1 else None
-    gathered, rank, logger = gather_startup(
-        {"stage": stage, "top_k": [g.k for g in gates], "shapes": shapes, "config": config.to_dict(),
-         "largest": largest, "nested": largest <= 1 or copies is not None},
-        prepare=lambda: make_logger(config, monitor=getattr(engine, "monitor", None)))
-    check_agreement([{"config": g["config"]} for g in gathered], rank)
-    # Per pipeline stage: the same layers on every rank of the stage; stages in order give global indices.
+    return {"stage": int(engine.stage_id) if is_pipeline(engine) else 0, "top_k": [g.k for g in gates],
+            "shapes": shapes, "largest": largest, "nested": largest <= 1 or copies is not None,
+            "copies": None if copies is None else [c.tolist() for c in copies]}
+
+
+def _shape(gathered: list[dict[str, Any]], rank: int, gates: list[CrossLayerGate]) -> ModelShape:
+    """The model's layers from every rank's summary: pipeline stages in order give the global indices. Every
+    rank evaluates the same gathered data, so a disagreement raises the same error everywhere. For EP groups
+    of different sizes each gate then tallies the view device of its routes."""
     first_of_stage: dict[int, int] = {}
     for r, g in enumerate(gathered):
         first = first_of_stage.setdefault(g["stage"], r)
@@ -127,17 +126,18 @@ def _layout(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> d
     if not model_shapes:
         raise ValueError("easybalance is enabled but the model has no deepspeed.moe.layer.MoE layers")
     num_devices = max(e for _, e in model_shapes)
-    mixed = any(e != num_devices for _, e in model_shapes)
-    if mixed:       # every rank holding MoE layers needs its own copy of each: known from the one all-gather
+    if any(e != num_devices for _, e in model_shapes):   # every rank holding MoE layers needs its own copy of each
         bad = [r for r, g in enumerate(gathered) if g["largest"] and (g["largest"] != num_devices or not g["nested"])]
         if bad:
             raise ValueError(f"easybalance: on ranks {bad} a smaller MoE layer's EP group does not lie, in order, "
-                             f"inside the rank's group of the largest ep_size ({num_devices}), or the rank holds no layer of "
-                             "that size (a pipeline stage); the cross-layer view needs DeepSpeed's contiguous "
-                             "expert-parallel groups and a layer of the largest ep_size on every rank")
-    return {"layers": [offset[stage] + i for i in range(len(gates))], "num_layers": len(model_shapes),
-            "experts": [e for e, _ in model_shapes], "devices": [d for _, d in model_shapes],
-            "copy_devices": copies if mixed else None, "rank_to_node": rank_to_node(gathered), "logger": logger}
+                             f"inside the rank's group of the largest ep_size ({num_devices}), or the rank holds no "
+                             "layer of that size (a pipeline stage); the cross-layer view needs DeepSpeed's "
+                             "contiguous expert-parallel groups and a layer of the largest ep_size on every rank")
+        for gate, device_E in zip(gates, gathered[rank]["copies"] or []):
+            gate.count_devices(num_devices, torch.tensor(device_E))
+    mine = gathered[rank]
+    return ModelShape([e for e, _ in model_shapes], [d for _, d in model_shapes],
+                      local_layers=[offset[mine["stage"]] + i for i in range(len(gates))])
 
 
 def _copy_devices(gates: list[CrossLayerGate], shapes: list[tuple[int, int]],
@@ -166,22 +166,16 @@ def _copy_devices(gates: list[CrossLayerGate], shapes: list[tuple[int, int]],
 def attach(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> Balancer:
     """Build the balancer for an initialized engine whose MoE gates are `gates`, and hook it in."""
     from deepspeed.accelerator import get_accelerator
-    layout = _layout(engine, config, gates)
-    copies = layout["copy_devices"]
-    if copies is not None:          # EP groups of different sizes: each gate tallies the view device of its routes
-        for gate, device_E in zip(gates, copies):
-            gate.enable_device_tally(max(layout["devices"]), device_E)
-    balancer = Balancer(config, gates, layout["devices"], reduce=reduce_for(engine), layers=layout["layers"],
-                        num_layers=layout["num_layers"], num_experts=layout["experts"],
-                        rank_to_node=layout["rank_to_node"], device_tally=copies is not None,
-                        tally_device=get_accelerator().current_device_name(),
-                        logger=layout["logger"])
-    for gate, layer in zip(gates, layout["layers"]):
-        gate.layer_index = layer                  # the model's layer, not the pipeline stage's
-    hook = StepHook(engine, balancer)
-    wrap_checkpointing(engine, balancer, hook)
-    engine.easybalance = balancer
-    return balancer
+    rank = dist.get_rank() if dist_ready() else 0
+
+    def hook(balancer: Balancer) -> None:
+        for gate, layer in zip(gates, balancer.layers):
+            gate.layer_index = layer                  # the model's layer, not the pipeline stage's
+        wrap_checkpointing(engine, balancer, StepHook(engine, balancer))
+
+    return common.attach(config, gates, _summary(engine, gates), shape_of=lambda g: _shape(g, rank, gates),
+                         reduce=reduce_for(engine), device=get_accelerator().current_device_name(), hook=hook,
+                         owners=[engine], monitor=getattr(engine, "monitor", None), agree_on_all=False)
 
 
 def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=None, config_params=None,

@@ -9,14 +9,15 @@ sampling) and both return forms behave exactly as DeepSpeed's (the sparse 7-tupl
 `gate(x, used_token, True, use_tutel)` that `MOELayer` uses since 0.19.4, and the dense 4-tuple
 `gate(x)` of the legacy path). On top of that the gate
 
-  * adds its routes to a per-layer tally (`core.tally.TallyRecorder`: routed and kept per expert,
+  * adds its routes to a per-layer tally (`core.tally.LayerTally`: routed and kept per expert,
     tokens, non-finite tokens) without any host sync or collective; the balancer drains it once
     per step. A forward that activation checkpointing re-runs during backward is not counted
     again (`core.tally.in_backward`);
-  * multiplies `l_aux` by its layer's weight `aux_weight` (1.0 unless a controller sets it) and,
-    when a controller sets `device_loss_weight` > 0, adds that times the device-level balance loss
-    (`core.losses.device_balance_loss`, DeepSeek-V2's, from the expert -> EP rank map; no collective),
-    so user code that sums `l_aux` keeps working unchanged;
+  * reads its layer's `controls` (`core.controls.LayerControls`, written by the balancer at step boundaries):
+    the selection bias (`bias` policies) chooses the top-k on logits + bias, DeepSpeed's gating does the rest
+    and the gate values and l_aux are recomputed unbiased (`unbias_gate_output`); a device-loss weight > 0
+    adds that times DeepSeek-V2's device-level balance loss to l_aux (no collective); `aux.batch_scope`
+    other than "micro" replaces l_aux by the loss of that scope. User code that sums `l_aux` keeps working;
   * returns a well-formed empty result for an empty batch (DeepSpeed's gate asserts).
 
     gate = CrossLayerGate.from_topk_gate(moe.deepspeed_moe.gate, layer_index=3)
@@ -24,7 +25,7 @@ sampling) and both return forms behave exactly as DeepSpeed's (the sparse 7-tupl
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +33,8 @@ from deepspeed.comm import pg_utils
 from deepspeed.moe import sharded_moe as dsm
 from deepspeed.moe.sharded_moe import TopKGate
 
-from ...core.losses import sequence_balance_loss
-from ...core.losses import device_balance_loss
-from ...core.tally import TallyRecorder, in_backward, nonfinite_tokens, routes_from_mask
+from ...core.controls import LayerControls
+from ...core.tally import LayerTally, in_backward, nonfinite_tokens, routes_from_mask
 
 __all__ = ["CrossLayerGate", "unbias_gate_output"]
 
@@ -73,7 +73,7 @@ def unbias_gate_output(gate_output, logits_TE: torch.Tensor, selection_TE: torch
 
 
 class CrossLayerGate(TopKGate):
-    """TopKGate plus per-layer route tallies and a per-layer aux-loss weight (`BalancedGate`)."""
+    """TopKGate plus a route tally and the layer's controls (`core.balancer.BalancedGate`)."""
 
     def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
                  eval_capacity_factor: float = 1.0, min_capacity: int = 8, noisy_gate_policy: Optional[str] = None,
@@ -83,26 +83,11 @@ class CrossLayerGate(TopKGate):
                          noisy_gate_policy, drop_tokens, use_rts, ep_group, top2_2nd_expert_sampling)
         self.num_experts = num_experts
         self.layer_index = layer_index
-        # A Python float, not a tensor: multiplying by 1.0 leaves l_aux bit-identical to DeepSpeed's,
-        # and the controller changes it only at step boundaries.
-        self.aux_weight = 1.0
-        # Weight of the device-level balance loss added to l_aux (0: not computed), and the EP rank of each expert.
-        self.device_loss_weight = 0.0
-        self.expert_to_device_E: Optional[torch.Tensor] = None
-        self._device_map_source: Optional[torch.Tensor] = None
-        # Per-expert selection bias [E] of the `bias` policy (selection scores only); None = DeepSpeed's routing.
-        self.selection_bias_E: Optional[torch.Tensor] = None
-        # Per-token load weights for the next forward ([T]) under sequence-length weighting; None counts 1.
-        self.token_weights_T: Optional[torch.Tensor] = None
-        self.tally = TallyRecorder(num_experts)
+        self.tally = LayerTally(num_experts)
+        self.controls = LayerControls(num_experts)
         # View device of each expert's copy that this rank's tokens reach ([E]), when the model's EP groups
         # differ in size and the view tallies devices; None: the view sums experts onto devices itself.
         self.route_device_E: Optional[torch.Tensor] = None
-        # `aux.batch_scope` (core/losses.py): "micro" is DeepSpeed's l_aux; the global scopes' source of
-        # f_E (`Balancer`); "sequence": tokens per sequence of the next forward (the MoE layer's pre-hook)
-        self.batch_scope = "micro"
-        self.global_share: Optional[Callable[..., Optional[torch.Tensor]]] = None
-        self.seq_len: Optional[int] = None
 
     @classmethod
     def from_topk_gate(cls, gate: TopKGate, layer_index: int) -> "CrossLayerGate":
@@ -123,40 +108,12 @@ class CrossLayerGate(TopKGate):
         new.train(gate.training)
         return new
 
-    # ------------------------------------------------------------------ BalancedGate
-    def take_tally(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """This layer's packed tally row [W] (float64, on `device`), reset to zero."""
-        return self.tally.take(device)
-
-    def discard_tally(self, last_forward_only: bool = False) -> None:
-        self.tally.discard(last_forward_only)
-
-    def set_aux_weight(self, weight: float) -> None:
-        self.aux_weight = float(weight)
-
-    def enable_device_tally(self, num_devices: int, route_device_E: torch.Tensor) -> None:
+    def count_devices(self, num_devices: int, route_device_E: torch.Tensor) -> None:
         """Also tally kept routes per view device (`Tally.device_LG`): expert e's routes from this rank land
         on view device route_device_E[e] (a layer whose EP group is smaller than the view's). Call before
         the first forward; routes tallied so far are dropped."""
-        self.tally = TallyRecorder(self.num_experts, num_devices)
+        self.tally = LayerTally(self.num_experts, num_devices)
         self.route_device_E = torch.as_tensor(route_device_E, dtype=torch.long).to(self.wg.weight.device)
-
-    def set_device_loss(self, weight: float, expert_to_device_E: torch.Tensor) -> None:
-        """Add `weight` x the device-level balance loss to l_aux from the next forward on (0: off)."""
-        self.device_loss_weight = float(weight)
-        if expert_to_device_E is not self._device_map_source:    # the map is constant: copy it once
-            self._device_map_source = expert_to_device_E
-            self.expert_to_device_E = expert_to_device_E.to(self.wg.weight.device, torch.long)
-            self.num_devices = int(expert_to_device_E.max()) + 1
-
-    def set_selection_bias(self, bias_E: Optional[torch.Tensor]) -> None:
-        self.selection_bias_E = None if bias_E is None else bias_E.to(self.wg.weight.device, torch.float32)
-
-    def set_token_weights(self, weights_T: Optional[torch.Tensor]) -> None:
-        self.token_weights_T = weights_T
-
-    def set_batch_scope(self, scope: str, share: Optional[Callable[..., Optional[torch.Tensor]]]) -> None:
-        self.batch_scope, self.global_share = scope, share
 
     # ------------------------------------------------------------------ forward
     def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
@@ -171,10 +128,11 @@ class CrossLayerGate(TopKGate):
         logits_TE = F.linear(input_fp32, weight=self.wg.weight.float(), bias=None)
         T = logits_TE.shape[0]
 
+        ctl = self.controls
         if T == 0:
             gate_output = self._empty_output(logits_TE, sparse_routes)   # its l_aux is 0 under any weight
-            if self.global_share is not None and self.training and not in_backward():
-                self.global_share(gate_output[-1])      # the other ranks' all-reduce of this layer's routes
+            if ctl.global_shares is not None and self.training and not in_backward():
+                ctl.global_shares.share(ctl.layer, gate_output[-1])   # the other ranks' all-reduce of this layer
         else:
             # Counted before gating: top2gating adds Gumbel noise to the logits in place.
             recording = self.training and not in_backward()
@@ -184,9 +142,10 @@ class CrossLayerGate(TopKGate):
             # The bias policy selects on logits + bias; DeepSpeed's gating does the rest, unbias_gate_output
             # restores the unbiased gate values and l_aux. (Softmax is monotone: top-k of logits + b is
             # top-k of softmax(logits + b).)
-            selection_TE = logits_TE if self.selection_bias_E is None else logits_TE + self.selection_bias_E
-            device_loss = self.device_loss_weight > 0 and self.training
-            scope_loss = self.batch_scope != "micro" and self.training
+            biased = ctl.bias_E is not None
+            selection_TE = logits_TE + ctl.bias_on(logits_TE.device) if biased else logits_TE
+            device_loss = ctl.device_loss_weight > 0 and self.training
+            scope_loss = ctl.batch_scope != "micro" and self.training
             if device_loss or scope_loss:     # before gating: top2gating adds Gumbel noise to selection_TE in place
                 clean_TE = logits_TE.clone() if selection_TE is logits_TE and self.k == 2 else logits_TE
             if self.k == 1:
@@ -195,48 +154,38 @@ class CrossLayerGate(TopKGate):
                                              self.use_rts, self.ep_group, sparse_routes, use_tutel)
             elif self.k == 2:
                 # top2gating adds its Gumbel noise to the logits in place: hand it a copy when biased
-                gate_output = dsm.top2gating(selection_TE if self.selection_bias_E is None else selection_TE.clone(),
+                gate_output = dsm.top2gating(selection_TE.clone() if biased else selection_TE,
                                              capacity_factor, self.min_capacity, self.drop_tokens,
                                              self.ep_group, self.top2_2nd_expert_sampling, sparse_routes)
             else:
                 gate_output = dsm.topkgating(selection_TE, self.k, capacity_factor, self.min_capacity,
                                              self.drop_tokens, self.ep_group, sparse_routes=sparse_routes)
-            if self.selection_bias_E is not None:
+            if biased:
                 gate_output = unbias_gate_output(gate_output, logits_TE, selection_TE, self.k, sparse_routes)
             if recording:
                 self._record_output(gate_output, sparse_routes, T, used_token, nonfinite)
 
-            if scope_loss:
-                gate_output = (self._scope_loss(gate_output, clean_TE, sparse_routes, recording), ) \
+            if scope_loss or device_loss:
+                gate_output = (self._loss(gate_output, clean_TE, sparse_routes, recording, scope_loss), ) \
                     + tuple(gate_output[1:])
-            if device_loss:
-                routed_E = gate_output[6] if sparse_routes else gate_output[3]
-                extra = self.device_loss_weight * device_balance_loss(
-                    F.softmax(clean_TE, dim=1), routed_E, self.expert_to_device_E, self.num_devices, self.k)
-                gate_output = (gate_output[0] * self.aux_weight + extra, ) + tuple(gate_output[1:])
-            elif self.aux_weight != 1.0:
-                gate_output = (gate_output[0] * self.aux_weight, ) + tuple(gate_output[1:])
 
         if self.wall_clock_breakdown:
             self.timers(dsm.TOPK_GATE_TIMER).stop()
             self.gate_time = self.timers(dsm.TOPK_GATE_TIMER).elapsed(reset=False)
         return gate_output
 
-    def _scope_loss(self, gate_output, clean_TE: torch.Tensor, sparse_routes: bool, first_run: bool) -> torch.Tensor:
-        """l_aux under `aux.batch_scope` (core/losses.py), 1 at balance: the global scopes' E x sum_e f_e P_e
-        (f of the global batch, P this micro-batch's mean probabilities; DeepSpeed's own until there is an f),
-        or the sequence-wise loss (over the first choices' and later routes alike)."""
+    def _loss(self, gate_output, clean_TE: torch.Tensor, sparse_routes: bool, first_run: bool,
+              scope_loss: bool) -> torch.Tensor:
+        """l_aux under the controls: the `aux.batch_scope` loss instead of DeepSpeed's (over its kept routes for
+        "sequence"), plus the weighted device-level loss; both on the unbiased probabilities."""
         probs_TE = F.softmax(clean_TE, dim=1)
-        if self.batch_scope == "sequence":
-            expert_TK = gate_output[3].t() if sparse_routes else routes_from_mask(gate_output[2].any(dim=2), self.k)
-            T = probs_TE.shape[0]
-            seq_len = self.seq_len if self.seq_len and T % self.seq_len == 0 else T
-            return sequence_balance_loss(probs_TE, expert_TK, seq_len, self.num_experts)
         routed_E = gate_output[6] if sparse_routes else gate_output[3]
-        share_E = self.global_share(routed_E) if first_run else self.global_share(rerun=True)
-        if share_E is None:
-            return gate_output[0]
-        return self.num_experts * (share_E.to(probs_TE.device) * probs_TE.mean(0)).sum()
+        l_aux = gate_output[0]
+        if scope_loss:
+            expert_TK = gate_output[3].t() if sparse_routes else routes_from_mask(gate_output[2].any(dim=2), self.k)
+            l_aux = self.controls.balance_loss(probs_TE, routed_E, self.k, selected_TK=expert_TK, first_run=first_run,
+                                               own=l_aux)
+        return l_aux + self.controls.device_loss(probs_TE, routed_E, self.k)
 
     def _record_output(self, gate_output, sparse_routes: bool, T: int, used_token, nonfinite) -> None:
         if sparse_routes:
@@ -249,9 +198,9 @@ class CrossLayerGate(TopKGate):
         device_TK = None
         if self.route_device_E is not None:     # -1 (dropped) stays -1: it lands on the scratch slot
             device_TK = torch.where(expert_TK >= 0, self.route_device_E[expert_TK.long().clamp_min(0)], -1)
-        self.tally.record_routes(expert_TK, routed_E=exp_counts_E, nonfinite=nonfinite, l_aux=gate_output[0],
-                                 tokens=used_token.sum() if used_token is not None else T,
-                                 token_weights_T=self.token_weights_T, device_TK=device_TK, layer=self.layer_index)
+        self.tally.add_routes(expert_TK, routed_E=exp_counts_E, nonfinite=nonfinite, l_aux=gate_output[0],
+                              tokens=used_token.sum() if used_token is not None else T, device_TK=device_TK,
+                              layer=self.layer_index)
 
     def _empty_output(self, logits_TE: torch.Tensor, sparse_routes: bool):
         """A well-formed gate result for zero tokens (DeepSpeed's gating asserts on it)."""

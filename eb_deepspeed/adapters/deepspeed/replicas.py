@@ -24,7 +24,6 @@ model, so the outputs are the same.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -32,80 +31,28 @@ import torch.nn.functional as F
 from deepspeed.moe import sharded_moe as dsm
 
 from ...core.config import SPLITS
-from ...core.tally import TallyRecorder, logit_sums
-from ...planning.steering import steer
+from ...core.tally import LayerTally, logit_sums
+from ..serving.store import Routing, SlotTable, split_by_fraction, steered_split
 from .gate import CrossLayerGate
 
-__all__ = ["ReplicaGate", "SlotTable", "steered_split"]
-
-
-@dataclass
-class SlotTable:
-    """One layer's placement as its gate uses it (every rank holds the same table).
-
-    log2phy_ER: [E, R] physical slot of each replica (-1 padded); fraction_ER: [E, R] the share of
-    the expert's routes each replica takes in `split="view"` (0 on padding, rows sum to 1).
-    """
-    log2phy_ER: torch.Tensor
-    fraction_ER: torch.Tensor
-
-    @classmethod
-    def even(cls, log2phy_ER: torch.Tensor) -> "SlotTable":
-        valid_ER = log2phy_ER >= 0
-        return cls(log2phy_ER, valid_ER.double() / valid_ER.sum(1, keepdim=True).clamp_min(1))
-
-
-def _split_by_fraction(counts_E: torch.Tensor, fraction_ER: torch.Tensor) -> torch.Tensor:
-    """Routes per replica [E, R] from counts [E] and shares [E, R]: cumulative shares rounded, so the
-    parts sum to the count exactly."""
-    ends_ER = torch.round(fraction_ER.cumsum(1) * counts_E[:, None].double()).long()
-    ends_ER[:, -1] = counts_E
-    ends_ER = torch.minimum(ends_ER, counts_E[:, None])
-    return torch.diff(ends_ER, dim=1, prepend=torch.zeros_like(ends_ER[:, :1]))
-
-
-def steered_split(counts_E: torch.Tensor, table: SlotTable, S: int, G: int, rank: int, ep_group, node_G: torch.Tensor,
-                  pressure_G: Optional[torch.Tensor], steer_options: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `exact` split of one batch: every rank's routes per expert [E] from one all-gather over the EP
-    group, steered over the replicas (`planning.steer`, on the host). Returns this rank's routes per replica
-    n_ER [E, R] (on counts_E's device) and every rank's routes per slot slot_load_GP [G, P]."""
-    gathered = [torch.zeros_like(counts_E) for _ in range(G)]
-    if G > 1:
-        dsm.dist.all_gather(gathered, counts_E, group=ep_group)
-    else:
-        gathered = [counts_E]
-    counts_GE = torch.stack(gathered).cpu().long()         # steering runs on the host
-    devices_ER = torch.where(table.log2phy_ER >= 0, table.log2phy_ER // S, -1)
-    split_GER = steer(counts_GE, devices_ER, node_G, pressure_G=pressure_G, **steer_options)
-    P = G * S
-    slot_load_GP = torch.zeros(G, P + 1, dtype=torch.long)
-    slots_ER = torch.where(table.log2phy_ER >= 0, table.log2phy_ER, P)
-    slot_load_GP.index_add_(1, slots_ER.reshape(-1), split_GER.reshape(G, -1))
-    return split_GER[rank].to(counts_E.device), slot_load_GP[:, :P]
+__all__ = ["ReplicaGate"]
 
 
 class ReplicaGate(CrossLayerGate):
     """CrossLayerGate over physical slots: logical routing, replica split, one agreed capacity."""
 
     def __init__(self, model_dim: int, num_experts: int, k: int, num_devices: int, slots_per_device: int, *,
-                 rank: int, table: SlotTable, split: str = "view", node_G: Optional[torch.Tensor] = None,
-                 steer_options: Optional[dict] = None, **gate_kwargs):
+                 table: SlotTable, routing: Optional[Routing] = None, **gate_kwargs):
         super().__init__(model_dim, num_experts, k, **gate_kwargs)
-        if split not in SPLITS:
-            raise ValueError(f"split ({split!r}) must be one of: {', '.join(SPLITS)}")
+        self.routing = routing or Routing()
+        if self.routing.split not in SPLITS:
+            raise ValueError(f"split ({self.routing.split!r}) must be one of: {', '.join(SPLITS)}")
         self.G = int(num_devices)
-        self.rank = int(rank)
-        self.split = split
         self.set_table(table, slots_per_device)
-        self.node_G = torch.zeros(self.G, dtype=torch.long) if node_G is None else torch.as_tensor(node_G)
-        self.steer_options = dict(steer_options or {})
         self.pressure_G: Optional[torch.Tensor] = None    # the view's cross-layer pressure of this layer
-        self.tally = TallyRecorder(num_experts, self.G)
+        self.tally = LayerTally(num_experts, self.G)
+        self.controls = None        # serving takes no training controls
         self._capacity_value = 0    # the capacity the EP group agreed on for the last batch (`last_capacity`)
-
-    def set_pressure(self, pressure_G: Optional[torch.Tensor]) -> None:
-        """The view's cross-layer pressure of this layer [G] for exact steering (None: none yet)."""
-        self.pressure_G = pressure_G
 
     def set_table(self, table: SlotTable, slots_per_device: int) -> None:
         """Serve a new placement from the next forward on (slots per rank may change with it)."""
@@ -119,13 +66,12 @@ class ReplicaGate(CrossLayerGate):
         self.home_layout = self.one_each and bool((table.log2phy_ER[:, 0] == torch.arange(E)).all())
 
     @classmethod
-    def from_gate(cls, gate, num_devices: int, slots_per_device: int, *, rank: int, table: SlotTable,
-                  split: str = "view", node_G=None, steer_options=None) -> "ReplicaGate":
+    def from_gate(cls, gate, num_devices: int, slots_per_device: int, *, table: SlotTable,
+                  routing: Optional[Routing] = None) -> "ReplicaGate":
         """A replica gate sharing `gate`'s router weight (DeepSpeed's TopKGate or a CrossLayerGate)."""
         num_experts, model_dim = gate.wg.weight.shape
         with torch.random.fork_rng(devices=[]):     # the throw-away wg draws no number of the caller's
-            new = cls(model_dim, num_experts, gate.k, num_devices, slots_per_device, rank=rank, table=table,
-                      split=split, node_G=node_G, steer_options=steer_options,
+            new = cls(model_dim, num_experts, gate.k, num_devices, slots_per_device, table=table, routing=routing,
                       capacity_factor=gate.capacity_factor, eval_capacity_factor=gate.eval_capacity_factor,
                       min_capacity=gate.min_capacity, noisy_gate_policy=gate.noisy_gate_policy,
                       drop_tokens=gate.drop_tokens, use_rts=gate.use_rts, ep_group=gate.ep_group,
@@ -147,7 +93,7 @@ class ReplicaGate(CrossLayerGate):
         logits_TE = F.linear(input.float(), weight=self.wg.weight.float(), bias=None)
         T, E, K = logits_TE.shape[0], self.num_experts, self.k
         # taken before gating: top-2 gating adds its Gumbel noise to the logits in place
-        logit_sums_T = logit_sums(logits_TE) if self.recording and T > 0 else None
+        logit_sums_T = logit_sums(logits_TE) if self.routing.recording and T > 0 else None
         if self.one_each and not self.drop_tokens and self.k == 2:
             return self._home_forward(logits_TE, used_token, logit_sums_T)
         if T == 0:
@@ -165,14 +111,11 @@ class ReplicaGate(CrossLayerGate):
         # 3. one capacity for the EP group
         capacity = self._capacity(slot_load_GP, n_ER, T)
         slot_KT, location_KT, gates_KT = self._place(expert_KT, position_KT, gates_KT, n_ER, capacity)
-        if self.recording and T > 0:     # slot -1 (dropped) is device -1 (floor division)
-            self._record_routes(torch.where(slot_KT >= 0, expert_KT, -1), slot_KT // self.S, counts_E, T, used_token,
+        if self.routing.recording and T > 0:     # slot -1 (dropped) is device -1 (floor division)
+            self._add_routes(torch.where(slot_KT >= 0, expert_KT, -1), slot_KT // self.S, counts_E, T, used_token,
                                 l_aux, logit_sums_T)
-        if self.aux_weight != 1.0:
-            l_aux = l_aux * self.aux_weight
         return (l_aux, capacity, self.P, slot_KT.int(), location_KT.int(), gates_KT, counts_E)
 
-    recording = True   # serving tallies every forward (eval mode); set False to serve without the view
     _home_device = None    # (table, S, device index, [E] EP rank of each expert's one slot): `_home_forward`
 
     def _home_forward(self, logits_TE, used_token, logit_sums_T):
@@ -192,17 +135,15 @@ class ReplicaGate(CrossLayerGate):
             slot_E = self._table_on(expert_KT.device).log2phy_ER[:, 0]
             slot_KT = torch.where(expert_KT >= 0, slot_E[expert_KT.clamp_min(0).long()], -1).to(expert_KT.dtype)
             out = out[:3] + (slot_KT, ) + out[4:]
-        if self.recording:     # one slot each and no drops: kept = routed, every route of expert e on its slot's rank
+        if self.routing.recording:     # one slot each and no drops: kept = routed, every route of expert e on its slot's rank
             home = self._home_device
             if home is None or home[0] is not self.table or home[1] != self.S or home[2] != counts_E.get_device():
                 self._home_device = home = (self.table, self.S, counts_E.get_device(),
                                             self.table.log2phy_ER[:, 0].to(counts_E.device) // self.S)
-            self.tally.record_routes(expert_KT.t(), routed_E=counts_E, kept_E=counts_E, device_E=home[3],
-                                     logit_sums_T=logit_sums_T, l_aux=l_aux,
-                                     tokens=used_token.sum() if used_token is not None else logits_TE.shape[0],
-                                     token_weights_T=self.token_weights_T, layer=self.layer_index)
-        if self.aux_weight != 1.0:
-            out = (l_aux * self.aux_weight, ) + tuple(out[1:])
+            self.tally.add_routes(expert_KT.t(), routed_E=counts_E, kept_E=counts_E, device_E=home[3],
+                                  logit_sums_T=logit_sums_T, l_aux=l_aux,
+                                  tokens=used_token.sum() if used_token is not None else logits_TE.shape[0],
+                                  layer=self.layer_index)
         return out
 
     def _logical_routes(self, logits_TE, used_token, ep_group=None):
@@ -227,10 +168,9 @@ class ReplicaGate(CrossLayerGate):
     def _split(self, counts_E: torch.Tensor):
         """n_ER [E, R]: this rank's routes per replica; slot_load_GP [G, P]: every rank's routes per slot
         (exact split), or None (view split: each rank knows only its own)."""
-        if self.split == "view":
-            return _split_by_fraction(counts_E, self._table_on(counts_E.device).fraction_ER), None
-        return steered_split(counts_E, self.table, self.S, self.G, self.rank, self.ep_group, self.node_G,
-                             self.pressure_G, self.steer_options)
+        if self.routing.split == "view":
+            return split_by_fraction(counts_E, self._table_on(counts_E.device).fraction_ER), None
+        return steered_split(counts_E, self.table, self.S, self.G, self.ep_group, self.routing, self.pressure_G)
 
     def _capacity(self, slot_load_GP, n_ER, T: int) -> int:
         """The EP group's capacity: the most routes any rank sends to any slot, capped (with drops) at
@@ -280,8 +220,8 @@ class ReplicaGate(CrossLayerGate):
             self._table_device = (device, SlotTable(self.table.log2phy_ER.to(device), self.table.fraction_ER.to(device)))
         return self._table_device[1]
 
-    def _record_routes(self, expert_KT, device_KT, counts_E, T, used_token, l_aux, logit_sums_T) -> None:
+    def _add_routes(self, expert_KT, device_KT, counts_E, T, used_token, l_aux, logit_sums_T) -> None:
         """Tally the kept routes [K, T] for the view: the logical expert and the EP rank of each (-1 where dropped)."""
-        self.tally.record_routes(expert_KT.t(), routed_E=counts_E, logit_sums_T=logit_sums_T, l_aux=l_aux,
-                                 tokens=used_token.sum() if used_token is not None else T,
-                                 token_weights_T=self.token_weights_T, device_TK=device_KT.t(), layer=self.layer_index)
+        self.tally.add_routes(expert_KT.t(), routed_E=counts_E, logit_sums_T=logit_sums_T, l_aux=l_aux,
+                              tokens=used_token.sum() if used_token is not None else T, device_TK=device_KT.t(),
+                              layer=self.layer_index)

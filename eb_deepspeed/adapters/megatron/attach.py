@@ -34,10 +34,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ...core.balancer import Balancer, check_agreement
+from ...core.balancer import Balancer, ModelShape
 from ...core.config import EasyBalanceConfig, read_json
-from ..common import (gather_startup, join_startup_off, make_logger, rank_to_node, reduce_over, torch_optimizer,
-                      write_atomically)
+from ...core.policies import POLICIES
+from .. import common
+from ..common import join_startup_off, reduce_over, torch_optimizer, write_atomically
 from .router import EBRouter
 
 __all__ = ["attach", "find_routers", "save_state", "load_state"]
@@ -88,38 +89,36 @@ def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
     if ps.get_pipeline_model_parallel_world_size() > 1:
         raise NotImplementedError("easybalance's Megatron adapter does not handle pipeline parallelism yet: the "
                                   "cross-layer view needs every stage's layers (use pipeline size 1)")
-    if cfg.mode == "balance" and cfg.aux.policy in ("bias", "bias_cross_layer") and \
+    if cfg.mode == "balance" and POLICIES[cfg.aux.policy].uses_bias and \
             any(getattr(r, "expert_bias", None) is not None for r in routers):
         raise ValueError(f"easybalance.aux.policy {cfg.aux.policy!r} owns the selection bias: turn Megatron's "
                          "moe_router_enable_expert_bias off (two biases would fight)")
-    E = int(routers[0].config.num_moe_experts)
-    G = ps.get_expert_model_parallel_world_size()
-    gathered, rank, logger = gather_startup({"config": cfg.to_dict(), "layers": len(routers), "devices": G,
-                                             "experts": sorted({int(r.config.num_moe_experts) for r in routers})},
-                                            prepare=lambda: make_logger(cfg))
-    mine = gathered[rank]
-    check_agreement([{k: v for k, v in g.items() if k != "host"} for g in gathered], rank)
-    if mine["experts"] != [E]:
-        raise ValueError(f"every MoE layer must have the same num_moe_experts for the cross-layer view, "
-                         f"got {mine['experts']}")
-
-    for index, router in enumerate(routers):
-        if not isinstance(router, EBRouter):
-            router.__class__ = EBRouter
-        router.eb_init(index)
-    group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    device = routers[0].weight.device
-    balancer = Balancer(cfg, routers, G, reduce=reduce_over(group), rank_to_node=rank_to_node(gathered),
-                        tally_device=device if device.type != "meta" else "cpu", logger=logger)
     inner = torch_optimizer(optimizer)
     if optimizer is not None and inner is None:
         raise ValueError(f"no torch optimizer inside {type(optimizer).__name__} to hook; pass optimizer=None and "
                          "call balancer.step() after each optimizer step")
-    if inner is not None:
-        inner.register_step_post_hook(lambda *_: balancer.step())
-    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
-        chunk.easybalance = balancer
-    return balancer
+    G = ps.get_expert_model_parallel_world_size()
+    experts = sorted({int(r.config.num_moe_experts) for r in routers})
+
+    def shape_of(gathered) -> ModelShape:
+        if len(experts) > 1:
+            raise ValueError(f"every MoE layer must have the same num_moe_experts for the cross-layer view, "
+                             f"got {experts}")
+        for index, router in enumerate(routers):
+            if not isinstance(router, EBRouter):
+                router.__class__ = EBRouter
+            router.eb_init(index)
+        return ModelShape.uniform(len(routers), experts[0], G)
+
+    def hook(balancer: Balancer) -> None:
+        if inner is not None:
+            inner.register_step_post_hook(lambda *_: balancer.step())
+
+    device = routers[0].weight.device
+    group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    return common.attach(cfg, routers, {"layers": len(routers), "devices": G, "experts": experts}, shape_of=shape_of,
+                         reduce=reduce_over(group), device=device if device.type != "meta" else "cpu", hook=hook,
+                         owners=list(model) if isinstance(model, (list, tuple)) else [model])
 
 
 def save_state(balancer: Balancer, path: str) -> None:

@@ -5,20 +5,19 @@ Shape legend: T tokens (sequence x batch, flattened), E experts, K top-k, G EP r
 Routing, capacity dropping and the aux losses are Megatron's own (`TopKRouter.routing`). On top:
 
   * each training forward adds its routes (`routing_map`, padding excluded) to a per-layer tally
-    (`core.tally.TallyRecorder`), no sync, no collective; a forward that activation recompute
+    (`core.tally.LayerTally`), no sync, no collective; a forward that activation recompute
     re-runs inside backward is not counted again (`core.tally.in_backward`);
-  * `aux_weight` multiplies the coefficient Megatron reads for this layer's aux losses
-    (`get_aux_loss_coeff`), so the layer's aux gradient scales by it (Megatron's
-    `MoEAuxLossAutoScaler` scale is one global: per-layer weights must go through the coefficient);
-  * `selection_bias_E` (the `bias` policy) selects the top-k on logits + bias (logit units, as on
+  * the layer's `controls` (`core.controls.LayerControls`, written by the balancer) hold the rest:
+  * the selection bias (the `bias` policies) selects the top-k on logits + bias (logit units, as on
     DeepSpeed, for softmax and sigmoid score functions alike); the probabilities that combine expert
     outputs and every aux loss come from the unbiased logits. The routing stays Megatron's
     (`TopKRouter.routing`); only the top-k choice goes through its own door, the `router_replay` object
     `topk_routing_with_score_function` asks for the top-k (`_LogitBiasTopK`, for the call only). It is this project's bias: Megatron's own `expert_bias`
     (`moe_router_enable_expert_bias`) must be off with it (`attach` refuses both);
-  * `device_loss_weight` adds DeepSeek-V2's device-level balance loss (as the DeepSpeed gate does),
+  * a device-loss weight adds DeepSeek-V2's device-level balance loss (as the DeepSpeed gate does),
     with coefficient `device_loss_weight x moe_aux_loss_coeff`, through Megatron's own
-    `attach_and_log_load_balancing_loss` (its gradient flows like the aux losses').
+    `attach_and_log_load_balancing_loss` (its gradient flows like the aux losses'); Megatron's own aux losses
+    keep their coefficient.
 
 Build it with the model: `eb_router_spec(spec)` is any Megatron layer/block/MoE spec with `EBRouter` as every
 `MoESubmodules.router` (Megatron's own door for a router class). A model built with plain `TopKRouter`s is
@@ -32,8 +31,8 @@ from typing import Optional
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
-from ...core.losses import device_balance_loss
-from ...core.tally import TallyRecorder, in_backward, routes_from_mask
+from ...core.controls import LayerControls
+from ...core.tally import LayerTally, in_backward, routes_from_mask
 
 __all__ = ["EBRouter", "eb_router_spec"]
 
@@ -71,61 +70,27 @@ def eb_router_spec(spec):
 
 
 class EBRouter(TopKRouter):
-    """TopKRouter plus per-layer route tallies, an aux weight, a selection bias and a device loss."""
-
-    # Class defaults: TopKRouter.__init__ already calls get_aux_loss_coeff, before eb_init runs.
-    aux_weight = 1.0
-    selection_bias_E: Optional[torch.Tensor] = None
-    device_loss_weight = 0.0
+    """TopKRouter plus a route tally and the layer's controls (`core.balancer.BalancedGate`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.eb_init()
 
     def eb_init(self, layer_index: int = 0) -> None:
-        """Give a router (built as TopKRouter or EBRouter) the balancer's state."""
+        """Give a router (built as TopKRouter or EBRouter) its tally and controls."""
         self.num_experts = int(self.config.num_moe_experts)
         self.layer_index = layer_index
-        self.aux_weight = 1.0
-        self.selection_bias_E = None
-        self.device_loss_weight = 0.0
-        self.expert_to_device_E: Optional[torch.Tensor] = None
-        self.num_devices = 1
-        self.token_weights_T: Optional[torch.Tensor] = None
-        self.tally = TallyRecorder(self.num_experts)
-
-    # ------------------------------------------------------------------ BalancedGate
-    def take_tally(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        return self.tally.take(device)
-
-    def discard_tally(self, last_forward_only: bool = False) -> None:
-        self.tally.discard(last_forward_only)
-
-    def set_aux_weight(self, weight: float) -> None:
-        self.aux_weight = float(weight)
-
-    def set_selection_bias(self, bias_E: Optional[torch.Tensor]) -> None:
-        self.selection_bias_E = None if bias_E is None else bias_E.to(self.weight.device, torch.float32)
-
-    def set_device_loss(self, weight: float, expert_to_device_E: torch.Tensor) -> None:
-        self.device_loss_weight = float(weight)
-        self.expert_to_device_E = expert_to_device_E.to(self.weight.device, torch.long)
-        self.num_devices = int(expert_to_device_E.max()) + 1
-
-    def set_token_weights(self, weights_T: Optional[torch.Tensor]) -> None:
-        self.token_weights_T = weights_T
+        self.tally = LayerTally(self.num_experts)
+        self.controls = LayerControls(self.num_experts)
 
     # ------------------------------------------------------------------ Megatron's router
-    def get_aux_loss_coeff(self, aux_loss_type: str) -> float:
-        return super().get_aux_loss_coeff(aux_loss_type) * self.aux_weight
-
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        if self.selection_bias_E is None:
+        if self.controls.bias_E is None:
             probs, routing_map = super().routing(logits, padding_mask)
         else:
             probs, routing_map = self._biased_routing(logits, padding_mask)
         flat = logits.reshape(-1, self.num_experts)
-        if self.device_loss_weight > 0 and self.training and torch.is_grad_enabled():
+        if self.controls.device_loss_weight > 0 and self.training and torch.is_grad_enabled():
             probs = self._attach_device_loss(flat, probs, routing_map, padding_mask)
         if self.training and not in_backward():
             self._record(flat, routing_map, padding_mask)
@@ -135,8 +100,8 @@ class EBRouter(TopKRouter):
         """The top-k choice before capacity dropping [T, E] bool (what the tally calls routed), with
         whichever selection bias is in use (ours on the logits, or Megatron's expert_bias for sigmoid)."""
         with torch.no_grad():
-            if self.selection_bias_E is not None:               # ours: on the logits
-                scores = logits_TE.float() + self.selection_bias_E.float()
+            if self.controls.bias_E is not None:                # ours: on the logits
+                scores = logits_TE.float() + self.controls.bias_on(logits_TE.device)
             elif self.expert_bias is not None:                  # Megatron's (sigmoid): on the sigmoid scores
                 scores = torch.sigmoid(logits_TE.float()) + self.expert_bias.float()
             else:
@@ -152,9 +117,8 @@ class EBRouter(TopKRouter):
             if valid_T is not None:
                 demand_TE = demand_TE & valid_T[:, None]
             # Megatron attaches its aux losses to the probabilities; the tally's aux field stays 0 here
-            self.tally.record_routes(routes_from_mask(routing_map_TE, self.topk), routed_E=demand_TE.sum(0),
-                                     logits_TE=logits_TE, valid_T=valid_T, token_weights_T=self.token_weights_T,
-                                     layer=self.layer_index)
+            self.tally.add_routes(routes_from_mask(routing_map_TE, self.topk), routed_E=demand_TE.sum(0),
+                                  logits_TE=logits_TE, valid_T=valid_T, layer=self.layer_index)
 
     def _biased_routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor]):
         """Megatron's own routing (`TopKRouter.routing`: z-loss, score function, scaling, capacity dropping, aux
@@ -166,12 +130,12 @@ class EBRouter(TopKRouter):
             raise ValueError("the easybalance selection bias needs ungrouped, unfused top-k routing without "
                              "Megatron's own expert bias or routing replay (moe_router_num_groups, sinkhorn, "
                              "moe_router_enable_expert_bias, moe_enable_routing_replay and moe_router_fusion off)")
-        self.router_replay = _LogitBiasTopK(logits.reshape(-1, self.num_experts), self.selection_bias_E)
+        flat_TE = logits.reshape(-1, self.num_experts)
+        self.router_replay = _LogitBiasTopK(flat_TE, self.controls.bias_on(flat_TE.device))
         try:
             return super().routing(logits, padding_mask)
         finally:
             self.router_replay = None
-
 
     def _attach_device_loss(self, logits_TE, probs, routing_map_TE, padding_mask):
         valid_T = None if padding_mask is None else ~padding_mask.reshape(-1).to(torch.bool)
@@ -182,14 +146,13 @@ class EBRouter(TopKRouter):
             probs_TE = probs_TE[valid_T]
         base = self.config.moe_aux_loss_coeff
         base = float(base[0] if isinstance(base, (list, tuple)) else base)
-        coeff = self.device_loss_weight * base   # relative to the model's aux coefficient, as on DeepSpeed
-        if coeff == 0:
+        if base == 0:
             return probs
-        loss = device_balance_loss(probs_TE, kept.sum(0).detach(), self.expert_to_device_E, self.num_devices,
-                                   self.topk)
-        # Megatron's convention: the loss handed over already carries its coefficient
-        return self.attach_and_log_load_balancing_loss(probs, coeff, coeff * loss, "device_balance_loss",
-                                                       self.tp_cp_group)
+        weighted = self.controls.device_loss(probs_TE, kept.sum(0).detach(), self.topk)   # device_loss_weight x loss
+        # relative to the model's aux coefficient, as on DeepSpeed; Megatron's convention: the loss handed over
+        # already carries its coefficient
+        return self.attach_and_log_load_balancing_loss(probs, self.controls.device_loss_weight * base, base * weighted,
+                                                       "device_balance_loss", self.tp_cp_group)
 
 
 class _LogitBiasTopK:

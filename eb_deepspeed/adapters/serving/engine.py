@@ -1,0 +1,553 @@
+"""The serving engine, framework-neutral: the view, re-planning, layout trials and weight moves, over a slot store.
+
+Shape legend: L MoE layers, E logical experts, G EP ranks, S slots per rank, P physical slots (G * S; slot p
+lives on EP rank p // S), H home experts per rank (E / G).
+
+    engine = ServingEngine(store, config)       # the store: DeepSpeed's MOELayers or AutoEP's layers (`store.py`)
+    ...forward...; engine.after_batch()         # every view_interval batches: tally -> view (-> re-plan)
+    engine.placement, engine.replans, engine.save_checkpoint("out"), engine.load_checkpoint("ckpt")
+
+Serving starts in the runtime's own layout (H home experts per rank). With an enabled block each layer gets
+R = `inference.replica_slots` extra slots per rank; every `view_interval` batches the engine steps the view (one
+all-reduce of the [L, W] tally, posted in the background: no rank waits for the others after its forward) and,
+once the view is warm, at most every `replan_interval` batches, when a layer's expected skew passes
+`replan_threshold`, plans replicas for every slot and serves the cheaper of that plan and the home layout if it
+beats the current one. What "cheaper" means is the runtime's dispatch model (`DISPATCH`): DeepSpeed's MOELayer
+pads every slot to the largest (extra slots pay only where they cut the largest slot load by more than they add
+slots); a dropless layer takes as long as its busiest rank. Replicas that replace a one-slot-per-expert layout
+first serve on trial against it, in turns, and stay only if they served faster (then the next loss backs off).
+
+A re-plan moves weights in two phases: every rank fetches the new slots' weights into staging buffers, the ranks
+agree that every fetch succeeded and that they all planned the same placement, then every rank copies and flips
+its tables before the next forward. A failure at any point keeps the old placement on every rank: a rank whose
+transfer failed still completes the others and posts a stand-in for one it could not post (`_transfer`), so no
+peer is left waiting; the failure reaches every rank in the agreement.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import hashlib
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...core.balancer import Balancer, ModelShape, check_agreement
+from ...core.config import EasyBalanceConfig
+from ...core.record import NullLogger
+from ...core.topology import resolve_topology
+from ...observe.monitor import JsonlLogger
+from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, check_plan_size, expected_device_load,
+                                   expected_padded_cost, expected_slot_ratio, plan_placement, prefix_placement,
+                                   static_placement, with_prefix)
+from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node
+from .store import Routing, SlotStore
+
+__all__ = ["ServingEngine", "choose_placement", "DISPATCH"]
+
+# A new placement must be expected to cut the cost by this much: the expectation is of the EMA heat, while each
+# batch's load is its own (noise on every slot), and moving weights and the replica split cost time too.
+# Measured on the example model: a 3 % expected gain was a loss.
+MIN_GAIN = 0.10
+# A layout trial keeps replicas when they served this much faster per token than the one-slot-per-expert
+# prefix, measured in the same batches interleaved: below it, the noise of a short trial.
+TRIAL_GAIN = 0.02
+# After a lost trial the next re-plan waits replan_interval x 2^(lost trials in a row), at most this power.
+MAX_BACKOFF = 6
+EXIT_WAIT_S = 30     # at exit, how long a view step in flight may wait for its reduce (its peers may be gone)
+
+
+def _device_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
+    """[L] the expected busiest rank's routes over the mean (dropless)."""
+    load_LG = expected_device_load(heat_LE, plan)
+    mean_L = load_LG.mean(1)
+    return torch.where(mean_L > 0, load_LG.amax(1) / mean_L.clamp_min(1e-300), torch.ones_like(mean_L))
+
+
+@dataclass(frozen=True)
+class DispatchModel:
+    """How a runtime splits an expert's routes over its replicas, as the planner and the re-plan rule see it.
+
+    planner: `plan_placement(dispatch=)`; node_spread: its `node_spread` (None: its default); prefix_nodes: lay
+    the plan's counts over a one-slot-per-expert prefix with node awareness; cost / ratio: [L] what a layer
+    costs under a plan, and the skew `replan_threshold` is compared with."""
+    planner: str
+    node_spread: object
+    prefix_nodes: bool
+    cost: Callable[[torch.Tensor, Placement], torch.Tensor]
+    ratio: Callable[[torch.Tensor, Placement], torch.Tensor]
+
+
+# (runtime pads every slot, inference.split) -> the model: the one place where runtime and split meet
+DISPATCH = {
+    # DeepSpeed's MOELayer: evenly, every slot padded to the largest ("padded": the largest share as small as it
+    # gets, under either split); node spread only pays where routes can stay on their node: `exact` steers them
+    (True, "view"): DispatchModel("padded", False, False, expected_padded_cost, expected_slot_ratio),
+    (True, "exact"): DispatchModel("padded", SPREAD_WEIGHT, True, expected_padded_cost, expected_slot_ratio),
+    # a dropless layer: its busiest rank's routes; `exact` steers each batch, `view` splits evenly
+    (False, "view"): DispatchModel("uniform", None, True, lambda h, p: expected_device_load(h, p).amax(1),
+                                   _device_ratio),
+    (False, "exact"): DispatchModel("steered", None, True, lambda h, p: expected_device_load(h, p).amax(1),
+                                    _device_ratio),
+}
+
+
+def choose_placement(heat_LE: torch.Tensor, current: Placement, home: Placement, threshold: float,
+                     plan, cost=expected_padded_cost, ratio=expected_slot_ratio) -> Optional[Placement]:
+    """The placement to serve next, or None when the view gives no reason to plan (pure).
+
+    Plan (`plan(heat_LE)`: replicas for every slot) when a layer's skew under the current placement
+    (`ratio(heat_LE, plan)` [L]) passes `threshold`, or when the home layout would cost `MIN_GAIN` less than
+    the current one (replicas traffic no longer needs). `cost(heat_LE, plan)` [L]: what each layer computes and
+    sends. Of the plan and the home layout the cheaper is chosen; it replaces the current placement when it
+    costs `MIN_GAIN` less, else the current one is returned (planned, nothing to move).
+    """
+    def total(p: Placement) -> float:
+        return float(cost(heat_LE, p).sum())
+
+    skewed = float(ratio(heat_LE, current).max()) > threshold
+    unneeded = current is not home and total(home) < (1 - MIN_GAIN) * total(current)
+    if not (skewed or unneeded):
+        return None
+    best = min((plan(heat_LE), home), key=total)
+    return best if total(best) < (1 - MIN_GAIN) * total(current) else current
+
+
+class ServingEngine:
+    """The serving side of one model: its store's slots, the placement, the view, re-plans and checkpoints.
+
+    Every rank's layer has S_max = H + R slots; a placement uses the first S of them (S = H: the runtime's own
+    layout, no replicas; S = S_max: replicas in every slot), so a layer never pays for slots it does not use.
+    config: the `easybalance` block (None or disabled: the runtime's layout, no view, no replicas).
+    """
+
+    def __init__(self, store: SlotStore, config: Optional[EasyBalanceConfig]):
+        self.store, self.config = store, config
+        self.L, self.E, self.G = store.num_layers, store.num_experts, store.num_devices
+        self.H = self.E // self.G
+        enabled = config is not None and config.enabled
+        self.R = config.inference.replica_slots if enabled and config.mode == "balance" else 0
+        self.S_max = self.H + self.R
+        if self.G * self.S_max > MAX_SLOTS:      # before any expert is copied
+            raise ValueError(f"easybalance.inference.replica_slots ({self.R}): {self.G} ranks x ({self.H} home + "
+                             f"{self.R} replica slots) is more than the planner's {MAX_SLOTS} slots a layer; use at "
+                             f"most {MAX_SLOTS // self.G - self.H}")
+        try:
+            check_plan_size(self.L, self.G * self.S_max, self.G)     # what a re-plan would refuse mid-serving
+        except ValueError as e:
+            raise ValueError(f"easybalance.inference.replica_slots ({self.R}): {e}") from None
+        grouped = dist_ready() and self.G > 1
+        self.rank = dist.get_rank(store.ep_group) if grouped else 0
+        self.ep_ranks = dist.get_process_group_ranks(store.ep_group) if grouped else [dist_rank()]
+        self.replans, self.weight_moves, self.failed_moves = 0, 0, 0
+        self.batches, self.last_plan_batch = 0, None
+        self.home = static_placement(self.L, self.E, self.G)       # the runtime's layout: S = H, no replicas
+        self.placement = self.home      # what the gates' tables serve
+        self.resident = self.home       # what the slots hold (`placement`, or a plan whose prefix serves)
+        self.trials: list[dict] = []    # the layout trials run (`_end_trial`)
+        self._trial: Optional[dict] = None
+        self._lost_trials = 0
+        self._in_flight: Optional[torch.Tensor] = None      # a view step's tally whose reduce was posted
+        self._posted: list = []                              # its work object
+        self.node_G = torch.zeros(self.G, dtype=torch.long)
+        self.rank_to_node, self.topology, logger = [0], "pcie", None
+        if enabled:
+            logger = self._agree_at_start_up()
+        else:
+            join_startup_off()          # a rank whose block is on waits for this rank in the start-up all-gather
+        inf = config.inference if enabled else None
+        self.model = DISPATCH[(store.padded, "view" if inf is None else inf.split)]
+        store.replicate(self.S_max, self.placement, Routing(
+            split="view" if inf is None else inf.split, rank=self.rank, node_G=self.node_G, recording=enabled,
+            steer_options={} if inf is None else {"weights": inf.weights.as_tuple(), "topology": self.topology,
+                                                  "decision_batch": inf.decision_batch}))
+        self.balancer: Optional[Balancer] = None
+        if enabled:
+            shape = ModelShape.uniform(self.L, self.E, self.G, rank_to_node=self.rank_to_node)
+            self.balancer = Balancer(config, store.gates, shape, logger=logger, device=store.device, train=False)
+            self.balancer.log.extra = lambda: {"replans": self.replans, "weight_moves": self.weight_moves}
+            weakref.finalize(self, _wait_posted, self._posted)   # no reduce of ours in flight when the group goes
+            atexit.register(_settle_at_exit, weakref.ref(self))  # the step in flight reaches the view and the log
+
+    @property
+    def S(self) -> int:
+        """Slots per rank of the placement serving now."""
+        return self.placement.slots_per_device
+
+    @property
+    def P(self) -> int:
+        return self.G * self.S
+
+    @property
+    def gates(self) -> list:
+        return self.store.gates
+
+    @property
+    def on_trial(self) -> bool:
+        """A layout trial is running: replicas and their prefix serve in turns (`_start_trial`)."""
+        return self._trial is not None
+
+    def _agree_at_start_up(self):
+        log = self.config.log
+        gathered, rank, logger = gather_startup(
+            {"config": self.config.to_dict(), "experts": self.E, "devices": self.G, "layers": self.L,
+             "top_k": list(self.store.top_k)},
+            prepare=lambda: JsonlLogger(log.dir) if dist_rank() == 0 else NullLogger())
+        check_agreement([{k: v for k, v in g.items() if k != "host"} for g in gathered], rank)
+        self.rank_to_node = rank_to_node(gathered)
+        self.node_G = torch.tensor([self.rank_to_node[r] for r in self.ep_ranks])
+        self.topology, note = resolve_topology(self.config.inference.topology,
+                                               explicit="topology" in self.config.inference.explicit,
+                                               num_nodes=int(self.node_G.max()) + 1)
+        if note and dist_rank() == 0:
+            warnings.warn(f"easybalance.inference.topology: {note}")
+        return logger
+
+    def expert_in_slot(self, plan: Placement, layer: int, rank: int, j: int) -> int:
+        """The logical expert in rank's local slot j under `plan` (-1: empty, or not a slot of the plan)."""
+        S = plan.slots_per_device
+        return int(plan.phy2log[layer, rank * S + j]) if j < S else -1
+
+    # ------------------------------------------------------------------ per batch
+    def before_batch(self, inputs: tuple) -> None:
+        """During a layout trial: start the clock of this forward (after the accelerator's queued work)."""
+        if self._trial is not None:
+            _synchronize(self.store.device)
+            x = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+            tokens = 1 if x is None else (x.numel() // x.shape[-1] if x.is_floating_point() and x.dim() else x.numel())
+            self._trial["started"] = (time.perf_counter(), max(tokens, 1))
+
+    def after_batch(self) -> None:
+        """Every `view_interval` batches: drain the gates' tallies and post their all-reduce in the background;
+        one batch later the view takes that step and serving re-plans if it says so. During a layout trial,
+        time the forward."""
+        if self.balancer is None:
+            return
+        self.batches += 1
+        if self._trial is not None:
+            self._time_trial_batch()
+        if self._in_flight is not None:        # posted after an earlier forward: done by now, or nearly
+            self.settle()
+            self._after_view_step()
+        if self.batches % self.config.inference.view_interval == 0:
+            packed_LW = self.balancer.gather()
+            if dist_ready() and dist.get_world_size() > 1:
+                self._posted.append(dist.all_reduce(packed_LW, async_op=True))
+            self._in_flight = packed_LW
+
+    def settle(self) -> None:
+        """The view takes the step in flight (its reduce waited for), if any."""
+        if self._in_flight is not None:
+            packed_LW, self._in_flight = self._in_flight, None
+            while self._posted:
+                self._posted.pop().wait()
+            self.balancer.take(packed_LW)
+
+    def _after_view_step(self) -> None:
+        """The view took a step: the gates get its cross-layer pressure; re-plan if the view says so."""
+        view = self.balancer.view
+        cross_LG = view.cross_layer_pressure() if view.steps else None
+        for layer, gate in enumerate(self.gates):
+            gate.pressure_G = None if cross_LG is None else cross_LG[layer]
+        if self.R and self._trial is None:
+            self.maybe_replan()
+
+    def maybe_replan(self) -> bool:
+        """Once the view is warm, at most every `replan_interval` batches (longer after lost layout trials),
+        choose a placement (`choose_placement`) and move to it if it differs from the serving one; replicas that
+        replace a one-slot-per-expert layout serve on trial (`_start_trial`; a re-plan of replicas that won
+        their trial does not). Returns whether a new placement serves."""
+        inf, view = self.config.inference, self.balancer.view
+        if not view.ready:
+            return False
+        wait = inf.replan_interval * 2 ** min(self._lost_trials, MAX_BACKOFF)
+        if self.last_plan_batch is not None and self.batches - self.last_plan_batch < wait:
+            return False
+        choice = choose_placement(view.heat_LE, self.placement, self.home, inf.replan_threshold, plan=self._plan,
+                                  cost=self.model.cost, ratio=self.model.ratio)
+        if choice is None:
+            return False
+        self.last_plan_batch = self.batches
+        if choice is self.placement:
+            return False
+        if choice is self.home and _prefix(self.resident) is not None:
+            self._serve(_prefix(self.resident))        # the home layout's cost without moving a weight
+            return True
+        switching = self.placement.slots_per_device == self.H     # from one slot per expert to replicas
+        if not self.apply(choice):
+            return False
+        # with drops, replicas change which tokens are kept (fewer drops): not a matter of time alone
+        if switching and not self.store.drops_tokens and _prefix(choice) is not None and inf.trial_batches:
+            self._start_trial(choice)
+        return True
+
+    def _plan(self, heat_LE: torch.Tensor) -> Placement:
+        """Replicas for every slot (S_max per rank) from the view's heat in the runtime's dispatch model; its
+        counts laid over a one-slot-per-expert prefix (the layout trial's other layout) when that costs no more."""
+        model = self.model
+        kwargs = {} if model.node_spread is None else {"node_spread": model.node_spread}
+        planned = plan_placement(heat_LE, self.G, self.S_max, num_nodes=int(self.node_G.max()) + 1,
+                                 previous=self.resident, dispatch=model.planner, **kwargs)
+        prefixed = with_prefix(planned, previous=self.resident,
+                               node_G=self.node_G.numpy() if model.prefix_nodes else None)
+        if prefixed is not None and float(model.cost(heat_LE, prefixed).sum()) <= float(model.cost(heat_LE, planned).sum()):
+            return prefixed
+        return planned
+
+    # ------------------------------------------------------------------ layout trial
+    def _start_trial(self, plan: Placement) -> None:
+        """Serve `plan` and its prefix (the home layout's cost) in turns, ABBA, for `trial_batches` batches; then
+        keep the one that served faster per token on every rank together (`_end_trial`). The cost model chose the
+        plan from the view; the trial checks it against the forward time it actually gives."""
+        self._trial = {"plan": plan, "base": _prefix(plan), "times": {"plan": [0.0, 0], "base": [0.0, 0]},
+                       "batch": 0, "started": None}
+
+    @staticmethod
+    def _trial_layout(i: int) -> str:
+        return "plan" if i % 4 in (0, 3) else "base"
+
+    def _time_trial_batch(self) -> None:
+        trial = self._trial
+        if trial["started"] is not None:
+            _synchronize(self.store.device)
+            t0, tokens = trial["started"]
+            spent = trial["times"][self._trial_layout(trial["batch"])]
+            spent[0] += time.perf_counter() - t0
+            spent[1] += tokens
+            trial["started"] = None
+        trial["batch"] += 1
+        if trial["batch"] >= self.config.inference.trial_batches:
+            self._end_trial()
+        else:
+            self._serve(trial[self._trial_layout(trial["batch"])])
+
+    def _end_trial(self) -> None:
+        trial, self._trial = self._trial, None
+        times = torch.tensor([*trial["times"]["plan"], *trial["times"]["base"]], dtype=torch.float64,
+                             device=self.store.device)
+        if dist_ready() and dist.get_world_size() > 1:
+            dist.all_reduce(times)           # every rank decides on the same sums
+        plan_s, plan_tokens, base_s, base_tokens = times.tolist()
+        per_plan, per_base = plan_s / max(plan_tokens, 1), base_s / max(base_tokens, 1)
+        kept = per_plan > 0 and per_base > 0 and per_plan < (1 - TRIAL_GAIN) * per_base
+        self._lost_trials = 0 if kept else self._lost_trials + 1
+        self.trials.append({"batch": self.batches, "us_per_token_replicas": round(1e6 * per_plan, 3),
+                            "us_per_token_deepspeed_cost": round(1e6 * per_base, 3), "replicas_kept": kept})
+        self._serve(trial["plan"] if kept else trial["base"])
+
+    def _serve(self, placement: Placement) -> None:
+        """Flip every layer's tables to `placement`, whose weights the slots hold (`resident` or its prefix)."""
+        self.placement = placement
+        for layer in range(self.L):
+            self.store.serve(layer, placement)
+
+    # ------------------------------------------------------------------ weight moves
+    def _moves(self, plan: Placement) -> list[tuple[int, int, int, int, int]]:
+        """(layer, destination rank, its slot, source rank, its slot) for every slot of `plan` whose slot holds
+        another expert now: the source is a slot that holds the expert (`resident`), on the destination's rank
+        when there is one."""
+        old, S_old, S_new = self.resident, self.resident.slots_per_device, plan.slots_per_device
+        moves = []
+        for layer in range(self.L):
+            for p in range(self.G * S_new):
+                e, rank, j = int(plan.phy2log[layer, p]), p // S_new, p % S_new
+                if e < 0 or self.expert_in_slot(old, layer, rank, j) == e:
+                    continue
+                holders = [(q // S_old, q % S_old) for q in torch.nonzero(old.phy2log[layer] == e).flatten().tolist()]
+                local = [h for h in holders if h[0] == rank]
+                src_rank, src_j = (local or holders)[0]
+                moves.append((layer, rank, j, src_rank, src_j))
+        return moves
+
+    def apply(self, plan: Placement) -> bool:
+        """Move weights for `plan` and flip every rank to it, or keep the old placement everywhere."""
+        if plan.phy2log.shape[0] != self.L or plan.num_experts != self.E or plan.num_devices != self.G \
+                or plan.slots_per_device > self.S_max:
+            raise ValueError(f"a placement of {tuple(plan.phy2log.shape)} slots ({plan.slots_per_device} per rank) "
+                             f"does not fit {self.L} layers x {self.G} ranks x at most {self.S_max} slots")
+        self._trial = None              # a placement set from outside ends the trial: the tables are its
+        key = int(hashlib.sha1(plan.phy2log.numpy().tobytes()).hexdigest()[:15], 16)
+        moves = self._moves(plan)
+        staging: dict[tuple[int, int], torch.Tensor] = {}
+        ops, ok = [], True
+        try:   # phase 1a: staging buffers for our destination slots, the transfers to post
+            ops = self._prepare(moves, staging)
+        except Exception as e:   # noqa: BLE001 - any failure must reach the agreement, not hang the peers
+            ok = _failed("preparing the weight moves", e)
+        if not self._agree(ok, key):
+            self.failed_moves += 1
+            return False
+        try:   # phase 1b: every transfer, then a check of what arrived
+            _transfer(ops)
+            _verify(staging)
+        except Exception as e:   # noqa: BLE001
+            ok = _failed("moving expert weights", e)
+        if not self._agree(ok, key):
+            self.failed_moves += 1
+            return False
+        # phase 2: every rank got every weight: copy them in and flip the tables before the next forward
+        for (layer, j), flat in staging.items():
+            self.store.write_slot(layer, j, flat)
+        self.resident = plan
+        self._serve(plan)
+        self.replans += 1
+        self.weight_moves += len(moves)
+        return True
+
+    def _prepare(self, moves, staging) -> list:
+        ops = []
+        for layer, dst, dst_j, src, src_j in moves:
+            if dst == self.rank:
+                staging[(layer, dst_j)] = torch.empty_like(self.store.read_slot(layer, dst_j))
+                if src == self.rank:
+                    staging[(layer, dst_j)].copy_(self.store.read_slot(layer, src_j))
+                else:
+                    ops.append(dist.P2POp(dist.irecv, staging[(layer, dst_j)], self.ep_ranks[src]))
+            elif src == self.rank:
+                ops.append(dist.P2POp(dist.isend, self.store.read_slot(layer, src_j), self.ep_ranks[dst]))
+        return ops
+
+    def _agree(self, ok: bool, key: int) -> bool:
+        """Every rank succeeded, and every rank planned the same placement (the view is identical)."""
+        flags = torch.tensor([int(ok), key, -key], dtype=torch.long, device=self.store.device)
+        if dist_ready() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        if int(flags[1]) != -int(flags[2]):
+            raise RuntimeError("easybalance: ranks planned different placements from what should be the same view")
+        return bool(flags[0])
+
+    # ------------------------------------------------------------------ checkpoints (DeepSpeed's file layout)
+    def home_states(self) -> dict[tuple[int, int], torch.Tensor]:
+        """{(layer, expert): its state as one vector} for the home experts of this rank (expert e's home is
+        EP rank e // H, as DeepSpeed lays them out). A home expert that moved is fetched from a slot that
+        holds it, on its home rank when there is one (one batch of transfers); a replica is never sent twice.
+        Collective over the EP group."""
+        S = self.S
+        flats: dict[tuple[int, int], torch.Tensor] = {}
+        ops = []
+        for layer in range(self.L):
+            for e in range(self.E):
+                holders = [(q // S, q % S) for q in torch.nonzero(self.placement.phy2log[layer] == e).flatten().tolist()]
+                home = e // self.H
+                src, src_j = ([h for h in holders if h[0] == home] or holders)[0]
+                if home == self.rank:
+                    source = self.store.read_slot(layer, src_j if src == self.rank else 0)
+                    flats[(layer, e)] = source if src == self.rank else torch.empty_like(source)
+                    if src != self.rank:
+                        ops.append(dist.P2POp(dist.irecv, flats[(layer, e)], self.ep_ranks[src]))
+                elif src == self.rank:
+                    ops.append(dist.P2POp(dist.isend, self.store.read_slot(layer, src_j), self.ep_ranks[home]))
+        _transfer(ops)
+        return flats
+
+    def save_checkpoint(self, ckpt_dir: str, tag: str = "served") -> str:
+        """Write DeepSpeed's checkpoint layout with the logical experts (each home expert fetched from wherever it
+        serves), which a DeepSpeed engine of the same model loads (`load_module_only=True`). Collective."""
+        return self.store.save_home(ckpt_dir, tag, self.home_states())
+
+    def load_checkpoint(self, ckpt_dir: str, tag: Optional[str] = None) -> str:
+        """Load a DeepSpeed checkpoint of the same model (a training engine's, or `save_checkpoint`'s): the home
+        experts into the home layout, then the replicas and moved experts of the placement serving before are
+        fetched from them (a weight move, every rank together). Returns the checkpoint's path. Collective."""
+        serving, resident = self.placement, self.resident
+        self._serve(self.home)
+        try:
+            path = self.store.load_home(ckpt_dir, tag)
+        except BaseException:
+            self._serve(serving)               # the weights as they were
+            raise
+        self.resident = self.home
+        if resident is not self.home and self.apply(resident) and serving is not resident:
+            self._serve(serving)                   # the prefix that served, resident again
+        return path
+
+
+def _prefix(plan: Placement) -> Optional[Placement]:
+    """The one-slot-per-expert layout resident in `plan`'s first slots, or None (see `with_prefix`)."""
+    if plan.slots_per_device * plan.num_devices == plan.num_experts:
+        return None
+    prefix = prefix_placement(plan)
+    return prefix if bool((prefix.logcnt == 1).all()) else None
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the accelerator's queued work (a layout trial times forwards)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _failed(what: str, error: Exception) -> bool:
+    warnings.warn(f"easybalance: {what} failed on rank {dist_rank()} ({type(error).__name__}: {error}); "
+                  "the old placement keeps serving")
+    return False
+
+
+def _verify(staging: dict) -> None:
+    """What arrived must be finite (a weight move never loads garbage into a serving slot)."""
+    for (layer, j), flat in staging.items():
+        if not bool(torch.isfinite(flat).all()):
+            raise ValueError(f"layer {layer} slot {j}: received non-finite expert weights")
+
+
+def _wait_posted(posted: list) -> None:
+    """Wait (at most EXIT_WAIT_S) for a view reduce still posted and let its work object go, so that no
+    collective of ours is in flight while the process group is torn down: its peers posted the same reduce."""
+    while posted:
+        work = posted.pop()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=EXIT_WAIT_S))
+        except Exception as e:   # noqa: BLE001 - a gone peer at exit must not turn a clean exit into a traceback
+            warnings.warn(f"easybalance: a balance reduce in flight did not complete ({e})")
+
+
+def _settle_at_exit(ref: "weakref.ref[ServingEngine]") -> None:
+    """At interpreter exit: the view takes the step in flight (its reduce waited for at most EXIT_WAIT_S)."""
+    engine = ref()
+    if engine is None or engine._in_flight is None:
+        return
+    _wait_posted(engine._posted)
+    try:
+        packed_LW, engine._in_flight = engine._in_flight, None
+        engine.balancer.take(packed_LW)
+    except Exception as e:   # noqa: BLE001 - the process is ending: a warning, not a traceback
+        warnings.warn(f"easybalance: the last view step could not be taken at exit ({e})")
+
+
+def _post(op: "dist.P2POp"):
+    """Post one transfer (non-blocking); its work object."""
+    return op.op(op.tensor, op.peer, op.group, op.tag)
+
+
+def _transfer(ops: list) -> None:
+    """Post every transfer of a weight move and wait for each, so that no peer is left in a `wait()` that
+    nothing will answer. On NCCL the ops go as one group (posted one by one, a swap deadlocks) and a failure
+    there is the communicator's. On gloo (which posts them one at a time anyway) each is posted on its own:
+    one this rank fails to post is replaced by a stand-in of the same shape (a send of NaNs, which the
+    receiver's check refuses; a receive into scratch), so the peer's matching operation completes; a wait
+    that fails does not stop the others. Then the first error is raised, and reaches the agreement."""
+    if not ops:
+        return
+    if dist.get_backend(ops[0].group) != "gloo":
+        requests, errors = dist.batch_isend_irecv(ops), []
+    else:
+        requests, errors = [], []
+        for op in ops:
+            try:
+                requests.append(_post(op))
+            except Exception as e:   # noqa: BLE001 - whatever failed, the peer's operation must still be matched
+                errors.append(e)
+                sends = op.op is dist.isend
+                stand_in = torch.full_like(op.tensor, float("nan")) if sends else torch.empty_like(op.tensor)
+                requests.append(_post(dist.P2POp(op.op, stand_in, op.peer, op.group, op.tag)))
+    for request in requests:
+        try:
+            request.wait()
+        except Exception as e:   # noqa: BLE001
+            errors.append(e)
+    if errors:
+        raise errors[0]

@@ -1,0 +1,110 @@
+"""What the serving engine asks of a runtime: a slot store, and how routes are split over replicas.
+
+Shape legend: L MoE layers, E logical experts, G EP ranks, S slots per rank, P physical slots (G * S; slot p
+lives on EP rank p // S), R replicas of one expert, H home experts per rank (E / G).
+
+A runtime (DeepSpeed's `MOELayer`, AutoEP's dropless layer) is served through a `SlotStore`: S_max slots per
+rank, each holding one expert's weights, and gates that put each logical route on a physical slot by a
+`SlotTable`. The engine (`engine.py`) decides placements and moves weights; a store only reads and writes slots
+and serves the tables it is given. Both gates split an expert's routes on this rank over its replicas the same
+way: by the table's fractions (`split_by_fraction`, "view": no collective) or by steering this batch's counts of
+every rank (`steered_split`, "exact": one all-gather of [E] per layer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ...planning.placement import Placement
+from ...planning.steering import steer
+
+__all__ = ["SlotStore", "SlotTable", "Routing", "split_by_fraction", "steered_split"]
+
+
+@dataclass
+class SlotTable:
+    """One layer's placement as its gate uses it (every rank holds the same table).
+
+    log2phy_ER: [E, R] physical slot of each replica (-1 padded); fraction_ER: [E, R] the share of
+    the expert's routes each replica takes in `split="view"` (0 on padding, rows sum to 1).
+    """
+    log2phy_ER: torch.Tensor
+    fraction_ER: torch.Tensor
+
+    @classmethod
+    def even(cls, log2phy_ER: torch.Tensor) -> "SlotTable":
+        valid_ER = log2phy_ER >= 0
+        return cls(log2phy_ER, valid_ER.double() / valid_ER.sum(1, keepdim=True).clamp_min(1))
+
+
+@dataclass
+class Routing:
+    """How a store's gates split routes: `split` ("view" or "exact"), this rank's place in the EP group, the
+    node of each EP rank [G], `planning.steer`'s options (cost weights, topology, decision batch), whether the
+    gates count routes for the view (`recording`)."""
+    split: str = "view"
+    rank: int = 0
+    node_G: Optional[torch.Tensor] = None
+    steer_options: dict = field(default_factory=dict)
+    recording: bool = True
+
+
+class SlotStore(Protocol):
+    """A runtime's MoE layers as slots. Set at construction: `num_layers`, `num_experts`, `num_devices` (E, G of
+    every layer), `top_k` (per layer), `ep_group`, `device` (where collectives run), `padded` (every slot is
+    padded to the largest: DeepSpeed's MOELayer; else dropless), `drops_tokens`; after `replicate`: `gates`
+    (one per layer, each with a `tally` and `pressure_G`)."""
+    gates: list
+
+    def replicate(self, slots: int, placement: Placement, routing: Routing) -> None:
+        """Give every layer `slots` (S_max) expert slots per rank, the home experts in the first H, and a gate
+        serving `placement`."""
+
+    def read_slot(self, layer: int, j: int) -> torch.Tensor:
+        """The whole state of this rank's slot j of `layer` as one vector (what a weight move sends)."""
+
+    def write_slot(self, layer: int, j: int, flat: torch.Tensor) -> None:
+        """Load `read_slot`'s vector into slot j."""
+
+    def serve(self, layer: int, placement: Placement) -> None:
+        """Serve `placement` in `layer` from its next forward on (its weights already in place)."""
+
+    def load_home(self, ckpt_dir: str, tag: Optional[str]) -> str:
+        """Load a DeepSpeed checkpoint's experts into the home layout (slots 0 .. H - 1); returns its path."""
+
+    def save_home(self, ckpt_dir: str, tag: str, homes: dict) -> str:
+        """Write DeepSpeed's checkpoint layout with the logical experts ({(layer, e): vector} of this rank's home
+        experts, `ServingEngine.home_states`); returns its path. Collective."""
+
+
+def split_by_fraction(counts_E: torch.Tensor, fraction_ER: torch.Tensor) -> torch.Tensor:
+    """Routes per replica [E, R] from counts [E] and shares [E, R]: cumulative shares rounded, so the
+    parts sum to the count exactly."""
+    ends_ER = torch.round(fraction_ER.cumsum(1) * counts_E[:, None].double()).long()
+    ends_ER[:, -1] = counts_E
+    ends_ER = torch.minimum(ends_ER, counts_E[:, None])
+    return torch.diff(ends_ER, dim=1, prepend=torch.zeros_like(ends_ER[:, :1]))
+
+
+def steered_split(counts_E: torch.Tensor, table: SlotTable, S: int, G: int, ep_group, routing: Routing,
+                  pressure_G: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `exact` split of one batch: every rank's routes per expert [E] from one all-gather over the EP
+    group, steered over the replicas (`planning.steer`, on the host). Returns this rank's routes per replica
+    n_ER [E, R] (on counts_E's device) and every rank's routes per slot slot_load_GP [G, P]."""
+    gathered = [torch.zeros_like(counts_E) for _ in range(G)]
+    if G > 1:
+        dist.all_gather(gathered, counts_E, group=ep_group)
+    else:
+        gathered = [counts_E]
+    counts_GE = torch.stack(gathered).cpu().long()         # steering runs on the host
+    devices_ER = torch.where(table.log2phy_ER >= 0, table.log2phy_ER // S, -1)
+    node_G = torch.zeros(G, dtype=torch.long) if routing.node_G is None else routing.node_G
+    split_GER = steer(counts_GE, devices_ER, node_G, pressure_G=pressure_G, **routing.steer_options)
+    P = G * S
+    slot_load_GP = torch.zeros(G, P + 1, dtype=torch.long)
+    slots_ER = torch.where(table.log2phy_ER >= 0, table.log2phy_ER, P)
+    slot_load_GP.index_add_(1, slots_ER.reshape(-1), split_GER.reshape(G, -1))
+    return split_GER[routing.rank].to(counts_E.device), slot_load_GP[:, :P]
