@@ -63,9 +63,10 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
         ds_gate = TopKGate(hidden, num_experts, k=k, capacity_factor=1.0, min_capacity=4).to(device).train()
         eb_gate = CrossLayerGate.from_topk_gate(ds_gate, layer_index=0).train()
         dev_gate = CrossLayerGate.from_topk_gate(ds_gate, layer_index=1).train()
-        dev_gate.set_device_loss(1.0, torch.arange(num_experts) // max(1, num_experts // 8))   # 8 EP ranks
+        dev_gate.controls.set_device_map(torch.arange(num_experts) // max(1, num_experts // 8))   # 8 EP ranks
+        dev_gate.controls.device_loss_weight = 1.0
         tally_gate = CrossLayerGate.from_topk_gate(ds_gate, layer_index=2).train()
-        tally_gate.enable_device_tally(8, torch.arange(num_experts) // max(1, num_experts // 8))
+        tally_gate.count_devices(8, torch.arange(num_experts) // max(1, num_experts // 8))
         x_TM = torch.randn(tokens, hidden, device=device, requires_grad=True)
         times = {"deepspeed": [], "easybalance": [], "device_loss": [], "device_tally": []}
         for rep in range(warmup + repeats):
@@ -78,7 +79,7 @@ def bench_gate(tokens: int = 4096, hidden: int = 1024, experts=(16, 64), k: int 
                 if rep >= warmup:
                     times[name].append(dt)
             for gate in (eb_gate, dev_gate, tally_gate):
-                gate.take_tally(device)  # the step boundary drains it
+                gate.tally.take(device)  # the step boundary drains it
         ds_med, eb_med = statistics.median(times["deepspeed"]), statistics.median(times["easybalance"])
         dev_med, tally_med = statistics.median(times["device_loss"]), statistics.median(times["device_tally"])
         rows.append({"tokens": tokens, "hidden": hidden, "experts": num_experts, "k": k,

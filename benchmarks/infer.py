@@ -192,7 +192,7 @@ def _plain_and_ours(args: dict, build, block: dict):
 
 class _ServingTimer:
     """Wall time of the serving engine's per-batch view update and of each applied re-plan, by wrapping the
-    two `Serving` methods the engine calls after a batch."""
+    two `ServingEngine` methods that run after a batch."""
 
     def __init__(self, serving):
         self.view_s, self.replan_s = 0.0, []
@@ -260,7 +260,7 @@ def _result(args: dict, engine, run: dict, timer: _ServingTimer, drops: dict, la
     heat = engine.easybalance.view.heat_LE
     share = heat / heat.sum(1, keepdim=True)
     bound = max(slot_bound(share[layer], G, serving.S_max) for layer in range(share.shape[0]))
-    expert_bytes = sum(p.numel() * p.element_size() for p in serving.expert_module(0, 0).parameters())
+    expert_bytes = sum(p.numel() * p.element_size() for p in serving.store.expert_module(0, 0).parameters())
     measured = len(run["caps_ours"])
     times, forward_s, replan_s = run["times"], run["forward_s"], timer.replan_s
     ratio = lambda caps, ideal: round(statistics.mean(c / i for c, i in zip(caps, ideal)), 4)
@@ -303,14 +303,15 @@ def _steering_ms(serving, x, repeats: int = 30) -> float:
     Both run without collectives (one rank holds every slot), so waits on other ranks do not count."""
     from deepspeed.moe.sharded_moe import TopKGate
 
-    from eb_deepspeed.adapters.deepspeed.replicas import ReplicaGate, SlotTable
+    from eb_deepspeed.adapters.deepspeed.replicas import ReplicaGate
+    from eb_deepspeed.adapters.serving.store import Routing, SlotTable
     gate = serving.gates[0]
     E, M = gate.wg.weight.shape[0], gate.wg.weight.shape[1]
     plain = TopKGate(M, E, gate.k, gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, None,
                      False, gate.use_rts, None, gate.top2_2nd_expert_sampling).eval()
     plain.wg = gate.wg
-    ours = ReplicaGate.from_gate(plain, 1, serving.P, rank=0, table=SlotTable.even(serving.placement.log2phy[0]),
-                                 split=gate.split, steer_options=gate.steer_options)
+    ours = ReplicaGate.from_gate(plain, 1, serving.P, table=SlotTable.even(serving.placement.log2phy[0]),
+                                 routing=Routing(split=gate.routing.split, steer_options=gate.routing.steer_options))
     ours.drop_tokens = gate.drop_tokens
     h = torch.randn(x.reshape(-1, x.shape[-1]).shape[0] if x.dtype.is_floating_point else x.numel(), M)
     ms = gate_medians_ms(plain, ours, h, repeats, skip=3, take_every=1)

@@ -12,7 +12,7 @@ weights). Rows:
     hf_micro           HF's own loss (all layers' router logits pooled, per micro-batch), easybalance observes
     micro              easybalance's per-layer loss, `aux.batch_scope` "micro" (fixed weights)
     global_exact       the same loss over the global batch (one [E] all-reduce per layer per micro-batch)
-    global_lagged      the global batch of the last step, from the view (no collective)
+    global_lagged      (measured, no gain, left the package) the last step's global batch, from the view
     sequence           DeepSeek-V3's sequence-wise loss
     cross_layer        the view's per-layer weights on the micro-batch loss
     bias               the selection bias (aux-loss-free) with a small loss
@@ -24,7 +24,7 @@ easybalance's `batch_scope` is refused there), the policies on top; same rows wh
 
     python -m benchmarks train --sweep --framework autoep --json > docs/bench_train_sweep_autoep.json    # ~80 min here
     python -m benchmarks train --sweep --framework megatron --json > docs/bench_train_sweep_megatron.json
-    python -m benchmarks train --sweep --framework deepspeed --scopes --policies micro global_exact global_lagged sequence \
+    python -m benchmarks train --sweep --framework deepspeed --scopes --policies micro global_exact sequence \
         bias_cross_layer --json > docs/bench_train_sweep_scopes.json                          # ~80 min here
 
 DeepSpeed-MoE (`--scopes`; the policies' own sweep is `python -m benchmarks train --sweep`): the example LM, 8 layers, top-1
@@ -60,11 +60,11 @@ def _control_rows(names: tuple[str, ...], coeff_flag: str, scope_args: dict[str,
     return {name: (row(name), COEFFS_OF_ROW[name]) for name in names}
 
 
-_SCOPE_FLAGS = {scope: ["--batch-scope", scope] for scope in ("global_exact", "global_lagged", "sequence")}
+_SCOPE_FLAGS = {scope: ["--batch-scope", scope] for scope in ("global_exact", "sequence")}
 AUTOEP_ROWS = {
     "none": (lambda c: ["--mode", "observe"], "none"),
     "hf_micro": (lambda c: ["--mode", "observe", "--hf-aux-coef", str(c)], "one"),
-    **_control_rows(("micro", "global_exact", "global_lagged", "sequence", "cross_layer", "bias", "bias_cross_layer"),
+    **_control_rows(("micro", "global_exact", "sequence", "cross_layer", "bias", "bias_cross_layer"),
                     "--loss-coeff", _SCOPE_FLAGS),
 }
 # metric -> (where in summary.json (None: its top level), what it is)
@@ -91,7 +91,7 @@ DROPPING_METRICS = {
     "device_max_over_mean_p90": ("train_second_half", "p90 over layers of device max/mean, second half"),
     "tokens_per_s": (None, "training tokens/s (every rank; noisy on a shared host)"),
 }
-DEEPSPEED_ROWS = _control_rows(("micro", "global_exact", "global_lagged", "sequence", "cross_layer",
+DEEPSPEED_ROWS = _control_rows(("micro", "global_exact", "sequence", "cross_layer",
                                  "bias_cross_layer"), "--coeff", _SCOPE_FLAGS)
 # framework -> its example, config (and the flag that takes it), arguments of every run, rows, metrics
 FRAMEWORKS = {

@@ -122,6 +122,7 @@ def main(argv=None):
     totals = torch.tensor([tokens, loss["plain"], loss["eb"], *kept["plain"], *kept["eb"]], dtype=torch.float64)
     torch.distributed.all_reduce(totals)
     tokens_all = float(totals[0])
+    engine.serving.settle()                            # the view step in flight, if any
     balancer = engine.easybalance
     view = balancer.view
     summary = {
@@ -139,8 +140,7 @@ def main(argv=None):
     }
     summary["verdict"] = serving_verdict(summary)
     if rank == 0:
-        balancer.flush_log()            # the log ends on the last view update
-        balancer.logger.close()
+        balancer.close()            # the log ends on the last view update
         if not args.no_report:
             from eb_deepspeed.observe.report import render_report
             summary["plots"] = render_report(os.path.join(args.run_dir, "balance"))

@@ -202,8 +202,7 @@ def main(argv=None):
                                                                  "device_max_over_mean_p90", "device_util_std")
                                          if k in tail[0]}}
         if balancer is not None:
-            balancer.flush_log()
-            balancer.logger.close()
+            balancer.close()
             if not args.no_report:
                 from eb_deepspeed.observe.report import render_report
                 summary["plots"] = render_report(os.path.join(args.run_dir, "balance"))

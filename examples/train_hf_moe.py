@@ -153,8 +153,7 @@ def main(argv=None):
         summary["final"] = final
         if balancer is not None:
             summary["balance"] = {k: v for k, v in balancer.metrics().items() if not isinstance(v, list)}
-            balancer.flush_log()        # the log ends on the last step
-            balancer.logger.close()
+            balancer.close()        # the log ends on the last step
             if not args.no_report:
                 from eb_deepspeed.observe.report import render_report
                 summary["plots"] = render_report(os.path.join(args.run_dir, "balance"))
@@ -192,7 +191,8 @@ def evaluate(engine, corpus, args, rank: int) -> dict:
     Python sources (the held-out files) against the stdlib's text files, as a total-variation distance
     0.5 x sum_e |p_code(e) - p_text(e)| (0: used alike, 1: disjoint), averaged over layers; every rank's
     batches together. Every rank runs the same number of forwards (AutoEP's all-to-all)."""
-    layers = [gate.layer for gate in engine.easybalance.gates]
+    from eb_deepspeed.adapters.autoep import find_autoep_layers
+    layers = [m for _, m in find_autoep_layers(engine.module)]
     usage = {}
 
     def counter(kind):

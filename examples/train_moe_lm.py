@@ -49,13 +49,9 @@ def parse_args(argv=None):
                    help="override easybalance.aux.policy of the config")
     p.add_argument("--bias-rate", type=float, default=None, help="override easybalance.aux.bias_rate")
     p.add_argument("--batch-scope", choices=BATCH_SCOPES, default=None, help="override easybalance.aux.batch_scope")
-    p.add_argument("--aux-smoothing", type=float, default=None, help="override easybalance.aux.smoothing")
     p.add_argument("--aux-weight-range", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help="override easybalance.aux.weight_range")
     p.add_argument("--aux-gain", type=float, default=None, help="override easybalance.aux.gain")
-    p.add_argument("--aux-mean-one", choices=["true", "false"], default=None, help="override easybalance.aux.mean_one")
-    p.add_argument("--aux-target", type=float, default=None, help="override easybalance.aux.target")
-    p.add_argument("--aux-device-scale", type=float, default=None, help="override easybalance.aux.device_scale")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="training text to read")
@@ -142,11 +138,8 @@ def main(argv=None):
         block["mode"] = args.mode
     if args.aux_policy is not None:
         block.setdefault("aux", {})["policy"] = args.aux_policy
-    mean_one = None if args.aux_mean_one is None else args.aux_mean_one == "true"
-    for key, value in (("bias_rate", args.bias_rate), ("smoothing", args.aux_smoothing),
-                       ("weight_range", args.aux_weight_range), ("gain", args.aux_gain), ("mean_one", mean_one),
-                       ("target", args.aux_target), ("device_scale", args.aux_device_scale),
-                       ("batch_scope", args.batch_scope)):
+    for key, value in (("bias_rate", args.bias_rate), ("weight_range", args.aux_weight_range),
+                       ("gain", args.aux_gain), ("batch_scope", args.batch_scope)):
         if value is not None:
             block.setdefault("aux", {})[key] = value
 
@@ -258,8 +251,7 @@ def main(argv=None):
                                          if tail and key in tail[0]}}
         if balancer is not None:
             summary["balance"] = {k: v for k, v in balancer.metrics().items() if not isinstance(v, list)}
-            balancer.flush_log()        # the log ends on the last step
-            balancer.logger.close()
+            balancer.close()        # the log ends on the last step
             if not args.no_report:
                 from eb_deepspeed.observe.report import render_report
                 summary["plots"] = render_report(os.path.join(args.run_dir, "balance"))

@@ -94,7 +94,7 @@ def scenario_tally(p):
     engine = engine_for(family, config(family, 0, accum, {"mode": "balance", "warmup_batches": 1}, p["out"]),
                         checkpointing=checkpointing)
     balancer = engine.easybalance
-    layers = [g.layer for g in balancer.gates]
+    layers = [m for _, m in find_autoep_layers(engine.module)]
     phase = {"now": None}
     own_LE = torch.zeros(len(layers), 4, dtype=torch.float64)
     valid = {"T": None}
@@ -139,13 +139,14 @@ def scenario_tally(p):
 def scenario_scopes(p):
     """`aux.batch_scope` on AutoEP with accumulation, padding and checkpointing: after every micro-batch each
     gate's f (what its loss took) against an independent count of the routes of the step so far on every rank
-    (global_exact), or of the last step (global_lagged); the sequence scope trains."""
+    (global_exact); the sequence scope trains."""
     scope, checkpointing, accum = p["scope"], p["checkpointing"], 2
     engine = engine_for("mixtral", config("mixtral", 0, accum, {"mode": "balance", "warmup_batches": 1,
                                                                  "aux": {"batch_scope": scope}}, p["out"]),
                         checkpointing=checkpointing)
-    gates = engine.easybalance.gates
-    own_LE = torch.zeros(len(gates), 4, dtype=torch.float64)
+    layers = [m for _, m in find_autoep_layers(engine.module)]
+    controls = engine.easybalance.controls
+    own_LE = torch.zeros(len(layers), 4, dtype=torch.float64)
     valid = {"T": None, "on": False}
 
     def counter(index):
@@ -154,10 +155,9 @@ def scenario_scopes(p):
                 own_LE[index] += torch.bincount(output[1][valid["T"]].flatten(), minlength=4).double()
         return hook
 
-    for index, gate in enumerate(gates):
-        gate.layer.router.register_forward_hook(counter(index))
+    for index, layer in enumerate(layers):
+        layer.router.register_forward_hook(counter(index))
     shares, wanted, losses = [], [], []
-    last_step_LE = None
     for step in range(3):
         step_LE = torch.zeros_like(own_LE)
         for micro in range(accum):
@@ -171,14 +171,10 @@ def scenario_scopes(p):
             dist.all_reduce(own_LE)
             step_LE += own_LE
             if scope != "sequence":
-                shares.append(torch.stack([g.global_share(rerun=True) if g.global_share(rerun=True) is not None
-                                           else torch.full((4, ), float("nan")) for g in gates]))
-                ref_LE = step_LE if scope == "global_exact" else last_step_LE
-                wanted.append(torch.full((len(gates), 4), float("nan")) if ref_LE is None
-                              else (ref_LE / ref_LE.sum(1, keepdim=True)).float())
+                shares.append(torch.stack([c.global_shares.share(c.layer, rerun=True) for c in controls]))
+                wanted.append((step_LE / step_LE.sum(1, keepdim=True)).float())
             engine.step()
-        last_step_LE = step_LE.clone()
-    return {"shares": shares, "wanted": wanted, "losses": losses, "scope": [g.batch_scope for g in gates]}
+    return {"shares": shares, "wanted": wanted, "losses": losses, "scope": [c.batch_scope for c in controls]}
 
 
 def scenario_checkpoint(p):
@@ -194,7 +190,7 @@ def scenario_checkpoint(p):
     fresh = engine_for(family, cfg, seed=5)
     path, client = fresh.load_checkpoint(ckpt)
     loaded = fresh.easybalance.state_dict()
-    bias_of_gates = [g.bias_E.clone() for g in fresh.easybalance.gates]
+    bias_of_gates = [c.bias_E.clone() for c in fresh.easybalance.controls]
     fresh_loss, _ = train(fresh, 1)
     plain = engine_for(family, config(family, zero, 1), use_eb=False, seed=5)
     with warnings.catch_warnings():
@@ -257,7 +253,7 @@ def scenario_serve(p):
     model = eb_deepspeed.init_inference(engine, config={"easybalance": _serve_block(p, split=p.get("split", "view"))})
     serving = model.serving
     rows = _compare(model, plain, range(1))
-    first = model.easybalance.record()                  # the view of AutoEP's own layout under the skew
+    first = model.easybalance.log.record(model.easybalance)   # the view of AutoEP's own layout under the skew
     rows += _compare(model, plain, range(1, p.get("batches", 5)))
     replicated = serving.placement
     returned = serving.apply(serving.home)
@@ -275,10 +271,11 @@ def scenario_serve(p):
         handle = model.register_forward_hook(flip)
         got = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
         handle.remove()
-    layer = serving.moes[0]
+    layer = serving.store.moes[0]
     return {"rows": rows, "returned": returned, "generate_equal": torch.equal(want, got), "flips": flips,
             "S_max": serving.S_max,
-            "H": serving.H, "moves": serving.weight_moves, "record": model.easybalance.record(), "first": first,
+            "H": serving.H, "moves": serving.weight_moves, "record": model.easybalance.log.record(model.easybalance),
+            "first": first,
             "num_local_experts": layer.num_local_experts, "w1_rows": layer.experts.w1.shape[0],
             "replicated_slots": replicated.slots_per_device, "logged": os.path.join(p["out"], "serve_log")}
 
@@ -293,7 +290,7 @@ def scenario_serve_empty(p):
                                                                                    replan_interval=1000)})
     serving = model.serving
     serving.apply(plan_placement(torch.tensor([[9.0, 4, 1, 1]] * 2), 2, serving.S_max, previous=serving.placement))
-    layer, plain_layer = serving.moes[0], find_autoep_layers(plain)[0][1]
+    layer, plain_layer = serving.store.moes[0], find_autoep_layers(plain)[0][1]
     out = []
     for b in range(3):
         g = torch.Generator().manual_seed(b)

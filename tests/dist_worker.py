@@ -70,17 +70,21 @@ def train_step(engine, step: int, grads: dict | None = None, coeff: float = 0.1)
     return loss.detach()
 
 
+def gates_of(engine) -> list:
+    """The engine's MoE gates (CrossLayerGates once swapped), in layer order."""
+    from eb_deepspeed.adapters.deepspeed import find_moe_layers
+    return [m.deepspeed_moe.gate for _, m in find_moe_layers(engine.module)]
+
+
 def view_state(engine) -> dict:
     eb = engine.easybalance
-    gates = eb.gates
+    gates = gates_of(engine)
     return {"pressure_LG": eb.view.pressure_LG.clone(), "heat_LE": eb.view.heat_LE.clone(),
             "updates_L": eb.view.updates_L.clone(), "steps": eb.view.steps,
-            "last_tally": eb.view.state_dict()["last_tally"], "aux_weight": eb.aux_weights(),
-            "weight_L": eb.controller.weight_L.clone(), "bias_LE": eb.controller.bias_LE.clone(),
-            "layer_w_L": eb.controller.layer_w_L.clone(), "log_w_L": eb.controller.log_w_L.clone(),
-            "device_loss_weight": eb.device_loss_weights(),
-            "gate_device_loss": [g.device_loss_weight for g in gates],
-            "gate_bias": [None if g.selection_bias_E is None else g.selection_bias_E.clone() for g in gates]}
+            "last_tally": eb.view.state_dict()["last_tally"], "bias_LE": eb.controller.bias_LE.clone(),
+            "log_w_L": eb.controller.log_w_L.clone(), "device_loss_weight": eb.device_loss_weights(),
+            "gate_device_loss": [g.controls.device_loss_weight for g in gates],
+            "gate_bias": [None if g.controls.bias_E is None else g.controls.bias_E.clone() for g in gates]}
 
 
 # ---------------------------------------------------------------------- scenarios
@@ -247,7 +251,8 @@ def scenario_pipeline(p):
     eb = engine.easybalance
     return {"engine": type(engine).__name__, "stage": engine.stage_id, "global_steps": engine.global_steps,
             "view": view_state(engine), "layers": eb.layers, "num_layers": eb.num_layers,
-            "gate_bias": [g.selection_bias_E.double() for g in eb.gates], "gate_layers": [g.layer_index for g in eb.gates]}
+            "gate_bias": [g.controls.bias_E.double() for g in gates_of(engine)],
+            "gate_layers": [g.layer_index for g in gates_of(engine)]}
 
 
 def _load_global_experts(model_ep, state_full, rank: int):
@@ -311,8 +316,8 @@ def scenario_view(p):
             engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.1 * sum(l_aux))
             engine.step()
             counts.append(calls[0])
-            controls.append((eb.controller.layer_w_L.clone(), eb.controller.bias_LE.clone()))
-    return {"view": view_state(engine), "counts": counts, "controls": controls, "rank_to_node": eb.rank_to_node,
+            controls.append((eb.controller.log_w_L.clone(), eb.controller.bias_LE.clone()))
+    return {"view": view_state(engine), "counts": counts, "controls": controls, "rank_to_node": eb.shape.rank_to_node,
             "metrics": eb.metrics(), "optimizer": type(engine.optimizer).__name__}
 
 
@@ -324,7 +329,7 @@ def scenario_scopes(p):
     block = {"mode": "balance", "warmup_batches": 1, "aux": {"policy": "fixed", "batch_scope": scope},
              "log": {"dir": os.path.join(p["out"], "log")}}
     engine = make_engine(make_model(ep_size=2), base_config(gradient_accumulation_steps=accum, easybalance=block))
-    gates = engine.easybalance.gates
+    gates = gates_of(engine)
     own_LE = torch.zeros(len(gates), 4, dtype=torch.float64)
     counting = {"on": False}
 
@@ -354,11 +359,11 @@ def scenario_scopes(p):
             torch.distributed.all_reduce(own_LE)
             step_LE += own_LE
             if scope != "sequence":
-                shares.append(torch.stack([g.global_share(rerun=True) for g in gates]))
+                shares.append(torch.stack([g.controls.global_shares.share(g.controls.layer, rerun=True) for g in gates]))
                 wanted.append((step_LE / step_LE.sum(1, keepdim=True)).float())
             engine.step()
     return {"shares": shares, "wanted": wanted, "losses": losses, "l_aux": l_aux_all,
-            "seq_len": [g.seq_len for g in gates], "scope": [g.batch_scope for g in gates]}
+            "seq_len": [g.controls.seq_len for g in gates], "scope": [g.controls.batch_scope for g in gates]}
 
 
 def scenario_checkpoint(p):
@@ -366,7 +371,7 @@ def scenario_checkpoint(p):
     and the next step gives what the uninterrupted run gives."""
     ckpt = os.path.join(p["out"], "ckpt")
     aux = {"policy": p["policy"]}
-    if p["policy"] == "bias":
+    if "bias" in p["policy"]:
         aux["bias_rate"] = 0.05
     cfg = base_config(easybalance={"mode": "balance", "warmup_batches": 1, "aux": aux,
                                    "log": {"dir": os.path.join(p["out"], "log")}})
@@ -528,7 +533,7 @@ def scenario_nan_note(p):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             engine.easybalance.note(lm_loss=float("nan") if rank == 1 and step == 1 else float(loss))
-        noted.append(engine.easybalance.record()["lm_loss"])
+        noted.append(engine.easybalance.log.record(engine.easybalance)["lm_loss"])
     return {"steps": int(engine.easybalance.view.steps), "noted": noted}
 
 
@@ -716,7 +721,7 @@ def scenario_serve_trial(p):
         replicas = serving.placement.slots_per_device > serving.H
         if rank == 0 and replicas == (p["slow"] == "replicas"):
             _time.sleep(0.03)
-    serving.moes[0].register_forward_pre_hook(slow_down)
+    serving.store.moes[0].register_forward_pre_hook(slow_down)
     rows = _serve_and_compare(engine, plain, 10, rank)
     return {"rows": rows, "trials": serving.trials, "S": serving.S, "H": serving.H, "replans": serving.replans,
             "resident_slots": serving.resident.slots_per_device, "one_each": serving.gates[0].one_each,

@@ -138,23 +138,6 @@ def scenario_recompute(p):
     return out
 
 
-def scenario_aux_weight(p):
-    """A layer's aux weight w scales its aux-loss gradient by w; the other layer's is untouched.
-
-    Layer 0's router also gets layer 1's aux gradient through its output: weight 0 measures that part."""
-    from eb_deepspeed.adapters.megatron import attach
-    rank = dist.get_rank()
-    out = {}
-    for w in (0.0, 1.0, 3.0):
-        model = make()
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        attach(model, block(p, mode="balance", aux={"policy": "fixed"}), optimizer=opt)
-        model.moes[0].router.set_aux_weight(w)
-        _, grads = train(model, 1, opt, rank, aux_only=True)      # only the aux losses carry gradient
-        out[w] = {n: g for n, g in grads[0].items() if "router" in n}
-    return out
-
-
 def scenario_device_loss(p):
     """The device loss adds its own gradient, linear in its weight; zero weight adds nothing."""
     from eb_deepspeed.adapters.megatron import attach
@@ -164,7 +147,7 @@ def scenario_device_loss(p):
         model = make(layers=1)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         eb = attach(model, block(p, mode="balance", aux={"policy": "cross_layer"}), optimizer=opt)
-        model.moes[0].router.set_device_loss(w, eb.view.expert_to_device_E)
+        model.moes[0].router.controls.device_loss_weight = w      # the map: the balancer's
         _, grads = train(model, 1, opt, rank, aux_only=True)
         out[w] = grads[0]["moes.0.router.weight"]
     return out
@@ -187,7 +170,7 @@ def scenario_bias(p):
             seen["logits"] = module.gating(args[0]).detach().reshape(-1, E)
         handle = router.register_forward_hook(grab)
         if biased:
-            router.set_selection_bias(torch.tensor([0.0, 0.0, 0.0, 5.0]))   # pull every token to expert 3
+            router.controls.set_bias(torch.tensor([0.0, 0.0, 0.0, 5.0]))   # pull every token to expert 3
         _, grads = train(model, 1, opt, rank, aux_only=True)
         handle.remove()
         out[biased] = {"probs": seen["probs"], "map": seen["map"], "logits": seen["logits"],
@@ -210,7 +193,7 @@ def scenario_checkpoint(p):
     fresh = attach(fresh_model, cfg, optimizer=torch.optim.SGD(fresh_model.parameters(), lr=0.05))
     loaded = load_state(fresh, path)
     return {"loaded": loaded, "saved": eb.state_dict(), "restored": fresh.state_dict(),
-            "gate_bias": fresh_model.moes[1].router.selection_bias_E.double(), "steps": eb.view.steps}
+            "gate_bias": fresh_model.moes[1].router.controls.bias_E.double(), "steps": eb.view.steps}
 
 
 def scenario_disagree(p):

@@ -99,52 +99,47 @@ def test_the_batch_scopes_on_deepspeed_moe_count_the_global_batch_or_each_sequen
         assert ranks[0]["seq_len"] == [16, 16]                 # the MOELayer hook saw [B, S, D]
 
 
-@pytest.mark.parametrize("policy", ["cross_layer", "bias"])
-def test_controls_change_only_at_accumulation_boundaries_and_are_identical_on_every_rank(run_dist, policy):
+def test_controls_change_only_at_accumulation_boundaries_and_are_identical_on_every_rank(run_dist):
     accum, steps = 2, 4
-    ranks = run_dist("view", 2, accum=accum, steps=steps, mode="balance", policy=policy)
+    ranks = run_dist("view", 2, accum=accum, steps=steps, mode="balance", policy="bias_cross_layer")
     controls = ranks[0]["controls"]
     changed = [m for m in range(1, len(controls))
                if not (torch.equal(controls[m][0], controls[m - 1][0]) and torch.equal(controls[m][1], controls[m - 1][1]))]
     # micro-step m (0-based) ends a boundary when (m + 1) % accum == 0; warm-up 1 -> every boundary acts
     assert changed == [m for m in range(1, steps * accum) if (m + 1) % accum == 0]
-    layer_w_L, bias_LE = controls[-1]     # the per-layer device-loss weights (cross_layer), the bias (bias)
-    if policy == "cross_layer":
-        assert abs(float(layer_w_L.mean()) - 1.0) < 1e-9 and not torch.equal(layer_w_L, torch.ones(2, dtype=layer_w_L.dtype))
-    else:
-        assert bias_LE.abs().sum() > 0 and bias_LE.sum(1).abs().max() < 1e-9
+    log_w_L, bias_LE = controls[-1]       # the per-layer device-loss weights' integrator, the bias
+    assert abs(float(log_w_L.exp().mean()) - 1.0) < 1e-9 and not torch.equal(log_w_L, torch.zeros_like(log_w_L))
+    assert bias_LE.abs().sum() > 0 and bias_LE.sum(1).abs().max() < 1e-9
     for rank in ranks[1:]:
         for (w, b), (w0, b0) in zip(rank["controls"], controls):
             assert torch.equal(w, w0) and torch.equal(b, b0)
     view = ranks[0]["view"]
     assert ranks[1]["view"]["device_loss_weight"] == view["device_loss_weight"]
-    assert view["device_loss_weight"] == ([float(x) for x in layer_w_L] if policy == "cross_layer" else [0.0, 0.0])
+    assert view["device_loss_weight"] == [float(x) for x in log_w_L.exp()]
     assert view["gate_device_loss"] == view["device_loss_weight"]     # what the gates use
+    assert all(torch.equal(g.double(), b.float().double()) for g, b in zip(view["gate_bias"], view["bias_LE"]))
 
 
-@pytest.mark.parametrize("policy", ["cross_layer", "bias"])
-def test_checkpoint_round_trip_restores_the_view_and_controls_and_the_next_step_matches(run_dist, policy):
-    ranks = run_dist("checkpoint", 2, policy=policy)
+def test_checkpoint_round_trip_restores_the_view_and_controls_and_the_next_step_matches(run_dist):
+    ranks = run_dist("checkpoint", 2, policy="bias_cross_layer")
     for rank in ranks:
         assert rank["loaded"]
-        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally", "weight_L", "bias_LE", "layer_w_L", "log_w_L"):
+        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally", "bias_LE", "log_w_L"):
             assert torch.equal(rank["restored"][key], rank["saved"][key]), key
             assert torch.equal(rank["after_b"][key], rank["after_a"][key]), f"next step {key}"
         assert rank["restored"]["steps"] == rank["saved"]["steps"] == 3
-        assert rank["restored"]["aux_weight"] == rank["saved"]["aux_weight"]
         assert rank["restored"]["gate_device_loss"] == rank["saved"]["gate_device_loss"]
-        if policy == "cross_layer":  # the controller acted before the save: weights are not all 1
-            assert rank["saved"]["device_loss_weight"] != [1.0, 1.0]
-            assert abs(sum(rank["saved"]["device_loss_weight"]) / 2 - 1.0) < 1e-9
-        else:
-            assert rank["saved"]["bias_LE"].abs().sum() > 0 and rank["saved"]["aux_weight"] == [1.0, 1.0]
-            assert all(torch.equal(g.double(), b.float().double()) for g, b in
-                       zip(rank["restored"]["gate_bias"], rank["restored"]["bias_LE"]))
-        assert torch.equal(rank["saved"]["weight_L"], ranks[0]["saved"]["weight_L"])  # same on every rank
+        # the controller acted before the save: weights are not all 1, the bias not all 0
+        assert rank["saved"]["device_loss_weight"] != [1.0, 1.0]
+        assert abs(sum(rank["saved"]["device_loss_weight"]) / 2 - 1.0) < 1e-9
+        assert rank["saved"]["bias_LE"].abs().sum() > 0
+        assert all(torch.equal(g.double(), b.float().double()) for g, b in
+                   zip(rank["restored"]["gate_bias"], rank["restored"]["bias_LE"]))
+        assert torch.equal(rank["saved"]["log_w_L"], ranks[0]["saved"]["log_w_L"])  # same on every rank
         assert torch.equal(rank["saved"]["bias_LE"], ranks[0]["saved"]["bias_LE"])
         assert rank["client"]["user_key"] == 42 and "easybalance" not in rank["client"]  # ours is taken out
         # the same engine reloaded at a step its hook had already seen still updates on the next step
-        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally", "weight_L", "bias_LE"):
+        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally", "log_w_L", "bias_LE"):
             assert torch.equal(rank["after_reload"][key], rank["after_a"][key]), f"reload {key}"
         assert rank["after_reload"]["steps"] == 4
         assert rank["plain_loaded"] and "easybalance" in rank["plain_client_keys"]

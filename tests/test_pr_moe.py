@@ -42,7 +42,7 @@ def test_layers_of_2_4_and_8_experts_train_with_the_view_identical_on_every_rank
     view = first["view"]
     assert view["heat_LE"].shape == (3, 8) and view["pressure_LG"].shape == (3, 2)
     for rank_index, rank in enumerate(ranks):
-        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally", "bias_LE", "layer_w_L"):
+        for key in ("pressure_LG", "heat_LE", "updates_L", "last_tally", "bias_LE", "log_w_L"):
             assert torch.equal(rank["view"][key], view[key]), f"rank {rank_index} {key}"
     last = Tally.unpack(view["last_tally"], 8)
     tokens = 2 * 4 * 16
@@ -66,7 +66,7 @@ def test_layers_of_2_4_and_8_experts_train_with_the_view_identical_on_every_rank
 def test_a_pr_moe_checkpoint_restores_the_view_and_controls_exactly(run_dist, policy):
     for rank in run_dist("checkpoint", 2, policy=policy, model=PR_MOE):
         assert rank["loaded"] and rank["plain_loaded"]
-        for key in ("pressure_LG", "heat_LE", "updates_L", "weight_L", "bias_LE", "layer_w_L", "log_w_L"):
+        for key in ("pressure_LG", "heat_LE", "updates_L", "bias_LE", "log_w_L"):
             assert torch.equal(rank["restored"][key], rank["saved"][key]), key
             assert torch.equal(rank["after_b"][key], rank["after_a"][key]), key
         assert rank["saved"]["heat_LE"].shape == (2, 4)
