@@ -10,7 +10,7 @@
     python -m benchmarks infer [--json] [--framework autoep]   serving with replicas vs plain, 2 and 4 gloo ranks
     python -m benchmarks simulate [--workload all] [--json]   the EasyBalance article's table + our rows
 
-Every benchmark's --json carries a `targets` object. Results and the commands behind them: benchmarks/RESULTS.md.
+Every benchmark's --json carries a `targets` object. Results and the commands behind them: docs/benchmarks.md (their JSON: benchmarks/results/).
 """
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def _simulate(args) -> int:
     from . import sim
     from eb_deepspeed.observe.traces import ranks_in_log
     names = list(sim.WORKLOADS) if args.workload == "all" else [args.workload]
-    cfg = sim.SimConfig(model=sim.ClusterModel(topology=sim.TOPOLOGIES[args.topology], window=args.window),
+    cfg = sim.SimConfig(model=sim.ClusterModel(topology=sim.TOPOLOGIES[args.topology], run_ahead=args.run_ahead),
                         extra_slots=args.extra_slots)
     workloads = []
     for name in names:
@@ -294,7 +294,7 @@ def _simulate_parser(sub) -> None:
                    help="EP ranks (8; with --workload trace, the ranks our own balance log recorded)")
     p.add_argument("--steps", type=counting, default=40, help="steps simulated (40)")
     p.add_argument("--extra-slots", type=non_negative, default=2, help="replica slots per device beyond experts / devices")
-    p.add_argument("--window", type=counting, default=1, help="1 = synchronised per layer; w > 1 = bounded run-ahead")
+    p.add_argument("--run-ahead", type=counting, default=1, help="1 = synchronised per layer; w > 1 = bounded run-ahead")
     p.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.set_defaults(func=_simulate)

@@ -1,7 +1,7 @@
 """The AutoEP benchmark's three rows beside three candidate settings of the balance, in one run (how the
 default `aux.loss_coeff` was chosen; docs/benchmarks.md, "AutoEP").
 
-    DS_ACCELERATOR=cpu python -m benchmarks.autoep_candidates > docs/bench_train_autoep.json    # ~20 min, 2 cores
+    DS_ACCELERATOR=cpu python -m benchmarks.autoep_candidates > benchmarks/results/bench_train_autoep.json    # ~20 min, 2 cores
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """What watching costs a serving gate: our `ReplicaGate` in DeepSpeed's layout against DeepSpeed's own
 `TopKGate`, side by side in one process (top-2, no drops, no collectives), interleaved.
 
-    DS_ACCELERATOR=cpu python benchmarks/gate_overhead.py          # T=512 tokens, E=8 experts, M=64
-    DS_ACCELERATOR=cpu python benchmarks/gate_overhead.py 4096 64 256
+    DS_ACCELERATOR=cpu python -m benchmarks.gate_overhead          # T=512 tokens, E=8 experts, M=64
+    DS_ACCELERATOR=cpu python -m benchmarks.gate_overhead 4096 64 256
 
 Prints one JSON object: the median forward time of each gate, their difference per forward, the cost of the
 tally's `take()` (one view step every `--view-interval` forwards, amortised), the extra work as a share of
@@ -21,13 +21,14 @@ def measure(T: int, E: int, M: int, view_interval: int, repeats: int) -> dict:
     import torch
     from deepspeed.moe.sharded_moe import TopKGate
 
-    from eb_deepspeed.adapters.deepspeed.replicas import ReplicaGate, SlotTable
+    from eb_deepspeed.adapters.deepspeed.replicas import ReplicaGate
+    from eb_deepspeed.adapters.serving.store import SlotTable
     from eb_deepspeed.planning.placement import static_placement
     from benchmarks.infer import gate_medians_ms
     torch.set_num_threads(1)
     torch.manual_seed(0)
     plain = TopKGate(M, E, 2, 1.0, 1.0, 4, None, False, True, None, True).eval()
-    ours = ReplicaGate.from_gate(plain, 1, E, rank=0, table=SlotTable.even(static_placement(1, E, 1).log2phy[0]))
+    ours = ReplicaGate.from_gate(plain, 1, E, table=SlotTable.even(static_placement(1, E, 1).log2phy[0]))
     h = torch.randn(T, M)
     ms = gate_medians_ms(plain, ours, h, repeats, skip=20, take_every=view_interval)
     extra = ms["ours"] - ms["plain"] + ms["take"] / view_interval

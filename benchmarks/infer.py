@@ -71,7 +71,7 @@ def _zipf_layer(E: int, hidden: int, G: int, drop: bool, seed: int = 0):
     return layer, classes
 
 
-class _ZipfModel(torch.nn.Module):
+class ZipfModel(torch.nn.Module):
     def __init__(self, E, hidden, G, drop):
         super().__init__()
         self.layer, self.classes = _zipf_layer(E, hidden, G, drop)
@@ -80,7 +80,7 @@ class _ZipfModel(torch.nn.Module):
         return self.layer(x)[0], None
 
 
-def _zipf_batches(classes, n: int, T: int, s: float, rank: int, drift: int = 0):
+def zipf_batches(classes, n: int, T: int, s: float, rank: int, drift: int = 0):
     """n batches [1, T, M] of class embeddings + noise; with `drift`, the hot class moves every `drift` batches."""
     E = classes.shape[0]
     p = zipf(E, s)
@@ -157,7 +157,7 @@ def run_rank(args: dict) -> dict:
     n = args["warmup_batches"] + args["trial_batches"] + args["batches"]
     rank = torch.distributed.get_rank()
     batches = _example_batches(args, n, rank) if args["router"] == "example" else \
-        _zipf_batches(plain.classes, n, args["tokens"], args["zipf"], rank, args.get("drift", 0))
+        zipf_batches(plain.classes, n, args["tokens"], args["zipf"], rank, args.get("drift", 0))
     timer = _ServingTimer(engine.serving)
     run = _interleaved(args, plain, engine, batches, timer)
     drops = _drop_rates(args, build, _plain_of, block, batches[args["warmup_batches"]:], rank)
@@ -168,7 +168,7 @@ def _build_model(args: dict, G: int, drop: bool):
     """The row's model: the example LM (from the main job's checkpoint when there is one) or the Zipf layer."""
     if args["router"] == "example":
         return _example_model(args, G, drop, args.get("ckpt"))
-    return _ZipfModel(args["experts"], args["hidden"], G, drop)
+    return ZipfModel(args["experts"], args["hidden"], G, drop)
 
 
 def _plain_of(model):

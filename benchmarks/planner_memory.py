@@ -1,7 +1,7 @@
 """The planner's time and peak memory, one plan per process (so each peak RSS is that plan's own).
 
-    DS_ACCELERATOR=cpu python benchmarks/planner_memory.py            # the cases of docs/benchmarks.md
-    DS_ACCELERATOR=cpu python benchmarks/planner_memory.py 1 16384 16384 1
+    DS_ACCELERATOR=cpu python -m benchmarks.planner_memory            # the cases of docs/benchmarks.md
+    DS_ACCELERATOR=cpu python -m benchmarks.planner_memory 1 16384 16384 1
 
 Each case: `plan_placement` on a log-normal load (seed 0) of L layers x E experts over G devices x S
 slots; prints the time, the process's peak RSS, and the plan's mean expected slot max/mean (the quality,

@@ -22,15 +22,15 @@ Megatron-Core: `examples/megatron_train_moe.py` (4 layers, 8 experts, top-2, cap
 2 CPU ranks, Megatron's own losses by `moe_router_load_balancing_type` (aux_loss, global_aux_loss, seq_aux_loss;
 easybalance's `batch_scope` is refused there), the policies on top; same rows where they exist.
 
-    python -m benchmarks train --sweep --framework autoep --json > docs/bench_train_sweep_autoep.json    # ~80 min here
-    python -m benchmarks train --sweep --framework megatron --json > docs/bench_train_sweep_megatron.json
+    python -m benchmarks train --sweep --framework autoep --json > benchmarks/results/bench_train_sweep_autoep.json    # ~80 min here
+    python -m benchmarks train --sweep --framework megatron --json > benchmarks/results/bench_train_sweep_megatron.json
     python -m benchmarks train --sweep --framework deepspeed --scopes --policies micro global_exact sequence \
-        bias_cross_layer --json > docs/bench_train_sweep_scopes.json                          # ~80 min here
+        bias_cross_layer --json > benchmarks/results/bench_train_sweep_scopes.json                          # ~80 min here
 
 DeepSpeed-MoE (`--scopes`; the policies' own sweep is `python -m benchmarks train --sweep`): the example LM, 8 layers, top-1
 and top-2 alternating, micro-batch 4 x 2 accumulation steps, the batch scopes of DeepSpeed's `l_aux`.
     python -m benchmarks train --sweep --framework autoep --quick                                        # the tests' size
-    python -m benchmarks train --sweep --framework autoep --from docs/bench_train_sweep_autoep.json     # re-judge only
+    python -m benchmarks train --sweep --framework autoep --from benchmarks/results/bench_train_sweep_autoep.json     # re-judge only
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout: benchmarks/ (Zipf router)
 from moe_lm import MoELM, StdlibCorpus  # noqa: E402
 
 
@@ -87,7 +88,7 @@ def train(args, rank: int, world: int, counter: _AllReduceCounter) -> dict:
         losses.append(round(loss.item(), 4))
     engine.save_checkpoint(os.path.join(args.run_dir, "ckpt"), client_state={"step": args.steps})
     return {"steps": args.steps, "lm_loss_first": losses[0], "lm_loss_last": losses[-1],
-            "rank_to_node": list(balancer.rank_to_node), "num_nodes": balancer.num_nodes,
+            "rank_to_node": list(balancer.shape.rank_to_node), "num_nodes": balancer.num_nodes,
             "allreduces_per_step": sorted(set(per_step)), "view_steps": int(balancer.view.steps)}
 
 
@@ -103,7 +104,7 @@ def _route_devices(out, slots_per_device: int) -> torch.Tensor:
 def serve(args, rank: int, world: int, node_of_rank: list[int]) -> dict:
     from eb_deepspeed import init_inference
     from eb_deepspeed.adapters.deepspeed.engine import find_moe_layers
-    from benchmarks.infer import _zipf_batches, _ZipfModel
+    from benchmarks.infer import ZipfModel, zipf_batches
 
     E, hidden = 8, 64
     # what the rehearsal shows is where routes go under the exact split (node-local), not its speed on one
@@ -113,13 +114,13 @@ def serve(args, rank: int, world: int, node_of_rank: list[int]) -> dict:
              "inference": {"replica_slots": 1, "split": "exact", "view_interval": 1, "replan_interval": 4,
                            "trial_batches": 0},
              "log": {"dir": os.path.join(args.run_dir, "serve_balance")}}
-    plain = _ZipfModel(E, hidden, world, False)
+    plain = ZipfModel(E, hidden, world, False)
     for _, moe in find_moe_layers(plain):
         moe.set_deepspeed_parallelism()
     plain.eval()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine = init_inference(_ZipfModel(E, hidden, world, False), config={"easybalance": block})
+        engine = init_inference(ZipfModel(E, hidden, world, False), config={"easybalance": block})
     serving = engine.serving
     my_node = node_of_rank[rank]
     counts = {"plain": [0, 0], "ours": [0, 0]}           # [routes, cross-node routes]
@@ -144,7 +145,7 @@ def serve(args, rank: int, world: int, node_of_rank: list[int]) -> dict:
     plain.layer.deepspeed_moe.gate.register_forward_hook(hook("plain", lambda: E // world))
     for gate in serving.gates:
         gate.register_forward_hook(hook("ours", lambda: serving.S))
-    batches = _zipf_batches(plain.classes, 4 + args.serve_batches, args.tokens, 1.0, rank)
+    batches = zipf_batches(plain.classes, 4 + args.serve_batches, args.tokens, 1.0, rank)
     equal = True
     with torch.no_grad():
         for b, x in enumerate(batches):

@@ -787,13 +787,16 @@ def _inject_move_fault(serving, phase: str) -> None:
 
     def fail():
         raise RuntimeError(f"injected: the link went down ({phase})")
-    if phase in ("prepare", "verify"):
-        name = "_prepare" if phase == "prepare" else "_verify"
-        original = getattr(serving, name)
-        setattr(serving, name, lambda *a: fail() if first_call() else original(*a))
+    import eb_deepspeed.adapters.serving.engine as engine_module
+    if phase == "prepare":
+        original = serving._prepare
+        serving._prepare = lambda *a: fail() if first_call() else original(*a)
         return
-    import eb_deepspeed.adapters.deepspeed.serving as serving_module
-    original_post = serving_module._post
+    if phase == "verify":           # a module function of the engine: patched for this process's weight moves
+        original_verify = engine_module._verify
+        engine_module._verify = lambda *a: fail() if first_call() else original_verify(*a)
+        return
+    original_post = engine_module._post
 
     class FailingWait:
         def __init__(self, work):
@@ -809,7 +812,7 @@ def _inject_move_fault(serving, phase: str) -> None:
         if phase == "post":
             fail()
         return FailingWait(original_post(op))
-    serving_module._post = post
+    engine_module._post = post
 
 
 def scenario_serve_move_fault(p):

@@ -71,7 +71,7 @@ def test_the_users_dict_is_never_changed_whether_it_parses_or_fails(block):
     ({"aux": {"aux_scale": 0.1}}, r"easybalance\.aux\.aux_scale: removed \(every l_aux keeps weight 1"),
     ({"log": {"max_mb": 1}}, r"easybalance\.log\.max_mb: removed"),
     ({"aux": {"batch_scope": "global_lagged"}},
-     r"easybalance\.aux\.batch_scope \('global_lagged'\) must be one of: micro, global_exact, sequence"),
+     r"easybalance\.aux\.batch_scope \('global_lagged'\): removed \(.*\); use one of: micro, global_exact, sequence"),
     ({"inference": {"split": "fast"}}, r"easybalance\.inference\.split \('fast'\) must be one of: view, exact"),
     ({"topology": "nvlink"}, r"easybalance\.topology: moved to easybalance\.inference\.topology"),
     ({"decision_batch": 4}, r"easybalance\.decision_batch: moved to easybalance\.inference\.decision_batch"),
@@ -126,7 +126,7 @@ def test_a_config_error_is_caught_where_value_errors_are_with_its_path():
     ({"mode": "observe", "inference": {"decision_batch": 4}, "warmup_batches": 2, "ema_alpha": 0.2,
       "aux": {"policy": "bias"}}, "train",
      ["easybalance.aux.policy", "easybalance.inference.decision_batch", "easybalance.warmup_batches"]),
-    ({"mode": "observe", "window": 3}, "inference", ["easybalance.window"]),
+    ({"mode": "observe", "window": 3}, "serve", ["easybalance.window"]),
     # balance, training: inference options, and the aux options the policy does not read
     ({"inference": {"replica_slots": 2, "topology": "nvlink"}, "aux": {"policy": "cross_layer", "bias_rate": 0.1}},
      "train", ["easybalance.inference.replica_slots", "easybalance.inference.topology", "easybalance.aux.bias_rate"]),
@@ -134,8 +134,8 @@ def test_a_config_error_is_caught_where_value_errors_are_with_its_path():
     ({"aux": {"policy": "fixed"}, "window": 3, "warmup_batches": 2}, "train",
      ["easybalance.warmup_batches", "easybalance.window"]),
     # balance, serving: the training controls
-    ({"aux": {"gain": 0.5}, "inference": {"replica_slots": 2}}, "inference", ["easybalance.aux.gain"]),
-    ({"inference": {"decision_batch": 4}, "aux": {"policy": "bias", "bias_rate": 0.01}}, "inference",
+    ({"aux": {"gain": 0.5}, "inference": {"replica_slots": 2}}, "serve", ["easybalance.aux.gain"]),
+    ({"inference": {"decision_batch": 4}, "aux": {"policy": "bias", "bias_rate": 0.01}}, "serve",
      ["easybalance.aux.bias_rate", "easybalance.aux.policy"]),
     ({"ema_alpha": 0.2, "seq_len_weighting": True}, "train", []),
 ])
@@ -150,7 +150,7 @@ def test_the_readme_block_of_defaults_warns_about_nothing_and_a_changed_key_stil
     start = readme.index("```json", readme.index("The block, with its defaults")) + len("```json")
     doc = json.loads("{" + readme[start:readme.index("```", start)] + "}")
     cfg = EasyBalanceConfig.from_ds_config(doc)
-    assert cfg.ignored_options("train") == [] and cfg.ignored_options("inference") == []
+    assert cfg.ignored_options("train") == [] and cfg.ignored_options("serve") == []
     doc["easybalance"]["inference"]["replica_slots"] = 3
     doc["easybalance"]["aux"].update(policy="fixed", gain=0.5)  # the fixed policy has no gain
     assert EasyBalanceConfig.from_ds_config(doc).ignored_options("train") == [
@@ -225,4 +225,4 @@ def test_every_mutated_block_is_valid_or_a_config_error_naming_its_path(where, v
         return
     # what parsed is usable: the numbers that reach the loop are finite and in range
     assert 0 < cfg.ema_alpha <= 1 and cfg.window_for(64) < 2 ** 31 and cfg.inference.view_interval >= 1
-    cfg.ignored_options("train"), cfg.ignored_options("inference"), cfg.to_dict()
+    cfg.ignored_options("train"), cfg.ignored_options("serve"), cfg.to_dict()

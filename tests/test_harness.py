@@ -3,7 +3,7 @@ import pytest
 
 from conftest import launch
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.distributed      # real process pairs (and one that hangs on purpose)
 
 
 def test_a_hung_multi_rank_launch_fails_with_every_ranks_last_lines(tmp_path):

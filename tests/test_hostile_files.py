@@ -16,7 +16,7 @@ import zipfile
 import pytest
 import torch
 
-from benchmarks import sim
+from eb_deepspeed import load_trace
 from eb_deepspeed.core.config import ConfigError, EasyBalanceConfig
 from eb_deepspeed.observe.report import read_log
 from eb_deepspeed.planning.export import placement_json, read_placement_json, trivial_placement
@@ -135,7 +135,7 @@ def test_a_deflated_torch_file_that_expands_past_the_bound_is_refused_before_loa
     # the bound: max(64 MiB, 8 x the file's size), never past 2 GiB; 80,000,000 bytes pass 64 MiB = 67,108,864
     with pytest.raises(ValueError, match=r"bomb.pt: its zip entries expand to 8000\d{4} bytes, more than the "
                                          r"67108864 allowed .* at least 64 MiB, never past 2 GiB"):
-        sim.load_trace(str(path))
+        load_trace(str(path))
     assert eb_main(["plan", str(path), "--devices", "2", "--slots", "2"]) == 2
     assert "its zip entries expand to" in capsys.readouterr().err
 
@@ -143,7 +143,7 @@ def test_a_deflated_torch_file_that_expands_past_the_bound_is_refused_before_loa
 def test_a_deflated_torch_file_within_the_bound_still_loads(tmp_path):
     path = tmp_path / "small.pt"
     deflated_torch_save({"logical_count": torch.arange(24.0).view(2, 3, 4)}, path)
-    assert sim.load_trace(str(path)).tolist() == torch.arange(24.0).view(2, 3, 4).tolist()
+    assert load_trace(str(path)).tolist() == torch.arange(24.0).view(2, 3, 4).tolist()
 
 
 def test_a_torch_file_larger_than_the_trace_bound_is_refused_before_reading(tmp_path):
@@ -151,7 +151,7 @@ def test_a_torch_file_larger_than_the_trace_bound_is_refused_before_reading(tmp_
     with open(path, "wb") as f:
         f.truncate(MAX_TRACE_BYTES + 1)               # sparse: no disk used
     with pytest.raises(ValueError, match=r"huge.pt holds 2147483649 bytes, more than the 2048 MiB"):
-        sim.load_trace(str(path))
+        load_trace(str(path))
 
 
 def test_a_stored_view_that_claims_more_counts_than_its_storage_is_refused_before_any_copy(tmp_path):
@@ -159,14 +159,14 @@ def test_a_stored_view_that_claims_more_counts_than_its_storage_is_refused_befor
     huge = torch.zeros(1, 1, 1, dtype=torch.float64).expand(1000, 1000, 300)
     torch.save({"logical_count": huge}, tmp_path / "view.pt")
     with pytest.raises(ValueError, match=rf"'logical_count' holds 300000000 counts .* than the {MAX_TRACE_COUNTS}"):
-        sim.load_trace(str(tmp_path / "view.pt"))
+        load_trace(str(tmp_path / "view.pt"))
     # SGLang per_pass records: each under the bound, together over it, refused before one is copied
     record_LP = torch.zeros(1, 1).expand(1000, 100_000)
     torch.save({"records": [{"global_physical_count": record_LP}] * 3,
                 "last_physical_to_logical_map": torch.zeros(1, 1, dtype=torch.long).expand(1000, 100_000)},
                tmp_path / "passes.pt")
     with pytest.raises(ValueError, match=rf"3 records of .* hold more than the {MAX_TRACE_COUNTS} counts"):
-        sim.load_trace(str(tmp_path / "passes.pt"))
+        load_trace(str(tmp_path / "passes.pt"))
 
 
 @pytest.mark.parametrize("reader", ["plan", "ds_config", "sweep"])
@@ -193,7 +193,7 @@ def test_a_json_document_larger_than_64_mib_is_refused_before_reading(tmp_path, 
      r"balance.jsonl:2: device_max_over_mean\[1\] is 9{37}\.\.\.: out of range"),
     ('{"step": 2, "device_util_std": 1e999}', r"balance.jsonl:2: device_util_std is 1e999: out of range"),
     ('{"step": 2, "pressure_LG": [[1.0, -1e400]]}', r"balance.jsonl:2: pressure_LG\[0\]\[1\] is -1e400"),
-    ('{"step": 2, "aux_weight": [' + "1" * 21 + "]}", r"balance.jsonl:2: aux_weight\[0\] is 1{21}: out of range"),
+    ('{"step": 2, "device_loss_weight": [' + "1" * 21 + "]}", r"balance.jsonl:2: device_loss_weight\[0\] is 1{21}: out of range"),
     ('{"step": 99999999999999999999}', r"balance.jsonl:2: step is 99999999999999999999: out of range"),
     ('{"step": 2, "notes": {"loss": ' + "1" * 5000 + "}}", r"balance.jsonl:2: notes\['loss'\] is 1{37}\.\.\."),
 ])
@@ -212,11 +212,11 @@ def test_nan_infinity_and_the_largest_floats_as_the_writer_logs_them_render_as_g
                                                          pressure_LG=[[float("inf"), 1.0]])),
                                        json.dumps(record(2 ** 62, device_util_std=1.7e308))])
     with open(run / "balance.jsonl", "a") as f:     # 3-digit exponents and 20 digits, all within range
-        f.write('{"step": 9223372036854775807, "aux_weight": [1e300, 1e-999, -1.5E+307, 12345678901234567890]}\n')
+        f.write('{"step": 9223372036854775807, "device_loss_weight": [1e300, 1e-999, -1.5E+307, 12345678901234567890]}\n')
     assert "Infinity" in (run / "balance.jsonl").read_text()
     records = read_log(str(run))
     assert [r["step"] for r in records] == [1, 2, 2 ** 62, 2 ** 63 - 1]
-    assert records[-1]["aux_weight"] == [1e300, 0.0, -1.5e307, 12345678901234567890]
+    assert records[-1]["device_loss_weight"] == [1e300, 0.0, -1.5e307, 12345678901234567890]
     with pytest.warns(UserWarning, match=r"beyond \+-1e\+300 is drawn as a gap"):    # 1.7e308: no axis spans it
         assert eb_main(["report", str(run)]) == 0
 
@@ -299,3 +299,38 @@ def test_deeply_nested_plan_and_sweep_files_are_clear_errors(tmp_path, text, cap
     assert bench_main(["train", "--sweep", "--from", str(tmp_path / "doc.json"),
                     "--out", str(tmp_path / "out")]) == 2
     assert "doc.json: not a saved sweep result (JSON) (nested too deeply" in capsys.readouterr().err
+
+
+# ---- 5. trace importers: one validation path, bounded work, a ValueError naming the file ----
+
+@pytest.mark.parametrize("content, message", [
+    ({"expert_load_pass": torch.ones(1, 4), "physical_to_logical_map": torch.tensor([[0, 1, 10 ** 9, 2]])},
+     r"ids outside \[-1, 4\)"),                                   # would allocate 10^9 experts
+    ({"expert_load_pass": torch.ones(1, 4), "physical_to_logical_map": torch.tensor([[0, 1, -2, 2]])},
+     r"ids outside \[-1, 4\)"),                                   # would silently drop that slot's counts
+    ({"expert_load_pass": torch.ones(1, 4), "physical_to_logical_map": torch.tensor([[0.0, 1.0, float("nan"), 2.0]])},
+     "whole expert ids"),
+    ({"expert_load_pass": torch.ones(1, 4), "physical_to_logical_map": torch.full((1, 4), -1)}, "no expert"),
+    ({"expert_load_pass": torch.ones(0, 4), "physical_to_logical_map": torch.zeros(0, 4)}, "empty"),
+    ({"logical_count": torch.full((2, 3), 1e30)}, "counts above"),
+    ({"logical_count": torch.ones(2, 3, dtype=torch.complex64)}, "real token counts"),
+    ({"logical_count": torch.ones(2, 3, dtype=torch.bool)}, "real token counts"),
+])
+def test_hostile_trace_files_are_refused_before_any_large_allocation(tmp_path, content, message):
+    torch.save(content, tmp_path / "t.pt")
+    with pytest.raises(ValueError, match=message):
+        load_trace(str(tmp_path / "t.pt"))
+
+
+@pytest.mark.parametrize("lines, message", [
+    (["7"], r"balance.jsonl:1: a balance record is a JSON object with an integer 'step', got int"),
+    (['{"step": 1}', "null"], r"balance.jsonl:2: .* got NoneType"),
+    (['{"step": "one"}'], r"balance.jsonl:1: .*integer 'step'"),
+    (["[" * 100000 + "]" * 100000], r"balance.jsonl:1: not a JSON record"),
+    (['{"step": 1, "expert_counts_LE": [[1e30, 1]]}'], "counts above"),
+    (['{"step": 1, "expert_counts_LE": [[1, 2]]}', '{"step": 2, "expert_counts_LE": [[1, 2, 3]]}'], "one shape"),
+])
+def test_hostile_balance_logs_are_refused_with_the_line(tmp_path, lines, message):
+    (tmp_path / "balance.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_trace(str(tmp_path))

@@ -82,6 +82,39 @@ def test_the_core_imports_neither_deepspeed_nor_megatron():
             assert not hits, f"{mod} imports {hits}"
 
 
+ADAPTERS = ("deepspeed", "autoep", "megatron", "serving")     # common.py is the kit every adapter may use
+
+
+def _adapter(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "adapters" and parts[2] in ADAPTERS else None
+
+
+def test_no_adapter_imports_another_adapters_private_names():
+    bad = []
+    for mod, path in modules().items():
+        if _adapter(mod) is None:
+            continue
+        package = mod if path.endswith("__init__.py") else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                other = _adapter(base)
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if other is not None and other != _adapter(mod) and private:
+                    bad.append(f"{mod} imports {private} from {base}")
+    assert not bad, bad
+
+
+def test_the_serving_engine_and_its_store_protocol_import_no_framework_and_no_adapter():
+    for name in ("eb_deepspeed.adapters.serving.engine", "eb_deepspeed.adapters.serving.store"):
+        deps = imports_of(modules()[name], set(modules()))
+        frameworks = [i for i in deps if i.split(".")[0] in FRAMEWORKS + ("transformers", )]
+        adapters = [i for i in deps if _adapter(i) not in (None, "serving")]
+        assert not frameworks and not adapters, (name, frameworks, adapters)
+
+
 def test_the_import_graph_has_no_cycle():
     g = graph()
     state: dict[str, int] = {}

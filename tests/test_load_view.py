@@ -37,13 +37,13 @@ def test_device_pressure_counts_kept_routes_and_heat_counts_demand():
     assert m["token_drop_rate"] == pytest.approx(4 / 14)
 
 
-def test_cross_layer_pressure_sums_a_window_of_layers_clipped_at_the_ends():
+def test_window_pressure_sums_a_window_of_layers_clipped_at_the_ends():
     view = LoadView(4, E, 2, window=1)
     rows = [tally([1, 0, 0, 0]), tally([2, 0, 0, 0]), tally([3, 0, 0, 0]), tally([4, 0, 0, 0])]
     view.update(stack(*rows))
     # device 0 pressure per layer 1, 2, 3, 4; window 1: [1+2, 1+2+3, 2+3+4, 3+4]
-    assert view.cross_layer_pressure()[:, 0].tolist() == [3.0, 6.0, 9.0, 7.0]
-    assert view.cross_layer_pressure(window=0)[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert view.window_pressure()[:, 0].tolist() == [3.0, 6.0, 9.0, 7.0]
+    assert view.window_pressure(window=0)[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_warm_up_needs_that_many_valid_updates_of_every_layer():

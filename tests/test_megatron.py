@@ -38,6 +38,8 @@ def test_under_megatrons_activation_recompute_each_route_is_counted_once(run_meg
         assert recomputed["losses"] == plain["losses"] and recomputed["steps"] == plain["steps"] == 2
         assert torch.equal(recomputed["tally"], plain["tally"])      # not doubled by the re-run in backward
 
+
+@pytest.mark.distributed
 def test_the_device_loss_adds_a_gradient_linear_in_its_weight(run_megatron):
     for rank in run_megatron("device_loss"):
         base, one, two = rank[0.0], rank[1.0], rank[2.0]

@@ -14,22 +14,12 @@ PR_MOE = {"experts": [2, 4]}          # DeepSpeed's TestPRMoE shape: 2 then 4 ex
 PYRAMID = {"layers": 3, "experts": [2, 4, 8]}
 
 
-def test_pr_moe_with_residual_in_observe_and_balance_gives_plain_deepspeeds_losses_gradients_and_weights(run_dist):
-    for rank in run_dist("equivalence", 2, residual=True, model=PR_MOE):
-        plain = rank["plain"]
-        assert any("coefficient" in name for name in plain["params"])          # the residual branch is there
-        assert {n.split(".deepspeed_experts.")[1].split(".")[0] for n in plain["params"] if "blocks.1.moe" in n
-                and ".deepspeed_experts." in n} == {"0", "1"}                     # 4 experts / 2 ranks in layer 1
-        for name in ("observe", "balance"):
-            assert rank[name]["gate"] == "CrossLayerGate" and rank[name]["has_balancer"]
-            assert [float(x) for x in rank[name]["losses"]] == [float(x) for x in plain["losses"]], name
-            for step, (g, g_plain) in enumerate(zip(rank[name]["grads"], plain["grads"])):
-                assert_tensors_equal(g, g_plain, f"{name} step {step} grads")
-            assert_tensors_equal(rank[name]["params"], plain["params"], f"{name} params")
-
-
 def test_pr_moe_seeded_once_as_a_user_runs_it_is_bit_identical_in_observe_and_balance(run_dist):
     for rank in run_dist("user_equivalence", 2, residual=True, model=PR_MOE):
+        params = rank["plain"]["params"]
+        assert any("coefficient" in name for name in params)                   # the residual branch is there
+        assert {n.split(".deepspeed_experts.")[1].split(".")[0] for n in params if "blocks.1.moe" in n
+                and ".deepspeed_experts." in n} == {"0", "1"}                   # 4 experts / 2 ranks in layer 1
         for name in ("observe", "balance"):
             assert [float(x) for x in rank[name]["losses"]] == [float(x) for x in rank["plain"]["losses"]], name
             assert_tensors_equal(rank[name]["params"], rank["plain"]["params"], name)

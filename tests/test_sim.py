@@ -41,11 +41,11 @@ def test_layer_cost_grows_with_tokens_bytes_and_messages_and_network_hops():
 
 def test_run_ahead_never_takes_longer_than_synchronised_execution():
     times = torch.rand(16, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    sync = ClusterModel(window=1).step_time(times)
+    sync = ClusterModel(run_ahead=1).step_time(times)
     assert sync == pytest.approx(float(times.amax(1).sum()))
-    assert ClusterModel(window=4).step_time(times) <= sync
+    assert ClusterModel(run_ahead=4).step_time(times) <= sync
     flat = torch.ones(16, 4, dtype=torch.float64)
-    assert ClusterModel(window=4).step_time(flat) == pytest.approx(16.0)
+    assert ClusterModel(run_ahead=4).step_time(flat) == pytest.approx(16.0)
 
 
 def test_synthetic_workloads_conserve_tokens_and_correlate_hot_experts_across_layers():

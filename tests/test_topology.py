@@ -25,11 +25,6 @@ def test_a_topology_follows_the_nodes_unless_the_user_set_it(name, explicit, nod
     assert (warning is None) if warns is None else (warns in warning)
 
 
-def test_across_nodes_communication_weighs_at_least_0_4_as_the_seed_says():
-    assert TOPOLOGIES["multi_node"].weights[2] >= 0.4
-    assert all(abs(sum(t.weights) - 1.0) < 1e-12 for t in TOPOLOGIES.values())
-
-
 def test_hop_cost_uses_the_topologys_same_node_hop():
     cost = hop_cost(torch.tensor([0, 0, 1]), TOPOLOGIES["nvlink"].node_hop)
     assert cost.tolist() == [[0.0, 0.1, 1.0], [0.1, 0.0, 1.0], [1.0, 1.0, 0.0]]

@@ -11,7 +11,7 @@ Cost of one layer on device d (seconds):
               + steer_s per layer for per-batch exact steering (its all-gather of counts and the host's split;
                 0 by default, as the article has it: `python -m benchmarks infer --framework autoep` measured 4-15 ms)
 Execution is synchronised per layer (a layer takes its slowest device), or with bounded run-ahead:
-a device may start layer l once every device has finished layer l - window. Links, latencies and
+a device may start layer l once every device has finished layer l - run_ahead. Links, latencies and
 devices per node come from the one topology table, `core.topology.TOPOLOGIES`.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ class ClusterModel:
     route_s: float = 0.6e-6        # expert compute per routed token (8192 routes/device ~ 4.9 ms)
     decision_s: float = 0.3e-6     # one steering decision (per-token: ~2.5 ms per layer at 4096 x 2)
     padded: bool = False           # compute ~ padded capacity (DeepSpeed drop_tokens=False) instead of tokens
-    window: int = 1                # 1 = synchronised per layer; w > 1 = bounded run-ahead
+    run_ahead: int = 1             # 1 = synchronised per layer; w > 1 = bounded run-ahead (layers)
     steer_s: float = 0.0           # exact steering's cost per layer (`fixed_s` of `layer_times`)
 
     def node_of(self, G: int) -> torch.Tensor:
@@ -60,13 +60,13 @@ class ClusterModel:
 
     def step_time(self, times_LG: torch.Tensor) -> float:
         """Wall time of one step from per-layer per-device times [L, G]."""
-        if self.window <= 1:
+        if self.run_ahead <= 1:
             return float(times_LG.amax(1).sum())
         L, G = times_LG.shape
         finish = torch.zeros(L, G, dtype=torch.float64)
         for l in range(L):  # layers, not tokens
             ready = finish[l - 1] if l else torch.zeros(G, dtype=torch.float64)
-            if l - self.window >= 0:
-                ready = torch.maximum(ready, finish[l - self.window].max().expand(G))
+            if l - self.run_ahead >= 0:
+                ready = torch.maximum(ready, finish[l - self.run_ahead].max().expand(G))
             finish[l] = ready + times_LG[l]
         return float(finish[-1].max())

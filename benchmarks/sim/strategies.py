@@ -82,7 +82,7 @@ class SimConfig:
     warmup: int = 3                  # steps of view before the first plan (the EasyBalance article, §4.3)
     movable: float = 0.35            # fraction of routes with a near-tie candidate expert (the EasyBalance article's steering)
     ema_alpha: float = 0.3
-    window: int = 5
+    window: int = 5                  # the view's cross-layer half-width (easybalance.window)
     decision_batch: int = 8
     weights: tuple | None = None     # (intra, cross, comm) of steering; None = model.topology's preset
 
@@ -206,7 +206,7 @@ def _step(spec: Strategy, cfg: SimConfig, c_LGE: torch.Tensor, placement: Placem
     L, G, _ = c_LGE.shape
     model = cfg.model
     devices_LER = placement.expert_devices()
-    cross_LG = view.cross_layer_pressure() if view.steps else None
+    cross_LG = view.window_pressure() if view.steps else None
     intra, cross, comm = cfg.cost_weights
     # Within a synchronised step a layer waits for its slowest device whatever its neighbours do, so
     # steering folds the cross-layer weight into the intra-layer one (the cross-layer view still acts

@@ -1,5 +1,8 @@
 """Adapters: glue between the framework-neutral core and a training/serving framework.
 
-`common` is the kit they share; `deepspeed` (DeepSpeed-MoE's `MoE` layers, serving), `autoep` (Hugging Face
-models converted by DeepSpeed's AutoEP) and `megatron` (Megatron-Core's router) hold what differs; `serving`
-is the one `init_inference` that sends a model to the serving of its kind."""
+`common` is the kit they share (one `attach` recipe); `deepspeed` (DeepSpeed-MoE's `MoE` layers), `autoep`
+(Hugging Face models converted by DeepSpeed's AutoEP) and `megatron` (Megatron-Core's router) hold what differs;
+`serving` is the framework-neutral serving engine over the slot stores of `deepspeed` and `autoep`, and
+`init_inference`, the one door to it."""
+
+__all__ = []   # the kit and the adapters are subpackages: `adapters.deepspeed`, `adapters.autoep`, ...

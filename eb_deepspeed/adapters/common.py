@@ -28,8 +28,7 @@ from ..core.record import BalanceLogger, NullLogger
 from ..core.topology import node_map
 from ..observe.monitor import DeepSpeedMonitorLogger, JsonlLogger, MultiLogger, WandbRunLogger
 
-__all__ = ["attach", "dist_ready", "dist_rank", "gather_startup", "join_startup_off", "rank_to_node", "reduce_over",
-           "make_logger", "torch_optimizer", "write_atomically"]
+__all__ = ["attach"]
 
 
 def attach(config: EasyBalanceConfig, gates: list, summary: dict[str, Any], *,

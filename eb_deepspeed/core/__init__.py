@@ -6,14 +6,9 @@ on it, and it runs in one CPU process. See docs/design.md for the layering.
 from ._lazy import lazy_exports
 
 _EXPORTS = {
-    "metrics": ".metrics", "Balancer": ".balancer", "BalancedGate": ".balancer", "ModelShape": ".balancer",
-    "check_agreement": ".balancer", "LayerControls": ".controls", "BalanceLog": ".record",
-    "EasyBalanceConfig": ".config", "ConfigError": ".config", "CostWeights": ".config", "LogConfig": ".config",
-    "AuxConfig": ".config", "InferenceConfig": ".config", "POLICIES": ".policies", "AuxController": ".policies",
-    "BalanceLogger": ".record", "NullLogger": ".record", "Tally": ".tally", "TallyLayout": ".tally",
-    "LayerTally": ".tally", "TOPOLOGIES": ".topology", "Topology": ".topology", "hop_cost": ".topology",
-    "node_map": ".topology", "resolve_topology": ".topology", "LoadView": ".view",
-    "sequence_length_weights": ".view",
+    "metrics": ".metrics", "Balancer": ".balancer", "ModelShape": ".balancer", "LayerControls": ".controls",
+    "LayerTally": ".tally", "Tally": ".tally", "LoadView": ".view", "EasyBalanceConfig": ".config",
+    "ConfigError": ".config", "POLICIES": ".policies",
 }
-__all__ = list(_EXPORTS)
+__all__ = [k for k in _EXPORTS if k != "metrics"]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)   # imported on first use (torch is slow to load)

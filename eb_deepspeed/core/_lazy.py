@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["lazy_exports"]
+__all__ = []
 
 
 def lazy_exports(package: str, exports: dict[str, str]):

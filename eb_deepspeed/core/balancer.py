@@ -36,7 +36,7 @@ from .record import BalanceLog, BalanceLogger
 from .tally import LayerTally, TallyLayout, widen_row
 from .view import LoadView, sequence_length_weights
 
-__all__ = ["Balancer", "BalancedGate", "ModelShape", "check_agreement"]
+__all__ = ["Balancer", "BalancedGate", "ModelShape"]
 
 
 class BalancedGate(Protocol):
@@ -120,12 +120,15 @@ class Balancer:
         devices = {t.layout.num_devices for t in self.tallies}
         if len(devices) > 1:
             raise ValueError(f"the gates' tallies count {sorted(devices)} devices: one number for every layer")
-        self.tally_devices = devices.pop() if devices else 0   # > 0: the gates count routes per EP rank themselves
+        self.counted_devices = devices.pop() if devices else 0   # > 0: the gates count routes per EP rank themselves
         self.device = torch.device(device)
-        self.view = LoadView(L, self.experts_L, shape.devices_L, ema_alpha=config.ema_alpha,
+        self._view = LoadView(L, self.experts_L, shape.devices_L, ema_alpha=config.ema_alpha,
                              window=config.window_for(L), warmup_batches=config.warmup_batches,
                              expert_to_device_E=shape.expert_to_device_LE)
         self.controller = AuxController(L, self.num_experts, config.aux)
+        # a step whose reduce runs elsewhere in the background (serving's `ServingEngine.settle`): reads of `view`
+        # take it first, so what a user reads is never a step behind
+        self.settle: Optional[Callable[[], None]] = None
         self.controls_on = config.mode == "balance" and train    # observe, and serving, change no loss and no route
         self.samples = 0                  # the adapter's sample count, for log steps
         self._nonfinite = {"warned_at": None, "steps": 0, "layers": set()}
@@ -151,11 +154,18 @@ class Balancer:
         """Each layer's expert -> EP rank map on its controls (the device loss reads it)."""
         if self.controls_on and self.controller.uses_device_loss:
             for layer, ctl in zip(self.layers, self.controls):
-                ctl.set_device_map(self.view.layer_map(layer))
+                ctl.set_device_map(self._view.layer_map(layer))
+
+    @property
+    def view(self) -> LoadView:
+        """The cross-layer load view (a step in flight elsewhere taken first: `settle`)."""
+        if self.settle is not None:
+            self.settle()
+        return self._view
 
     @property
     def num_layers(self) -> int:
-        return self.view.L
+        return self._view.L
 
     @property
     def num_nodes(self) -> int:
@@ -176,11 +186,11 @@ class Balancer:
     # ------------------------------------------------------------------ per step
     def gather(self) -> torch.Tensor:
         """Drain every local tally into one packed [L, W] tensor on `device` (rows of other ranks' layers are 0)."""
-        width = TallyLayout(self.num_experts, self.tally_devices).width
+        width = TallyLayout(self.num_experts, self.counted_devices).width
         packed_LW = torch.zeros(self.num_layers, width, dtype=torch.float64, device=self.device)
         for layer, tally in zip(self.layers, self.tallies):
             packed_LW[layer] = widen_row(tally.take(self.device), self.experts_L[layer], self.num_experts,
-                                         self.tally_devices)
+                                         self.counted_devices)
         if self.global_shares is not None:
             self.global_shares.new_step()
         return packed_LW
@@ -212,10 +222,10 @@ class Balancer:
         """The view and the controls take one step's reduced tally [L, W] (`gather`'s, reduced). Returns
         valid_L [L]: the layers the view took."""
         # the reduced buffer is this step's alone: the view takes it as it is (one host copy from an accelerator)
-        valid_L = self.view.update_packed(packed_LW.to("cpu", torch.float64), self.tally_devices)
-        if self.controls_on and self.controller.update(self.view, valid_L):
+        valid_L = self._view.update_packed(packed_LW.to("cpu", torch.float64), self.counted_devices)
+        if self.controls_on and self.controller.update(self._view, valid_L):
             self.apply_controls()
-        self._warn_nonfinite([i for i, n in enumerate(self.view.last.nonfinite_L.tolist()) if n > 0])
+        self._warn_nonfinite([i for i, n in enumerate(self._view.last.nonfinite_L.tolist()) if n > 0])
         self.log.after_step(self)
         return valid_L
 
@@ -227,12 +237,12 @@ class Balancer:
         seen = self._nonfinite
         seen["steps"] += 1
         seen["layers"].update(bad)
-        if seen["warned_at"] is not None and self.view.steps - seen["warned_at"] < self.config.log.interval:
+        if seen["warned_at"] is not None and self._view.steps - seen["warned_at"] < self.config.log.interval:
             return
         warnings.warn(f"easybalance: non-finite router logits in MoE layers {sorted(seen['layers'])} at "
-                      f"{seen['steps']} step(s) up to step {self.view.steps}; those layers were left out of the "
+                      f"{seen['steps']} step(s) up to step {self._view.steps}; those layers were left out of the "
                       "load view and their controls held for those steps (repeated at most once per log interval)")
-        self._nonfinite = {"warned_at": self.view.steps, "steps": 0, "layers": set()}
+        self._nonfinite = {"warned_at": self._view.steps, "steps": 0, "layers": set()}
 
     def apply_controls(self) -> None:
         """Write the controller's bias and device-loss weights into the gates' controls (`balance` mode only)."""
@@ -256,7 +266,7 @@ class Balancer:
         policies tilt routing (0.0 where there is no bias)."""
         if not self.controls_on or not self.controller.uses_bias:
             return [0.0] * self.num_layers
-        bias_LE, mask_LE = self.controller.bias_LE, self.view.mask_LE
+        bias_LE, mask_LE = self.controller.bias_LE, self._view.mask_LE
         spread_L = torch.where(mask_LE, bias_LE, -math.inf).amax(1) - torch.where(mask_LE, bias_LE, math.inf).amin(1)
         return [float(v) for v in spread_L]
 
@@ -271,7 +281,7 @@ class Balancer:
     def note(self, **scalars: float) -> None:
         """Scalars of the training loop to log beside the balance numbers, e.g. `note(lm_loss=loss.item())`
         before `engine.step()` (`BalanceLog.note`)."""
-        self.log.note(self.view.steps, **scalars)
+        self.log.note(self._view.steps, **scalars)
 
     def close(self) -> None:
         """Write the last step's record if it was not written (also done at interpreter exit), and close the log."""
@@ -286,7 +296,7 @@ class Balancer:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, object]:
-        return {"version": self.VERSION, "view": self.view.state_dict(), "aux": self.controller.state_dict(),
+        return {"version": self.VERSION, "view": self._view.state_dict(), "aux": self.controller.state_dict(),
                 "config": self.config.to_dict()}
 
     def why_unfit(self, state: object) -> Optional[str]:
@@ -302,7 +312,7 @@ class Balancer:
         if version != self.VERSION:
             return (f"the balancer state format {version} is newer than this eb_deepspeed reads ({self.VERSION}); "
                     "upgrade eb_deepspeed")
-        return self.view.why_unfit(state.get("view")) or self.controller.why_unfit(state.get("aux"))
+        return self._view.why_unfit(state.get("view")) or self.controller.why_unfit(state.get("aux"))
 
     def load_state_dict(self, state: dict[str, object]) -> bool:
         """Restore a saved state; returns False (and changes nothing) for a state of an older format.
@@ -316,8 +326,8 @@ class Balancer:
             raise ValueError(problem)
         if state.get("version", 0) < self.VERSION:
             return False
-        self.view.load_state_dict(state["view"])
-        self.log.resumed(self.view.steps)
+        self._view.load_state_dict(state["view"])
+        self.log.resumed(self._view.steps)
         changed = self.controller.load_state_dict(state["aux"])
         self._set_maps()
         self.apply_controls()

@@ -28,11 +28,11 @@ from .files import MAX_JSON_DEPTH, json_too_deep, load_json
 from .policies import POLICIES
 from .topology import TOPOLOGIES
 
-__all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "InferenceConfig", "EasyBalanceConfig", "SPLITS"]
+__all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "InferenceConfig", "EasyBalanceConfig"]
 
 MODES = ("observe", "balance")
 SPLITS = ("view", "exact")          # how serving splits an expert's routes over its replicas
-CONTEXTS = ("train", "inference")   # eb_deepspeed.initialize / eb_deepspeed.init_inference
+CONTEXTS = ("train", "serve")   # eb_deepspeed.initialize / eb_deepspeed.init_inference (as a record's "phase")
 CHECKPOINT_MODES = ("strict", "ignore_mismatch")   # easybalance.checkpoint: a saved state that does not fit
 # Keys of earlier versions, and where they live now.
 MOVED = {"topology": "inference.topology", "decision_batch": "inference.decision_batch"}
@@ -181,7 +181,7 @@ class EasyBalanceConfig:
         """JSON paths the user set, to other than their defaults, that have no effect in this mode and context
         (one warning each).
 
-        context: "train" (`eb_deepspeed.initialize`) or "inference" (`eb_deepspeed.init_inference`).
+        context: "train" (`eb_deepspeed.initialize`) or "serve" (`eb_deepspeed.init_inference`).
         `observe` changes nothing, so every option that only steers decisions is ignored there.
         """
         if context not in CONTEXTS:
@@ -376,6 +376,9 @@ def _aux(block: Any, path: str) -> AuxConfig:
     loss_coeff = _number(block.get("loss_coeff", d.loss_coeff), f"{path}.loss_coeff")
     if not 0.0 <= loss_coeff <= 1e6:
         raise ConfigError(f"{path}.loss_coeff ({loss_coeff}) must be in [0, 1e6]")
+    if block.get("batch_scope") == "global_lagged":
+        raise ConfigError(f"{path}.batch_scope ('global_lagged'): removed (the last step's global batch measured no "
+                          f"gain and has no anchor); use one of: {', '.join(BATCH_SCOPES)}")
     batch_scope = _choice(block.get("batch_scope", d.batch_scope), f"{path}.batch_scope", BATCH_SCOPES)
     return AuxConfig(policy=policy, weight_range=(lo, hi), gain=gain, bias_rate=rate, device_weight=device_weight,
                      loss_coeff=loss_coeff, batch_scope=batch_scope, explicit=frozenset(block))

@@ -13,7 +13,7 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MAX_JSON_DEPTH", "open_regular", "load_json", "json_too_deep"]
+__all__ = []
 
 MAX_JSON_BYTES = 64 * 2 ** 20   # one JSON document (a ds_config, a plan, a saved result): real ones are < 1 MiB
 MAX_JSON_DEPTH = 100            # its nesting: a DeepSpeed config nests about 4 levels; ~300 break deepcopy

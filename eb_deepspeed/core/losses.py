@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BATCH_SCOPES", "GlobalShares", "expert_balance_loss", "device_balance_loss", "sequence_balance_loss"]
+__all__ = ["GlobalShares", "expert_balance_loss", "device_balance_loss", "sequence_balance_loss"]
 
 BATCH_SCOPES = ("micro", "global_exact", "sequence")
 

@@ -16,8 +16,7 @@ import math
 
 import torch
 
-__all__ = ["max_over_mean", "balancedness", "aggregate_balancedness", "max_vio", "cv",
-           "device_util_std", "token_drop_rate", "deepspeed_capacity", "dropped_routes", "summarize", "per_width"]
+__all__ = ["max_over_mean", "balancedness", "aggregate_balancedness", "max_vio", "cv", "device_util_std", "token_drop_rate"]
 
 
 def _as_LX(load: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from .state import why_tensors_unfit
 
-__all__ = ["POLICIES", "device_scores", "bias_update", "AuxController"]
+__all__ = ["POLICIES", "AuxController"]
 
 _ERROR_CLIP = 1.0   # one step moves a log-weight by at most gain x this (a single outlier step cannot jump it)
 
@@ -164,7 +164,7 @@ def _cross_layer_step(ctl: "AuxController", view, valid_L: torch.Tensor) -> bool
     if not bool(valid_L.all()):   # the weights are relative to each other: hold them all while a layer is out
         return False
     lo, hi = ctl.cfg.weight_range
-    ctl.log_w_L = integral_weights(ctl.log_w_L, device_scores(view.pressure_LG, view.cross_layer_pressure()),
+    ctl.log_w_L = integral_weights(ctl.log_w_L, device_scores(view.pressure_LG, view.window_pressure()),
                                    gain=ctl.cfg.gain, w_min=lo, w_max=hi)
     return True
 
@@ -172,7 +172,7 @@ def _cross_layer_step(ctl: "AuxController", view, valid_L: torch.Tensor) -> bool
 def _bias_step(ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
     """The selection bias: one sign step from the last step's routes and the window pressure."""
     counts_LE = torch.where(valid_L[:, None], view.last.routed_LE, 0.0)   # a layer with no counts holds its bias
-    cross_LG = view.cross_layer_pressure()
+    cross_LG = view.window_pressure()
     ctl.bias_LE = bias_update(ctl.bias_LE, counts_LE, cross_LG, view.expert_device_mean(cross_LG),
                               rate=ctl.cfg.bias_rate, device_weight=ctl.cfg.device_weight, mask_LE=view.mask_LE)
     return True

@@ -17,7 +17,7 @@ import numbers
 import warnings
 from typing import Any, Callable, Optional
 
-__all__ = ["PER_LAYER", "SCALARS", "NOTES", "PRESSURE", "EXPERT_COUNTS", "BalanceLogger", "NullLogger", "BalanceLog"]
+__all__ = ["BalanceLogger", "NullLogger", "BalanceLog"]
 
 # Identification of a record. `run_start` is on a run's first record only: the step the run started
 # from (0, or the step of the checkpoint it resumed); readers drop older records past it (superseded).

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["why_tensors_unfit"]
+__all__ = []
 
 
 def why_tensors_unfit(state: dict, what: str, shapes: dict[str, tuple[int, ...]],

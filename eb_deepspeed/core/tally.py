@@ -31,8 +31,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["Tally", "TallyLayout", "LayerTally", "in_backward", "widen_row", "logit_sums", "nonfinite_tokens",
-           "routes_from_mask", "route_counts"]
+__all__ = ["Tally", "TallyLayout", "LayerTally"]
 
 PER_EXPERT_FIELDS = ("routed", "kept", "load")
 PER_LAYER_FIELDS = ("tokens", "nonfinite", "aux", "forwards")
@@ -218,20 +217,23 @@ class LayerTally:
                       valid_T: Optional[torch.Tensor] = None,
                       device_TK: Optional[torch.Tensor] = None, device_E: Optional[torch.Tensor] = None,
                       kept_E: Optional[torch.Tensor] = None, layer: int = 0) -> None:
-        """Add one forward's routes, given by token (no host sync): what every adapter's gate calls.
+        """Add one forward's routes, given by token (no host sync): what every adapter's gate calls. Each token's
+        load weight is `token_weights_T` (sequence-length weighting, set before the forward; None: 1).
 
-        expert_TK: [T, K] int expert of each route, -1 where none (dropped by the capacity limit, or fewer
-        than K); routed_E: [E] route requests before the capacity limit (None: the routes of expert_TK, a
-        dropless layer). nonfinite: 0-dim count of tokens with NaN/Inf router logits, or `logits_TE` [T, E]
-        to count them here, or `logit_sums_T` [T] (`logit_sums`, taken before gating changed the logits) to
-        count them at the fold. l_aux: the layer's unweighted aux loss (None: 0). tokens: tokens seen (None:
-        T, or the valid ones). Each token's load weight is `token_weights_T` (sequence-length weighting, set
-        before the forward; None: 1). valid_T: [T] bool, False for padding tokens: their routes are left out everywhere (the
-        caller's routed_E and kept_E must leave them out too). device_TK: [T, K] int view device of each
-        route, -1 where dropped, or device_E: [E] int view device of every route of each expert (the same
-        as device_TK = device_E[expert_TK], -1 where dropped, and cheaper): only with a layout that has
-        devices. kept_E: [E] kept routes per expert when the gate has them (a gate that drops nothing
-        passes its routed_E; None: counted from expert_TK). layer: the layer's index, for messages.
+        Args:
+            expert_TK: [T, K] int expert of each route, -1 where none (dropped by the capacity limit, or fewer
+                than K).
+            routed_E: [E] route requests before the capacity limit (None: the routes of expert_TK, dropless).
+            nonfinite / logits_TE / logit_sums_T: how tokens with NaN/Inf router logits are counted: a 0-dim
+                count, or the logits [T, E] to count here, or their per-token sums [T] (`logit_sums`, taken
+                before gating changed the logits) to count at the fold.
+            l_aux: the layer's unweighted aux loss (None: 0). tokens: tokens seen (None: T, or the valid ones).
+            valid_T: [T] bool, False for padding: those routes are left out everywhere (the caller's routed_E
+                and kept_E must leave them out too).
+            device_TK / device_E: the view device of each route [T, K] (-1 where dropped), or of every route of
+                each expert [E] (cheaper); only with a layout that has devices.
+            kept_E: [E] kept routes per expert when the gate has them (None: counted from expert_TK).
+            layer: the layer's index, for messages.
         """
         T, K = expert_TK.shape
         token_weights_T = self.token_weights_T

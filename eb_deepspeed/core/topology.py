@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Topology", "TOPOLOGIES", "hop_cost", "resolve_topology", "node_map"]
+__all__ = ["Topology", "TOPOLOGIES"]
 
 
 @dataclass(frozen=True)

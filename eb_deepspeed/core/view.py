@@ -219,7 +219,7 @@ class LoadView:
         """True once every layer has had `warmup_batches` valid updates (the EasyBalance article, §4.3)."""
         return bool((self.updates_L >= self.warmup_batches).all())
 
-    def cross_layer_pressure(self, window: int | None = None) -> torch.Tensor:
+    def window_pressure(self, window: int | None = None) -> torch.Tensor:
         """Pressure of each device summed over layers l-w .. l+w (clipped at the ends). [L, G]"""
         w = self.window if window is None else int(window)
         csum_LG = torch.cat([self.pressure_LG.new_zeros(1, self.G), self.pressure_LG.cumsum(0)])

@@ -25,8 +25,7 @@ from ..core import record as R
 from ..core.record import BalanceLogger, NullLogger
 from .report import JSONL_NAME, heatmap_figure
 
-__all__ = ["BalanceLogger", "NullLogger", "JsonlLogger", "DeepSpeedMonitorLogger", "WandbRunLogger", "MultiLogger",
-           "flatten_record", "JSONL_NAME"]
+__all__ = ["JsonlLogger"]
 
 
 class MultiLogger(BalanceLogger):

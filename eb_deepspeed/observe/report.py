@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional, Sequence
 from ..core import record as R
 from ..core.files import open_regular
 
-__all__ = ["read_log", "render_report", "render_compare", "heatmap_figure", "JSONL_NAME"]
+__all__ = ["read_log", "render_report", "render_compare"]
 
 JSONL_NAME = "balance.jsonl"     # the log file in a run's balance directory (written by monitor.JsonlLogger)
 

@@ -18,7 +18,7 @@ import torch
 from ..core.files import open_regular
 from ..core.record import EXPERT_COUNTS, PRESSURE
 
-__all__ = ["load_trace", "ranks_in_log"]
+__all__ = ["load_trace"]
 
 
 def load_trace(path: str) -> torch.Tensor:

@@ -13,7 +13,4 @@ from .placement import (Placement, assign_replicas, expected_device_load, expect
                         index_maps, plan_placement, replica_counts, static_placement)
 from .steering import even_split, reroute_near_ties, split_device_loads, steer
 
-__all__ = ["Placement", "plan_placement", "static_placement", "replica_counts", "assign_replicas", "index_maps",
-           "steer_flows", "steered_load", "steer", "even_split", "split_device_loads", "reroute_near_ties",
-           "steered_max_load", "brute_force_optimum", "expected_padded_cost", "expected_slot_ratio",
-           "expected_device_load"]
+__all__ = ["Placement", "plan_placement", "static_placement", "steer", "steered_load"]

@@ -27,8 +27,7 @@ from .flows import steered_load
 from .placement import Placement, index_maps
 from .uniform import even_split_loads
 
-__all__ = ["placement_json", "read_placement_json", "sglang_mapping", "trivial_placement", "balance_table",
-           "format_balance_table"]
+__all__ = ["placement_json", "read_placement_json", "sglang_mapping"]
 
 PLAN_FORMAT = "eb_deepspeed.placement/1"
 

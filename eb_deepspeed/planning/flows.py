@@ -19,7 +19,7 @@ import torch
 
 from .slots import real_tensor
 
-__all__ = ["steer_flows", "steered_load"]
+__all__ = ["steered_load"]
 
 
 def steer_flows(x_LP: np.ndarray, phy_LP: np.ndarray, load_LE: np.ndarray, S: int, iters: int) -> np.ndarray:

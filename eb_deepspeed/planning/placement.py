@@ -71,9 +71,7 @@ SPREAD_WEIGHT = 0.1
 # start and weighs a no-spread plan; above it, time goes to the one search from the uniform plan.
 EXTRA_WORK = 1 << 14
 
-__all__ = ["Placement", "plan_placement", "static_placement", "replica_counts", "assign_replicas", "index_maps",
-           "expected_padded_cost", "expected_slot_ratio", "expected_device_load", "check_plan_size", "with_prefix",
-           "prefix_placement"]
+__all__ = ["Placement", "plan_placement", "static_placement", "expected_padded_cost", "expected_device_load"]
 
 
 @dataclass

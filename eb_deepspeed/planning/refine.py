@@ -23,7 +23,7 @@ import numpy as np
 from .flows import steer_flows
 from .slots import SlotCounts, move_slots, row_chunks
 
-__all__ = ["refine_for_steering"]
+__all__ = []
 
 
 @dataclass

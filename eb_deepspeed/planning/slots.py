@@ -19,8 +19,7 @@ import numbers
 import numpy as np
 import torch
 
-__all__ = ["holds_mask", "SlotCounts", "move_slots", "row_chunks", "real_tensor", "integer_tensor", "is_integer",
-           "is_real"]
+__all__ = []
 
 DENSE_PER_SLOT = 8          # a dense table while it holds at most this many entries per slot ...
 DENSE_ANYWAY = 1 << 16      # ... or at most this many in all

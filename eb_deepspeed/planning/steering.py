@@ -28,7 +28,7 @@ import torch
 from ..core.topology import TOPOLOGIES, hop_cost
 from .slots import integer_tensor, is_real, real_tensor
 
-__all__ = ["steer", "even_split", "reroute_near_ties", "split_device_loads"]
+__all__ = ["steer", "even_split", "reroute_near_ties"]
 
 
 # The improvement loop's constants: rounds of G source moves at most; the aggregation bonus (a fraction of the

@@ -23,7 +23,7 @@ import numpy as np
 
 from .slots import SlotCounts, move_slots, row_chunks
 
-__all__ = ["uniform_counts", "count_variants", "refine_uniform", "even_split_loads", "slot_shares"]
+__all__ = []
 
 PARTNERS = 8    # a move pairs the slowest device with this many of the least loaded
 ONE_AT_A_TIME = 256   # `uniform_counts` hands out up to this many extra replicas in a loop, more by bisection

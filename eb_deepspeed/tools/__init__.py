@@ -1,1 +1,2 @@
-"""Tools: the `eb` command (`cli`) and the side-by-side benchmarks (`bench`)."""
+"""Tools: the `eb` command (`cli`: `eb report`, `eb plan`). The benchmarks run from a checkout: `python -m benchmarks`."""
+__all__ = []

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-__all__ = ["main", "Choices", "counting", "non_negative"]
+__all__ = ["main"]
 
 
 def _report(args) -> int:

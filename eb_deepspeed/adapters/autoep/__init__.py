@@ -5,5 +5,4 @@ layers). Importing it imports deepspeed."""
 from .engine import attach, check_autoep_config, check_versions, expert_to_device, find_autoep_layers
 from .layer import AutoEPBalance, attach_loss
 
-__all__ = ["attach", "check_autoep_config", "check_versions", "expert_to_device", "find_autoep_layers",
-           "AutoEPBalance", "attach_loss"]
+__all__ = ["attach", "find_autoep_layers", "AutoEPBalance"]

@@ -28,8 +28,7 @@ from .. import common
 from ..deepspeed.hooks import StepHook, reduce_for, wrap_checkpointing
 from .layer import AutoEPBalance
 
-__all__ = ["autoep_enabled", "check_autoep_config", "check_versions", "find_autoep_layers", "attach",
-           "expert_to_device"]
+__all__ = ["attach", "find_autoep_layers"]
 
 # DeepSpeed's AutoEP breaks inside deepspeed.initialize with these transformers releases
 # (`_CanRecordRegistry.get()` takes 2 positional arguments but 3 were given): (deepspeed up to, transformers from).

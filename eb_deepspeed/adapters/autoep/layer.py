@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from ...core.controls import LayerControls
 from ...core.tally import LayerTally, in_backward, route_counts
 
-__all__ = ["AutoEPBalance", "attach_loss"]
+__all__ = ["AutoEPBalance"]
 
 
 class _AttachLoss(torch.autograd.Function):

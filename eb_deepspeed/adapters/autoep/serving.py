@@ -44,7 +44,7 @@ from ..serving.engine import ServingEngine
 from ..serving.store import Routing, SlotTable, split_by_fraction, steered_split
 from .engine import find_autoep_layers
 
-__all__ = ["AutoEPRoutes", "AutoEPStore", "init_autoep_inference", "has_autoep_layers"]
+__all__ = ["AutoEPStore", "AutoEPRoutes", "init_autoep_inference"]
 
 
 def has_autoep_layers(model: torch.nn.Module) -> bool:
@@ -295,7 +295,7 @@ def init_autoep_inference(model: torch.nn.Module, config=None) -> torch.nn.Modul
     all-to-all). The engine must not train afterwards: its expert parameters are views of the serving store."""
     eb_config = EasyBalanceConfig.from_ds_config(config)
     if eb_config.enabled:
-        for path in eb_config.ignored_options("inference"):
+        for path in eb_config.ignored_options("serve"):
             warnings.warn(f'{path} has no effect in serving (mode "{eb_config.mode}")')
     module = getattr(model, "module", model)
     if not dist_ready():

@@ -30,7 +30,7 @@ from ..common import dist_ready, join_startup_off
 from .gate import CrossLayerGate
 from .hooks import STATE_KEY, StepHook, is_pipeline, reduce_for, wrap_checkpointing
 
-__all__ = ["initialize", "swap_gates", "find_moe_layers", "attach", "check_world_size", "STATE_KEY"]
+__all__ = ["initialize", "swap_gates", "find_moe_layers", "attach"]
 
 
 def find_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -36,7 +36,7 @@ from deepspeed.moe.sharded_moe import TopKGate
 from ...core.controls import LayerControls
 from ...core.tally import LayerTally, in_backward, nonfinite_tokens, routes_from_mask
 
-__all__ = ["CrossLayerGate", "unbias_gate_output"]
+__all__ = ["CrossLayerGate"]
 
 
 def unbias_gate_output(gate_output, logits_TE: torch.Tensor, selection_TE: torch.Tensor, k: int,

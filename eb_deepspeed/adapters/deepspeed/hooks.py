@@ -33,8 +33,7 @@ import torch.distributed as dist
 from ...core.balancer import Balancer
 from ..common import dist_rank, dist_ready, reduce_over, torch_optimizer, write_atomically
 
-__all__ = ["STATE_KEY", "StepHook", "wrap_checkpointing", "reduce_for", "is_pipeline", "incomplete_problem",
-           "refuse", "mark_incomplete", "mark_complete", "on_rank0_for_all"]
+__all__ = ["StepHook", "wrap_checkpointing"]
 
 STATE_KEY = "easybalance"  # key of the balancer state in DeepSpeed's checkpoint client_state
 INCOMPLETE = "eb_save_incomplete"  # in a checkpoint tag's folder while a save into it runs (`_save_guarded`)

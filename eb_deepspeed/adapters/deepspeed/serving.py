@@ -264,7 +264,7 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     ds_config = _inference_keys(strip_block(config) or {})
     if eb_config.enabled:
         where = f'mode "{eb_config.mode}"'
-        for path in eb_config.ignored_options("inference"):
+        for path in eb_config.ignored_options("serve"):
             warnings.warn(f"{path} has no effect in serving ({where})")
     check_one_serving_shape(model)      # before DeepSpeed (and its process group) is touched
     check_world_size(model)

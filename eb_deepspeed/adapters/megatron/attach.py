@@ -41,7 +41,7 @@ from .. import common
 from ..common import join_startup_off, reduce_over, torch_optimizer, write_atomically
 from .router import EBRouter
 
-__all__ = ["attach", "find_routers", "save_state", "load_state"]
+__all__ = ["attach", "save_state", "load_state"]
 
 
 def find_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

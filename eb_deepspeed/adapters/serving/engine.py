@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ...core.balancer import Balancer, ModelShape, check_agreement
 from ...core.config import EasyBalanceConfig
 from ...core.record import NullLogger
-from ...core.topology import resolve_topology
+from ...core.topology import TOPOLOGIES, resolve_topology
 from ...observe.monitor import JsonlLogger
 from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, check_plan_size, expected_device_load,
                                    expected_padded_cost, expected_slot_ratio, plan_placement, prefix_placement,
@@ -48,7 +48,7 @@ from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, check_pl
 from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node
 from .store import Routing, SlotStore
 
-__all__ = ["ServingEngine", "choose_placement", "DISPATCH"]
+__all__ = ["ServingEngine", "choose_placement"]
 
 # A new placement must be expected to cut the cost by this much: the expectation is of the EMA heat, while each
 # batch's load is its own (noise on every slot), and moving weights and the replica split cost time too.
@@ -164,13 +164,18 @@ class ServingEngine:
         self.model = DISPATCH[(store.padded, "view" if inf is None else inf.split)]
         store.replicate(self.S_max, self.placement, Routing(
             split="view" if inf is None else inf.split, rank=self.rank, node_G=self.node_G, recording=enabled,
-            steer_options={} if inf is None else {"weights": inf.weights.as_tuple(), "topology": self.topology,
-                                                  "decision_batch": inf.decision_batch}))
+            # the cost weights and hop cost of the topology in effect (the configured one, or multi_node when the
+            # ranks span nodes and the user left it unset: `resolve_topology`)
+            steer_options={} if inf is None else {"weights": TOPOLOGIES[self.topology].weights,
+                                                  "topology": self.topology, "decision_batch": inf.decision_batch}))
         self.balancer: Optional[Balancer] = None
         if enabled:
             shape = ModelShape.uniform(self.L, self.E, self.G, rank_to_node=self.rank_to_node)
             self.balancer = Balancer(config, store.gates, shape, logger=logger, device=store.device, train=False)
-            self.balancer.log.extra = lambda: {"replans": self.replans, "weight_moves": self.weight_moves}
+            # the balancer outlives a dropped engine until exit (its last record is written then): weak references
+            me = weakref.ref(self)
+            self.balancer.log.extra = lambda: {"replans": me().replans, "weight_moves": me().weight_moves} if me() else {}
+            self.balancer.settle = lambda: me() and me().settle()     # a read of the view takes the step in flight
             weakref.finalize(self, _wait_posted, self._posted)   # no reduce of ours in flight when the group goes
             atexit.register(_settle_at_exit, weakref.ref(self))  # the step in flight reaches the view and the log
 
@@ -251,7 +256,7 @@ class ServingEngine:
     def _after_view_step(self) -> None:
         """The view took a step: the gates get its cross-layer pressure; re-plan if the view says so."""
         view = self.balancer.view
-        cross_LG = view.cross_layer_pressure() if view.steps else None
+        cross_LG = view.window_pressure() if view.steps else None
         for layer, gate in enumerate(self.gates):
             gate.pressure_G = None if cross_LG is None else cross_LG[layer]
         if self.R and self._trial is None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ...planning.placement import Placement
 from ...planning.steering import steer
 
-__all__ = ["SlotStore", "SlotTable", "Routing", "split_by_fraction", "steered_split"]
+__all__ = ["SlotStore", "SlotTable", "Routing"]
 
 
 @dataclass
