@@ -18,7 +18,7 @@ def assert_same(a: dict, b: dict, what: str):
         assert torch.equal(a[key], b[key]), f"{what}: {key} differs"
 
 
-@pytest.mark.parametrize("family, zero, accum", [("mixtral", 0, 2), ("qwen3_moe", 3, 1)])
+@pytest.mark.parametrize("family, zero, accum", [("qwen3_moe", 3, 2)])    # Mixtral: every other AutoEP test
 def test_observe_and_no_block_give_plain_autoeps_losses_gradients_and_weights(tmp_path, family, zero, accum):
     for rank in run(tmp_path, "equivalence", family=family, zero=zero, accum=accum):
         plain = rank["plain"]
@@ -36,8 +36,7 @@ def test_observe_and_no_block_give_plain_autoeps_losses_gradients_and_weights(tm
 
 @pytest.mark.parametrize("family, checkpointing, accum, pad", [
     ("mixtral", "non_reentrant", 2, True),
-    ("qwen3_moe", "reentrant", 1, False),
-    ("deepseek_v3", "none", 1, True),
+    ("deepseek_v3", "reentrant", 1, True),        # sigmoid scores, a reentrant re-run
 ])
 def test_the_view_counts_each_route_of_the_routers_once(tmp_path, family, checkpointing, accum, pad):
     ranks = run(tmp_path, "tally", family=family, checkpointing=checkpointing, accum=accum, pad=pad)
@@ -66,7 +65,7 @@ def test_the_batch_scopes_take_the_global_batchs_frequencies_on_every_rank(tmp_p
             torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("zero", [3])
 def test_a_checkpoint_round_trips_the_balancer_and_plain_autoep_loads_it(tmp_path, zero):
     for rank in run(tmp_path, "checkpoint", family="mixtral", zero=zero):
         saved, loaded = rank["saved"], rank["loaded"]

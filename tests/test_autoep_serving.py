@@ -14,7 +14,7 @@ def run(tmp_path, scenario, world_size=2, **params):
     return launch(scenario, world_size, tmp_path, worker="autoep_worker.py", **params)
 
 
-@pytest.mark.parametrize("split, world_size, experts", [("view", 2, 4), ("exact", 2, 4), ("exact", 4, 8)])
+@pytest.mark.parametrize("split, world_size, experts", [("view", 2, 4), ("exact", 4, 8)])
 def test_replicas_in_autoeps_layer_give_plain_autoeps_logits_before_and_after_re_plans(tmp_path, split, world_size,
                                                                                          experts):
     ranks = run(tmp_path, "serve", world_size, split=split, ep=world_size, experts=experts)
@@ -51,7 +51,7 @@ def _plan_exports_sglangs_expert_location(log_dir, tmp_path):
         assert sorted(set(physical_LP[layer].tolist())) == [0, 1, 2, 3]       # every expert has a slot
 
 
-@pytest.mark.parametrize("split", ["view", "exact"])
+@pytest.mark.parametrize("split", ["exact"])     # its all-gather: the collective an empty batch could miss
 def test_an_empty_batch_on_one_rank_serves_without_a_hang(tmp_path, split):
     ranks = run(tmp_path, "serve_empty", split=split)
     assert all(rank["replicated"] for rank in ranks)
@@ -59,7 +59,7 @@ def test_an_empty_batch_on_one_rank_serves_without_a_hang(tmp_path, split):
     assert all(r["shape"] == (1, 12, 32) and r["maxdiff"] <= TOLERANCE for r in ranks[0]["rows"])
 
 
-@pytest.mark.parametrize("phase", ["prepare", "post", "wait", "verify"])
+@pytest.mark.parametrize("phase", ["post"])    # every phase: test_serving.py (the engine is one; this is its AutoEP store)
 def test_a_failed_weight_move_keeps_every_rank_on_the_old_placement(tmp_path, phase):
     ranks = run(tmp_path, "serve_move_fault", phase=phase)
     for rank in ranks:

@@ -17,7 +17,7 @@ def assert_tensors_equal(a, b, what):
         assert torch.equal(a[key], b[key]), f"{what}: {key} differs"
 
 
-@pytest.mark.parametrize("accum, residual", [(1, False), (2, False), (1, True)])
+@pytest.mark.parametrize("accum, residual", [(2, False)])     # the residual branch: test_pr_moe.py
 def test_disabled_and_observe_mode_give_plain_deepspeeds_losses_and_gradients(run_dist, accum, residual):
     # residual: DeepSpeed-MoE's residual MoE (use_residual=True: a dense MLP and its coefficient beside the experts)
     for rank in run_dist("equivalence", 2, accum=accum, residual=residual):
@@ -36,7 +36,7 @@ def test_disabled_and_observe_mode_give_plain_deepspeeds_losses_and_gradients(ru
             assert_tensors_equal(rank[name]["params"], plain["params"], f"{name} params after 3 steps")
 
 
-@pytest.mark.parametrize("drop_tokens", [True, False])
+@pytest.mark.parametrize("drop_tokens", [True])     # with drops: the capacity differs between the EP sizes
 def test_ep_size_1_and_2_give_the_same_losses_and_gradients(run_dist, drop_tokens):
     ranks = run_dist("ep_equivalence", 2, drop_tokens=drop_tokens)
     for rank_index, rank in enumerate(ranks):
@@ -56,11 +56,10 @@ def test_ep_size_1_and_2_give_the_same_losses_and_gradients(run_dist, drop_token
         assert checked_experts > 0
 
 
-ZERO1 = {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
 BF16_ZERO2 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
 
 
-@pytest.mark.parametrize("world_size, accum, ds", [(2, 2, {}), (4, 3, {}), (2, 2, ZERO1), (2, 1, BF16_ZERO2)])
+@pytest.mark.parametrize("world_size, accum, ds", [(4, 3, {}), (2, 1, BF16_ZERO2)])
 def test_every_rank_holds_the_same_view_updated_once_per_accumulation_boundary(run_dist, world_size, accum, ds):
     # ZeRO steps the torch optimizer once per parameter group: the hook still runs once per step
     steps = 3
@@ -228,7 +227,7 @@ def test_nonfinite_router_logits_on_one_rank_leave_every_view_finite_and_unchang
     assert ranks[0]["warned"]
 
 
-@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("residual", [False])      # with the residual branch: test_pr_moe.py
 def test_as_users_run_it_without_reseeding_observe_and_fixed_balance_equal_plain_deepspeed(run_dist, residual):
     for rank in run_dist("user_equivalence", 2, residual=residual):
         plain = rank["plain"]
@@ -249,7 +248,7 @@ def test_sequence_length_weighting_makes_the_view_the_true_load_through_the_gate
         assert not torch.allclose(unweighted["pressure_LG"], unweighted["true_LG"], rtol=1e-3)
 
 
-@pytest.mark.parametrize("layout, stage_layers", [("both_stages", [[0, 1], [2, 3]]), ("second_stage", [[], [0, 1]])])
+@pytest.mark.parametrize("layout, stage_layers", [("second_stage", [[], [0, 1]])])   # a stage holding no MoE layer
 def test_under_pipeline_parallelism_the_hook_fires_and_every_rank_holds_every_stages_layers(run_dist, layout,
                                                                                            stage_layers):
     ranks = run_dist("pipeline", 2, layout=layout)

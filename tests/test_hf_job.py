@@ -45,20 +45,6 @@ def test_the_hf_job_balances_an_autoep_mixtral_logs_plots_checkpoints_and_resume
     assert records[-1]["step"] == 10 and records[-1]["steps"] == 10     # the view went on from the checkpoint's 8
 
 
-def test_the_autoep_bench_runs_its_rows_side_by_side_and_judges_its_targets(tmp_path):
-    from benchmarks.bench import AUTOEP_ROWS, bench_train_autoep, format_autoep_table
-    result = bench_train_autoep(steps=4, seeds=(1, ), micro_batch=2, seq_len=32, out_dir=str(tmp_path / "bench"),
-                                progress=False)
-    assert list(result["rows"]) == [name for name, _ in AUTOEP_ROWS] == ["plain", "hf_aux", "easybalance"]
-    for row in result["rows"].values():
-        assert len(row["last10_expert_max_over_mean"]) == 4 and row["tokens_per_s"] > 0 and len(row["seeds"]) == 1
-    assert set(result["targets"]) == {"expert_max_over_mean_le_1.5", "loss_no_worse_than_plain",
-                                      "loss_within_1pct_of_hf_aux", "tokens_per_s_ge_1.2x_plain"}
-    assert result["tokens_per_s_ratio_vs_plain"] == pytest.approx(
-        result["rows"]["easybalance"]["tokens_per_s"] / result["rows"]["plain"]["tokens_per_s"], rel=1e-3)
-    assert "easybalance" in format_autoep_table(result)
-
-
 def test_the_autoep_serving_bench_runs_the_articles_rows_side_by_side_with_equal_outputs(tmp_path):
     from benchmarks.infer_autoep import ROWS, bench_infer_autoep, format_autoep_infer_table
     result = bench_infer_autoep(ranks=(2, ), batches=3, warmup_batches=4, layers=2, ffn=64, seq_len=32,
