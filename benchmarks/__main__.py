@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from eb_deepspeed.tools.cli import Choices, counting, non_negative
+from eb_deepspeed.tools.cli import Choices, counting, non_negative, run
 
 __all__ = ["main"]
 
@@ -303,15 +303,8 @@ def _simulate_parser(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse, check the arguments that depend on each other, run the benchmark."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description="eb_deepspeed benchmarks")
-    what = _bench_parsers(parser)
-    _simulate_parser(what)
-    args = parser.parse_args(argv)
-    _check_args(parser, args)
-    try:
-        return args.func(args)
-    except (ValueError, OSError) as e:   # bad input files and values: the message, not a traceback
-        print(f"python -m benchmarks {args.what}: error: {e}", file=sys.stderr)
-        return 2
+    _simulate_parser(_bench_parsers(parser))
+    return run(parser, argv, _check_args, lambda args: f"python -m benchmarks {args.what}")
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -121,13 +121,18 @@ class Choices:
 
 def main(argv: list[str] | None = None) -> int:
     """The `eb` command: parse, check the arguments that depend on each other, run the sub-command."""
-    parser = _parser()
+    return run(_parser(), argv, _check_args, lambda args: f"eb {args.command}")
+
+
+def run(parser: argparse.ArgumentParser, argv, check, name) -> int:
+    """Parse `argv`, `check(parser, args)` the options that go together, run `args.func(args)`; a bad input file
+    or value prints `name(args): error: ...` (no traceback) and returns 2."""
     args = parser.parse_args(argv)
-    _check_args(parser, args)
+    check(parser, args)
     try:
         return args.func(args)
-    except (ValueError, OSError) as e:   # bad input files and values: the message, not a traceback
-        print(f"eb {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        print(f"{name(args)}: error: {e}", file=sys.stderr)
         return 2
 
 
