@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from eb_deepspeed.tools.cli import Choices, counting, non_negative, run
+from eb_deepspeed.tools.cli import Choices, bounded, counting, non_negative, run
 
 __all__ = ["main"]
 
@@ -227,14 +227,16 @@ def _bench_parsers(parser: argparse.ArgumentParser):
         return p
 
     p = add("gate", "our gate vs DeepSpeed's TopKGate, forward + backward")
-    p.add_argument("--tokens", type=counting, default=4096, help="tokens per forward (4096)")
-    p.add_argument("--hidden", type=counting, default=1024, help="model dimension (1024)")
-    p.add_argument("--experts", type=counting, nargs="+", default=[16, 64], help="expert counts to time (16 64)")
-    p.add_argument("--k", type=counting, default=2, help="top-k (2)")
-    p.add_argument("--repeats", type=counting, default=30, help="timed repeats")
+    p.add_argument("--tokens", type=bounded(1, 65536), default=4096, help="tokens per forward (4096; at most 65536)")
+    p.add_argument("--hidden", type=bounded(1, 16384), default=1024, help="model dimension (1024; at most 16384)")
+    p.add_argument("--experts", type=bounded(1, 1024), nargs="+", default=[16, 64],
+                   help="expert counts to time (16 64; each at most 1024)")
+    p.add_argument("--k", type=bounded(1, 64), default=2, help="top-k (2)")
+    p.add_argument("--repeats", type=bounded(1, 10000), default=30, help="timed repeats (at most 10000)")
 
     p = add("train", "aux policies side by side on the example model (or a sweep of them)")
-    p.add_argument("--steps", type=counting, default=None, help="optimizer steps per row (200; AutoEP 60)")
+    p.add_argument("--steps", type=bounded(1, 100000), default=None,
+                   help="optimizer steps per row (200; AutoEP 60; at most 100000)")
     p.add_argument("--coeff", type=float, default=0.01, help="aux-loss coefficient of the balanced rows")
     p.add_argument("--capacity-factor", type=float, default=1.0, help="capacity factor of every row")
     p.add_argument("--seed", type=int, default=1234, help="the example's seed (1234)")
@@ -270,9 +272,10 @@ def _bench_parsers(parser: argparse.ArgumentParser):
     p.add_argument("--seeds", type=counting, default=30, help="random loads per shape")
 
     p = add("infer", "serving with replicas against plain DeepSpeed, side by side")
-    p.add_argument("--ranks", type=counting, nargs="+", default=[2, 4], help="gloo ranks of each run")
-    p.add_argument("--batches", type=counting, default=None,
-                   help="measured batches per row (40, the example row twice as many; --framework autoep 24)")
+    p.add_argument("--ranks", type=bounded(1, 64), nargs="+", default=[2, 4], help="gloo ranks of each run (at most 64)")
+    p.add_argument("--batches", type=bounded(1, 10000), default=None,
+                   help="measured batches per row (40, the example row twice as many; --framework autoep 24; at most "
+                        "10000)")
     p.add_argument("--replica-slots", type=non_negative, default=1, help="easybalance.inference.replica_slots")
     p.add_argument("--ckpt", default="runs/main/ckpt", help="the main job's checkpoint (trained routers)")
     p.add_argument("--framework", choices=["deepspeed", "autoep"], default="deepspeed",
@@ -292,7 +295,7 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--experts", type=counting, default=64, help="experts per layer (64)")
     p.add_argument("--devices", type=counting, default=None,
                    help="EP ranks (8; with --workload trace, the ranks our own balance log recorded)")
-    p.add_argument("--steps", type=counting, default=40, help="steps simulated (40)")
+    p.add_argument("--steps", type=bounded(1, 100000), default=40, help="steps simulated (40; at most 100000)")
     p.add_argument("--extra-slots", type=non_negative, default=2, help="replica slots per device beyond experts / devices")
     p.add_argument("--run-ahead", type=counting, default=1, help="1 = synchronised per layer; w > 1 = bounded run-ahead")
     p.add_argument("--seed", type=int, default=0, help="workload seed (0)")

@@ -174,7 +174,14 @@ def scenario_scopes(p):
                 shares.append(torch.stack([c.global_shares.share(c.layer, rerun=True) for c in controls]))
                 wanted.append((step_LE / step_LE.sum(1, keepdim=True)).float())
             engine.step()
-    return {"shares": shares, "wanted": wanted, "losses": losses, "scope": [c.batch_scope for c in controls]}
+    extra = None
+    if scope == "global_exact":     # one more train-mode forward, without autograd on rank 0 only: before, rank 1
+        ids, mask, labels = batch(9, 0, pad=True)     # waited alone in the scope's all-reduce, rank 0 in AutoEP's
+        with torch.set_grad_enabled(dist.get_rank() != 0):
+            engine(input_ids=ids, attention_mask=mask, labels=labels)
+        extra = torch.stack([c.global_shares.share(c.layer, rerun=True) for c in controls])
+    return {"shares": shares, "wanted": wanted, "losses": losses, "scope": [c.batch_scope for c in controls],
+            "extra": extra}
 
 
 def scenario_checkpoint(p):
@@ -271,8 +278,16 @@ def scenario_serve(p):
         handle = model.register_forward_hook(flip)
         got = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
         handle.remove()
+        # ranks that generate different numbers of tokens: the served model's generate keeps every rank in the
+        # forwards (synced_gpus); before, the rank that finished first left the other waiting in AutoEP's all-to-all
+        rank = dist.get_rank()
+        uneven_got = model.generate(ids, max_new_tokens=2 + 2 * rank, min_new_tokens=2 + 2 * rank, do_sample=False)
+        uneven_want = plain.generate(ids, max_new_tokens=2 + 2 * rank, min_new_tokens=2 + 2 * rank, do_sample=False,
+                                     synced_gpus=True)
     layer = serving.store.moes[0]
     return {"rows": rows, "returned": returned, "generate_equal": torch.equal(want, got), "flips": flips,
+            "uneven_equal": torch.equal(uneven_want, uneven_got), "uneven_tokens": uneven_got.shape[1] - ids.shape[1],
+            "rank": rank,
             "S_max": serving.S_max,
             "H": serving.H, "moves": serving.weight_moves, "record": model.easybalance.log.record(model.easybalance),
             "first": first,
@@ -336,9 +351,17 @@ def scenario_serve_checkpoint(p):
     fresh = _served_model("mixtral", 2, 4, 3.0, seed=7)
     fresh_path, _ = fresh.load_checkpoint(os.path.join(p["out"], "served"), tag="s", load_module_only=True)
     fresh_rows = _compare(model, fresh.module, range(5, 7))
+    # a checkpoint of another model (8 experts) into this served 4-expert model: refused, nothing half-applied
+    _served_model("mixtral", 2, 8, 3.0, seed=5).save_checkpoint(os.path.join(p["out"], "other"), tag="o")
+    refused = None
+    try:
+        serving.load_checkpoint(os.path.join(p["out"], "other"), tag="o")
+    except Exception as e:   # noqa: BLE001 - whatever DeepSpeed raises: the test reads the message
+        refused = f"{type(e).__name__}: {e}"[:500]
+    after_refusal = _compare(model, fresh.module, range(7, 9))      # still the weights loaded before, every one
     return {"rows": rows + rows_after_save, "fresh_rows": fresh_rows, "path": path, "saved": saved,
             "fresh_path": fresh_path, "kept": torch.equal(serving.placement.phy2log, before_load.phy2log),
-            "S": serving.S, "H": serving.H}
+            "S": serving.S, "H": serving.H, "refused": refused, "after_refusal": after_refusal}
 
 
 if __name__ == "__main__":

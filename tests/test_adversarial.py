@@ -141,6 +141,8 @@ from benchmarks.__main__ import main as bench_main  # noqa: E402
     (["simulate", "--steps", "0"], "--steps: 0 must be >= 1"),
     (["simulate", "--devices", "-2"], "--devices: -2 must be >= 1"),
     (["gate", "--experts", "16", "0"], "--experts: 0 must be >= 1"),
+    (["gate", "--tokens", "1000000000000"], "--tokens: 1000000000000 must be <= 65536"),     # before: a raw OOM
+    (["infer", "--batches", "1000000000"], "--batches: 1000000000 must be <= 10000"),       # before: ran until killed
 ])
 def test_cli_arguments_out_of_range_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

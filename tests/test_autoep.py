@@ -63,6 +63,8 @@ def test_the_batch_scopes_take_the_global_batchs_frequencies_on_every_rank(tmp_p
         assert len(ranks[0]["shares"]) == 6 and not torch.isnan(ranks[0]["shares"][-1]).any()
         for a, b in zip(ranks[0]["shares"], ranks[1]["shares"]):             # one f on every rank
             torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+    if scope == "global_exact":    # a forward without autograd on one rank only still joins the all-reduce
+        torch.testing.assert_close(ranks[0]["extra"], ranks[1]["extra"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("zero", [3])

@@ -206,3 +206,17 @@ def test_loss_coeff_on_a_deepspeed_moe_model_warns_that_it_does_nothing_there():
     with pytest.warns(UserWarning, match=r"easybalance\.aux\.loss_coeff has no effect on deepspeed\.moe"), \
             pytest.raises(ValueError, match="no deepspeed.moe.layer.MoE layers"):
         eb_deepspeed.initialize(model=nn.Linear(2, 2), config={"easybalance": {"aux": {"loss_coeff": 0.5}}})
+
+
+def test_a_non_finite_score_correction_bias_counts_every_token_as_non_finite():
+    # DeepSeek-V3's pretrained bias with a NaN: AutoEP then routes every token by NaN scores (2 of 4 experts, every
+    # step). Before: no warning, the layer stayed in the view and the bias kept pushing; now the tally flags it
+    correction_E = torch.linspace(0.2, -0.2, E)
+    correction_E[3] = float("nan")
+    layer, gate = make("sigmoid", correction=correction_E)
+    layer(torch.randn(T, H))
+    tally = counts(gate)
+    assert float(tally.nonfinite_L[0]) == T and float(tally.tokens_L[0]) == T
+    finite_layer, finite_gate = make("sigmoid", correction=torch.linspace(0.2, -0.2, E))
+    finite_layer(torch.randn(T, H))
+    assert float(counts(finite_gate).nonfinite_L[0]) == 0

@@ -28,6 +28,7 @@ def test_replicas_in_autoeps_layer_give_plain_autoeps_logits_before_and_after_re
         for r in rows:
             assert r["maxdiff"] <= TOLERANCE, r
         assert rank["generate_equal"] and rank["flips"] == [True, True]   # greedy tokens through two weight moves
+        assert rank["uneven_equal"] and rank["uneven_tokens"] == 2 + 2 * rank["rank"]   # no rank left waiting
         assert rank["num_local_experts"] == rank["w1_rows"] == rank["S_max"]
         assert rank["record"]["replans"] >= 1 and rank["record"]["phase"] == "serve"
         assert min(rank["first"]["device_max_over_mean"]) > 1.2     # the view saw the skew per EP rank
@@ -74,3 +75,8 @@ def test_deepspeed_checkpoints_load_into_and_save_from_a_served_autoep_model(tmp
         assert rank["kept"] and rank["S"] == rank["H"] + 1            # replicas serving through the load
         for r in rank["rows"] + rank["fresh_rows"]:
             assert r["maxdiff"] <= TOLERANCE, r                       # the checkpoint's weights, not the old ones
+        # an 8-expert checkpoint into the 4-expert model: refused, and every weight is as it was (before: the
+        # embeddings, attention and lm_head were overwritten before the size mismatch, logits moved by 0.59)
+        assert rank["refused"] is not None and "size" in rank["refused"].lower(), rank["refused"]
+        for r in rank["after_refusal"]:
+            assert r["maxdiff"] <= TOLERANCE, r

@@ -1,6 +1,7 @@
 """`eb plan`: load files in, our plan JSON and SGLang's --init-expert-location JSON out, read back by a
 re-implementation of SGLang's parsing (tests/sglang_format.py)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -181,3 +182,29 @@ def test_eb_plan_refuses_an_output_that_is_a_fifo_and_replaces_a_link_instead_of
     assert main(["plan", str(log), "--devices", "2", "--slots", "5", "--out", str(tmp_path / "plan.json")]) == 0
     assert elsewhere.read_text() == "keep" and not (tmp_path / "plan.json").is_symlink()
     assert json.loads((tmp_path / "plan.json").read_text())["num_devices"] == 2
+
+
+def test_eb_plan_reads_a_long_log_holding_the_counts_it_plans_from_not_the_records(tmp_path):
+    # 4000 records of 16 x 64 five-digit counts: ~25 MB of JSON. Before, the reader kept every record's Python
+    # lists (about 6x the file, --last or not); now each record becomes a float64 tensor as it is read (about
+    # 1.3x), and --last 10 keeps ten of them
+    import random
+    rng = random.Random(0)
+    with open(tmp_path / "balance.jsonl", "w") as f:
+        for step in range(1, 4001):
+            counts = [[rng.randrange(10000, 99999) for _ in range(64)] for _ in range(16)]
+            f.write(json.dumps({"step": step, "expert_counts_LE": counts}) + "\n")
+    size_mb = os.path.getsize(tmp_path / "balance.jsonl") / 2 ** 20
+    probe = ("import resource, sys\n"
+             "import eb_deepspeed.observe.traces, eb_deepspeed.observe.report, eb_deepspeed.planning.placement\n"
+             "from eb_deepspeed.tools.cli import main\n"
+             "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+             "assert main(['plan', sys.argv[1], '--devices', '4', '--slots', '20', '--json', *sys.argv[2:]]) == 0\n"
+             "print('extra_mb', (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)\n")
+    extra = {}
+    for name, args in (("all", []), ("last10", ["--last", "10"])):
+        res = subprocess.run([sys.executable, "-c", probe, str(tmp_path), *args], capture_output=True, text=True,
+                             timeout=600)
+        assert res.returncode == 0, res.stderr[-2000:]
+        extra[name] = float(res.stdout.split("extra_mb")[-1])
+    assert extra["all"] < 2.0 * size_mb and extra["last10"] < 0.5 * size_mb, (extra, size_mb)

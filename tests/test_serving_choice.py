@@ -62,3 +62,28 @@ def test_replica_slots_a_re_plan_could_not_plan_are_refused_at_start_up():
     config = EasyBalanceConfig.from_block({"mode": "balance", "inference": {"replica_slots": 60000}})
     with pytest.raises(ValueError, match=r"replica_slots \(60000\): 300 layers x 60004 slots .* more than the planner"):
         ServingEngine(MoEStore(model), config)
+
+
+def test_a_checkpoint_with_a_tensor_of_another_size_loads_nothing(tmp_path):
+    # torch's load_state_dict copies what fits and raises at the end: before, the fitting tensors were already in
+    from deepspeed.moe.layer import MoE
+
+    from eb_deepspeed import load_moe_checkpoint
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MoE(8, torch.nn.Linear(8, 8), num_experts=2, ep_size=1, k=1), torch.nn.Linear(8, 8))
+    folder = tmp_path / "t"
+    folder.mkdir()
+    (tmp_path / "latest").write_text("t")
+    prefix = "0.deepspeed_moe.experts.deepspeed_experts."
+    state = model.state_dict()
+    dense = {k: v.clone() for k, v in state.items() if prefix not in k}
+    dense["1.weight"] = torch.zeros(8, 4)                      # another model's layer
+    dense["0.deepspeed_moe.gate.wg.weight"] = torch.full_like(state["0.deepspeed_moe.gate.wg.weight"], 7.0)
+    torch.save({"module": dense}, folder / "mp_rank_00_model_states.pt")
+    for e in range(2):
+        torch.save({k: v.clone() for k, v in state.items() if k.startswith(f"{prefix}{e}.")},
+                   folder / f"layer_0_expert_{e}_mp_rank_00_model_states.pt")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"of another size \['1\.weight'\]\); nothing was loaded"):
+        load_moe_checkpoint(model, str(tmp_path))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())     # the gate's 7s did not go in

@@ -13,7 +13,8 @@ import json
 import math
 import os
 import warnings
-from typing import Any, Iterator, Optional, Sequence
+from collections import deque
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ..core import record as R
 from ..core.files import open_regular
@@ -152,41 +153,45 @@ def _where(record: dict, target) -> str:
     return "a value"
 
 
-def read_log(run_dir: str, keys: Optional[Sequence[str]] = None,
-             max_records: Optional[int] = None) -> list[dict[str, Any]]:
+def read_log(run_dir: str, keys: Optional[Sequence[str]] = None, max_records: Optional[int] = None,
+             last: Optional[int] = None, convert: Optional[Callable[[dict], dict]] = None) -> list[dict[str, Any]]:
     """Records of `run_dir/balance.jsonl` (or of a .jsonl path), in step order. Bad lines raise ValueError.
 
     A resumed run's first record carries `run_start`: older records past that step were superseded by
     the resumed run and are dropped, so no step repeats. keys: keep only these keys (and `step`) of
     every record but the last, which is kept whole. max_records: keep about that many, evenly spaced
-    (and always the last): memory stays bounded however long the log.
+    (and always the last); last: keep only the last that many. Either way memory stays bounded however long
+    the log. convert: applied to every record as it is kept (keys taken first; it keeps "step"), e.g. lists to
+    tensors: a kept record costs what it converts to, not its JSON's Python objects.
     """
-    kept: list[dict[str, Any]] = []
-    stride, seen, last, runs = 1, 0, None, 0
+    kept: list[dict[str, Any]] | deque = [] if last is None else deque(maxlen=max(int(last), 1))
+    stride, seen, newest, runs = 1, 0, None, 0
     for record in iter_log(run_dir):
         start = record.get("run_start")
-        if not isinstance(start, int) and last is not None and record["step"] <= last["step"]:
+        if not isinstance(start, int) and newest is not None and record["step"] <= newest["step"]:
             start = record["step"] - 1          # a resume logged without a marker (older logs)
         if isinstance(start, int) and not isinstance(start, bool):
-            runs += last is not None and (last["step"] > start or start == 0)   # a run that replaces what it follows
+            runs += newest is not None and (newest["step"] > start or start == 0)   # a run that replaces what it follows
             while kept and kept[-1]["step"] > start:
                 kept.pop()
-            if last is not None and last["step"] > start:
-                last = None
-        if last is not None and (seen - 1) % stride == 0:
-            kept.append(last if keys is None else {k: last[k] for k in ("step", *keys) if k in last})
-        last, seen = record, seen + 1
+            if newest is not None and newest["step"] > start:
+                newest = None
+        if newest is not None and (seen - 1) % stride == 0:
+            taken = newest if keys is None else {k: newest[k] for k in ("step", *keys) if k in newest}
+            kept.append(taken if convert is None else convert(taken))
+        newest, seen = record, seen + 1
         if max_records is not None and len(kept) > max_records:
             stride *= 2
             kept = kept[::2]
-    if last is None:
+    if newest is None:
         raise ValueError(f"{log_path(run_dir)} holds no records yet")
     if runs:
         warnings.warn(f"{log_path(run_dir)} holds {runs + 1} runs (a new run or a resume appended to the log): "
                       "shown is the last, with the steps of earlier runs it did not replace")
-    if kept and kept[-1]["step"] >= last["step"]:
+    if kept and kept[-1]["step"] >= newest["step"]:
         kept.pop()
-    return kept + [last]
+    out = list(kept) + [newest if convert is None else convert(newest)]
+    return out if last is None else out[-int(last):]
 
 
 MAX_DRAWN = 1e300   # larger magnitudes are gaps: an axis spanning 1.7e308 overflows inside matplotlib

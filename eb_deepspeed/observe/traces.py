@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+from typing import Optional
 
 import torch
 
@@ -21,8 +22,9 @@ from ..core.record import EXPERT_COUNTS, PRESSURE
 __all__ = ["load_trace"]
 
 
-def load_trace(path: str) -> torch.Tensor:
-    """Expert load trace [steps, layers, experts] from a file.
+def load_trace(path: str, last: Optional[int] = None) -> torch.Tensor:
+    """Expert load trace [steps, layers, experts] from a file (only its last `last` steps when given: a balance
+    log is then read holding no more than those).
 
     * SGLang expert-distribution dump: `stat` mode (`torch.save` of a dict with `logical_count`
       [steps, layers, experts] or [layers, experts]), or one rank's `per_pass` file (`records`, each
@@ -36,7 +38,12 @@ def load_trace(path: str) -> torch.Tensor:
     at most MAX_TRACE_COUNTS counts. Malformed files raise ValueError naming the problem.
     """
     if path.endswith(".jsonl") or os.path.isdir(path):
-        return _from_balance_log(path)
+        return _checked(torch.stack(_from_balance_log(path, last)), f"{path}: {EXPERT_COUNTS}")
+    trace_NLE = _from_torch_file(path)
+    return trace_NLE if last is None else trace_NLE[-int(last):]
+
+
+def _from_torch_file(path: str) -> torch.Tensor:
     data = _torch_load(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a dict of tensors, got {type(data).__name__}")
@@ -171,28 +178,50 @@ def _expert_map(p2l, shape: tuple, what: str) -> torch.Tensor:
     return p2l_LP
 
 
-def _from_balance_log(path: str) -> torch.Tensor:
+def _from_balance_log(path: str, last: Optional[int] = None) -> list[torch.Tensor]:
+    """The [layers, experts] counts of each record of a balance log (its last `last`), as they are read."""
     from ..observe.report import read_log
-    rows = []
-    for r in read_log(path, keys=(EXPERT_COUNTS, )):
-        if EXPERT_COUNTS not in r:
-            continue
-        counts = r[EXPERT_COUNTS]
-        if isinstance(counts, list) and all(isinstance(row, list) for row in counts) \
-                and len({len(row) for row in counts}) > 1:
-            raise ValueError(f"{path}: the layers have different expert counts ({[len(row) for row in counts]}, a "
+
+    def counts(record: dict) -> dict:
+        """A record's expert counts as a [layers, experts] float64 tensor (None when it holds none), checked."""
+        if EXPERT_COUNTS not in record:
+            return {"step": record["step"], EXPERT_COUNTS: None}
+        rows = record[EXPERT_COUNTS]
+        if isinstance(rows, list) and all(isinstance(row, list) for row in rows) and len({len(r) for r in rows}) > 1:
+            raise ValueError(f"{path}: the layers have different expert counts ({[len(row) for row in rows]}, a "
                              "PR-MoE run); traces and placement plans take one expert count for every layer")
         try:
-            rows.append(torch.tensor(r[EXPERT_COUNTS], dtype=torch.float64))
+            t = torch.tensor(rows, dtype=torch.float64)
         except (TypeError, ValueError, RuntimeError, OverflowError) as e:   # ragged lists, strings, nulls
-            raise ValueError(f"{path}: {EXPERT_COUNTS} of step {r['step']} must be a [layers, experts] list of "
+            raise ValueError(f"{path}: {EXPERT_COUNTS} of step {record['step']} must be a [layers, experts] list of "
                              f"numbers ({e})") from None
-        if rows[-1].dim() != 2 or rows[-1].shape != rows[0].shape:
-            raise ValueError(f"{path}: {EXPERT_COUNTS} must be [layers, experts] of one shape in every record, got "
-                             f"{tuple(rows[-1].shape)} at step {r['step']} (first {tuple(rows[0].shape)})")
+        if t.dim() != 2:
+            raise ValueError(f"{path}: {EXPERT_COUNTS} must be [layers, experts], got {tuple(t.shape)} at step "
+                             f"{record['step']}")
+        return {"step": record["step"], EXPERT_COUNTS: t}
+
+    rows = [r[EXPERT_COUNTS] for r in read_log(path, keys=(EXPERT_COUNTS, ), last=last, convert=counts)
+            if r[EXPERT_COUNTS] is not None]
     if not rows:
         raise ValueError(f"{path}: no record holds {EXPERT_COUNTS}")
-    return _checked(torch.stack(rows), f"{path}: {EXPERT_COUNTS}")
+    odd = next((i for i, t in enumerate(rows) if t.shape != rows[0].shape), None)
+    if odd is not None:
+        raise ValueError(f"{path}: {EXPERT_COUNTS} must be [layers, experts] of one shape in every record, got "
+                         f"{tuple(rows[odd].shape)} (first {tuple(rows[0].shape)})")
+    return rows
+
+
+def load_total(path: str, last: Optional[int] = None) -> tuple[torch.Tensor, int]:
+    """The summed expert load [layers, experts] of a trace file's steps (its last `last`), and how many steps:
+    what `eb plan` plans from. A balance log is summed record by record, never stacked."""
+    if not (path.endswith(".jsonl") or os.path.isdir(path)):
+        trace_NLE = load_trace(path, last)
+        return trace_NLE.sum(0), int(trace_NLE.shape[0])
+    rows = _from_balance_log(path, last)
+    total_LE = torch.zeros_like(rows[0])
+    for i, row_LE in enumerate(rows):
+        total_LE += _checked(row_LE, f"{path}: {EXPERT_COUNTS} of record {i}")
+    return total_LE, len(rows)
 
 
 MAX_COUNT = 2.0 ** 53     # tokens an expert gets in one step: exact in float64, and far beyond any real batch

@@ -47,13 +47,10 @@ def _plan(args) -> int:
     from ..planning.export import (balance_table, format_balance_table, placement_json, sglang_mapping,
                                    trivial_placement)
     from ..planning.placement import plan_placement
-    from ..observe.traces import load_trace
+    from ..observe.traces import load_total
 
     _refuse_overwriting_inputs(args.load, [args.out, args.sglang])
-    trace_NLE = load_trace(args.load)
-    if args.last:
-        trace_NLE = trace_NLE[-args.last:]
-    load_LE = trace_NLE.sum(0)
+    load_LE, steps = load_total(args.load, last=args.last)    # summed as read: no [steps, L, E] stack
     L, E = load_LE.shape
     G = args.devices
     if args.slots is not None:
@@ -66,7 +63,7 @@ def _plan(args) -> int:
     plan = plan_placement(load_LE, G, S, num_nodes=args.nodes, dispatch=args.dispatch)
     table = balance_table(load_LE, {"before (slot p holds expert p % E)": trivial_placement(L, E, G, S),
                                     f"planned (dispatch={args.dispatch})": plan})
-    meta = {"dispatch": args.dispatch, "num_nodes": args.nodes, "source": args.load, "steps": int(trace_NLE.shape[0]),
+    meta = {"dispatch": args.dispatch, "num_nodes": args.nodes, "source": args.load, "steps": steps,
             "balance": table}
     documents = [(path, make()) for path, make in ((args.out, lambda: placement_json(plan, **meta)),
                                                     (args.sglang, lambda: sglang_mapping(plan))) if path]
@@ -78,7 +75,7 @@ def _plan(args) -> int:
     if args.json:
         print(json.dumps({"layers": L, "experts": E, "devices": G, "slots_per_device": S, **meta, "written": written}))
         return 0
-    print(f"{args.load}: {trace_NLE.shape[0]} load records (one per logged step), {L} layers x {E} experts -> "
+    print(f"{args.load}: {steps} load records (one per logged step), {L} layers x {E} experts -> "
           f"{G} devices x {S} slots ({G * S - E} redundant), {args.nodes} node(s)")
     print("balancedness = mean / max device load over the records' summed load (1 = every device equal; higher is "
           "better); aggregate over all layers, and the worst layer")
@@ -88,17 +85,19 @@ def _plan(args) -> int:
     return 0
 
 
-def _at_least(minimum: int):
+def bounded(minimum: int, maximum: int = 2 ** 20):
+    """An argparse type: an integer in [minimum, maximum] (a count past 2^20 is a typo, not a wish)."""
     def parse(text: str) -> int:
         value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}" if value < minimum else
+                                             f"{value} must be <= {maximum}")
         return value
     parse.__name__ = "integer"         # argparse names the type in its message
     return parse
 
 
-counting, non_negative = _at_least(1), _at_least(0)
+counting, non_negative = bounded(1), bounded(0)
 
 
 class Choices:

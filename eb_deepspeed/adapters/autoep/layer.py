@@ -38,9 +38,19 @@ import torch
 import torch.nn.functional as F
 
 from ...core.controls import LayerControls
-from ...core.tally import LayerTally, in_backward, route_counts
+from ...core.tally import LayerTally, in_backward, logit_sums, route_counts
 
 __all__ = ["AutoEPBalance"]
+
+
+def choice_sums(router, logits_TE: torch.Tensor) -> torch.Tensor:
+    """Per-token sums [T] of what the router's top-k chooses on: the logits, plus its pretrained score correction
+    bias (DeepSeek-V3's `e_score_correction_bias`) where it has one. A NaN or Inf in either makes every affected
+    sum non-finite, so the tally counts those tokens as non-finite (the layer leaves the view, its controls hold,
+    one warning) instead of learning from routes a NaN chose. No host sync."""
+    sums_T = logit_sums(logits_TE)
+    correction = getattr(router, "e_score_correction_bias", None)
+    return sums_T if correction is None else sums_T + correction.detach().float().sum()
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -136,18 +146,22 @@ class AutoEPBalance:
         valid_T = self.valid_T if self.valid_T is not None and self.valid_T.numel() == T else None
         counting = self._counts_now()
         attaching = self.balance and torch.is_grad_enabled() and self.loss_coeff > 0 and T > 0
-        if not counting and not attaching:
-            return None
         ctl = self.controls
+        # the exact global scope's all-reduce: every rank, every training forward outside backward, whatever its
+        # grad mode or token count (a rank-local switch would leave one rank waiting in it); a re-run takes its f
+        first_run = not in_backward()
+        if not counting and not attaching and not (ctl.global_shares is not None and first_run):
+            return None
         with torch.set_grad_enabled(attaching):
             probs_TE = self._probs(logits_TE if valid_T is None else logits_TE[valid_T])
             routed_E = tokens_E.detach() if valid_T is None else \
                 route_counts(torch.where(valid_T[:, None], selected_TK, -1), self.num_experts)
             full_TE = None if ctl.batch_scope != "sequence" or valid_T is None else self._probs(logits_TE)
-            l_aux = ctl.balance_loss(probs_TE, routed_E, self.k, selected_TK=selected_TK, first_run=counting,
+            l_aux = ctl.balance_loss(probs_TE, routed_E, self.k, selected_TK=selected_TK, first_run=first_run,
                                      valid_T=valid_T, full_probs_TE=full_TE)
         if counting:
-            self.tally.add_routes(selected_TK, routed_E=routed_E, logits_TE=logits_TE, l_aux=l_aux, valid_T=valid_T,
+            self.tally.add_routes(selected_TK, routed_E=routed_E, logit_sums_T=choice_sums(router, logits_TE), l_aux=l_aux,
+                                  valid_T=valid_T,
                                   layer=self.layer_index)
         if not attaching:
             return None

@@ -29,6 +29,7 @@ planner's model is the busiest rank's routes).
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Optional
@@ -37,12 +38,13 @@ import torch
 import torch.distributed as dist
 
 from ...core.config import EasyBalanceConfig
-from ...core.tally import LayerTally, logit_sums
+from ...core.tally import LayerTally
 from ...planning.placement import Placement
 from ..common import dist_ready
 from ..serving.engine import ServingEngine
 from ..serving.store import Routing, SlotTable, split_by_fraction, steered_split
 from .engine import find_autoep_layers
+from .layer import choice_sums
 
 __all__ = ["AutoEPStore", "AutoEPRoutes", "init_autoep_inference"]
 
@@ -88,7 +90,7 @@ class AutoEPRoutes:
     # ------------------------------------------------------------------ hooks
     def _keep_logits(self, gate, args, logits_TE) -> None:
         if self.routing.recording and logits_TE.shape[0] > 0:
-            self._logit_sums_T = logit_sums(logits_TE)
+            self._logit_sums_T = choice_sums(self.layer.router, logits_TE)
 
     def _route(self, router, args, output):
         """The router's (top_scores_TK, selected_TK, counts_E) -> (top_scores_TK, slot_TK, counts_P)."""
@@ -240,6 +242,9 @@ class AutoEPStore:
         then go into the first H slots."""
         engine = self._engine("load_checkpoint")
         S = [m.num_local_experts for m in self.moes]
+        # DeepSpeed copies tensor by tensor and may raise half way (a checkpoint of another shape): what it had
+        # overwritten is put back from this copy (the experts live in the stores, which a load never touches)
+        kept = {k: t.detach().to("cpu", copy=True) for k, t in self.module.state_dict().items()}
         self._point_home(None)
         try:
             path, _ = engine.load_checkpoint(ckpt_dir, tag=tag, load_module_only=True)
@@ -248,6 +253,10 @@ class AutoEPStore:
         except BaseException:
             for layer, s in enumerate(S):
                 self._point(layer, s)
+            with torch.no_grad():
+                for key, t in self.module.state_dict().items():
+                    if key in kept and kept[key].shape == t.shape:
+                        t.copy_(kept[key])
             raise
         with torch.no_grad():
             for layer, moe in enumerate(self.moes):
@@ -292,7 +301,10 @@ def init_autoep_inference(model: torch.nn.Module, config=None) -> torch.nn.Modul
     """Serve an AutoEP-converted model (a DeepSpeed engine from `deepspeed.initialize`, or its module) with the
     `easybalance` block of `config`; returns the module in eval mode, with `module.serving` and, with an
     enabled block, `module.easybalance` (the Balancer). Every EP rank must call forward together (AutoEP's
-    all-to-all). The engine must not train afterwards: its expert parameters are views of the serving store."""
+    all-to-all): the module's `generate` passes HF's `synced_gpus=True` unless told otherwise, so a rank whose
+    sequences end first keeps joining the forwards of the others (without it, ranks that generate different
+    numbers of tokens wait for each other forever). The engine must not train afterwards: its expert parameters
+    are views of the serving store."""
     eb_config = EasyBalanceConfig.from_ds_config(config)
     if eb_config.enabled:
         for path in eb_config.ignored_options("serve"):
@@ -305,6 +317,14 @@ def init_autoep_inference(model: torch.nn.Module, config=None) -> torch.nn.Modul
     engine = model if hasattr(model, "save_checkpoint") and hasattr(model, "load_checkpoint") else None
     serving = ServingEngine(AutoEPStore(module, engine=engine), eb_config if eb_config.enabled else None)
     module.serving = serving
+    if hasattr(module, "generate") and dist.get_world_size() > 1:
+        generate = module.generate
+
+        @functools.wraps(generate)
+        def synced_generate(*args, **kwargs):
+            kwargs.setdefault("synced_gpus", True)
+            return generate(*args, **kwargs)
+        module.generate = synced_generate
     if serving.balancer is not None:
         module.easybalance = serving.balancer
         module.register_forward_pre_hook(

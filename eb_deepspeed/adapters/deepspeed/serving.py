@@ -187,9 +187,11 @@ def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[st
     wanted = module.state_dict()
     missing = sorted(k for k in wanted if k not in state and not any(k.startswith(p) for p in empty))
     unexpected = sorted(k for k in state if k not in wanted)
-    if missing or unexpected:
+    # torch copies tensor by tensor and raises at the end: every shape is checked first, so a load is whole or none
+    resized = sorted(k for k, v in state.items() if k in wanted and tuple(v.shape) != tuple(wanted[k].shape))
+    if missing or unexpected or resized:
         raise ValueError(f"{folder}: checkpoint does not fit this model (missing {missing[:4]}, "
-                         f"unexpected {unexpected[:4]})")
+                         f"unexpected {unexpected[:4]}, of another size {resized[:4]}); nothing was loaded")
     module.load_state_dict(state, strict=False)
     return folder
 
