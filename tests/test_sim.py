@@ -133,7 +133,7 @@ def test_malformed_trace_files_give_clear_errors(tmp_path, content, message):
     ([[1, -3], [0, 1]], r"expert_counts_LE must be finite and non-negative"),
     ([[1, 2], [0]], r"different expert counts \(\[2, 1\], a PR-MoE run\)"),
     ([[1, 2], ["x", 0]], r"expert_counts_LE of step 1 must be a \[layers, experts\] list of numbers"),
-    ([1, 2], r"expert_counts_LE must be \[layers, experts\] of one shape in every record, got \(2,\)"),
+    ([1, 2], r"expert_counts_LE must be \[layers, experts\], got \(2,\) at step 1"),
 ])
 def test_a_balance_log_with_bad_counts_is_refused_like_the_other_importers(tmp_path, counts, message):
     # one validation path for every importer: our own log gets the same checks as a .pt dump

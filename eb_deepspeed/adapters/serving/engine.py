@@ -555,4 +555,8 @@ def _transfer(ops: list) -> None:
         except Exception as e:   # noqa: BLE001
             errors.append(e)
     if errors:
-        raise errors[0]
+        # a fresh error, no traceback into the transfers: no work object outlives the move in a frame that an
+        # exception keeps alive (a gloo work freed after its process group is gone at exit aborts the process)
+        message = f"{type(errors[0]).__name__}: {errors[0]}"
+        requests.clear(), errors.clear()
+        raise RuntimeError(message)
