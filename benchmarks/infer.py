@@ -113,25 +113,18 @@ def _timed_moes(module, into: list):
     """Forward hooks that add each MoE layer's forward time (and its gate's) to `into` = [moe_s, gate_s]."""
     from eb_deepspeed.adapters.deepspeed.engine import find_moe_layers
     for _, moe in find_moe_layers(module):
-        start = {}
+        _time_into(moe, into, 0)
+        _time_into(moe.deepspeed_moe.gate, into, 1)
 
-        def pre(m, a, key=id(moe)):
-            start[key] = time.perf_counter()
 
-        def post(m, a, o, key=id(moe)):
-            into[0] += time.perf_counter() - start[key]
-        moe.register_forward_pre_hook(pre)
-        moe.register_forward_hook(post)
-        gate = moe.deepspeed_moe.gate
-        gstart = {}
+def _time_into(module, into: list, index: int) -> None:
+    """Add `module`'s forward wall time to into[index] (a pre-hook starts the clock, a hook stops it)."""
+    start = []
+    module.register_forward_pre_hook(lambda m, a: start.append(time.perf_counter()))
 
-        def gpre(m, a, key=id(gate)):
-            gstart[key] = time.perf_counter()
-
-        def gpost(m, a, o, key=id(gate)):
-            into[1] += time.perf_counter() - gstart[key]
-        gate.register_forward_pre_hook(gpre)
-        gate.register_forward_hook(gpost)
+    def stop(m, a, o):
+        into[index] += time.perf_counter() - start.pop()
+    module.register_forward_hook(stop)
 
 
 def _plain_capacity(module) -> int:
