@@ -208,6 +208,118 @@ def scenario_checkpoint(p):
             "bias_of_gates": bias_of_gates}
 
 
+def scenario_folded(p):
+    """Mixtral under AutoEP (autoep_size 2) with tensor-parallel folding (`tensor_parallel.autotp_size` = p["tp"];
+    1: unfolded; attention sharded) on every rank of the job: plain, `observe`, `balance` and `balance` with the
+    exact global batch scope, 3 steps each on the same
+    batches (the batch of data-parallel rank rank // tp: tensor-parallel peers see the same tokens). Per
+    engine: losses, router gradients of the first step, weights after 3 steps; for the balancer, its view's counts
+    and bias against an independent count of the router's choices."""
+    tp = p["tp"]
+    dp_rank = dist.get_rank() // tp
+    out = {}
+    for name, block in (("plain", None), ("observe", {"mode": "observe"}),
+                        ("balance", {"mode": "balance", "warmup_batches": 1}),
+                        ("exact", {"mode": "balance", "warmup_batches": 1, "aux": {"batch_scope": "global_exact"}})):
+        cfg = config("mixtral", 0, 1, block, p["out"])
+        if tp > 1:
+            cfg["tensor_parallel"] = {"autotp_size": tp, "partition_config": {"use_default_specs": False, "layer_specs": [
+                {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
+                {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"}]}}
+        engine = engine_for("mixtral", cfg, use_eb=block is not None)
+        layers = [m for _, m in find_autoep_layers(engine.module)]
+        own_LE = torch.zeros(len(layers), 4, dtype=torch.float64)
+
+        def counter(index):
+            def hook(router, args, output):
+                if router.training and torch.is_grad_enabled():
+                    own_LE[index] += torch.bincount(output[1].flatten(), minlength=4).double()
+            return hook
+        for index, layer in enumerate(layers):
+            layer.router.register_forward_hook(counter(index))
+        losses, router_grads, own, view, bias = [], None, [], [], []
+        for step in range(3):
+            own_LE.zero_()
+            g = torch.Generator().manual_seed(1000 * step + dp_rank)
+            ids = zipf_tokens(MICRO, SEQ, g)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            losses.append(float(loss))
+            if step == 0:
+                router_grads = [layer.router.gate.weight.grad.detach().clone() for layer in layers]
+            engine.step()
+            own.append(own_LE.clone())
+            if block is not None:
+                view.append(engine.easybalance.view.last.routed_LE.clone())
+                bias.append(torch.stack([c.bias_E.clone() if c.bias_E is not None else torch.zeros(4)
+                                         for c in engine.easybalance.controls]))
+        params = {n: t.detach().clone() for n, t in engine.module.state_dict().items()}
+        out[name] = {"losses": losses, "router_grads": router_grads, "params": params, "own": own, "view": view,
+                     "bias": bias}
+    return {"tp": tp, "dp_rank": dp_rank, **out}
+
+
+def scenario_resize(p):
+    """A balance run at autoep_size 2 on 4 ranks resumed at autoep_size p["to"]: at ZeRO 3 through DeepSpeed's
+    universal checkpoint, at ZeRO 0 by a plain resume of the module; the balancer state before and after, the warnings, the
+    next step's loss (of the saved engine too). Then a model of other layers: refused before anything loads."""
+    from types import SimpleNamespace
+    from deepspeed.checkpoint.ds_to_universal import main as convert_to_universal
+    block = {"mode": "balance", "warmup_batches": 1}
+    ckpt = os.path.join(p["out"], "ckpt")
+
+    def resized(ep, zero, universal=False, layers=2):
+        cfg = config("mixtral", zero, 1, block, p["out"])
+        cfg["expert_parallel"] = autoep_section("mixtral", ep)
+        if universal:
+            cfg["checkpoint"] = {"load_universal": True}
+        torch.manual_seed(5)
+        model = hf_moe_model("mixtral", layers=layers, hidden=32, experts=4, k=2, ffn=32, seq_len=SEQ)
+        engine, _, _, _ = eb_deepspeed.initialize(
+            model=model, config=cfg, optimizer=lambda ps: torch.optim.AdamW(configure_moe_param_groups(list(ps)), lr=1e-2))
+        return engine
+
+    out = {}
+    for name, zero in (("universal", 3), ("plain", 0)):
+        engine = engine_for("mixtral", config("mixtral", zero, 1, block, p["out"]))
+        train(engine, 3)
+        engine.save_checkpoint(ckpt, tag=name)
+        saved = engine.easybalance.state_dict()
+        next_loss, _ = train(engine, 1)
+        tag = name
+        if name == "universal":
+            dist.barrier()
+            if dist.get_rank() == 0:
+                convert_to_universal(SimpleNamespace(
+                    input_folder=os.path.join(ckpt, name), output_folder=os.path.join(ckpt, "universal_u"),
+                    num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                    inject_missing_state=False))
+            dist.barrier()
+            tag = "universal_u"
+        resumed = resized(p["to"], zero, universal=name == "universal")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            # a plain resume into other EP groups: the module only (DeepSpeed keeps the optimizer's expert
+            # states in the old groups' shapes); the universal checkpoint re-slices them too
+            path, _ = resumed.load_checkpoint(ckpt, tag=tag, load_optimizer_states=name == "universal")
+        state = resumed.easybalance.state_dict()
+        bias_of_gates = [c.bias_E.clone() for c in resumed.easybalance.controls]
+        losses, _ = train(resumed, 1)
+        out[name] = {"path": path, "saved": saved, "state": state, "loss": float(losses[0]),
+                     "saved_next_loss": float(next_loss[0]), "G": resumed.easybalance.view.G,
+                     "warned": [str(w.message) for w in caught if "easybalance" in str(w.message)],
+                     "bias_of_gates": bias_of_gates}
+    deeper = resized(p["to"], 0, layers=3)
+    before = {n: t.detach().clone() for n, t in deeper.module.state_dict().items()}
+    try:
+        deeper.load_checkpoint(ckpt, tag="plain")
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    out["untouched"] = all(torch.equal(t, before[n]) for n, t in deeper.module.state_dict().items())
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- serving
 def _served_model(family: str, ep: int, experts: int, skew: float, seed: int = 0):
     """A tiny model AutoEP converted (plain deepspeed.initialize, no optimizer), in eval mode, its routers

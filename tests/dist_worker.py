@@ -404,32 +404,48 @@ def scenario_checkpoint(p):
 
 
 def scenario_checkpoint_mismatch(p):
-    """A checkpoint of an EP-2 run loaded into an EP-1 model: "strict" stops before DeepSpeed loads
-    anything; "ignore_mismatch" loads the model, warns and keeps the balancer's own state."""
+    """A checkpoint of an EP-2 run loaded into an EP-1 model: the expert-level balancer state carries over, the
+    device-level state is rebuilt, one warning. A checkpoint of a 3-layer model into a 2-layer one: "strict"
+    stops before DeepSpeed loads anything; "ignore_mismatch" loads the model, warns and keeps the balancer's own
+    state."""
     ckpt = os.path.join(p["out"], "ckpt")
     block = {"mode": "balance", "warmup_batches": 1, "log": {"dir": os.path.join(p["out"], "log")}}
     a = make_engine(make_model(seed=0, ep_size=2), base_config(easybalance=dict(block)))
-    for step in range(2):
+    for step in range(3):
         train_step(a, step)
     a.save_checkpoint(ckpt, tag="ep2")
-    saved = {n: q.detach().clone() for n, q in a.module.named_parameters() if "expert" not in n}
+    saved_view = view_state(a)
 
-    b = make_engine(make_model(seed=9, ep_size=1), base_config(easybalance=dict(block)))
+    other = make_engine(make_model(seed=0, ep_size=1), base_config(easybalance=dict(block)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other_path, _ = other.load_checkpoint(ckpt, tag="ep2", load_optimizer_states=False)   # other EP groups
+    resumed = view_state(other)
+    train_step(other, 3)
+    relayout = {"loaded": other_path is not None, "saved": saved_view, "resumed": resumed,
+                "warned": [str(w.message) for w in caught if "easybalance" in str(w.message)],
+                "steps_after_train": other.easybalance.view.steps}
+
+    deeper = make_engine(make_model(seed=0, ep_size=2, layers=3), base_config(easybalance=dict(block)))
+    train_step(deeper, 0)
+    deeper.save_checkpoint(ckpt, tag="deeper")
+    saved = {n: q.detach().clone() for n, q in deeper.module.named_parameters() if "expert" not in n}
+    b = make_engine(make_model(seed=9, ep_size=2), base_config(easybalance=dict(block)))
     train_step(b, 7)
     before = {n: q.detach().clone() for n, q in b.module.named_parameters()}
     view_before = view_state(b)
     try:
-        b.load_checkpoint(ckpt, tag="ep2")
+        b.load_checkpoint(ckpt, tag="deeper", load_module_strict=False)
         error = None
     except ValueError as e:
         error = str(e)
     untouched = all(torch.equal(q, before[n]) for n, q in b.module.named_parameters())
     view_after = view_state(b)
 
-    c = make_engine(make_model(seed=9, ep_size=1), base_config(easybalance={**block, "checkpoint": "ignore_mismatch"}))
+    c = make_engine(make_model(seed=9, ep_size=2), base_config(easybalance={**block, "checkpoint": "ignore_mismatch"}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_path, _ = c.load_checkpoint(ckpt, tag="ep2", load_optimizer_states=False)   # other EP groups
+        load_path, _ = c.load_checkpoint(ckpt, tag="deeper", load_module_strict=False, load_optimizer_states=False)
     loaded = all(torch.equal(q, saved[n]) for n, q in c.module.named_parameters() if n in saved)
     steps_after_load = c.easybalance.view.steps
     train_step(c, 3)
@@ -437,7 +453,7 @@ def scenario_checkpoint_mismatch(p):
             "view_kept": all(torch.equal(view_after[k], view_before[k]) for k in ("pressure_LG", "heat_LE")),
             "warned": [str(w.message) for w in caught if "ignore_mismatch" in str(w.message)],
             "steps_after_load": steps_after_load, "steps_after_train": c.easybalance.view.steps,
-            "shared_compared": len(saved)}
+            "shared_compared": len(saved), "relayout": relayout}
 
 
 def scenario_skipped_steps(p):

@@ -188,19 +188,6 @@ def test_a_broken_deepspeed_transformers_pair_is_named():
     check_versions("0.20.0", "5.23.0")
 
 
-def test_autoep_with_tensor_parallel_folding_is_refused_before_the_model_changes():
-    import eb_deepspeed
-    from transformers import MixtralConfig, MixtralForCausalLM
-    model = MixtralForCausalLM(MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=1, num_local_experts=4))
-    before = [type(m).__name__ for m in model.modules()]
-    config = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2},
-              "expert_parallel": {"enabled": True, "autoep_size": 1, "preset_model": "mixtral"}, "easybalance": {}}
-    with pytest.raises(eb_deepspeed.ConfigError, match=r"tensor_parallel\.autotp_size \(2\).*Nothing was changed"):
-        eb_deepspeed.initialize(model=model, config=config)
-    assert [type(m).__name__ for m in model.modules()] == before
-
-
 def test_loss_coeff_on_a_deepspeed_moe_model_warns_that_it_does_nothing_there():
     import eb_deepspeed
     with pytest.warns(UserWarning, match=r"easybalance\.aux\.loss_coeff has no effect on deepspeed\.moe"), \

@@ -247,7 +247,8 @@ def _trained(block, steps=3):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda s: s["view"].update(shape=(2, 4, 1)), r"load view is \(layers, experts, devices\) = \(2, 4, 1\)"),
+    (lambda s: s["view"].update(shape=(3, 4, 2)), r"load view is \(layers, experts, devices\) = \(3, 4, 2\)"),
+    (lambda s: s["view"].update(shape=(2, 4, 1)), r"pressure_LG has shape \(2, 2\), this model \(2, 1\)"),
     (lambda s: s["view"].update(heat_LE=torch.zeros(2, 3)), r"heat_LE has shape \(2, 3\), this model \(2, 4\)"),
     (lambda s: s["view"]["pressure_LG"].fill_(float("nan")), r"pressure_LG holds NaN or inf"),
     (lambda s: s["view"].pop("last_load_LG"), r"last_load_LG is not a real tensor"),

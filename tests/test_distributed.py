@@ -144,14 +144,29 @@ def test_checkpoint_round_trip_restores_the_view_and_controls_and_the_next_step_
         assert rank["plain_loaded"] and "easybalance" in rank["plain_client_keys"]
 
 
-def test_a_checkpoint_of_another_ep_size_stops_before_loading_or_loads_the_model_only_when_asked(run_dist):
+def test_a_checkpoint_of_another_ep_size_resumes_expert_by_expert_and_one_of_other_layers_stops_before_loading(
+        run_dist):
     for rank in run_dist("checkpoint_mismatch", 2):
+        other = rank["relayout"]
+        saved, resumed = other["saved"], other["resumed"]
+        assert other["loaded"]
+        # what does not depend on the EP size carries over: heat, bias, per-layer weights, the step count
+        for key in ("heat_LE", "updates_L", "bias_LE", "log_w_L"):
+            assert torch.equal(resumed[key], saved[key]), key
+        assert resumed["steps"] == saved["steps"] == 3 and saved["bias_LE"].abs().sum() > 0
+        # the device pressure is rebuilt for one EP rank: every expert's heat on it
+        assert saved["pressure_LG"].shape == (2, 2) and torch.equal(resumed["pressure_LG"],
+                                                                    saved["heat_LE"].sum(1, keepdim=True))
+        assert resumed["last_tally"].abs().sum() == 0
+        assert len(other["warned"]) == 1 and "EP ranks per layer 2 -> 1" in other["warned"][0]
+        assert "rebuilt" in other["warned"][0] and other["steps_after_train"] == 4
+        # layers differ: refused before DeepSpeed loads anything; loaded without the balancer state when asked
         assert rank["error"] is not None and "Nothing was loaded" in rank["error"]
-        assert "(layers, experts, devices) = (2, 4, 2), this model has (2, 4, 1)" in rank["error"]
+        assert "(layers, experts, devices) = (3, 4, 2), this model has (2, 4, 2)" in rank["error"]
         assert '"checkpoint": "ignore_mismatch"' in rank["error"]
         assert rank["untouched"] and rank["view_kept"]          # not one parameter or view entry overwritten
         assert rank["loaded"] and rank["shared_compared"] > 0   # ignore_mismatch: the model's weights are the saved ones
-        assert len(rank["warned"]) == 1 and "(2, 4, 2)" in rank["warned"][0]
+        assert len(rank["warned"]) == 1 and "(3, 4, 2)" in rank["warned"][0]
         assert rank["steps_after_load"] == 0 and rank["steps_after_train"] == 1
 
 

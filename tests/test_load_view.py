@@ -134,6 +134,31 @@ def test_state_dict_round_trip_restores_the_view_exactly():
         LoadView(2, E, 2).load_state_dict(view.state_dict())
 
 
+@pytest.mark.parametrize("devices", [1, 4])
+def test_a_state_of_another_ep_size_keeps_the_expert_heat_and_rebuilds_the_device_pressure(devices):
+    view = LoadView(2, E, 2)
+    view.update(Tally.build([[8.0, 4, 2, 2], [1.0, 1, 1, 5]], device_LG=[[12.0, 4], [2, 6]]))
+    view.update(Tally.build([[6.0, 4, 2, 4], [1.0, 3, 1, 3]], device_LG=[[10.0, 6], [4, 4]]))
+    resumed = LoadView(2, E, devices)
+    state = view.state_dict()
+    assert resumed.why_unfit(state) is None
+    assert resumed.load_state_dict(state) == f"EP ranks per layer 2 -> {devices}"
+    assert torch.equal(resumed.heat_LE, view.heat_LE) and torch.equal(resumed.updates_L, view.updates_L)
+    assert resumed.steps == 2
+    # each expert's heat on the rank that holds it now (this model's contiguous layout)
+    per_rank = E // devices
+    assert torch.equal(resumed.pressure_LG, view.heat_LE.view(2, devices, per_rank).sum(2))
+    assert resumed.last.routed_LE.abs().sum() == 0 and resumed.last_load_LG.abs().sum() == 0
+    assert torch.equal(resumed.expert_to_device_LE, LoadView(2, E, devices).expert_to_device_LE)
+    # experts on other ranks at the same EP size: the model's layout wins, the pressure follows it
+    swapped = LoadView(2, E, 2, expert_to_device_E=torch.tensor([1, 1, 0, 0]))
+    assert swapped.load_state_dict(state) == "experts on other EP ranks"
+    assert torch.equal(swapped.pressure_LG, view.heat_LE.view(2, 2, 2).sum(2).flip(1))
+    # the same layout: everything exactly as saved
+    same = LoadView(2, E, 2)
+    assert same.load_state_dict(state) is None and torch.equal(same.pressure_LG, view.pressure_LG)
+
+
 def test_bad_shapes_are_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"num_experts \(6\) must be divisible by num_devices \(4\)"):
         LoadView(1, 6, 4)

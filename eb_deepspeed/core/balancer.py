@@ -317,16 +317,18 @@ class Balancer:
     def load_state_dict(self, state: dict[str, object]) -> bool:
         """Restore a saved state; returns False (and changes nothing) for a state of an older format.
 
-        A state that does not fit (`why_unfit`) raises ValueError and changes nothing. A state saved
-        under another config is restored as far as the current config allows, and one warning says
-        which options differ and what that changed (see `AuxController.load_state_dict`).
+        A state that does not fit (`why_unfit`) raises ValueError and changes nothing. A state saved at another
+        EP size (or expert layout) restores what is per expert or per layer (heat, bias, device-loss weights,
+        step counts) and rebuilds the device pressure for this layout (`LoadView.load_state_dict`). A state saved
+        under another config is restored as far as the current config allows. One warning says what differs and
+        what that changed (see `AuxController.load_state_dict`).
         """
         problem = self.why_unfit(state)
         if problem is not None:
             raise ValueError(problem)
         if state.get("version", 0) < self.VERSION:
             return False
-        self._view.load_state_dict(state["view"])
+        layout = self._view.load_state_dict(state["view"])
         self.log.resumed(self._view.steps)
         changed = self.controller.load_state_dict(state["aux"])
         self._set_maps()
@@ -335,9 +337,15 @@ class Balancer:
         for key in ("log", "checkpoint"):                     # where records go, how to load: not balancer state
             saved.pop(key, None), now.pop(key, None)
         differ = _differences(saved, now, "easybalance")
+        notes = []
+        if layout is not None:
+            notes.append(f"resumed at another expert layout ({layout}): expert heat, bias and per-layer weights carried "
+                         "over; the device pressure was rebuilt from the expert heat and the last step's tally reset")
         if differ:
-            warnings.warn("easybalance: resumed under another config (" + "; ".join(differ) + ")"
-                          + (": " + "; ".join(changed) if changed else ""))
+            notes.append("resumed under another config (" + "; ".join(differ) + ")"
+                         + (": " + "; ".join(changed) if changed else ""))
+        if notes:
+            warnings.warn("easybalance: " + "; ".join(notes))
         return True
 
 

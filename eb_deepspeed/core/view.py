@@ -276,27 +276,44 @@ class LoadView:
             out["expert_to_device_E"] = self.expert_to_device_LE[0].clone()   # what readers before PR-MoE take
         return out
 
+    def layout_change(self, state: dict) -> str | None:
+        """How the devices of a state (one `why_unfit` accepts) differ from this view's (None: they do not):
+        another EP size, or experts on other EP ranks. Such a state is restored expert by expert (`load_state_dict`)."""
+        devices_L = state["devices_L"].to(torch.long) if "devices_L" in state else \
+            torch.full((self.L, ), int(state["shape"][2]), dtype=torch.long)
+        if not torch.equal(devices_L, self.devices_L):
+            return f"EP ranks per layer {_show(devices_L)} -> {_show(self.devices_L)}"
+        saved = state["expert_to_device_LE"] if "experts_L" in state else state["expert_to_device_E"]
+        saved_LE = torch.as_tensor(saved, dtype=torch.long)
+        saved_LE = torch.where(self.mask_LE, saved_LE.expand(self.L, -1) if saved_LE.dim() == 1 else saved_LE, 0)
+        if not torch.equal(saved_LE, self.expert_to_device_LE):
+            return "experts on other EP ranks"
+        return None
+
     def why_unfit(self, state: object) -> str | None:
         """Why `state` cannot be this view's (None: it can). Checks everything `load_state_dict` reads.
 
-        A state saved before per-layer shapes (no `experts_L`) is read as uniform layers with one map."""
+        Layers and experts must match; the devices may differ (`layout_change`): then only the expert-level
+        fields are read. A state saved before per-layer shapes (no `experts_L`) is read as uniform layers with
+        one map."""
         if not isinstance(state, dict) or "shape" not in state:
             return "the load view state is not a dict with a shape"
         try:
             shape = tuple(int(x) for x in state["shape"])
         except (TypeError, ValueError):
             return f"the load view's shape {state['shape']!r} is not (layers, experts, devices)"
-        if shape != (self.L, self.E, self.G):
+        if len(shape) != 3 or shape[:2] != (self.L, self.E) or shape[2] < 1:
             return (f"the checkpointed load view is (layers, experts, devices) = {shape}, this model has "
                     f"{(self.L, self.E, self.G)}")
+        G = shape[2]
         devices = state.get("last_devices")
-        if devices not in (0, self.G):
-            return f"the load view's last_devices is {devices!r}, expected 0 or {self.G}"
+        if devices not in (0, G):
+            return f"the load view's last_devices is {devices!r}, expected 0 or {G}"
         if not isinstance(state.get("steps"), int) or state["steps"] < 0:
             return f"the load view's steps is {state.get('steps')!r}, expected an integer >= 0"
         width = TallyLayout(self.E, devices).width
-        shapes = {"heat_LE": (self.L, self.E), "pressure_LG": (self.L, self.G), "updates_L": (self.L, ),
-                  "last_tally": (self.L, width), "last_load_LG": (self.L, self.G)}
+        shapes = {"heat_LE": (self.L, self.E), "pressure_LG": (self.L, G), "updates_L": (self.L, ),
+                  "last_tally": (self.L, width), "last_load_LG": (self.L, G)}
         if "experts_L" in state:
             shapes.update(experts_L=(self.L, ), devices_L=(self.L, ), expert_to_device_LE=(self.L, self.E))
         elif self.uniform:
@@ -306,27 +323,30 @@ class LoadView:
         # counts and loads are never negative; every field of the last tally is a count or a non-negative loss
         ranges = {key: (0.0, math.inf) for key in ("heat_LE", "pressure_LG", "updates_L", "last_tally", "last_load_LG")}
         problem = why_tensors_unfit(state, "load view", shapes, ranges)
-        if problem is None and "experts_L" in state:
-            for key, mine in (("experts_L", self.experts_L), ("devices_L", self.devices_L)):
-                if not torch.equal(state[key].to(torch.long), mine):
-                    return (f"the checkpointed load view's {key} per layer is {state[key].tolist()}, this model's "
-                            f"{mine.tolist()}")
-        if problem is None:
-            try:
-                self._checked_map(state["expert_to_device_LE" if "experts_L" in state else "expert_to_device_E"])
-            except ValueError as e:
-                return f"the checkpointed load view's expert map: {e}"
+        if problem is None and "experts_L" in state and not torch.equal(state["experts_L"].to(torch.long),
+                                                                        self.experts_L):
+            return (f"the checkpointed load view's experts_L per layer is {state['experts_L'].tolist()}, this model's "
+                    f"{self.experts_L.tolist()}")
         return problem
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> str | None:
+        """Restore a state `why_unfit` accepts (else ValueError, nothing changed). Returns `layout_change`: with
+        the same devices everything is restored; with other devices (another EP size, another expert layout)
+        the expert heat, update counts and step count carry over, the device pressure is rebuilt from the heat
+        for this view's layout, and the last step's tally starts empty."""
         problem = self.why_unfit(state)
         if problem is not None:
             raise ValueError(problem)
+        change = self.layout_change(state)
         self.heat_LE = state["heat_LE"].to(torch.float64).clone()
-        self.pressure_LG = state["pressure_LG"].to(torch.float64).clone()
         self.updates_L = state["updates_L"].to(torch.long).clone()
         self.steps = int(state["steps"])
-        self.expert_to_device_LE = self._checked_map(state["expert_to_device_LE"] if "experts_L" in state
-                                                     else state["expert_to_device_E"])
+        if change is not None:
+            self.pressure_LG = self.expert_to_device_load(self.heat_LE)
+            self.last = Tally.zeros(self.L, self.E)
+            self.last_load_LG = torch.zeros(self.L, self.G, dtype=torch.float64)
+            return change
+        self.pressure_LG = state["pressure_LG"].to(torch.float64).clone()
         self.last = Tally.unpack(state["last_tally"].to(torch.float64).clone(), self.E, int(state["last_devices"]))
         self.last_load_LG = state["last_load_LG"].to(torch.float64).clone()
+        return None

@@ -43,6 +43,9 @@ SITE = os.path.join(HERE, "site")
 REPO = os.path.dirname(os.path.dirname(HERE))
 SNAPSHOT = "/work/.mirror/deepspeedai+DeepSpeed/repo"
 DEFAULT_FILES = ["unit/v1/moe/test_moe.py", "unit/v1/moe/test_moe_tp.py", "unit/checkpoint/test_moe_checkpoint.py"]
+SUITES = {"moe": DEFAULT_FILES,            # --suite: named sets of files (--files overrides)
+          "autoep": ["unit/v1/moe/test_autoep_*.py", "unit/v1/moe/test_fused_expert_layout.py"]}
+MODES = ("plain", "observe", "balance")
 EXTRACT = ["tests/conftest.py", "tests/pytest.ini", "tests/unit"]
 
 # The CPU rewrites, applied to the extracted copies of the selected test files only.
@@ -267,6 +270,13 @@ def render_table(paths: list[str], group: bool = False) -> str:
         else:
             name, cells, evc = f"`{key}`", [o[0] for o in outcome], [e[0] for e in ev]
         lines.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(evc) + " |")
+    base = runs[0]
+    for name, run in list(zip(names, runs))[1:]:
+        differ = [t for t in ids if (base["tests"].get(t) or {}).get("outcome") != (run["tests"].get(t) or {}).get("outcome")]
+        lines += ["", f"{name} against {names[0]}: {len(differ)} tests differ" + (":" if differ else "")]
+        lines += [f"- `{t}`: {(base['tests'].get(t) or {}).get('outcome')} -> {(run['tests'].get(t) or {}).get('outcome')}"
+                  + (f" ({run['tests'][t]['message'][:160]})" if (run["tests"].get(t) or {}).get("message") else "")
+                  for t in differ]
     lines += ["", "| run | " + " | ".join(["passed", "failed", "error", "skipped", "other", "tests", "wall"]) + " |",
               "|---|" + "---|" * 7]
     for name, run in zip(names, runs):
@@ -280,7 +290,10 @@ def render_table(paths: list[str], group: bool = False) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=["plain", "observe", "balance"])
+    p.add_argument("--mode", choices=[*MODES, "all"],
+                   help="all: plain, observe and balance in turn (--out: a folder for the three JSONs), then the table")
+    p.add_argument("--suite", choices=sorted(SUITES), default="moe",
+                   help="which of DeepSpeed's test files: moe (default) or autoep (its AutoEP files); --files overrides")
     p.add_argument("--table", nargs="+", metavar="RESULTS_JSON",
                    help="print a markdown table of earlier runs' JSONs side by side, and exit")
     p.add_argument("--group", action="store_true",
@@ -288,9 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="bias", choices=["bias", "cross_layer", "fixed", "bias_cross_layer"],
                    help="easybalance.aux.policy in balance mode (default bias)")
     p.add_argument("-k", dest="kexpr", default=None, help="pytest -k expression")
-    p.add_argument("--files", nargs="+", default=DEFAULT_FILES,
-                   help="test files relative to DeepSpeed's tests/ (globs allowed); default: "
-                        + " ".join(DEFAULT_FILES))
+    p.add_argument("--files", nargs="+", default=None,
+                   help="test files relative to DeepSpeed's tests/ (globs allowed); default: --suite's")
     p.add_argument("--out", default=None, help="results JSON (default: RUN_DIR/results.json)")
     p.add_argument("--workdir", default="/tmp/ds_suite", help="where each run's directory is made")
     p.add_argument("--snapshot", default=SNAPSHOT, help="DeepSpeed git directory")
@@ -311,6 +323,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.mode is None:
         p.error("--mode is required (or --table)")
+    if args.files is None:
+        args.files = SUITES[args.suite]
+    if args.mode == "all":
+        argv = list(argv if argv is not None else sys.argv[1:])
+        folder = args.out or os.path.join(args.workdir, f"{args.suite}-" + time.strftime("%Y%m%d-%H%M%S"))
+        os.makedirs(folder, exist_ok=True)
+        outs = []
+        for mode in MODES:
+            outs.append(os.path.join(folder, f"{mode}.json"))
+            rest = [a for i, a in enumerate(argv) if a not in ("--mode", "--out") and
+                    (i == 0 or argv[i - 1] not in ("--mode", "--out")) and not a.startswith(("--mode=", "--out="))]
+            main(rest + ["--mode", mode, "--out", outs[-1]])
+        table = render_table(outs, group=True)
+        with open(os.path.join(folder, "table.md"), "w", encoding="utf-8") as f:
+            f.write(table + "\n")
+        print(table)
+        print(f"[ds_moe_suite] three runs and table.md in {folder}")
+        return 0
 
     started, load_start = time.time(), os.getloadavg()
     pkg_hash_start, _ = package_state()

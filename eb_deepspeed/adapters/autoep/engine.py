@@ -8,8 +8,8 @@ Shape legend: L MoE layers, E experts per layer, G EP ranks.
     engine.backward(out.loss); engine.step()                 # the step hook updates the view once per step
 
 `eb_deepspeed.initialize` sends a config with an enabled `expert_parallel` section here. Everything is
-checked before DeepSpeed touches the model (`check_autoep_config`: the transformers/DeepSpeed pair, AutoEP
-options this adapter cannot follow); `deepspeed.initialize` then converts the model, and `attach` finds
+checked before DeepSpeed touches the model (`check_versions`: the transformers/DeepSpeed pair);
+`deepspeed.initialize` then converts the model, and `attach` finds
 every `AutoEPMoELayer`, hooks an `AutoEPBalance` on each, and runs `core.Balancer` exactly as the DeepSpeed-MoE
 adapter does (its step hook, reduce and checkpoint wrapping): one all-reduce per optimizer step.
 """
@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from ...core.balancer import Balancer, ModelShape
-from ...core.config import ConfigError, EasyBalanceConfig
+from ...core.config import EasyBalanceConfig
 from ...core.policies import POLICIES
 from .. import common
 from ..deepspeed.hooks import StepHook, reduce_for, wrap_checkpointing
@@ -63,18 +63,6 @@ def check_versions(deepspeed_version: Optional[str] = None, transformers_version
                               f"{transformers_version} (>= {tf_from}: `_CanRecordRegistry.get()` takes 2 positional "
                               "arguments). Install transformers 5.22.2 (pip install 'transformers==5.22.2', or "
                               "pip install -e .[hf]) or a DeepSpeed release that supports your transformers")
-
-
-def check_autoep_config(ds_config: dict, eb_config: EasyBalanceConfig) -> None:
-    """Refuse, before anything changes, AutoEP set-ups this adapter cannot follow (with the JSON path)."""
-    section = ds_config["expert_parallel"]
-    etp = section.get("expert_tensor_parallel_size", 1)
-    tp = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 1)
-    for path, value in (("expert_parallel.expert_tensor_parallel_size", etp), ("tensor_parallel.autotp_size", tp)):
-        if value not in (None, 1):
-            raise ConfigError(f"{path} ({value}): easybalance does not follow AutoEP with tensor-parallel folding yet "
-                              "(each router then runs on every tensor-parallel peer); set it to 1, or "
-                              '"easybalance": {"enabled": false} to train with plain AutoEP. Nothing was changed')
 
 
 def find_autoep_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

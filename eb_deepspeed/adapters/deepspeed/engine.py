@@ -217,7 +217,6 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
     if autoep_enabled(ds_config):           # a Hugging Face model that DeepSpeed's AutoEP converts
         from .. import autoep
         autoep.check_versions()
-        autoep.check_autoep_config(ds_config, eb_config)
         if find_moe_layers(model):
             raise ValueError("easybalance: the model has deepspeed.moe.layer.MoE layers and an enabled "
                              "expert_parallel (AutoEP) section; use one of the two. Nothing was changed")

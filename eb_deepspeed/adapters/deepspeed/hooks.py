@@ -10,7 +10,9 @@ the per-step hook, the per-step reduce, and the balancer state in DeepSpeed's ch
   view holds only batches that reached a step. A batch the user skips (no `engine.step()`) is
   dropped with `engine.easybalance.discard_tally()`.
 * the **reduce** (`reduce_for`) is one all-reduce per step of the stacked [L, W] tally: over DeepSpeed's
-  data-parallel group (every EP x DP rank) for a plain engine; over every rank for a pipeline,
+  data-parallel group (every EP x DP rank) for a plain engine; under AutoEP with tensor-parallel folding
+  that group is one tensor-parallel lane's (the peers of a lane route the same tokens), so each token is
+  counted once and every lane gets the same view and bias; over every rank for a pipeline,
   where each stage fills the rows of its own layers (one rank per tensor-parallel slice), so every
   rank holds the whole model's view;
 * the balancer state rides in DeepSpeed's checkpoint `client_state` under `STATE_KEY`
@@ -121,8 +123,10 @@ def wrap_checkpointing(engine, balancer: Balancer, hook: StepHook) -> None:
     Stored in client_state rather than in module buffers so that model state dicts stay exactly
     DeepSpeed's (checkpoints load both ways between plain DeepSpeed and eb_deepspeed). Before DeepSpeed
     loads anything, the saved balancer state is read and checked against this model: one that does
-    not fit (another EP size, expert or layer count) stops the load with the model untouched, or,
-    with `easybalance.checkpoint: "ignore_mismatch"`, is dropped with a warning after the model loads.
+    not fit (another expert or layer count) stops the load with the model untouched, or, with
+    `easybalance.checkpoint: "ignore_mismatch"`, is dropped with a warning after the model loads (a universal
+    checkpoint: DeepSpeed's own shape checks speak first, `_universal`). One of another EP size loads: its
+    per-expert state carries over (`Balancer.load_state_dict`).
     """
     original_save, original_load = engine.save_checkpoint, engine.load_checkpoint
     save_sig, load_sig = inspect.signature(original_save), inspect.signature(original_load)
@@ -142,7 +146,7 @@ def wrap_checkpointing(engine, balancer: Balancer, hook: StepHook) -> None:
         _refuse_incomplete(engine, bound.arguments["load_dir"], bound.arguments.get("tag"))
         path, state = saved_state(engine, bound.arguments["load_dir"], bound.arguments.get("tag"))
         problem = None if state is None else balancer.why_unfit(state)
-        if problem is not None and mode == "strict":
+        if problem is not None and mode == "strict" and not _universal(engine):
             raise ValueError(f"easybalance: {path}: {problem}. Nothing was loaded. To load the model and drop this "
                              'balancer state, set "easybalance": {"checkpoint": "ignore_mismatch"}')
         load_path, client_state = original_load(*args, **kwargs)
@@ -166,6 +170,14 @@ def wrap_checkpointing(engine, balancer: Balancer, hook: StepHook) -> None:
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+
+
+def _universal(engine) -> bool:
+    """The engine loads universal checkpoints (`checkpoint.load_universal`): DeepSpeed re-slices every saved
+    tensor for this model and refuses one of another shape itself, with its own message (our refusal would
+    come first and hide it); a balancer state that still does not fit is refused after DeepSpeed's load."""
+    check = getattr(engine, "load_universal_checkpoint", None)
+    return bool(check()) if callable(check) else False
 
 
 def _decoupled(engine) -> bool:
