@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode != "plain":
         ran = [t for t, r in tests.items() if r["outcome"] == "passed" and r["gate"] == "gate ran (steps, routes)"]
         procs = sum(r["evidence"]["exit_records"] for r in tests.values() if r["evidence"])
-        print(f"[ds_moe_suite] {len(ran)} passing tests trained through CrossLayerGate "
+        print(f"[ds_moe_suite] {len(ran)} passing tests trained through our gates (CrossLayerGate, AutoEP router hooks) "
               f"({procs} engine-process exit records with a balancer)")
     bad = [(t, r) for t, r in tests.items() if r["outcome"] in ("failed", "error", "timeout")]
     if bad:

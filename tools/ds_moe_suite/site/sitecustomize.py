@@ -12,10 +12,11 @@ EB_DS_SUITE_MODE and EB_DS_SUITE_DIR are set (the runner sets them):
 When `deepspeed` is imported, its `initialize` is replaced by a wrapper:
 * plain   -- calls the original with the very same arguments; only records how many
              `deepspeed.moe.layer.MoE` layers the model had (evidence that the test built an engine);
-* observe / balance -- adds an "easybalance" block to (a copy of) the config and calls
-             `eb_deepspeed.initialize`. That function itself calls `deepspeed.initialize`, which is
-             this wrapper again: a per-thread depth counter sends that inner call straight to
-             DeepSpeed's original, so there is no recursion.
+* observe / balance -- where the model has `deepspeed.moe.layer.MoE` layers or the config enables
+             `expert_parallel` (AutoEP), adds an "easybalance" block to (a copy of) the config and calls
+             `eb_deepspeed.initialize`; any other call goes to DeepSpeed as in plain. That function
+             itself calls `deepspeed.initialize`, which is this wrapper again: a per-thread depth
+             counter sends that inner call straight to DeepSpeed's original, so there is no recursion.
 Each wrapped call writes one "init" line (test id, rank, MoE layers, CrossLayerGate count, or the
 error and whether DeepSpeed or eb_deepspeed raised it) at once,
 and one "exit" line per engine when the process ends (balancer steps, valid layer updates, routed
@@ -149,6 +150,11 @@ def _patch(ds) -> None:
             a["config"] = config
             return a, False
         config = dict(config)                   # the test's dict is not mutated
+        section = config.get("expert_parallel")
+        autoep = isinstance(section, dict) and section.get("enabled") is True
+        if not autoep and count_moe(a.get("model")) <= 0:     # nothing to balance: DeepSpeed as it is
+            a["config"] = config
+            return a, False
         if "easybalance" not in config:
             block = {"enabled": True, "mode": _MODE, "log": {"dir": os.path.join(_DIR, "eb_log")}}
             if _MODE == "balance":
@@ -185,6 +191,15 @@ def _patch(ds) -> None:
             write(dict(record, rank=rank(), cross_layer_gates=0, routed_through_eb=False, t=round(time.time(), 3)))
             return out
         arguments, injected = with_block(bound.arguments)
+        if not injected:                        # no MoE, no AutoEP: straight to DeepSpeed, recorded like plain
+            try:
+                out = original(**arguments)
+            except BaseException as e:
+                write(dict(record, rank=rank(), routed_through_eb=False, t=round(time.time(), 3),
+                           error=error_of(e), raised_by="deepspeed"))
+                raise
+            write(dict(record, rank=rank(), cross_layer_gates=0, routed_through_eb=False, t=round(time.time(), 3)))
+            return out
         state.depth = getattr(state, "depth", 0) + 1
         state.inner_raised = False
         try:
@@ -199,8 +214,9 @@ def _patch(ds) -> None:
         engine = out[0]
         from eb_deepspeed.adapters.deepspeed.gate import CrossLayerGate
         module = getattr(engine, "module", engine)
-        gates = sum(isinstance(m, CrossLayerGate) for m in module.modules())
         balancer = getattr(engine, "easybalance", None)
+        gates = sum(isinstance(m, CrossLayerGate) for m in module.modules()) or \
+            (len(balancer.tallies) if balancer is not None else 0)      # AutoEP: one hooked router per layer
         record.update(rank=rank(), routed_through_eb=True, injected=injected, cross_layer_gates=gates,
                       t=round(time.time(), 3),
                       has_balancer=balancer is not None)
