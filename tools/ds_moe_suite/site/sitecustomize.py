@@ -157,8 +157,9 @@ def _patch(ds) -> None:
             return a, False
         if "easybalance" not in config:
             block = {"enabled": True, "mode": _MODE, "log": {"dir": os.path.join(_DIR, "eb_log")}}
-            if _MODE == "balance":
+            if _MODE == "balance":     # the bias from the second step on: DeepSpeed's tests train 1-4 steps
                 block["aux"] = {"policy": os.environ.get("EB_DS_SUITE_POLICY", "bias")}
+                block["warmup_batches"] = 1
             config["easybalance"] = block
         a["config"] = config
         return a, True
