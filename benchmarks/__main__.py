@@ -6,6 +6,7 @@
     python -m benchmarks train --sweep --framework autoep|megatron   (or --scopes on the DeepSpeed example)
     python -m benchmarks noise --run DIR        persistent skew vs step noise of a run's view
     python -m benchmarks plan [--json]          planner time (61 x 256 x 64) and steering vs an MoE layer
+    python -m benchmarks scale [--json]         the balancer's host time per step and per forward (61 x 256 x 64)
     python -m benchmarks optimum [--json]       planner vs a brute-force optimum on tiny inputs
     python -m benchmarks infer [--json] [--framework autoep]   serving with replicas vs plain, 2 and 4 gloo ranks
     python -m benchmarks simulate [--workload all] [--json]   the EasyBalance article's table + our rows
@@ -33,7 +34,8 @@ def _bench(args) -> int:
     elif args.what == "infer":
         run = _bench_infer_autoep if args.framework == "autoep" else _bench_infer
     else:
-        run = {"gate": _bench_gate, "noise": _bench_noise, "plan": _bench_plan, "optimum": _bench_optimum}[args.what]
+        run = {"gate": _bench_gate, "noise": _bench_noise, "plan": _bench_plan, "optimum": _bench_optimum,
+               "scale": _bench_scale}[args.what]
     return run(args)
 
 
@@ -134,6 +136,18 @@ def _bench_plan(args) -> int:
           f"planner {result['planner']['median_ms']} ms steered, {result['planner']['uniform_median_ms']} ms uniform "
           f"(target <= 100); steering / MoE layer "
           f"{result['steering']['ratio']:.4f} (target <= 0.02)")
+    return 0
+
+
+def _bench_scale(args) -> int:
+    from .scale import bench_scale
+    result = bench_scale(layers=args.layers, experts=args.experts, devices=args.devices, tokens=args.tokens, k=args.k,
+                         policy=args.policy)
+    print(json.dumps(result, indent=2) if args.json else
+          f"{result['layers']} x {result['experts']} x {result['devices']}, {result['policy']}: step "
+          f"{result['step_ms']} ms of host time (target <= 5), recording {result['record_ms_per_layer']} ms per layer "
+          f"per forward (target <= 0.05; a plain AutoEP router forward here: "
+          f"{result['plain_autoep_router_forward_ms']} ms), reduce {result['reduce_bytes']} bytes")
     return 0
 
 
@@ -267,6 +281,15 @@ def _bench_parsers(parser: argparse.ArgumentParser):
     p.add_argument("--run", required=True, help="a balance log written every step (log.interval 1)")
 
     add("plan", "planner and steering time")
+
+    p = add("scale", "the balancer's host time per step and per forward at DeepSeek-V3's shape")
+    p.add_argument("--layers", type=bounded(1, 1024), default=61)
+    p.add_argument("--experts", type=bounded(2, 4096), default=256)
+    p.add_argument("--devices", type=bounded(1, 4096), default=64)
+    p.add_argument("--tokens", type=bounded(1, 65536), default=4096, help="tokens per forward on a rank")
+    p.add_argument("--k", type=bounded(1, 64), default=8)
+    p.add_argument("--policy", choices=["fixed", "bias", "cross_layer", "bias_cross_layer"], default=None,
+                   help="easybalance.aux.policy (default: the block's default)")
 
     p = add("optimum", "the planner against brute force on small shapes")
     p.add_argument("--seeds", type=counting, default=30, help="random loads per shape")

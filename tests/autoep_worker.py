@@ -476,6 +476,47 @@ def scenario_serve_checkpoint(p):
             "S": serving.S, "H": serving.H, "refused": refused, "after_refusal": after_refusal}
 
 
+def scenario_sync(p):
+    """Host-device synchronisations per micro-batch and per step (`benchmarks.sync_audit`): AutoEP training, plain
+    against the block in balance mode with every control on (bias, device loss, the global scope) and padding in
+    the batch; then serving with replicas (view every batch) against AutoEP's eval forward."""
+    from benchmarks.sync_audit import SyncAudit, audited_run
+    from dist_worker import SYNC_BLOCK, in_region
+    out = {}
+    for variant in ("plain", "balance"):
+        audit = SyncAudit()
+        with audit, audit.region("init"):
+            engine = engine_for("mixtral", config("mixtral", 0, 1, None if variant == "plain" else SYNC_BLOCK, p["out"]),
+                                use_eb=variant != "plain")
+        audit.on_device(engine.module)
+
+        def micro_batch(i):
+            ids, mask, labels = batch(i, 0, pad=True)
+            audit.on_device(ids, mask, labels)
+            engine.backward(engine(input_ids=ids, attention_mask=mask, labels=labels).loss)
+        out[f"train_{variant}"] = audited_run(audit, 3, 2, micro_batch, lambda i: engine.step())
+    for variant in ("plain", "serve"):
+        audit = SyncAudit()
+        with audit, audit.region("init"):
+            model = _served_model("mixtral", 2, 4, 3.0)
+            if variant == "serve":
+                model = eb_deepspeed.init_inference(model, config={"easybalance": _serve_block(p)})
+                in_region(audit, model.serving)
+            else:
+                model = model.module
+        audit.on_device(model)
+
+        def forward(i):
+            ids = _serve_batch(i)
+            audit.on_device(ids)
+            with torch.no_grad():
+                model(input_ids=ids)
+        out[f"serve_{variant}"] = audited_run(audit, 4, 2, forward, lambda i: None)
+        if variant == "serve":
+            out["serve_replans"] = model.serving.replans
+    return out
+
+
 if __name__ == "__main__":
     from dist_worker import main
     main(globals())

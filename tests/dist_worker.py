@@ -1013,6 +1013,63 @@ def scenario_mixed_ep(p):
     return out
 
 
+def in_region(audit, serving) -> None:
+    """Count the serving engine's batch-boundary work as "step" (the view step) and "replan" (a new placement
+    applied: plan agreed, weights moved), apart from the forward that calls it."""
+    for method, region in (("after_batch", "step"), ("apply", "replan")):
+        def in_it(*args, _call=getattr(serving, method), _region=region):
+            with audit.region("warm" if audit.in_region("warm") else _region):
+                return _call(*args)
+        setattr(serving, method, in_it)
+
+
+SYNC_BLOCK = {"mode": "balance", "warmup_batches": 1,
+              "aux": {"policy": "bias_cross_layer", "batch_scope": "global_exact"}}
+
+
+def scenario_sync(p):
+    """Host-device synchronisations per micro-batch and per step (`benchmarks.sync_audit`, 2 layers): DeepSpeed-MoE
+    training, plain against the block in balance mode with every control on (bias, device loss, the global
+    scope), and serving with replicas (view every batch) against DeepSpeed's eval forward."""
+    from benchmarks.sync_audit import SyncAudit, audited_run
+    rank, out = torch.distributed.get_rank(), {}
+    for variant in ("plain", "balance"):
+        audit = SyncAudit()
+        model = make_model(ep_size=2, drop_tokens=p.get("drop_tokens", True))
+        with audit, audit.region("init"):
+            engine = make_engine(model, base_config(**({} if variant == "plain" else {"easybalance": {
+                **SYNC_BLOCK, "log": {"dir": os.path.join(p["out"], "log")}}})), use_eb=variant != "plain")
+        audit.on_device(engine.module)
+
+        def micro_batch(i):
+            x, y = batch(i)
+            audit.on_device(x, y)
+            logits, l_aux = engine(x)
+            engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.1 * sum(l_aux))
+        out[f"train_{variant}"] = audited_run(audit, 3, 2, micro_batch, lambda i: engine.step())
+    for variant in ("plain", "serve", "plain_drops", "serve_drops"):
+        audit = SyncAudit()
+        kw = dict(drop_tokens=variant.endswith("drops"), ep_size=2, k=2)
+        with audit, audit.region("init"):
+            if variant.startswith("plain"):
+                model = _skewed(_plain_eval_model(**kw))
+            else:
+                block = _serve_block(p, replica_slots=1, view_interval=1)
+                model = eb_deepspeed.init_inference(_skewed(make_model(**kw)), config={"easybalance": block})
+                in_region(audit, model.serving)
+        audit.on_device(model)
+
+        def forward(i):
+            x = _skewed_batch(i, rank, equal=variant.endswith("drops"))   # DeepSpeed's eval capacity is per rank
+            audit.on_device(x)
+            with torch.no_grad():
+                model(x)
+        out[f"serve_{variant}"] = audited_run(audit, 4, 2, forward, lambda i: None)
+        if variant.startswith("serve"):
+            out[f"{variant}_replans"] = model.serving.replans
+    return out
+
+
 def main(scenarios: dict | None = None):
     """Run argv's scenario from `scenarios` (a worker module's globals; default this module's)."""
     scenario, out_dir, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

@@ -207,6 +207,31 @@ def scenario_disagree(p):
     return {"error": None}
 
 
+def scenario_sync(p):
+    """Host-device synchronisations per micro-batch and per step (`benchmarks.sync_audit`): plain Megatron-Core
+    against the block in balance mode (bias and device loss on)."""
+    from benchmarks.sync_audit import SyncAudit, audited_run
+    from eb_deepspeed.adapters.megatron import attach
+    rank, out = dist.get_rank(), {}
+    for variant in ("plain", "balance"):
+        audit = SyncAudit()
+        with audit, audit.region("init"):
+            model = make()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            if variant == "balance":
+                attach(model, block(p, mode="balance", aux={"policy": "bias_cross_layer"}), optimizer=opt)
+        audit.on_device(model)
+
+        def micro_batch(i):
+            ids, target = batch(i, rank)
+            audit.on_device(ids, target)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), target.flatten()).backward()
+            sync_grads(model)
+        out[f"train_{variant}"] = audited_run(audit, 3, 2, micro_batch, lambda i: opt.step())
+    return out
+
+
 def main():
     scenario, out_dir, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     params["out"] = out_dir

@@ -203,3 +203,36 @@ def test_the_replica_gate_tallies_its_kept_routes_by_logical_expert_and_rank(lay
         assert torch.equal(getattr(tally, name), getattr(want, name)), name
     assert tally.nonfinite_L.tolist() == [1.0] and tally.forwards_L.tolist() == [20.0]
     assert (layout == "replicas, drops") == bool((tally.kept_LE < tally.routed_LE).any())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["routes", "kept", "same", "tensor_tokens"])
+def test_taking_every_layer_at_once_gives_each_layers_own_rows(kind):
+    from eb_deepspeed.core.tally import take_all
+    g = torch.Generator().manual_seed(3)
+    L, E, T, K, n = 3, 5, 7, 2, 3
+    pairs = [(LayerTally(E), LayerTally(E)) for _ in range(L)]
+    for layer, (a, b) in enumerate(pairs):
+        for _ in range(n):
+            expert_TK = torch.randint(-1, E, (T, K), generator=g)
+            routed_E = torch.randint(0, 9, (E, ), generator=g).float()
+            sums_T = torch.randn(T, generator=g)
+            sums_T[layer] = float("nan") if layer == 1 else sums_T[layer]       # layer 1: a non-finite token
+            kw = dict(routed_E=routed_E, logit_sums_T=sums_T, l_aux=torch.rand((), generator=g),
+                      kept_E={"routes": None, "kept": routed_E - 1, "same": routed_E, "tensor_tokens": None}[kind],
+                      tokens=torch.tensor(5) if kind == "tensor_tokens" else None)
+            for t in (a, b):
+                t.add_routes(expert_TK, **kw)
+    together = take_all([b for _, b in pairs], "cpu")
+    assert torch.equal(together, torch.stack([a.take() for a, _ in pairs]))
+    assert all(not b._pending and b.generation == 1 for _, b in pairs)
+
+
+@pytest.mark.unit
+def test_taking_every_layer_at_once_declines_layers_whose_forwards_differ_and_keeps_their_routes():
+    from eb_deepspeed.core.tally import take_all
+    a, b = LayerTally(4), LayerTally(4)
+    a.add_routes(torch.tensor([[0, 1]]))
+    b.add_routes(torch.tensor([[0, 1], [2, 3]]))          # another number of tokens
+    assert take_all([a, b], "cpu") is None
+    assert len(a._pending) == len(b._pending) == 1 and a.generation == b.generation == 0

@@ -33,7 +33,7 @@ from .controls import LayerControls
 from .losses import GlobalShares
 from .policies import AuxController
 from .record import BalanceLog, BalanceLogger
-from .tally import LayerTally, TallyLayout, widen_row
+from .tally import LayerTally, TallyLayout, take_all, widen_row
 from .view import LoadView, sequence_length_weights
 
 __all__ = ["Balancer", "BalancedGate", "ModelShape"]
@@ -154,7 +154,7 @@ class Balancer:
         """Each layer's expert -> EP rank map on its controls (the device loss reads it)."""
         if self.controls_on and self.controller.uses_device_loss:
             for layer, ctl in zip(self.layers, self.controls):
-                ctl.set_device_map(self._view.layer_map(layer))
+                ctl.set_device_map(self._view.layer_map(layer), self.device)
 
     @property
     def view(self) -> LoadView:
@@ -187,6 +187,12 @@ class Balancer:
     def gather(self) -> torch.Tensor:
         """Drain every local tally into one packed [L, W] tensor on `device` (rows of other ranks' layers are 0)."""
         width = TallyLayout(self.num_experts, self.counted_devices).width
+        if self.layers == list(range(self.num_layers)):      # every layer here, each with every expert
+            packed_LW = take_all(self.tallies, self.device)     # all in one fold when their forwards agree in shape
+            if packed_LW is not None:
+                if self.global_shares is not None:
+                    self.global_shares.new_step()
+                return packed_LW
         packed_LW = torch.zeros(self.num_layers, width, dtype=torch.float64, device=self.device)
         for layer, tally in zip(self.layers, self.tallies):
             packed_LW[layer] = widen_row(tally.take(self.device), self.experts_L[layer], self.num_experts,
@@ -248,11 +254,16 @@ class Balancer:
         """Write the controller's bias and device-loss weights into the gates' controls (`balance` mode only)."""
         if not self.controls_on:
             return
-        device_L = self.controller.device_loss_weights()
-        for layer, ctl in zip(self.layers, self.controls):
-            if self.controller.uses_bias:
-                ctl.set_bias(self.controller.bias_LE[layer, :self.experts_L[layer]])
-            ctl.device_loss_weight = float(device_L[layer])
+        device_L = self.controller.device_loss_weights().tolist()
+        # every layer's bias in one host-to-device copy per step; each gate holds a view of its row (no op per layer
+        # where the layer has every expert)
+        rows_E = self.controller.bias_LE[self.layers].to(self.device, torch.float32).unbind(0) \
+            if self.controller.uses_bias else None
+        for row, (layer, ctl) in enumerate(zip(self.layers, self.controls)):
+            if rows_E is not None:
+                E = self.experts_L[layer]
+                ctl.bias_E = rows_E[row] if E == self.num_experts else rows_E[row][:E]
+            ctl.device_loss_weight = device_L[layer]
 
     # ------------------------------------------------------------------ reads
     def device_loss_weights(self) -> list[float]:

@@ -47,56 +47,60 @@ class LayerControls:
     _on_device: dict = field(default_factory=dict, repr=False)    # name -> (host value, its copy on a device)
 
     # ------------------------------------------------------------------ written by the balancer
-    def set_device_map(self, expert_to_device_E: torch.Tensor) -> None:
-        """The layer's expert -> EP rank map [E] (group-local ranks)."""
-        self.expert_to_device_E = torch.as_tensor(expert_to_device_E, dtype=torch.long).clone()
-        self.experts_per_device_G = torch.bincount(self.expert_to_device_E).clamp_min(1)   # once, not per forward
+    def set_device_map(self, expert_to_device_E: torch.Tensor, device: torch.device | str = "cpu") -> None:
+        """The layer's expert -> EP rank map [E] (group-local ranks), kept on `device` (the gates' device: copied
+        when the map changes, never in a forward)."""
+        map_E = torch.as_tensor(expert_to_device_E, dtype=torch.long).cpu()
+        self.expert_to_device_E = map_E.to(device, copy=True)
+        self.experts_per_device_G = torch.bincount(map_E).clamp_min(1).to(device)    # on the host, once
 
     def set_bias(self, bias_E: Optional[torch.Tensor]) -> None:
-        self.bias_E = None if bias_E is None else bias_E.to(torch.float32).clone()
+        """The selection bias [E] (held as float32; a float32 tensor is held as given, not copied: the balancer
+        hands every layer a view of one fresh [L, E] tensor per step, already on the gates' device)."""
+        self.bias_E = None if bias_E is None else bias_E.detach().to(torch.float32)
 
     # ------------------------------------------------------------------ read by gates
     def bias_on(self, device) -> torch.Tensor:
         """bias_E [E] (float32) on `device`, copied once per value."""
         return self._copy("bias", self.bias_E, device)
 
-    def device_loss(self, probs_TE: torch.Tensor, routed_E: torch.Tensor, k: int) -> torch.Tensor | float:
+    def device_loss(self, probs_TE: torch.Tensor, routed_E: torch.Tensor, k: int,
+                    valid_T: Optional[torch.Tensor] = None) -> torch.Tensor | float:
         """device_loss_weight x DeepSeek-V2's device-level balance loss of this forward (0.0 when off).
 
-        probs_TE [T, E]: the router's unbiased probabilities; routed_E [E]: routes per expert this forward."""
+        probs_TE [T, E]: the router's unbiased probabilities; routed_E [E]: routes per expert this forward;
+        valid_T [T]: the tokens that count (None: all)."""
         if self.device_loss_weight <= 0:
             return 0.0
         map_E = self._copy("map", self.expert_to_device_E, probs_TE.device)
         experts_G = self._copy("experts_G", self.experts_per_device_G, probs_TE.device)
-        return self.device_loss_weight * device_balance_loss(probs_TE, routed_E, map_E, experts_G, k)
+        return self.device_loss_weight * device_balance_loss(probs_TE, routed_E, map_E, experts_G, k, valid_T)
 
     def balance_loss(self, probs_TE: torch.Tensor, routed_E: torch.Tensor, k: int, *, selected_TK: torch.Tensor,
                      first_run: bool, valid_T: Optional[torch.Tensor] = None,
-                     full_probs_TE: Optional[torch.Tensor] = None, own: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     own: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The expert-level balance loss of this forward under `batch_scope`, 1 at balance.
 
         Args:
-            probs_TE: [T', E] the router's probabilities of the tokens that count (padding left out).
+            probs_TE: [T, E] the router's probabilities (P counts the tokens of valid_T).
             routed_E: [E] this forward's routes per expert (padding left out).
             selected_TK: [T, K] chosen experts of every token (the "sequence" scope reads it; -1: no route).
             first_run: the first run of this forward (not activation checkpointing's re-run): the exact
                 global scope's all-reduce runs then, on every rank for the same forwards.
-            valid_T: [T] real tokens (None: all); full_probs_TE: [T, E] probabilities of every token (the
-                "sequence" scope; None: probs_TE).
+            valid_T: [T] real tokens (None: all).
             own: the framework's own loss of this forward, kept while the global scope has no frequencies yet
                 (None: this forward's own frequencies).
         """
         if self.batch_scope == "sequence":
             T = selected_TK.shape[0]
             seq_len = self.seq_len if self.seq_len and T % self.seq_len == 0 else T
-            return sequence_balance_loss(probs_TE if full_probs_TE is None else full_probs_TE, selected_TK, seq_len,
-                                         self.num_experts, valid_T)
+            return sequence_balance_loss(probs_TE, selected_TK, seq_len, self.num_experts, valid_T)
         share_E = None
         if self.global_shares is not None:
             share_E = self.global_shares.share(self.layer, routed_E if first_run else None, rerun=not first_run)
             if share_E is None and own is not None:
                 return own
-        return expert_balance_loss(probs_TE, routed_E, k, share_E)
+        return expert_balance_loss(probs_TE, routed_E, k, share_E, valid_T)
 
     # ------------------------------------------------------------------ helpers
     def _copy(self, name: str, value: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:

@@ -57,8 +57,10 @@ class GlobalShares:
         if self.all_reduce is not None:
             self.all_reduce(counts_E)
         self.routes_LE[layer] += counts_E
-        total = float(self.routes_LE[layer].sum())
-        self.share_LE[layer] = (self.routes_LE[layer] / total).float() if total > 0 else None
+        # no host read of the total: with no route anywhere yet the share is all zeros, and so is the loss
+        # (as this forward's own, which has no route either)
+        routes_E = self.routes_LE[layer]
+        self.share_LE[layer] = (routes_E / routes_E.sum().clamp_min(1.0)).float()
         return self.share_LE[layer]
 
     def new_step(self) -> None:
@@ -68,21 +70,38 @@ class GlobalShares:
         self.share_LE = [None] * len(self.routes_LE)
 
 
+def _mean_probs(probs_TE: torch.Tensor, valid_T: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """P_E, the mean router probability over the tokens that count [T, E] -> [E], and their number T (an int;
+    with a mask, a 0-dim tensor: the mask is multiplied, never indexed, so nothing waits for the host)."""
+    if valid_T is None:
+        return probs_TE.mean(0), probs_TE.shape[0]
+    mask_T1 = valid_T.reshape(-1, 1).to(probs_TE.dtype)
+    return (probs_TE * mask_T1).sum(0) / mask_T1.sum().clamp_min(1.0), mask_T1.sum()
+
+
+def _fair_shares(routed_E: torch.Tensor, E: int, k: int, T: torch.Tensor | int, dtype) -> torch.Tensor:
+    """f_E = routed_E · E / (k · T): 1 = an expert's fair share of the k · T routes (T 0: f 0)."""
+    if isinstance(T, int):
+        return routed_E.to(dtype) * (E / (k * max(T, 1)))
+    return routed_E.to(dtype) * (E / k) / T.clamp_min(1.0)
+
+
 def expert_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, k: int,
-                        share_E: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        share_E: Optional[torch.Tensor] = None, valid_T: Optional[torch.Tensor] = None) -> torch.Tensor:
     """E · Σ_e f_e · P_e, 1 at balance.
 
     Args:
-        probs_TE: [T, E] router probabilities of the tokens that count; P_E is their mean.
+        probs_TE: [T, E] router probabilities; P_E is the mean over the tokens that count.
         routed_E: [E] this forward's routes per expert: f_e = routed_e / (K · T) (the "micro" scope).
         share_E: [E] f of the global batch instead (summing to 1), or None.
+        valid_T: [T] bool, the tokens that count (None: all; padding is False).
     """
-    T, E = probs_TE.shape
+    E = probs_TE.shape[1]
+    probs_E, T = _mean_probs(probs_TE, valid_T)
     if share_E is not None:
         routed_E = share_E.to(probs_TE.device) * (k * T)
     # the device-level loss with one expert per device, in its own order of operations
-    share_E = routed_E.to(probs_TE.dtype) * (E / (k * max(T, 1)))
-    return (share_E * probs_TE.mean(0)).sum()
+    return (_fair_shares(routed_E, E, k, T, probs_TE.dtype) * probs_E).sum()
 
 
 def sequence_balance_loss(probs_TE: torch.Tensor, selected_TK: torch.Tensor, seq_len: int, num_experts: int,
@@ -118,13 +137,14 @@ def sequence_balance_loss(probs_TE: torch.Tensor, selected_TK: torch.Tensor, seq
 
 
 def device_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, expert_to_device_E: torch.Tensor,
-                        experts_G: torch.Tensor, k: int) -> torch.Tensor:
+                        experts_G: torch.Tensor, k: int, valid_T: Optional[torch.Tensor] = None) -> torch.Tensor:
     """DeepSeek-V2's device-level balance loss of one forward (1.0 when devices are balanced).
 
     Args:
         probs_TE: [T, E] the router's unbiased probabilities over all experts.
         routed_E: [E] routes per expert this forward (its top-k choices).
         expert_to_device_E: [E] device of each expert; experts_G: [G] experts on each device (>= 1).
+        valid_T: [T] bool, the tokens that count (None: all).
     Returns:
         Σ_g f'_g · P'_g with f_e = routed_e · E / (k · T) (1 = its fair share), f'_g the mean of f_e over the
         device's experts, P'_g the sum over them of P_e = mean over tokens of probs_e. The gradient flows
@@ -133,9 +153,9 @@ def device_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, expert_t
         no host sync. With top-1's `used_token` mask the masked tokens route nowhere and the loss sits below 1
         at balance, as DeepSpeed's l_aux does.
     """
-    T, E = probs_TE.shape
-    probs_E = probs_TE.mean(0)
-    share_E = routed_E.to(probs_E.dtype) * (E / (k * max(T, 1)))
+    E = probs_TE.shape[1]
+    probs_E, T = _mean_probs(probs_TE, valid_T)
+    share_E = _fair_shares(routed_E, E, k, T, probs_E.dtype)
     zeros_G = torch.zeros(experts_G.shape[0], dtype=probs_E.dtype, device=probs_E.device)
     share_G = zeros_G.index_add(0, expert_to_device_E, share_E) / experts_G.to(probs_E.dtype)
     probs_G = zeros_G.index_add(0, expert_to_device_E, probs_E)

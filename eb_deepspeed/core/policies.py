@@ -52,19 +52,24 @@ def _over_row_mean(x_LX: torch.Tensor) -> torch.Tensor:
     return torch.where(mean_L1 > 0, x_LX / mean_L1.clamp_min(1e-300), torch.ones_like(x_LX))
 
 
-def clip_mean_one(raw_L: torch.Tensor, w_min: float, w_max: float, iters: int = 60) -> torch.Tensor:
+def clip_mean_one(raw_L: torch.Tensor, w_min: float, w_max: float) -> torch.Tensor:
     """Scale [L] positive scores to weights with mean 1, each in [w_min, w_max] (w_min <= 1 <= w_max).
 
-    Finds the scale c with mean(clip(c * raw, w_min, w_max)) = 1 by bisection (monotone in c).
+    Finds the scale c with f(c) = mean(clip(c * raw, w_min, w_max)) = 1, exactly and without iterating:
+    1. f is piecewise linear and non-decreasing in c, with breakpoints at w_min / raw_l and w_max / raw_l;
+    2. evaluate f at all 2L breakpoints at once ([2L, L]) and take the first one where f reaches 1;
+    3. f is linear between it and the breakpoint before: solve for c there.
     """
     assert w_min <= 1.0 <= w_max and bool((raw_L > 0).all())
-    lo, hi = torch.tensor(0.0, dtype=torch.float64), torch.tensor(w_max / float(raw_L.min()), dtype=torch.float64)
     raw_L = raw_L.to(torch.float64)
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        too_big = (raw_L * mid).clamp(w_min, w_max).mean() > 1.0
-        lo, hi = torch.where(too_big, lo, mid), torch.where(too_big, mid, hi)
-    return (raw_L * (lo + hi) / 2).clamp(w_min, w_max)
+    c_B = torch.cat([w_min / raw_L, w_max / raw_L]).sort().values                       # [2L] breakpoints
+    f_B = (c_B[:, None] * raw_L[None, :]).clamp(w_min, w_max).mean(1)                   # f at each, non-decreasing
+    j = int(torch.searchsorted(f_B, torch.tensor([1.0], dtype=torch.float64)).clamp(max=len(f_B) - 1))
+    if j == 0 or f_B[j] <= f_B[j - 1]:
+        c = c_B[j]
+    else:
+        c = c_B[j - 1] + (1.0 - f_B[j - 1]) * (c_B[j] - c_B[j - 1]) / (f_B[j] - f_B[j - 1])
+    return (raw_L * c).clamp(w_min, w_max)
 
 
 def integral_weights(log_w_L: torch.Tensor, score_L: torch.Tensor, *, gain: float, w_min: float,

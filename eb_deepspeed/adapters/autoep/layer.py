@@ -153,19 +153,18 @@ class AutoEPBalance:
         if not counting and not attaching and not (ctl.global_shares is not None and first_run):
             return None
         with torch.set_grad_enabled(attaching):
-            probs_TE = self._probs(logits_TE if valid_T is None else logits_TE[valid_T])
+            probs_TE = self._probs(logits_TE)      # padding is masked by valid_T, never indexed out (no host sync)
             routed_E = tokens_E.detach() if valid_T is None else \
                 route_counts(torch.where(valid_T[:, None], selected_TK, -1), self.num_experts)
-            full_TE = None if ctl.batch_scope != "sequence" or valid_T is None else self._probs(logits_TE)
             l_aux = ctl.balance_loss(probs_TE, routed_E, self.k, selected_TK=selected_TK, first_run=first_run,
-                                     valid_T=valid_T, full_probs_TE=full_TE)
+                                     valid_T=valid_T)
         if counting:
             self.tally.add_routes(selected_TK, routed_E=routed_E, logit_sums_T=choice_sums(router, logits_TE), l_aux=l_aux,
                                   valid_T=valid_T,
                                   layer=self.layer_index)
         if not attaching:
             return None
-        loss = l_aux + ctl.device_loss(probs_TE, routed_E, self.k)
+        loss = l_aux + ctl.device_loss(probs_TE, routed_E, self.k, valid_T)
         return (attach_loss(top_scores_TK, self.loss_coeff * loss, self.grad_scale), selected_TK, tokens_E)
 
     def _probs(self, logits_TE: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,7 @@ class AutoEPRoutes:
         self.one_each = self.P == E and R == 1          # one slot per expert: AutoEP's layout or a permutation
         self.home_layout = self.one_each and bool((table.log2phy_ER[:, 0] == torch.arange(E)).all())
         self._on_device = None
+        self._maps(self.layer.router.gate.weight.device)   # copied now, at the batch boundary, not in a forward
 
     # ------------------------------------------------------------------ hooks
     def _keep_logits(self, gate, args, logits_TE) -> None:
@@ -111,7 +112,7 @@ class AutoEPRoutes:
     def slots(self, selected_TK: torch.Tensor, counts_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each route's physical slot [T, K] and the routes per slot [P]: an expert's routes on this rank,
         in token order, fill its replicas one after another in the split's numbers."""
-        log2phy_ER, _ = self._maps(selected_TK.device)
+        log2phy_ER = self._maps(selected_TK.device)[0]
         expert_N = selected_TK.reshape(-1).long()
         counts_E = counts_E.long()
         if self.one_each:
@@ -128,23 +129,24 @@ class AutoEPRoutes:
         ends_ER = n_ER.cumsum(1)
         replica_N = (position_N[:, None] >= ends_ER[expert_N]).sum(1).clamp_max(ends_ER.shape[1] - 1)
         slot_N = log2phy_ER[expert_N, replica_N]
-        counts_P = torch.bincount(slot_N, minlength=self.P)
+        counts_P = torch.zeros(self.P, dtype=torch.long, device=slot_N.device).index_add_(
+            0, slot_N, torch.ones_like(slot_N))          # bincount would read its max on the host
         return slot_N.view_as(selected_TK), counts_P
 
     def _split(self, counts_E: torch.Tensor) -> torch.Tensor:
         """This rank's routes per replica [E, R]."""
         if self.routing.split == "view":
-            return split_by_fraction(counts_E, self.table.fraction_ER.to(counts_E.device))
+            return split_by_fraction(counts_E, self._maps(counts_E.device)[2])
         n_ER, _ = steered_split(counts_E, self.table, self.S, self.G, self.layer.ep_group, self.routing,
                                 self.pressure_G)
         return n_ER
 
-    def _maps(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log2phy_ER, [E] EP rank of each expert's first slot) on `device`, copied once per table."""
+    def _maps(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log2phy_ER, [E] EP rank of each expert's first slot, fraction_ER) on `device`, copied once per table."""
         if self._on_device is None or self._on_device[0] != device:
             log2phy_ER = self.table.log2phy_ER.to(device)
-            self._on_device = (device, log2phy_ER, log2phy_ER[:, 0] // self.S)
-        return self._on_device[1], self._on_device[2]
+            self._on_device = (device, log2phy_ER, log2phy_ER[:, 0] // self.S, self.table.fraction_ER.to(device))
+        return self._on_device[1:]
 
 
 class AutoEPStore:

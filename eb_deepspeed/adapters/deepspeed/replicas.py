@@ -59,6 +59,9 @@ class ReplicaGate(CrossLayerGate):
         self.table, self.S = table, int(slots_per_device)
         self.P = self.G * self.S
         self._table_device = None
+        wg = getattr(self, "wg", None)
+        if wg is not None:        # copied to the router's device now, at the batch boundary, not in a forward
+            self._table_on(wg.weight.device)
         E, R = table.log2phy_ER.shape
         # one slot per expert (DeepSpeed's own layout, expert e in slot e, or a re-plan's prefix, a permutation):
         # without drops DeepSpeed's gate is exact there, its routes mapped to their slots
@@ -78,6 +81,7 @@ class ReplicaGate(CrossLayerGate):
                       top2_2nd_expert_sampling=getattr(gate, "top2_2nd_expert_sampling", True),
                       layer_index=getattr(gate, "layer_index", 0))
         new.wg = gate.wg
+        new._table_on(new.wg.weight.device)
         new.wall_clock_breakdown = gate.wall_clock_breakdown
         new.eval()
         return new

@@ -142,13 +142,11 @@ class EBRouter(TopKRouter):
         probs_TE = torch.softmax(logits_TE.float(), dim=-1) if self.score_function == "softmax" \
             else torch.sigmoid(logits_TE.float())
         kept = routing_map_TE if valid_T is None else routing_map_TE & valid_T[:, None]
-        if valid_T is not None:
-            probs_TE = probs_TE[valid_T]
         base = self.config.moe_aux_loss_coeff
         base = float(base[0] if isinstance(base, (list, tuple)) else base)
         if base == 0:
             return probs
-        weighted = self.controls.device_loss(probs_TE, kept.sum(0).detach(), self.topk)   # device_loss_weight x loss
+        weighted = self.controls.device_loss(probs_TE, kept.sum(0).detach(), self.topk, valid_T)   # weight x loss
         # relative to the model's aux coefficient, as on DeepSpeed; Megatron's convention: the loss handed over
         # already carries its coefficient
         return self.attach_and_log_load_balancing_loss(probs, self.controls.device_loss_weight * base, base * weighted,
