@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from benchmarks.bench import free_port
+from benchmarks.bench import free_port, unlink_shm_buffers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -79,15 +79,6 @@ def dist_env(world_size: int, rank: int, port: int) -> dict[str, str]:
                OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
                    [ROOT, os.path.join(ROOT, "examples"), env.get("PYTHONPATH", "")]))
     return env
-
-
-def unlink_shm_buffers(port: int) -> None:
-    """DeepSpeed's CPU shm comm op leaves one 64 MiB /dev/shm buffer per rank of every job, named by the
-    master port, after the job ends (measured: 312 files, 21 GB, after a day of launches). Remove the
-    buffers of a finished job's port."""
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
 
 
 def _start(scenario, world_size, out_dir, timeout, worker, params):

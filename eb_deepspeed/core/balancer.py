@@ -186,17 +186,14 @@ class Balancer:
     # ------------------------------------------------------------------ per step
     def gather(self) -> torch.Tensor:
         """Drain every local tally into one packed [L, W] tensor on `device` (rows of other ranks' layers are 0)."""
-        width = TallyLayout(self.num_experts, self.counted_devices).width
-        if self.layers == list(range(self.num_layers)):      # every layer here, each with every expert
-            packed_LW = take_all(self.tallies, self.device)     # all in one fold when their forwards agree in shape
-            if packed_LW is not None:
-                if self.global_shares is not None:
-                    self.global_shares.new_step()
-                return packed_LW
-        packed_LW = torch.zeros(self.num_layers, width, dtype=torch.float64, device=self.device)
-        for layer, tally in zip(self.layers, self.tallies):
-            packed_LW[layer] = widen_row(tally.take(self.device), self.experts_L[layer], self.num_experts,
-                                         self.counted_devices)
+        # every layer here: all in one fold when their forwards agree in shape (and every layer has every expert)
+        packed_LW = take_all(self.tallies, self.device) if self.layers == list(range(self.num_layers)) else None
+        if packed_LW is None:
+            width = TallyLayout(self.num_experts, self.counted_devices).width
+            packed_LW = torch.zeros(self.num_layers, width, dtype=torch.float64, device=self.device)
+            for layer, tally in zip(self.layers, self.tallies):
+                packed_LW[layer] = widen_row(tally.take(self.device), self.experts_L[layer], self.num_experts,
+                                             self.counted_devices)
         if self.global_shares is not None:
             self.global_shares.new_step()
         return packed_LW
@@ -255,14 +252,13 @@ class Balancer:
         if not self.controls_on:
             return
         device_L = self.controller.device_loss_weights().tolist()
-        # every layer's bias in one host-to-device copy per step; each gate holds a view of its row (no op per layer
-        # where the layer has every expert)
+        # every layer's bias in one host-to-device copy per step; each gate holds a view of its row
         rows_E = self.controller.bias_LE[self.layers].to(self.device, torch.float32).unbind(0) \
             if self.controller.uses_bias else None
         for row, (layer, ctl) in enumerate(zip(self.layers, self.controls)):
             if rows_E is not None:
                 E = self.experts_L[layer]
-                ctl.bias_E = rows_E[row] if E == self.num_experts else rows_E[row][:E]
+                ctl.set_bias(rows_E[row] if E == self.num_experts else rows_E[row][:E])
             ctl.device_loss_weight = device_L[layer]
 
     # ------------------------------------------------------------------ reads

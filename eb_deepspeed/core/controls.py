@@ -55,9 +55,11 @@ class LayerControls:
         self.experts_per_device_G = torch.bincount(map_E).clamp_min(1).to(device)    # on the host, once
 
     def set_bias(self, bias_E: Optional[torch.Tensor]) -> None:
-        """The selection bias [E] (held as float32; a float32 tensor is held as given, not copied: the balancer
-        hands every layer a view of one fresh [L, E] tensor per step, already on the gates' device)."""
-        self.bias_E = None if bias_E is None else bias_E.detach().to(torch.float32)
+        """The selection bias [E], held as float32; a float32 tensor without autograd is held as given, with no op
+        (the balancer hands every layer a view of one fresh [L, E] tensor per step, on the gates' device)."""
+        if bias_E is not None and (bias_E.dtype != torch.float32 or bias_E.requires_grad):
+            bias_E = bias_E.detach().to(torch.float32)
+        self.bias_E = bias_E
 
     # ------------------------------------------------------------------ read by gates
     def bias_on(self, device) -> torch.Tensor:

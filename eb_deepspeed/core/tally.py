@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["Tally", "TallyLayout", "LayerTally", "take_all"]
+__all__ = ["Tally", "TallyLayout", "LayerTally"]
 
 PER_EXPERT_FIELDS = ("routed", "kept", "load")
 PER_LAYER_FIELDS = ("tokens", "nonfinite", "aux", "forwards")
@@ -419,58 +419,51 @@ class LayerTally:
 
 
 def take_all(tallies: list[LayerTally], device: torch.device | str) -> Optional[torch.Tensor]:
-    """Every layer's packed row at once [N, W] (float64, on `device`), reset as `take` resets each; None (nothing
-    taken) unless the layers' pending forwards have one shape: the same number of forwards, each with the same
-    fields and route shape, no sequence-length weights, no devices, no row folded earlier. Then the fold is some
-    twenty ops for all layers together instead of about thirty per layer (the step's host time at 61 layers).
-    Counts are integers summed exactly, the rest in float64 as `take` sums them."""
-    first = tallies[0]._pending[0] if tallies and tallies[0]._pending else None
-    lay = tallies[0].layout if tallies else None
-    if first is None or any(t._row_W is not None or t.layout.width != lay.width or t.layout.num_devices
-                            or len(t._pending) != len(tallies[0]._pending) for t in tallies):
-        return None
+    """Every layer's packed row at once [N, W] (float64, on `device`), each tally reset as `take` resets it; None
+    (nothing taken) unless every pending forward of every layer has one shape: as many forwards per layer, the same
+    fields and routes shape, no sequence-length weights, no devices, no row folded earlier. Then the fold is some
+    twenty ops for all layers instead of about thirty per layer (`benchmarks scale`), with `take`'s sums."""
     def signature(f: _Forward) -> tuple:
         return (f.expert_TK.shape, f.kept_E is None, f.kept_E is f.routed_E, f.tokens is None, f.host_tokens,
                 f.nonfinite is None, f.logit_sums_T is None, f.l_aux is None, f.weight_TK is None)
-    want = signature(first)
-    if not want[-1] or any(signature(f) != want for t in tallies for f in t._pending):
+    if not tallies or not tallies[0]._pending:
         return None
-    N, n, E, f64 = len(tallies), len(tallies[0]._pending), lay.num_experts, torch.float64
+    lay, n, first = tallies[0].layout, len(tallies[0]._pending), tallies[0]._pending[0]
+    want = signature(first)
+    if not want[-1] or any(t._row_W is not None or t.layout.width != lay.width or t.layout.num_devices
+                           or len(t._pending) != n or any(signature(f) != want for f in t._pending) for t in tallies):
+        return None
+    N, E, f64 = len(tallies), lay.num_experts, torch.float64
     forwards = [f for t in tallies for f in t._pending]                   # layer-major: [N * n]
+
+    def per_layer(values: list, width: int = 1) -> torch.Tensor:        # [N * n] tensors -> [N] or [N, width] sums
+        return torch.stack(values).to(f64).view(N, n, width).sum(1).squeeze(1)
     out_NW = torch.zeros(N, lay.width, dtype=f64, device=device)
-    # Step 1: routed per expert, and kept (given, the same tensor, or counted from the routes)
-    routed_NE = torch.stack([f.routed_E for f in forwards]).view(N, n, E).sum(1, dtype=f64)
-    out_NW[:, lay.span("routed")] = routed_NE
+    routed_NE = per_layer([f.routed_E for f in forwards], E)
     if first.kept_E is first.routed_E:
         kept_NE = routed_NE
     elif first.kept_E is not None:
-        kept_NE = torch.stack([f.kept_E for f in forwards]).view(N, n, E).sum(1, dtype=f64)
+        kept_NE = per_layer([f.kept_E for f in forwards], E)
     else:       # routes of layer i to expert e count at i * (E + 1) + e + 1; a dropped one (-1) at i * (E + 1)
         expert_NR = torch.stack([f.expert_TK for f in forwards]).view(N, -1).long()
         offset_N1 = torch.arange(N, device=expert_NR.device).mul_(E + 1).add_(1)[:, None]
         counts = torch.zeros(N * (E + 1), dtype=f64, device=expert_NR.device)
         counts.index_add_(0, (expert_NR + offset_N1).view(-1), tallies[0]._ones(expert_NR.device, expert_NR.numel()))
         kept_NE = counts.view(N, E + 1)[:, 1:]
-    out_NW[:, lay.span("kept")] = kept_NE
-    out_NW[:, lay.span("load")] = kept_NE
-    # Step 2: the per-layer values
+    for name, value in (("routed", routed_NE), ("kept", kept_NE), ("load", kept_NE)):
+        out_NW[:, lay.span(name)] = value
     out_NW[:, lay.start["forwards"]] = n
     if first.tokens is not None:
-        out_NW[:, lay.start["tokens"]] = torch.stack([f.tokens for f in forwards]).view(N, n).sum(1, dtype=f64)
+        out_NW[:, lay.start["tokens"]] = per_layer([f.tokens for f in forwards])
     elif first.host_tokens:
         out_NW[:, lay.start["tokens"]] = first.host_tokens * n
-    nonfinite_N = None
     if first.nonfinite is not None:
-        nonfinite_N = torch.stack([f.nonfinite for f in forwards]).view(N, n).sum(1, dtype=f64)
+        out_NW[:, lay.start["nonfinite"]] += per_layer([f.nonfinite for f in forwards])
     if first.logit_sums_T is not None:     # x - x is 0 for a finite x, NaN for a NaN or an Inf
         sums_NX = torch.stack([f.logit_sums_T for f in forwards]).view(N, -1)
-        counted_N = torch.count_nonzero(sums_NX - sums_NX, dim=1).to(f64)
-        nonfinite_N = counted_N if nonfinite_N is None else nonfinite_N + counted_N
-    if nonfinite_N is not None:
-        out_NW[:, lay.start["nonfinite"]] = nonfinite_N
+        out_NW[:, lay.start["nonfinite"]] += torch.count_nonzero(sums_NX - sums_NX, dim=1)
     if first.l_aux is not None:            # NaN logits give a NaN l_aux; the nonfinite count already says so
-        aux_N = torch.stack([f.l_aux for f in forwards]).to(f64).view(N, n).sum(1)
-        out_NW[:, lay.start["aux"]] = aux_N.nan_to_num_(0.0, 0.0, 0.0)
+        out_NW[:, lay.start["aux"]] = per_layer([f.l_aux for f in forwards]).nan_to_num_(0.0, 0.0, 0.0)
     for t in tallies:
         t._pending, t._last_pending, t._scratch_dirty = [], False, False
         t.generation += 1

@@ -24,6 +24,7 @@ A one-off verification harness (see README.md beside it). Per run it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import io
 import json
@@ -152,7 +153,18 @@ def run_file(cmd: list[str], cwd: str, env: dict, log_path: str, timeout: float)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             rc = None
+    unlink_new_shm_buffers(start)
     return rc, time.time() - start
+
+
+def unlink_new_shm_buffers(since: float) -> None:
+    """DeepSpeed's shm comm op leaves a 64 MiB /dev/shm buffer per rank of every job; its tests' jobs take master
+    ports 29500-30499 (`get_master_port`): remove those this file's run made."""
+    for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
+        port = path.rsplit("_", 2)[-2]
+        with contextlib.suppress(OSError):
+            if port.isdigit() and 29500 <= int(port) < 30500 and os.stat(path).st_mtime >= since:
+                os.unlink(path)
 
 
 def read_evidence(run_dir: str) -> dict[str, dict]:

@@ -182,17 +182,7 @@ def _patch(ds) -> None:
                   "moe_layers": count_moe(bound.arguments.get("model"))}
         if _MODE == "balance":
             record["policy"] = os.environ.get("EB_DS_SUITE_POLICY", "bias")
-        if _MODE not in ("observe", "balance"):
-            try:
-                out = original(*args, **kwargs)
-            except BaseException as e:
-                write(dict(record, rank=rank(), routed_through_eb=False, t=round(time.time(), 3),
-                           error=error_of(e), raised_by="deepspeed"))
-                raise
-            write(dict(record, rank=rank(), cross_layer_gates=0, routed_through_eb=False, t=round(time.time(), 3)))
-            return out
-        arguments, injected = with_block(bound.arguments)
-        if not injected:                        # no MoE, no AutoEP: straight to DeepSpeed, recorded like plain
+        def plain(**arguments):                 # straight to DeepSpeed, recorded as such
             try:
                 out = original(**arguments)
             except BaseException as e:
@@ -201,6 +191,11 @@ def _patch(ds) -> None:
                 raise
             write(dict(record, rank=rank(), cross_layer_gates=0, routed_through_eb=False, t=round(time.time(), 3)))
             return out
+        if _MODE not in ("observe", "balance"):
+            return plain(**bound.arguments)
+        arguments, injected = with_block(bound.arguments)
+        if not injected:                        # no MoE, no AutoEP: as plain
+            return plain(**arguments)
         state.depth = getattr(state, "depth", 0) + 1
         state.inner_raised = False
         try:
