@@ -300,7 +300,7 @@ def _bench_parsers(parser: argparse.ArgumentParser):
                    help="measured batches per row (40, the example row twice as many; --framework autoep 24; at most "
                         "10000)")
     p.add_argument("--replica-slots", type=non_negative, default=1, help="easybalance.inference.replica_slots")
-    p.add_argument("--ckpt", default="runs/main/ckpt", help="the main job's checkpoint (trained routers)")
+    p.add_argument("--ckpt", default="runs/ds/ckpt", help="launch/train_ds_cpu.sh's checkpoint (trained routers)")
     p.add_argument("--framework", choices=["deepspeed", "autoep"], default="deepspeed",
                    help="autoep: the EasyBalance article's table on a HF Mixtral's AutoEP layers (24 batches a row)")
     return what

@@ -394,7 +394,7 @@ ROWS = (
 
 
 def bench_infer(ranks=(2, 4), splits=("view", "exact"), batches: int = 40, warmup_batches: int = 6,
-                replica_slots: int = 1, ckpt: str = "runs/main/ckpt", progress: bool = True) -> dict:
+                replica_slots: int = 1, ckpt: str = "runs/ds/ckpt", progress: bool = True) -> dict:
     from .bench import _repo_root, free_port
     root = _repo_root()
     rows = []

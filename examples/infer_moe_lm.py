@@ -2,7 +2,7 @@
 eb_deepspeed's replicated serving, side by side on the same batches.
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/infer_moe_lm.py \
-        --config configs/infer_cpu_2rank.json --ckpt runs/main/ckpt --run-dir runs/infer
+        --config configs/infer_cpu_2rank.json --ckpt runs/ds/ckpt --run-dir runs/infer
 
 Both models load the checkpoint that `examples/train_moe_lm.py` wrote (DeepSpeed's MoE file layout);
 plain DeepSpeed gets its expert-parallel groups and eval mode (what `deepspeed.init_inference`
@@ -30,7 +30,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p.add_argument("--config", default="configs/infer_cpu_2rank.json", help="inference config with an easybalance block")
-    p.add_argument("--ckpt", default="runs/main/ckpt", help="the main job's checkpoint directory")
+    p.add_argument("--ckpt", default="runs/ds/ckpt", help="launch/train_ds_cpu.sh's checkpoint directory")
     p.add_argument("--run-dir", default="runs/infer")
     p.add_argument("--batches", type=int, default=60)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank and batch")

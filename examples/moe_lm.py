@@ -11,6 +11,7 @@ Used by `train_moe_lm.py` and by the tests. Shape legend: B batch, S sequence, D
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sysconfig
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["StdlibCorpus", "MoELM", "stdlib_source_files", "pyramid"]
+__all__ = ["StdlibCorpus", "MoELM", "stdlib_source_files", "pyramid", "versus"]
 
 
 def stdlib_source_files() -> list[str]:
@@ -147,3 +148,21 @@ class MoELM(nn.Module):
         width = max(c.numel() for c in counts)
         self.last_counts_LE = torch.stack([F.pad(c, (0, width - c.numel())) for c in counts]).detach()
         return self.head(self.ln_f(x)), l_aux
+
+
+def versus(summary: dict, baseline_dir: str, rows, opening: str) -> dict:
+    """This run's summary against a finished baseline run's (its summary.json): for each (key, what) of
+    `rows`, the second-half means of both (`train_second_half`; for a key not there, e.g. `val_loss`, the
+    final evaluation's, `final`) and the change in %; `verdict`: `opening` and one clause per row."""
+    with open(os.path.join(baseline_dir, "summary.json"), encoding="utf-8") as f:
+        base = json.load(f)
+    metrics, words = {}, []
+    for key, what in rows:
+        where = "train_second_half" if key in (summary.get("train_second_half") or {}) else "final"
+        ours, theirs = (summary.get(where) or {}).get(key), (base.get(where) or {}).get(key)
+        if ours is None or theirs is None:
+            continue
+        change = None if theirs == 0 else round(100.0 * (ours - theirs) / theirs, 1)
+        metrics[key] = {"baseline": round(theirs, 4), "this_run": round(ours, 4), "change_pct": change}
+        words.append(f"{what} {theirs:.3f} -> {ours:.3f}" + ("" if change is None else f" ({change:+.1f} %)"))
+    return {"baseline": baseline_dir, "metrics": metrics, "verdict": f"{opening}: " + "; ".join(words)}

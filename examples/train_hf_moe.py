@@ -7,7 +7,9 @@ DeepSpeed's AutoEP, balanced by eb_deepspeed, on the Python standard library's s
 The training loop is the plain HF + DeepSpeed one (`out = engine(input_ids=..., labels=...)`,
 `engine.backward(out.loss)`, `engine.step()`): the balance loss rides on the routes. Writes
 RUN_DIR/balance/balance.jsonl and its PNGs, RUN_DIR/ckpt, RUN_DIR/summary.json (loss, per-layer expert
-max/mean over the last 10 steps, tokens/s) and a W&B offline run when the config's "wandb" block is on.
+max/mean over the last 10 steps, second-half means) and a W&B offline run when the config's "wandb" block is on.
+With --baseline (a finished run of the same job, e.g. --mode observe), the two side by side: vs_baseline in
+summary.json, a one-line verdict, RUN_DIR/compare.png. `bash launch/train_cpu.sh` runs both (the main job).
 """
 from __future__ import annotations
 
@@ -22,6 +24,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_moe import FAMILIES, autoep_section, hf_moe_model, zipf_tokens  # noqa: E402
+from moe_lm import versus  # noqa: E402
+
+# What "did balancing help" compares with --baseline, second half of each run (lower is better). No steps/s:
+# CPU time on a shared machine is not what a GPU step would take (docs/benchmarks.md measures that).
+VERSUS = (("device_max_over_mean_p90", "busiest EP rank's routed tokens / mean, p90 over layers (a dropless "
+                                       "layer's time on a GPU)"),
+          ("expert_max_over_mean_p90", "expert max/mean, p90 over layers"),
+          ("lm_loss", "LM loss"), ("val_loss", "held-out loss"))
 
 
 def parse_args(argv=None):
@@ -61,6 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--run-dir", default="runs/hf")
     p.add_argument("--resume", action="store_true", help="continue from RUN_DIR/ckpt")
     p.add_argument("--no-report", action="store_true", help="skip rendering the PNGs at the end")
+    p.add_argument("--baseline", default=None, metavar="RUN_DIR",
+                   help="a finished run of the same job (e.g. --mode observe: plain AutoEP, watched): summary.json "
+                        "compares the two (vs_baseline, one line printed), RUN_DIR/compare.png overlays them")
     deepspeed.add_config_arguments(p)
     return p.parse_args(argv)
 
@@ -131,14 +144,16 @@ def main(argv=None):
             lm_loss = out.loss - coef * out.aux_loss if coef else out.loss      # HF adds its aux loss to .loss
             engine.backward(out.loss)
             if balancer is not None:
-                balancer.note(lm_loss=float(lm_loss))   # logged beside the balance numbers (JSONL, W&B, eb report)
+                balancer.note(lm_loss=float(lm_loss.detach()))   # logged beside the balance numbers (JSONL, W&B, eb report)
             engine.step()
         step_times.append(time.perf_counter() - t_step)
-        row = {"step": step + 1, "lm_loss": float(lm_loss)}
+        row = {"step": step + 1, "lm_loss": float(lm_loss.detach())}
         if balancer is not None:
             m = balancer.metrics()
+            experts_L = torch.tensor([v for v in m["expert_max_over_mean"] if v is not None] or [1.0])
             row.update(expert_max_over_mean=m["expert_max_over_mean"], device_max_over_mean=m["device_max_over_mean"],
                        device_max_over_mean_p90=m["device_max_over_mean_p90"],
+                       expert_max_over_mean_p90=float(torch.quantile(experts_L, 0.9)),
                        routed_LE=balancer.view.last.routed_LE.tolist())
         history.append(row)
         if rank == 0 and ((step + 1) % 10 == 0 or step + 1 == args.steps):
@@ -157,9 +172,13 @@ def main(argv=None):
             if not args.no_report:
                 from eb_deepspeed.observe.report import render_report
                 summary["plots"] = render_report(os.path.join(args.run_dir, "balance"))
+        if args.baseline:
+            compare_with_baseline(summary, args)
         with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print(json.dumps({k: v for k, v in summary.items() if k != "plots"}, indent=2))
+        if "vs_baseline" in summary:
+            print(summary["vs_baseline"]["verdict"])
     # torn down while Python runs: left to the interpreter's exit, gloo has aborted a rank there
     # ("terminate called without an active exception") after a run that had finished
     torch.distributed.barrier()
@@ -169,6 +188,31 @@ def main(argv=None):
 
 
 EVAL_BATCH = 8      # sequences per evaluation forward
+
+
+def compare_with_baseline(summary: dict, args) -> None:
+    """summary["vs_baseline"] against the --baseline run, RUN_DIR/compare.png, and both in the W&B run
+    (`easybalance/compare`, `vs_baseline/<metric>/...`) when one is open."""
+    try:
+        summary["vs_baseline"] = versus(summary, args.baseline, VERSUS, f"{args.baseline} -> {args.run_dir} "
+                                        "(second half of each run; lower is better)")
+    except (OSError, KeyError, TypeError, ValueError) as e:     # this run's own summary is still written
+        summary["vs_baseline"] = {"verdict": f"no comparison with {args.baseline}: its summary.json could not be "
+                                             f"read ({type(e).__name__}: {e})"}
+        return
+    if args.no_report:
+        return
+    from eb_deepspeed.observe.report import render_compare
+    path = render_compare([args.baseline, args.run_dir], os.path.join(args.run_dir, "compare.png"))
+    summary["plots"] = summary.get("plots", []) + [path]
+    try:
+        import wandb
+    except ImportError:
+        return
+    if wandb.run is not None:
+        wandb.log({"easybalance/compare": wandb.Image(path)})
+        wandb.run.summary.update({f"vs_baseline/{key}/{field}": value for key, row in
+                                  summary["vs_baseline"]["metrics"].items() for field, value in row.items()})
 
 
 def text_files_corpus(max_bytes: int = 1_000_000) -> torch.Tensor:
@@ -236,7 +280,7 @@ def summarize(history: list[dict], step_times: list[float], tokens_per_step: int
     over the last 10 steps, tokens/s over the steps after the first two (warm-up)."""
     tail = history[-10:]
     timed = step_times[2:] or step_times
-    out = {"family": args.family, "steps": args.steps, "data": args.data, "lr": args.lr, "seed": args.seed,
+    out = {"framework": "autoep", "family": args.family, "steps": args.steps, "data": args.data, "lr": args.lr, "seed": args.seed,
            "final_lm_loss": history[-1]["lm_loss"] if history else None,
            "last10_lm_loss": sum(r["lm_loss"] for r in tail) / max(1, len(tail)),
            "seconds_per_step": sum(timed) / max(1, len(timed)),
@@ -252,6 +296,7 @@ def summarize(history: list[dict], step_times: list[float], tokens_per_step: int
         out["train_second_half"] = {
             "lm_loss": sum(r["lm_loss"] for r in half) / len(half),
             "device_max_over_mean_p90": sum(r["device_max_over_mean_p90"] for r in half) / len(half),
+            "expert_max_over_mean_p90": sum(r["expert_max_over_mean_p90"] for r in half) / len(half),
             "expert_max_over_mean_mean": sum(sum(v for v in r["expert_max_over_mean"] if v is not None)
                                              / max(1, sum(v is not None for v in r["expert_max_over_mean"]))
                                              for r in half) / len(half)}

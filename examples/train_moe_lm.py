@@ -2,7 +2,7 @@
 DeepSpeed + eb_deepspeed, and write balance curves (JSONL, W&B offline, PNGs).
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/train_moe_lm.py \
-        --deepspeed_config configs/train_cpu_2rank.json --steps 60 --run-dir runs/main
+        --deepspeed_config configs/train_cpu_2rank.json --steps 60 --run-dir runs/ds
 
 Writes RUN_DIR/balance/balance.jsonl (the easybalance log), RUN_DIR/balance/plots/*.png,
 RUN_DIR/ckpt (DeepSpeed checkpoint, resumable with --resume), RUN_DIR/summary.json, and a W&B
@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_lm import MoELM, StdlibCorpus, pyramid  # noqa: E402
+from moe_lm import MoELM, StdlibCorpus, pyramid, versus  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -57,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="training text to read")
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--eval-batches", type=int, default=4)
-    p.add_argument("--run-dir", default="runs/main")
+    p.add_argument("--run-dir", default="runs/ds")
     p.add_argument("--resume", action="store_true", help="continue from RUN_DIR/ckpt")
     p.add_argument("--no-report", action="store_true", help="skip rendering the PNGs at the end")
     p.add_argument("--mode", choices=["observe", "balance"], default=None,
@@ -85,29 +85,11 @@ def _positive_ints(what: str):
 _top_ks = _positive_ints("k")
 
 
-# What "did balancing help" compares, second half of each run: (key, what it is, lower is better)
+# What "did balancing help" compares, second half of each run: (key, what it is, lower is better). No
+# steps/s: CPU time on a shared machine is not what a GPU step would take (docs/benchmarks.md measures that)
 VERSUS = (("device_max_over_mean_p90", "p90 device max/mean (the straggler)"),
           ("token_drop_rate", "token drop rate"), ("device_util_std", "device utilisation std"),
           ("lm_loss", "LM loss"))
-
-
-def _versus(summary: dict, baseline_dir: str) -> dict:
-    """This run against a finished baseline run of the same job (its summary.json): each VERSUS metric's
-    second-half mean in both, the change in %, the step time ratio, and a one-line verdict."""
-    with open(os.path.join(baseline_dir, "summary.json"), encoding="utf-8") as f:
-        base = json.load(f)
-    rows, words = {}, []
-    for key, what in VERSUS:
-        ours, theirs = summary["train_second_half"].get(key), base.get("train_second_half", {}).get(key)
-        if ours is None or theirs is None:
-            continue
-        change = None if theirs == 0 else round(100.0 * (ours - theirs) / theirs, 1)
-        rows[key] = {"baseline": round(theirs, 4), "this_run": round(ours, 4), "change_pct": change}
-        words.append(f"{what} {theirs:.3f} -> {ours:.3f}" + ("" if change is None else f" ({change:+.1f} %)"))
-    speed = round(base["seconds_per_step"] / summary["seconds_per_step"], 3) if summary.get("seconds_per_step") else None
-    verdict = (f"vs the baseline {baseline_dir} (second half of each run, lower is better): " + "; ".join(words)
-               + (f"; speed {speed}x the baseline's steps/s (CPU time on this machine, noisy)" if speed else ""))
-    return {"baseline": baseline_dir, "metrics": rows, "speed_x_baseline": speed, "verdict": verdict}
 
 
 def _mean_of(values):
@@ -257,7 +239,8 @@ def main(argv=None):
                 summary["plots"] = render_report(os.path.join(args.run_dir, "balance"))
         if args.baseline:
             try:
-                summary["vs_baseline"] = _versus(summary, args.baseline)
+                summary["vs_baseline"] = versus(summary, args.baseline, VERSUS, f"vs the baseline {args.baseline} "
+                                                "(second half of each run, lower is better)")
             except (OSError, KeyError, TypeError, ValueError) as e:     # the run's own summary is still written
                 summary["vs_baseline"] = {"verdict": f"no comparison with {args.baseline}: its summary.json could not "
                                                      f"be read ({type(e).__name__}: {e})"}

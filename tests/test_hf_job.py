@@ -1,5 +1,5 @@
 """The HF job, small: a tiny random Mixtral converted by DeepSpeed's AutoEP, under the real `deepspeed` launcher on
-2 CPU ranks with configs/train_hf_cpu_2rank.json (as launch/train_hf_cpu.sh runs it): JSONL, W&B offline, PNG
+2 CPU ranks with configs/train_hf_cpu_2rank.json (launch/train_cpu.sh, the main job, in small): JSONL, W&B offline, PNG
 plots, a checkpoint, and a resume that continues the same view."""
 import json
 import os
@@ -62,3 +62,26 @@ def test_the_autoep_serving_bench_runs_the_articles_rows_side_by_side_with_equal
     assert set(result["targets"]) == {"moe_speedup_ge_1.3x_default_4_ranks", "overhead_le_3pct_default",
                                       "outputs_within_1e-5"}
     assert "exact_aggregated" in format_autoep_infer_table(result)
+
+
+def test_the_main_job_compares_plain_autoep_with_the_balanced_run(tmp_path):
+    # launch/train_cpu.sh in small: plain AutoEP watched (observe), then the default block against it
+    hf_launch(tmp_path / "baseline", "--steps", "6", "--mode", "observe", "--eval-batches", "1", "--no-report")
+    proc = hf_launch(tmp_path / "main", "--steps", "6", "--eval-batches", "1", "--baseline", str(tmp_path / "baseline"))
+    base = json.loads((tmp_path / "baseline" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "main" / "summary.json").read_text())
+    assert summary["framework"] == base["framework"] == "autoep"
+    versus = summary["vs_baseline"]
+    assert set(versus["metrics"]) == {"device_max_over_mean_p90", "expert_max_over_mean_p90", "lm_loss", "val_loss"}
+    for key, row in versus["metrics"].items():
+        where = "final" if key == "val_loss" else "train_second_half"
+        assert row["baseline"] == round(base[where][key], 4) and row["this_run"] == round(summary[where][key], 4)
+        assert row["change_pct"] == round(100 * (summary[where][key] - base[where][key]) / base[where][key], 1)
+    assert summary["train_second_half"]["expert_max_over_mean_p90"] >= 1.0
+    assert "busiest EP rank's routed tokens / mean" in versus["verdict"] and versus["verdict"] in proc.stdout
+    assert "speed" not in versus["verdict"]               # no CPU steps/s passed off as a speed verdict
+    assert (tmp_path / "main" / "compare.png").read_bytes()[:8] == PNG_MAGIC
+    wandb_run, = (tmp_path / "main" / "wandb").glob("offline-run-*")
+    history = wandb_history(next(wandb_run.glob("run-*.wandb")))
+    images = [key for row in history.values() for key in row if key.startswith("easybalance/compare.")]
+    assert "easybalance/compare._type" in images          # the picture in W&B too (an image-file entry)

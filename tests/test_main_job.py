@@ -115,16 +115,6 @@ def test_the_served_model_gives_the_trained_models_outputs_and_logs_its_balance(
     assert ("replicas serve (" in summary["verdict"]) == (summary["placement_slots"] > summary["experts"])
 
 
-def test_the_quickstart_script_runs_as_docs_quickstart_says(tmp_path):
-    """docs/quickstart.md step 3: examples/quickstart_moe.py under the launcher, from the user's own directory."""
-    proc = launcher("quickstart_moe.py", cwd=tmp_path)
-    assert "device max/mean per layer:" in proc.stdout
-    records = [json.loads(line) for line in (tmp_path / "runs" / "quickstart" / "balance" / "balance.jsonl")
-               .read_text().splitlines()]
-    assert records[-1]["step"] == 40 and records[-1]["mode"] == "balance" and len(records[-1]["device_max_over_mean"]) == 3
-    assert all("lm_loss" in r for r in records)                  # the noted loss beside the balance numbers
-
-
 def test_the_pr_moe_variant_of_the_example_trains_and_its_curves_render_with_eb_report(tmp_path):
     """docs/training.md: `--pyramid 4,8` (layers 0-1: 4 experts, 2-3: 8), under the launcher, then `eb report`."""
     run = tmp_path / "pyramid"

@@ -188,7 +188,7 @@ def test_a_flat_curve_says_why_it_is_flat():
     assert "flat" not in curve_figure(records(), "device_loss_weight", "device-loss weight").axes[0].get_title()
 
 
-def test_eb_report_compare_puts_the_lm_loss_beside_balance_when_the_runs_noted_it(tmp_path):
+def test_eb_report_compare_draws_each_layer_the_lm_loss_and_a_map_per_run(tmp_path):
     from eb_deepspeed.observe.report import render_compare
     for name, loss in (("baseline", 2.0), ("balanced", 2.1)):
         (tmp_path / name).mkdir()
@@ -202,5 +202,11 @@ def test_eb_report_compare_puts_the_lm_loss_beside_balance_when_the_runs_noted_i
         render_compare([str(tmp_path / "baseline"), str(tmp_path / "balanced")], str(tmp_path / "compare.png"))
     finally:
         plt.subplots = real
-    titles = [ax.get_title() for ax in created[-1][1]]
-    assert titles[-1].startswith("LM loss") and len(titles) == 4
+    rows = [[ax.get_title() for ax in row] for row in created[-1][1]]
+    assert rows[0][:2] == ["layer 0: expert max/mean", "layer 1: expert max/mean"]
+    assert rows[1][:2] == ["layer 0: busiest rank's load / mean", "layer 1: busiest rank's load / mean"]
+    summary, maps = rows[2][:4], rows[2][4:]
+    assert [t.split(" (")[0] for t in summary] == ["device utilisation std", "token drop rate",
+                                                   "p90 over layers of device max/mean", "LM loss"]
+    assert [t.split(" (")[0] for t in maps] == ["baseline", "balanced"]     # layers x ranks, one per run
+    assert all("load / layer mean, second half" in t for t in maps)

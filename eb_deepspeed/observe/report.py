@@ -222,27 +222,41 @@ def heatmap_figure(pressure_LG, title: str = "device pressure", relative: bool =
     plt = _plt()
     L = len(pressure_LG)
     G = len(pressure_LG[0]) if L else 0
-    values = [[_number(v) for v in row] for row in pressure_LG]
     # bounded size (a 64-rank, 61-layer view would otherwise draw a 40-inch figure): at most 16 x 12 inches
     fig, ax = plt.subplots(figsize=(min(16, max(6, 1 + 0.6 * G)), min(12, max(3.5, 1 + 0.35 * L))))
+    draw_heatmap(ax, pressure_LG, title, relative)
+    fig.tight_layout()
+    return fig
+
+
+def _over_layer_mean(pressure_LG) -> list[list[float]]:
+    values = [[_number(v) for v in row] for row in pressure_LG]
+    means = [sum(v for v in row if v == v) / max(1, sum(v == v for v in row)) for row in values]
+    return [[v / m if m > 0 else float("nan") for v in row] for row, m in zip(values, means)]
+
+
+def draw_heatmap(ax, pressure_LG, title: str, relative: bool = True, spread: Optional[float] = None) -> None:
+    """`heatmap_figure`'s drawing into `ax`; `spread`: the colour scale's half-width around 1 (several maps
+    drawn on one scale), by default this map's own."""
+    L = len(pressure_LG)
+    G = len(pressure_LG[0]) if L else 0
     if relative:
-        means = [sum(v for v in row if v == v) / max(1, sum(v == v for v in row)) for row in values]
-        values = [[v / m if m > 0 else float("nan") for v in row] for row, m in zip(values, means)]
-        spread = max([abs(v - 1.0) for row in values for v in row if v == v] + [0.05])
+        values = _over_layer_mean(pressure_LG)
+        if spread is None:
+            spread = max([abs(v - 1.0) for row in values for v in row if v == v] + [0.05])
         im = ax.imshow(values, aspect="auto", cmap="RdBu_r", vmin=1 - spread, vmax=1 + spread,
                        interpolation="nearest")
         label = "load / layer mean (1 = balanced)"
     else:
-        im = ax.imshow(values, aspect="auto", cmap="magma", vmin=0, interpolation="nearest")
+        im = ax.imshow([[_number(v) for v in row] for row in pressure_LG], aspect="auto", cmap="magma", vmin=0,
+                       interpolation="nearest")
         label = "tokens / step (EMA)"
     ax.set_xlabel("EP rank (device)")
     ax.set_ylabel("MoE layer")
     ax.set_xticks(range(0, G, max(1, G // 16)))
     ax.set_yticks(range(0, L, max(1, L // 24)))
     ax.set_title(title, fontsize="medium")
-    fig.colorbar(im, ax=ax, label=label)
-    fig.tight_layout()
-    return fig
+    ax.figure.colorbar(im, ax=ax, label=label)
 
 
 def _serving(records: list[dict[str, Any]]) -> bool:
@@ -362,35 +376,80 @@ def _balance_dir(run_dir: str) -> str:
     return nested if not run_dir.endswith(".jsonl") and os.path.exists(log_path(nested)) else run_dir
 
 
+def _second_half_loads(records: list[dict[str, Any]]) -> Optional[list[list[float]]]:
+    """Each layer's device pressure (EMA of routed tokens per device) summed over the second half of the
+    records, [L, G]: where the load sat once the routers had settled."""
+    rows = [r.get(R.PRESSURE) for r in records[len(records) // 2:] if r.get(R.PRESSURE)]
+    if not rows:
+        return None
+    L, G = len(rows[0]), len(rows[0][0])
+    return [[sum(_number(r[layer][g]) for r in rows if len(r) == L) for g in range(G)] for layer in range(L)]
+
+
+COMPARE_LAYERS = 8      # per-layer panels drawn at most (evenly spaced over the layers)
+
+
 def render_compare(run_dirs: Sequence[str], out_path: str, smooth: int = 5) -> str:
-    """One PNG: each summary metric against the step, one line per run (raw faint, a trailing mean of
-    `smooth` records solid), labelled with the run's directory name and policy. Returns the path."""
+    """One PNG, one colour per run (raw faint, a trailing mean of `smooth` records solid), labelled with the
+    run's directory name and mode: per layer (at most COMPARE_LAYERS, evenly spaced) the expert max/mean and
+    the busiest device's load over the mean; the summary curves and the noted LM loss; and per run a layers
+    x devices map of each device's load over its layer's mean (EMA pressure, second half of the run), all
+    maps on one colour scale. Returns the path."""
     if len(run_dirs) < 2:
         raise ValueError("eb report --compare needs at least two runs")
     plt = _plt()
-    runs = [read_log(_balance_dir(d), keys=(*SUMMARY, *R.NOTES), max_records=MAX_POINTS) for d in run_dirs]
-    # the LM loss beside balance (what balancing cost in quality) when the runs noted it
-    panels = SUMMARY + tuple(k for k in R.NOTES if any(k in r for records in runs for r in records))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
-    for index, (run_dir, records) in enumerate(zip(run_dirs, runs)):
-        label = f"{os.path.basename(os.path.normpath(run_dir))} ({_run_label(records)})"
-        steps = [r["step"] for r in records]
-        color = f"C{index % 10}"
-        for ax, key in zip(axes, panels):
+    keys = (*SUMMARY, *R.NOTES, "expert_max_over_mean", "device_max_over_mean", R.PRESSURE, "phase", "mode", "policy")
+    runs = [read_log(_balance_dir(d), keys=keys, max_records=MAX_POINTS) for d in run_dirs]
+    num_layers = max(len(r.get("device_max_over_mean") or ()) for records in runs for r in records)
+    layers = sorted({round(i * (num_layers - 1) / max(1, COMPARE_LAYERS - 1)) for i in range(COMPARE_LAYERS)}) \
+        if num_layers > COMPARE_LAYERS else list(range(num_layers))
+    # the drop rate only where a run dropped tokens (dropless AutoEP never does); the LM loss when noted
+    summary = tuple(k for k in SUMMARY if k != "token_drop_rate" or any(_number(r.get(k)) > 0 for rs in runs for r in rs))
+    summary += tuple(k for k in R.NOTES if any(k in r for records in runs for r in records))
+    loads = [_second_half_loads(records) for records in runs]
+    cols = max(len(layers), len(summary) + sum(x is not None for x in loads), 1)
+    fig, axes = plt.subplots(3, cols, figsize=(4.2 * cols, 11), squeeze=False)
+    labels = [f"{os.path.basename(os.path.normpath(d))} ({_run_label(records)})" for d, records in zip(run_dirs, runs)]
+    per_layer = (("expert_max_over_mean", "expert max/mean"),
+                 ("device_max_over_mean", "busiest rank's load / mean"))
+    for row, (key, what) in enumerate(per_layer):
+        for col, layer in enumerate(layers):
+            ax = axes[row][col]
+            for index, records in enumerate(runs):
+                pts = [(r["step"], _number(r[key][layer])) for r in records if r.get(key) and layer < len(r[key])]
+                color = f"C{index % 10}"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, alpha=0.25, linewidth=0.8)
+                ax.plot([p[0] for p in pts], _smoothed([p[1] for p in pts], smooth), color=color, label=labels[index])
+            ax.set_title(f"layer {layer}: {what}", fontsize="medium")
+            _reference_line(ax, key)
+            ax.grid(alpha=0.3)
+        for col in range(len(layers), cols):
+            axes[row][col].axis("off")
+    for col, key in enumerate(summary):
+        ax = axes[2][col]
+        for index, records in enumerate(runs):
+            steps = [r["step"] for r in records]
             values = [_number(r.get(key)) for r in records]
+            color = f"C{index % 10}"
             ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
-            ax.plot(steps, _smoothed(values, smooth), color=color, label=label)
-    for ax, key in zip(axes, panels):
+            ax.plot(steps, _smoothed(values, smooth), color=color, label=labels[index])
         ax.set_title(R.SCALARS[key], fontsize="medium")
-        ax.set_ylabel(key)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
         _reference_line(ax, key)
-    axes[0].legend(fontsize="small")
+    spread = max([abs(v - 1.0) for x in loads if x for row in _over_layer_mean(x) for v in row if v == v] + [0.05])
+    col = len(summary)
+    for label, x in zip(labels, loads):
+        if x is not None:
+            draw_heatmap(axes[2][col], x, f"{label}\nload / layer mean, second half", spread=spread)
+            col += 1
+    for c in range(col, cols):
+        axes[2][c].axis("off")
+    axes[0][0].legend(fontsize="small")
     fig.suptitle(f"{len(run_dirs)} runs: faint = logged values, solid = trailing mean of {smooth} records",
                  fontsize="medium")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    fig.savefig(out_path, dpi=90)
+    fig.savefig(out_path, dpi=80)
     plt.close(fig)
     return out_path

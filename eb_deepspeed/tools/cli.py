@@ -2,7 +2,7 @@
 checkout: `python -m benchmarks --help`).
 
     eb report RUN_DIR [--out DIR]     PNG balance curves + heatmap from RUN_DIR/balance.jsonl
-    eb report --compare RUN_A RUN_B ... [--out FILE]   the runs' summary curves overlaid in one PNG
+    eb report --compare RUN_A RUN_B ... [--out FILE]   the runs side by side in one PNG: per layer, summary, maps
     eb plan LOAD --devices G [--slots S | --redundant R] [--nodes N] [--dispatch uniform|steered|padded]
             [--out plan.json] [--sglang sglang.json]    a placement from a load file, with a before/after table
 """
@@ -148,7 +148,7 @@ def _report_parser(sub) -> None:
     p.add_argument("run_dir", nargs="+",
                    help="directory holding balance.jsonl (easybalance.log.dir), or the .jsonl file; with --compare, "
                         "two or more (an example run directory holding balance/ works too)")
-    p.add_argument("--compare", action="store_true", help="overlay the runs' summary curves in one PNG")
+    p.add_argument("--compare", action="store_true", help="the runs side by side in one PNG: per layer, the summary curves, a layers x ranks map per run")
     p.add_argument("--out", default=None,
                    help="output directory (default RUN_DIR/plots); with --compare the PNG file (eb_compare.png)")
     p.set_defaults(func=_report)
