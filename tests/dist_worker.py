@@ -705,6 +705,58 @@ def _serve_and_compare(engine, plain, batches: int, rank: int, vocab: int = 24, 
     return rows
 
 
+class _LateWork:
+    """NCCL's completion seen from the host: the all-reduce's result reaches the tensor only at `wait()`;
+    before that the tensor holds NaN (a read of it, or a reuse of the buffer, would show)."""
+    real = staticmethod(torch.distributed.all_reduce)
+    posted = 0
+
+    def __init__(self, tensor, args, kwargs):
+        self.tensor, self.result = tensor, tensor.clone()
+        self.work = self.real(self.result, *args, async_op=True, **kwargs)
+        tensor.fill_(float("nan"))
+        _LateWork.posted += 1
+
+    def wait(self):
+        self.work.wait()
+        self.tensor.copy_(self.result)
+        return True
+
+
+def _late_all_reduce(*args, async_op=False, **kwargs):
+    if not async_op:
+        return _LateWork.real(*args, **kwargs)
+    tensor = args[0] if args else kwargs.pop("tensor")
+    return _LateWork(tensor, args[1:], kwargs)
+
+
+def scenario_serve_late_reduce(p):
+    """The serving view's per-step reduce posted async, completing only at wait() (as on NCCL): the same view,
+    re-plans and outputs as with gloo's completion, batch by batch."""
+    rank = torch.distributed.get_rank()
+    out = {}
+    for late in (False, True):
+        torch.manual_seed(0)
+        engine = eb_deepspeed.init_inference(_skewed(make_model(drop_tokens=False, ep_size=2, k=2)), config={
+            "easybalance": _serve_block(p, replica_slots=1)})
+        _LateWork.posted = 0
+        if late:
+            torch.distributed.all_reduce = _late_all_reduce
+        try:
+            outputs = []
+            with torch.no_grad():
+                for b in range(6):
+                    outputs.append(engine(_skewed_batch(b, rank))[0])
+            engine.serving.settle()
+        finally:
+            torch.distributed.all_reduce = _LateWork.real
+        view = engine.easybalance.view
+        out["late" if late else "gloo"] = {"view": {"pressure_LG": view.pressure_LG.clone(), "heat_LE": view.heat_LE.clone(),
+                                                    "steps": view.steps}, "replans": engine.serving.replans,
+                                           "outputs": outputs, "posted": _LateWork.posted}
+    return out
+
+
 def scenario_serve_equivalence(p):
     """Replicated serving (P = E or P > E, re-plans forced) against DeepSpeed's exact eval forward, then back
     to DeepSpeed's layout (fewer slots per rank) and on."""

@@ -124,3 +124,15 @@ def test_an_empty_batch_on_one_rank_serves_without_a_hang(run_dist, split):
     assert [row["shape"] for row in ranks[1]["rows"]] == [(1, 0, 16)] * 3
     assert all(row["equal"] for row in ranks[0]["rows"])
     assert ranks[0]["steps"] == ranks[1]["steps"] == 3
+
+
+def test_the_serving_view_reads_its_async_reduce_only_after_wait_as_on_nccl(run_dist):
+    # the reduce's result held back until wait() (NaN before): a read before the wait would poison the view
+    for rank in run_dist("serve_late_reduce", 2):
+        gloo, late = rank["gloo"], rank["late"]
+        assert late["posted"] >= 5 and gloo["posted"] == 0        # every view step went through the late reduce
+        assert late["replans"] == gloo["replans"] >= 1
+        for key in ("pressure_LG", "heat_LE"):
+            assert torch.isfinite(late["view"][key]).all() and torch.equal(late["view"][key], gloo["view"][key]), key
+        assert late["view"]["steps"] == gloo["view"]["steps"] >= 5
+        assert all(torch.equal(a, b) for a, b in zip(late["outputs"], gloo["outputs"]))

@@ -177,25 +177,42 @@ class ReplicaGate(CrossLayerGate):
         return steered_split(counts_E, self.table, self.S, self.G, self.ep_group, self.routing, self.pressure_G)
 
     def _capacity(self, slot_load_GP, n_ER, T: int) -> int:
-        """The EP group's capacity: the most routes any rank sends to any slot, capped (with drops) at
-        DeepSpeed's rule on the most tokens on any rank."""
+        """The EP group's capacity. Without drops: the most routes any rank sends to any slot. With drops:
+        DeepSpeed's rule on the most tokens on any rank (never below what it keeps: the kept routes are the
+        same as with the smaller of the two)."""
         if slot_load_GP is not None:          # exact split: every rank's routes are known here
             most, tokens = int(slot_load_GP.max()), int(slot_load_GP.sum(1).max()) // self.k
+        elif self.drop_tokens:                # one all-reduce and host read per forward, not per layer
+            most, tokens = None, self._agreed_tokens(T, n_ER.device)
         else:                                 # view split: one all-reduce, as DeepSpeed's own capacity
             log2phy_ER = self._table_on(n_ER.device).log2phy_ER
             mine = torch.zeros(self.P + 1, dtype=torch.long, device=n_ER.device)
             mine.index_add_(0, torch.where(log2phy_ER >= 0, log2phy_ER, self.P).reshape(-1), n_ER.reshape(-1))
-            agreed = torch.stack([mine[:self.P].max(), mine.new_full((), T)])
+            most = mine[:self.P].max().reshape(1)
             if self.G > 1:
-                dsm.dist.all_reduce(agreed, op=dsm.dist.ReduceOp.MAX, group=self.ep_group)
-            most, tokens = agreed.tolist()     # the one host sync (MOELayer needs the capacity as an int)
+                dsm.dist.all_reduce(most, op=dsm.dist.ReduceOp.MAX, group=self.ep_group)
+            most, tokens = int(most.item()), T     # the host read replaces DeepSpeed's own int(C) when dropless
         if not self.drop_tokens:
             capacity = max(most, 1)
         else:
             limit = max(math.ceil(tokens * self.k * self.eval_capacity_factor / self.P), self.min_capacity)
-            capacity = max(min(most, limit), 1)
+            capacity = max(limit if most is None else min(most, limit), 1)
         self._capacity_value = capacity
         return capacity
+
+    def _agreed_tokens(self, T: int, device) -> int:
+        """The most tokens on any rank of the EP group in this forward: agreed by the first replicated layer
+        (every rank runs the layers in the same order) and kept in `routing.tokens` for the rest."""
+        kept = self.routing.tokens
+        if kept:
+            return kept[0]
+        agreed = torch.full((1, ), T, dtype=torch.long, device=device)
+        if self.G > 1:
+            dsm.dist.all_reduce(agreed, op=dsm.dist.ReduceOp.MAX, group=self.ep_group)
+        if kept is not None:
+            kept.append(int(agreed.item()))
+            return kept[0]
+        return int(agreed.item())
 
     def _place(self, expert_KT, position_KT, gates_KT, n_ER, capacity: int):
         """Each route's slot and location there (-1: dropped by the capacity), gates renormalised over

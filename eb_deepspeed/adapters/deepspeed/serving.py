@@ -283,8 +283,8 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     module.eval()
     serving = ServingEngine(MoEStore(module), eb_config if eb_config.enabled else None)
     engine.serving = serving
+    module.register_forward_pre_hook(lambda mod, args: serving.before_batch(args))
     if serving.balancer is not None:
         engine.easybalance = serving.balancer
-        module.register_forward_pre_hook(lambda mod, args: serving.before_batch(args))
         module.register_forward_hook(lambda mod, args, output: serving.after_batch())
     return engine

@@ -162,12 +162,13 @@ class ServingEngine:
             join_startup_off()          # a rank whose block is on waits for this rank in the start-up all-gather
         inf = config.inference if enabled else None
         self.model = DISPATCH[(store.padded, "view" if inf is None else inf.split)]
-        store.replicate(self.S_max, self.placement, Routing(
+        self.routing = Routing(
             split="view" if inf is None else inf.split, rank=self.rank, node_G=self.node_G, recording=enabled,
             # the cost weights and hop cost of the topology in effect (the configured one, or multi_node when the
             # ranks span nodes and the user left it unset: `resolve_topology`)
             steer_options={} if inf is None else {"weights": TOPOLOGIES[self.topology].weights,
-                                                  "topology": self.topology, "decision_batch": inf.decision_batch}))
+                                                  "topology": self.topology, "decision_batch": inf.decision_batch})
+        store.replicate(self.S_max, self.placement, self.routing)
         self.balancer: Optional[Balancer] = None
         if enabled:
             shape = ModelShape.uniform(self.L, self.E, self.G, rank_to_node=self.rank_to_node)
@@ -220,7 +221,9 @@ class ServingEngine:
 
     # ------------------------------------------------------------------ per batch
     def before_batch(self, inputs: tuple) -> None:
-        """During a layout trial: start the clock of this forward (after the accelerator's queued work)."""
+        """A new forward: the gates agree on its tokens again. During a layout trial: start the clock of this
+        forward (after the accelerator's queued work)."""
+        self.routing.tokens = []
         if self._trial is not None:
             _synchronize(self.store.device)
             x = next((t for t in inputs if isinstance(t, torch.Tensor)), None)

@@ -44,12 +44,15 @@ class SlotTable:
 class Routing:
     """How a store's gates split routes: `split` ("view" or "exact"), this rank's place in the EP group, the
     node of each EP rank [G], `planning.steer`'s options (cost weights, topology, decision batch), whether the
-    gates count routes for the view (`recording`)."""
+    gates count routes for the view (`recording`). `tokens`: set to [] by the engine before each forward, then
+    holds the most tokens on any EP rank in it, agreed by its first layer that needs it (None: every such layer
+    agrees for itself)."""
     split: str = "view"
     rank: int = 0
     node_G: Optional[torch.Tensor] = None
     steer_options: dict = field(default_factory=dict)
     recording: bool = True
+    tokens: Optional[list] = None
 
 
 class SlotStore(Protocol):
