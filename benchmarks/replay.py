@@ -1,0 +1,210 @@
+"""Serving on real, shifting traffic: real per-token routing replayed batch by batch through placement rules.
+
+    python -m benchmarks replay [--traces DIR] [--devices G] [--slots S] [--batch B] [--json]
+
+A trace is per-token routing of a real model (`{"dataset", "problem_id", "layer", "token_idx", "experts"}` one
+JSON a line, gzipped or not: ../shared/data/real_routing holds Mixtral-8x7B-Instruct decode on GSM8K and
+HumanEval). Each workload's tokens are drawn with replacement into batches of B tokens, in phases (one workload
+after another, then a mixture), and every rule serves the same batches:
+
+  static        DeepSpeed's / AutoEP's layout (expert e on device e // (E / G)), never moved
+  eplb_N_W      DeepSeek's EPLB (the port, global policy) on the sum of the last W batches, every N batches
+                (vLLM's rule: a window a third of the interval; and one that re-plans as often as it looks)
+  eb_default    the serving engine's rule at the config's defaults: the view's EMA (ema_alpha) every view_interval
+                batches, `choose_placement` at most every replan_interval batches past replan_threshold
+  eb_fast       the same rule with view_interval 1, replan_interval 8
+
+Per batch, per layer, device loads of the placement in force under two dispatch models (`exact.py`): uniform
+(each expert's tokens split evenly over its replicas) and steered (split freely per batch: exact per-batch
+steering's bound). Balancedness of a batch: sum over layers of the mean device load over the sum of the max; the
+table gives its mean over the batches, each phase's too, the weight copies, and their bytes at a Mixtral-8x7B
+expert's size (3 x 4096 x 14336 bf16) with the stall they cost at a stated bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from eb_deepspeed.adapters.serving.engine import DISPATCH, choose_placement
+from eb_deepspeed.core.config import EasyBalanceConfig
+from eb_deepspeed.planning.placement import index_maps, plan_placement
+
+from .eplb_port import rebalance_global
+from .exact import steered_max, uniform_loads
+
+__all__ = ["load_traces", "make_stream", "replay", "main"]
+
+TRACES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "real_routing")
+EXPERT_BYTES = 3 * 4096 * 14336 * 2      # one Mixtral-8x7B expert (w1, w2, w3) in bf16: 352 MB
+BANDWIDTH = 50e9                          # bytes/s a device receives a moved expert at (stated, not measured)
+
+
+def load_traces(directory: str) -> dict[str, torch.Tensor]:
+    """{workload: routes [N tokens, L, K] long} from every *.jsonl(.gz) file of `directory` (workload: the
+    file's `dataset`), tokens keyed by (problem_id, token_idx)."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith((".jsonl", ".jsonl.gz")):
+            continue
+        path = os.path.join(directory, name)
+        rows = defaultdict(dict)
+        dataset = None
+        with (gzip.open(path, "rt") if name.endswith(".gz") else open(path)) as f:
+            for line in f:
+                r = json.loads(line)
+                dataset = r.get("dataset", name.split(".")[0])
+                rows[(r["problem_id"], r["token_idx"])][int(r["layer"])] = [int(e) for e in r["experts"]]
+        L = 1 + max(layer for token in rows.values() for layer in token)
+        tokens = [t for t in rows.values() if len(t) == L]
+        out[dataset] = torch.tensor([[t[layer] for layer in range(L)] for t in tokens])
+    return out
+
+
+def make_stream(traces: dict[str, torch.Tensor], phases: list[tuple[str, int]], batch: int, num_experts: int,
+                seed: int = 0) -> tuple[torch.Tensor, list[str]]:
+    """counts [N batches, L, E] and each batch's phase name: `phases` of (workload or "mix", batches)."""
+    g = torch.Generator().manual_seed(seed)
+    everything = torch.cat(list(traces.values()))
+    batches, names = [], []
+    for workload, n in phases:
+        pool = everything if workload == "mix" else traces[workload]
+        for _ in range(n):
+            routes = pool[torch.randint(0, len(pool), (batch, ), generator=g)]            # [B, L, K]
+            L = routes.shape[1]
+            counts = torch.zeros(L, num_experts)
+            counts.scatter_add_(1, routes.transpose(0, 1).reshape(L, -1), torch.ones(L, routes[:, 0].numel()))
+            batches.append(counts)
+            names.append(workload)
+    return torch.stack(batches), names
+
+
+def _static_phy(L: int, E: int, G: int, S: int) -> torch.Tensor:
+    """Expert e in slot (e // H) * S + e % H (H = E / G home slots per device), other slots empty."""
+    H = E // G
+    phy = torch.full((L, G * S), -1, dtype=torch.long)
+    for e in range(E):
+        phy[:, (e // H) * S + e % H] = e
+    return phy
+
+
+def _balancedness(phy_LP, counts_LE, G: int, S: int) -> tuple[float, float]:
+    """(uniform, steered): sum over layers of mean device load / sum of the max, for one batch."""
+    mean = float(counts_LE.sum()) / G
+    uniform = float(uniform_loads(phy_LP, counts_LE, S).max(1).sum())
+    steered = float(steered_max(phy_LP, counts_LE, S).sum())
+    return mean / max(uniform, 1e-12), mean / max(steered, 1e-12)
+
+
+def _moved(old_LP: torch.Tensor, new_LP: torch.Tensor) -> int:
+    """Weight copies: slots that hold an expert they did not hold before."""
+    return int(((new_LP != old_LP) & (new_LP >= 0)).sum())
+
+
+def _eplb_rule(interval: int, window: int, G: int, S: int):
+    def rule(b: int, seen_NLE: torch.Tensor, phy_LP: torch.Tensor) -> torch.Tensor:
+        if b == 0 or b % interval:
+            return phy_LP
+        return rebalance_global(seen_NLE[max(0, b - window):b].sum(0).double(), G * S, G)[0]
+    return rule
+
+
+def _eb_rule(G: int, S: int, E: int, L: int, view_interval: int, replan_interval: int, threshold: float,
+             alpha: float):
+    model = DISPATCH[(False, "view")]       # a dropless layer, the view's split (AutoEP serving)
+    home = index_maps(_static_phy(L, E, G, S), E, G, S)
+    state = {"heat": None, "current": home, "last": -10 ** 9}
+
+    def plan(heat_LE):
+        return plan_placement(heat_LE, G, S, dispatch=model.planner, previous=state["current"])
+
+    def rule(b: int, seen_NLE: torch.Tensor, phy_LP: torch.Tensor) -> torch.Tensor:
+        if b == 0 or b % view_interval:
+            return phy_LP
+        step = seen_NLE[b - view_interval:b].sum(0).double()
+        state["heat"] = step if state["heat"] is None else (1 - alpha) * state["heat"] + alpha * step
+        if b - state["last"] < replan_interval:
+            return phy_LP
+        chosen = choose_placement(state["heat"], state["current"], home, threshold, plan, model.cost, model.ratio)
+        if chosen is None or chosen is state["current"]:
+            return phy_LP
+        state["current"], state["last"] = chosen, b
+        return chosen.phy2log.clone()
+    return rule
+
+
+def replay(counts_NLE: torch.Tensor, names: list[str], G: int, S: int, rules: dict) -> dict:
+    """Every rule over the same batches: mean balancedness (all, per phase), weight copies, bytes, stall."""
+    N, L, E = counts_NLE.shape
+    out = {}
+    for rule_name, rule in rules.items():
+        phy = _static_phy(L, E, G, S)
+        per_batch, moves, replans = [], 0, 0
+        for b in range(N):
+            new = rule(b, counts_NLE, phy)
+            if new is not phy:
+                copies = _moved(phy, new)
+                moves, replans, phy = moves + copies, replans + (copies > 0), new
+            per_batch.append(_balancedness(phy, counts_NLE[b], G, S))
+        arr = np.array(per_batch)
+        phases = {}
+        for name in dict.fromkeys(names):
+            rows = arr[[i for i, n in enumerate(names) if n == name]]
+            phases[name] = [round(float(rows[:, 0].mean()), 4), round(float(rows[:, 1].mean()), 4)]
+        out[rule_name] = {"uniform": round(float(arr[:, 0].mean()), 4), "steered": round(float(arr[:, 1].mean()), 4),
+                          "phases": phases, "replans": replans, "weight_copies": moves,
+                          "bytes_moved": moves * EXPERT_BYTES,
+                          "stall_s": round(moves * EXPERT_BYTES / (G * BANDWIDTH), 3)}
+    return out
+
+
+def default_rules(G: int, S: int, E: int, L: int) -> dict:
+    inf, d = EasyBalanceConfig().inference, EasyBalanceConfig()
+    return {"static": lambda b, seen, phy: phy,
+            "eplb_60_20": _eplb_rule(60, 20, G, S), "eplb_20_20": _eplb_rule(20, 20, G, S),
+            "eb_default": _eb_rule(G, S, E, L, inf.view_interval, inf.replan_interval, inf.replan_threshold,
+                                   d.ema_alpha),
+            "eb_fast": _eb_rule(G, S, E, L, 1, 8, inf.replan_threshold, d.ema_alpha)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--traces", default=TRACES, help="a directory of per-token routing traces (*.jsonl[.gz])")
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--slots", type=int, default=3, help="slots per device (E / G home + replicas)")
+    p.add_argument("--batch", type=int, default=32, help="tokens per batch (decode: concurrent sequences)")
+    p.add_argument("--phase-batches", type=int, default=60)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    traces = load_traces(args.traces)
+    E = 1 + max(int(t.max()) for t in traces.values())
+    L = next(iter(traces.values())).shape[1]
+    names = list(traces)
+    phases = [(n, args.phase_batches) for n in names] + [(names[0], args.phase_batches), ("mix", args.phase_batches)]
+    counts, batch_names = make_stream(traces, phases, args.batch, E, args.seed)
+    result = {"traces": {n: list(t.shape) for n, t in traces.items()}, "devices": args.devices, "slots": args.slots,
+              "batch": args.batch, "phases": phases, "expert_bytes": EXPERT_BYTES, "bandwidth": BANDWIDTH,
+              "rules": replay(counts, batch_names, args.devices, args.slots, default_rules(args.devices, args.slots, E, L))}
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"{L} layers x {E} experts, G {args.devices} x S {args.slots}, batches of {args.batch} tokens, phases "
+              + ", ".join(f"{n} {k}" for n, k in phases))
+        print("| rule | uniform | steered | per phase (uniform / steered) | re-plans | copies | GB | stall s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, r in result["rules"].items():
+            per = "; ".join(f"{k} {u:.3f}/{s:.3f}" for k, (u, s) in r["phases"].items())
+            print(f"| {name} | {r['uniform']:.4f} | {r['steered']:.4f} | {per} | {r['replans']} | {r['weight_copies']} "
+                  f"| {r['bytes_moved'] / 1e9:.1f} | {r['stall_s']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
