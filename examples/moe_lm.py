@@ -153,9 +153,18 @@ class MoELM(nn.Module):
 def versus(summary: dict, baseline_dir: str, rows, opening: str) -> dict:
     """This run's summary against a finished baseline run's (its summary.json): for each (key, what) of
     `rows`, the second-half means of both (`train_second_half`; for a key not there, e.g. `val_loss`, the
-    final evaluation's, `final`) and the change in %; `verdict`: `opening` and one clause per row."""
-    with open(os.path.join(baseline_dir, "summary.json"), encoding="utf-8") as f:
-        base = json.load(f)
+    final evaluation's, `final`) and the change in %; `verdict`: `opening` and one clause per row. A baseline
+    that cannot be read gives a verdict saying so (this run's own summary is still written)."""
+    try:
+        with open(os.path.join(baseline_dir, "summary.json"), encoding="utf-8") as f:
+            base = json.load(f)
+        return _versus(summary, base, baseline_dir, rows, opening)
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        return {"verdict": f"no comparison with {baseline_dir}: its summary.json could not be read "
+                           f"({type(e).__name__}: {e})"}
+
+
+def _versus(summary: dict, base: dict, baseline_dir: str, rows, opening: str) -> dict:
     metrics, words = {}, []
     for key, what in rows:
         where = "train_second_half" if key in (summary.get("train_second_half") or {}) else "final"
