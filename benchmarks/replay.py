@@ -18,7 +18,8 @@ Per batch, per layer, device loads of the placement in force under two dispatch 
 (each expert's tokens split evenly over its replicas) and steered (split freely per batch: exact per-batch
 steering's bound). Balancedness of a batch: sum over layers of the mean device load over the sum of the max; the
 table gives its mean over the batches, each phase's too, the weight copies, and their bytes at a Mixtral-8x7B
-expert's size (3 x 4096 x 14336 bf16) with the stall they cost at a stated bandwidth.
+expert's size (3 x 4096 x 14336 bf16) with the stall they cost at a stated bandwidth. Then the planners held out
+(`held_out`): planned on the other workloads, judged on each one, against planned on the workload itself.
 """
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ from eb_deepspeed.core.config import EasyBalanceConfig
 from eb_deepspeed.planning.placement import index_maps, plan_placement
 
 from .eplb_port import rebalance_global
-from .exact import steered_max, uniform_loads
+from .exact import balancedness_of, steered_max, uniform_loads
 
-__all__ = ["load_traces", "make_stream", "replay", "main"]
+__all__ = ["load_traces", "make_stream", "replay", "held_out", "main"]
 
 TRACES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "real_routing")
 EXPERT_BYTES = 3 * 4096 * 14336 * 2      # one Mixtral-8x7B expert (w1, w2, w3) in bf16: 352 MB
@@ -164,6 +165,33 @@ def replay(counts_NLE: torch.Tensor, names: list[str], G: int, S: int, rules: di
     return out
 
 
+def held_out(traces: dict[str, torch.Tensor], G: int, S: int) -> dict:
+    """Plan on the other workloads' tokens (their summed loads), judge on this one's: ours (dispatch "uniform"
+    and "steered", each judged under its own dispatch model) against EPLB's global policy (judged under both),
+    and in sample (planned on the workload itself). {workload: {planner: {dispatch: [aggregate, worst layer]}}}."""
+    E = 1 + max(int(t.max()) for t in traces.values())
+
+    def load(routes):       # [L, E] routed tokens of a workload
+        L = routes.shape[1]
+        return torch.zeros(L, E, dtype=torch.float64).scatter_add_(
+            1, routes.transpose(0, 1).reshape(L, -1), torch.ones(L, routes[:, 0].numel(), dtype=torch.float64))
+
+    loads = {name: load(routes) for name, routes in traces.items()}
+    out = {}
+    for name, judged in loads.items():
+        row = {}
+        for where, planned in (("held_out", sum(v for k, v in loads.items() if k != name)), ("in_sample", judged)):
+            ours = {d: plan_placement(planned, G, S, dispatch=d).phy2log for d in ("uniform", "steered")}
+            eplb = rebalance_global(planned, G * S, G)[0]
+            row[where] = {
+                "ours": {"uniform": balancedness_of(uniform_loads(ours["uniform"], judged, S).max(1), judged, G),
+                         "steered": balancedness_of(steered_max(ours["steered"], judged, S), judged, G)},
+                "eplb": {"uniform": balancedness_of(uniform_loads(eplb, judged, S).max(1), judged, G),
+                         "steered": balancedness_of(steered_max(eplb, judged, S), judged, G)}}
+        out[name] = row
+    return out
+
+
 def default_rules(G: int, S: int, E: int, L: int) -> dict:
     inf, d = EasyBalanceConfig().inference, EasyBalanceConfig()
     return {"static": lambda b, seen, phy: phy,
@@ -191,7 +219,8 @@ def main(argv=None) -> int:
     counts, batch_names = make_stream(traces, phases, args.batch, E, args.seed)
     result = {"traces": {n: list(t.shape) for n, t in traces.items()}, "devices": args.devices, "slots": args.slots,
               "batch": args.batch, "phases": phases, "expert_bytes": EXPERT_BYTES, "bandwidth": BANDWIDTH,
-              "rules": replay(counts, batch_names, args.devices, args.slots, default_rules(args.devices, args.slots, E, L))}
+              "rules": replay(counts, batch_names, args.devices, args.slots, default_rules(args.devices, args.slots, E, L)),
+              "held_out": held_out(traces, args.devices, args.slots)}
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -203,6 +232,13 @@ def main(argv=None) -> int:
             per = "; ".join(f"{k} {u:.3f}/{s:.3f}" for k, (u, s) in r["phases"].items())
             print(f"| {name} | {r['uniform']:.4f} | {r['steered']:.4f} | {per} | {r['replans']} | {r['weight_copies']} "
                   f"| {r['bytes_moved'] / 1e9:.1f} | {r['stall_s']} |")
+        print("\nplanned on the other workloads (held out) / on the workload itself, judged on it: aggregate (worst layer)")
+        print("| workload | where | ours uniform | EPLB uniform | ours steered | EPLB steered |")
+        print("|---|---|---|---|---|---|")
+        for name, row in result["held_out"].items():
+            for where, r in row.items():
+                cells = [r[who][d] for d in ("uniform", "steered") for who in ("ours", "eplb")]
+                print(f"| {name} | {where} | " + " | ".join(f"{a:.4f} ({w:.3f})" for a, w in cells) + " |")
     return 0
 
 

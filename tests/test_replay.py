@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.replay import default_rules, load_traces, make_stream, replay
+from benchmarks.replay import default_rules, held_out, load_traces, make_stream, replay
 
 pytestmark = pytest.mark.unit
 
@@ -38,3 +38,16 @@ def test_a_shifting_hot_expert_is_followed_by_re_plans_and_the_static_layout_nev
     fast = result["eb_fast"]
     assert fast["replans"] >= 2                           # the hot expert moved: so did the replicas
     assert fast["phases"]["b"][0] > static["phases"]["b"][0] and fast["uniform"] > static["uniform"]
+
+
+def test_held_out_plans_on_the_other_workloads_and_in_sample_on_the_workload_itself(tmp_path):
+    write_trace(tmp_path / "a.jsonl.gz", "a", hot=0)
+    write_trace(tmp_path / "b.jsonl.gz", "b", hot=5, seed=1)
+    result = held_out(load_traces(str(tmp_path)), G=4, S=3)
+    for workload, row in result.items():
+        for who in ("ours", "eplb"):
+            for dispatch in ("uniform", "steered"):
+                aggregate, worst = row["held_out"][who][dispatch]
+                assert 0 < worst <= aggregate <= 1 + 1e-9
+                # the other workload's hot expert is not this one's: planned on itself it balances better
+                assert row["in_sample"][who][dispatch][0] > aggregate, (workload, who, dispatch)
