@@ -28,6 +28,21 @@ def test_the_first_update_sets_the_view_and_later_ones_follow_the_ema():
     assert view.heat_LE.tolist() == [[6.0, 0.0, 1.0, 1.0]]
 
 
+def test_the_drift_is_how_far_the_steps_expert_mix_moved_from_the_heat():
+    view = LoadView(1, E, 2, ema_alpha=0.5)
+    view.update(tally([4, 0, 0, 0]))
+    assert view.metrics()["heat_drift"] == [0.0]                  # nothing to move from yet
+    view.update(tally([8, 0, 0, 0]))
+    assert view.metrics()["heat_drift"] == [0.0]                  # twice the tokens, the same mix
+    view.update(tally([0, 0, 0, 4]))
+    assert view.metrics()["heat_drift"] == [1.0]                  # the hot expert moved: disjoint mixes
+    view.update(tally([2, 0, 0, 2]))                              # heat [3, 0, 0, 2]: mix [.6, 0, 0, .4]
+    assert view.metrics()["heat_drift"] == [pytest.approx(0.1)]   # against [.5, 0, 0, .5]
+    restored = LoadView(1, E, 2, ema_alpha=0.5)
+    restored.load_state_dict(view.state_dict())
+    assert restored.metrics()["heat_drift"] == view.metrics()["heat_drift"]
+
+
 def test_device_pressure_counts_kept_routes_and_heat_counts_demand():
     view = LoadView(1, E, 2)
     view.update(tally([10, 0, 2, 2], kept=[6, 0, 2, 2]))

@@ -38,6 +38,7 @@ PER_LAYER: dict[str, str] = {
     "aux_loss": "aux loss per layer (unweighted l_aux)",
     "bias_spread": "selection bias per layer (max - min over experts)",
     "ema_device_max_over_mean": "device max/mean per layer (EMA view)",
+    "heat_drift": "expert mix moved from the EMA heat per layer (total variation: 0 same, 1 disjoint)",
 }
 
 # Scalars: key -> plot title.

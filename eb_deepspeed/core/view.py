@@ -89,6 +89,7 @@ class LoadView:
         self.expert_to_device_LE = self._checked_map(expert_to_device_E)
         self.ema_alpha, self.window, self.warmup_batches = float(ema_alpha), int(window), int(warmup_batches)
         self.heat_LE = torch.zeros(self.L, self.E, dtype=torch.float64)
+        self.drift_L = torch.zeros(self.L, dtype=torch.float64)   # the last step's expert mix against the heat
         self.pressure_LG = torch.zeros(self.L, self.G, dtype=torch.float64)
         self.updates_L = torch.zeros(self.L, dtype=torch.long)
         self.steps = 0
@@ -204,6 +205,7 @@ class LoadView:
         a = self.ema_alpha
         first_L1 = (self.updates_L == 0).unsqueeze(1)
         valid_L1 = valid_L.unsqueeze(1)
+        self.drift_L = torch.where(valid_L & ~first_L1[:, 0], _mix_distance(tally.routed_LE, self.heat_LE), 0.0)
         heat_new = torch.where(first_L1, tally.routed_LE, a * tally.routed_LE + (1 - a) * self.heat_LE)
         pressure_new = torch.where(first_L1, load_LG, a * load_LG + (1 - a) * self.pressure_LG)
         self.heat_LE = torch.where(valid_L1, heat_new, self.heat_LE)
@@ -249,6 +251,7 @@ class LoadView:
                                   if bool(good_L.any()) else None)
         out["layer_token_drop_rate"] = torch.where(routed_L > 0, dropped_L / routed_L.clamp_min(1), 0.0)[good_L].tolist()
         out["aux_loss"] = last.mean_aux_L()[good_L].tolist()
+        out["heat_drift"] = self.drift_L[good_L].tolist()
         bad = bad_L.nonzero().flatten().tolist()
         if bad:                                 # per-layer lists get None where a layer was left out
             for key in [k for k in PER_LAYER if k in out]:
@@ -271,7 +274,7 @@ class LoadView:
                "steps": self.steps, "experts_L": self.experts_L.clone(), "devices_L": self.devices_L.clone(),
                "expert_to_device_LE": self.expert_to_device_LE.clone(),
                "last_tally": self.last.pack(), "last_devices": 0 if self.last.device_LG is None else self.G,
-               "last_load_LG": self.last_load_LG.clone()}
+               "last_load_LG": self.last_load_LG.clone(), "drift_L": self.drift_L.clone()}
         if self.uniform and bool((self.expert_to_device_LE == self.expert_to_device_LE[0]).all()):
             out["expert_to_device_E"] = self.expert_to_device_LE[0].clone()   # what readers before PR-MoE take
         return out
@@ -314,6 +317,8 @@ class LoadView:
         width = TallyLayout(self.E, devices).width
         shapes = {"heat_LE": (self.L, self.E), "pressure_LG": (self.L, G), "updates_L": (self.L, ),
                   "last_tally": (self.L, width), "last_load_LG": (self.L, G)}
+        if "drift_L" in state:          # saved since the drift figure (a total variation: 0 to 1)
+            shapes["drift_L"] = (self.L, )
         if "experts_L" in state:
             shapes.update(experts_L=(self.L, ), devices_L=(self.L, ), expert_to_device_LE=(self.L, self.E))
         elif self.uniform:
@@ -322,6 +327,7 @@ class LoadView:
             return "the checkpointed load view has no per-layer shapes (saved before them); this model's layers differ"
         # counts and loads are never negative; every field of the last tally is a count or a non-negative loss
         ranges = {key: (0.0, math.inf) for key in ("heat_LE", "pressure_LG", "updates_L", "last_tally", "last_load_LG")}
+        ranges["drift_L"] = (0.0, 1.0)
         problem = why_tensors_unfit(state, "load view", shapes, ranges)
         if problem is None and "experts_L" in state and not torch.equal(state["experts_L"].to(torch.long),
                                                                         self.experts_L):
@@ -341,6 +347,7 @@ class LoadView:
         self.heat_LE = state["heat_LE"].to(torch.float64).clone()
         self.updates_L = state["updates_L"].to(torch.long).clone()
         self.steps = int(state["steps"])
+        self.drift_L = state["drift_L"].to(torch.float64).clone() if "drift_L" in state else torch.zeros(self.L, dtype=torch.float64)
         if change is not None:
             self.pressure_LG = self.expert_to_device_load(self.heat_LE)
             self.last = Tally.zeros(self.L, self.E)
@@ -350,3 +357,12 @@ class LoadView:
         self.last = Tally.unpack(state["last_tally"].to(torch.float64).clone(), self.E, int(state["last_devices"]))
         self.last_load_LG = state["last_load_LG"].to(torch.float64).clone()
         return None
+
+
+def _mix_distance(a_LE: torch.Tensor, b_LE: torch.Tensor) -> torch.Tensor:
+    """[L] total variation between each layer's expert mix in a and in b: 0 the same shares, 1 disjoint experts
+    (how far the hot set moved; a row without routes counts as no move)."""
+    p = a_LE / a_LE.sum(1, keepdim=True).clamp_min(1e-300)
+    q = b_LE / b_LE.sum(1, keepdim=True).clamp_min(1e-300)
+    both_L = (a_LE.sum(1) > 0) & (b_LE.sum(1) > 0)
+    return torch.where(both_L, 0.5 * (p - q).abs().sum(1), 0.0).clamp(0.0, 1.0)
