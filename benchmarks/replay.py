@@ -1,6 +1,6 @@
 """Serving on real, shifting traffic: real per-token routing replayed batch by batch through placement rules.
 
-    python -m benchmarks replay [--traces DIR] [--devices G] [--slots S] [--batch B] [--json]
+    python -m benchmarks.replay [--traces DIR] [--devices G] [--slots S] [--batch B] [--sweep] [--json]
 
 A trace is per-token routing of a real model (`{"dataset", "problem_id", "layer", "token_idx", "experts"}` one
 JSON a line, gzipped or not: ../shared/data/real_routing holds Mixtral-8x7B-Instruct decode on GSM8K and
@@ -201,6 +201,13 @@ def default_rules(G: int, S: int, E: int, L: int) -> dict:
             "eb_fast": _eb_rule(G, S, E, L, 1, 8, inf.replan_threshold, d.ema_alpha)}
 
 
+def sweep_rules(G: int, S: int, E: int, L: int) -> dict:
+    """The engine's rule over view_interval {1, 4, 8} x replan_interval {8, 24, 50} x replan_threshold {1.2, 1.5}
+    x ema_alpha {0.3, 0.6}: which settings follow this traffic best, at what moves."""
+    return {f"vi{vi}_ri{ri}_th{th}_a{a}": _eb_rule(G, S, E, L, vi, ri, th, a)
+            for vi in (1, 4, 8) for ri in (8, 24, 50) for th in (1.2, 1.5) for a in (0.3, 0.6)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", default=TRACES, help="a directory of per-token routing traces (*.jsonl[.gz])")
@@ -209,6 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32, help="tokens per batch (decode: concurrent sequences)")
     p.add_argument("--phase-batches", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", action="store_true", help="the engine's rule over its settings (sweep_rules), ~9 min")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     traces = load_traces(args.traces)
@@ -219,8 +227,10 @@ def main(argv=None) -> int:
     counts, batch_names = make_stream(traces, phases, args.batch, E, args.seed)
     result = {"traces": {n: list(t.shape) for n, t in traces.items()}, "devices": args.devices, "slots": args.slots,
               "batch": args.batch, "phases": phases, "expert_bytes": EXPERT_BYTES, "bandwidth": BANDWIDTH,
-              "rules": replay(counts, batch_names, args.devices, args.slots, default_rules(args.devices, args.slots, E, L)),
-              "held_out": held_out(traces, args.devices, args.slots)}
+              "rules": replay(counts, batch_names, args.devices, args.slots,
+                              (sweep_rules if args.sweep else default_rules)(args.devices, args.slots, E, L))}
+    if not args.sweep:
+        result["held_out"] = held_out(traces, args.devices, args.slots)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -232,6 +242,8 @@ def main(argv=None) -> int:
             per = "; ".join(f"{k} {u:.3f}/{s:.3f}" for k, (u, s) in r["phases"].items())
             print(f"| {name} | {r['uniform']:.4f} | {r['steered']:.4f} | {per} | {r['replans']} | {r['weight_copies']} "
                   f"| {r['bytes_moved'] / 1e9:.1f} | {r['stall_s']} |")
+        if args.sweep:
+            return 0
         print("\nplanned on the other workloads (held out) / on the workload itself, judged on it: aggregate (worst layer)")
         print("| workload | where | ours uniform | EPLB uniform | ours steered | EPLB steered |")
         print("|---|---|---|---|---|---|")
