@@ -117,13 +117,14 @@ def _eplb_rule(interval: int, window: int, G: int, S: int):
 
 
 def _eb_rule(G: int, S: int, E: int, L: int, view_interval: int, replan_interval: int, threshold: float,
-             alpha: float):
+             alpha: float, shrink: float = 0.0):
     model = DISPATCH[(False, "view")]       # a dropless layer, the view's split (AutoEP serving)
     home = index_maps(_static_phy(L, E, G, S), E, G, S)
     state = {"heat": None, "current": home, "last": -10 ** 9}
 
-    def plan(heat_LE):
-        return plan_placement(heat_LE, G, S, dispatch=model.planner, previous=state["current"])
+    def plan(heat_LE):       # shrink: plan on (1 - shrink) x heat + shrink x each layer's mean (a hedge)
+        hedged = (1 - shrink) * heat_LE + shrink * heat_LE.mean(1, keepdim=True)
+        return plan_placement(hedged, G, S, dispatch=model.planner, previous=state["current"])
 
     def rule(b: int, seen_NLE: torch.Tensor, phy_LP: torch.Tensor) -> torch.Tensor:
         if b == 0 or b % view_interval:
