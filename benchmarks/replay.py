@@ -40,7 +40,7 @@ from eb_deepspeed.planning.placement import index_maps, plan_placement
 from .eplb_port import rebalance_global
 from .exact import balancedness_of, steered_max, uniform_loads
 
-__all__ = ["load_traces", "make_stream", "replay", "held_out", "main"]
+__all__ = ["load_traces", "load_counts", "esft_counts", "make_stream", "replay", "held_out", "main"]
 
 TRACES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "real_routing")
 EXPERT_BYTES = 3 * 4096 * 14336 * 2      # one Mixtral-8x7B expert (w1, w2, w3) in bf16: 352 MB
@@ -48,8 +48,8 @@ BANDWIDTH = 50e9                          # bytes/s a device receives a moved ex
 
 
 def load_traces(directory: str) -> dict[str, torch.Tensor]:
-    """{workload: routes [N tokens, L, K] long} from every *.jsonl(.gz) file of `directory` (workload: the
-    file's `dataset`), tokens keyed by (problem_id, token_idx)."""
+    """{workload: counts [N tokens, L, E]} (each token's routes) from every *.jsonl(.gz) file of `directory`
+    (workload: the file's `dataset`), tokens keyed by (problem_id, token_idx)."""
     out = {}
     for name in sorted(os.listdir(directory)):
         if not name.endswith((".jsonl", ".jsonl.gz")):
@@ -63,29 +63,53 @@ def load_traces(directory: str) -> dict[str, torch.Tensor]:
                 dataset = r.get("dataset", name.split(".")[0])
                 rows[(r["problem_id"], r["token_idx"])][int(r["layer"])] = [int(e) for e in r["experts"]]
         L = 1 + max(layer for token in rows.values() for layer in token)
-        tokens = [t for t in rows.values() if len(t) == L]
-        out[dataset] = torch.tensor([[t[layer] for layer in range(L)] for t in tokens])
+        routes = torch.tensor([[t[layer] for layer in range(L)] for t in rows.values() if len(t) == L])  # [N, L, K]
+        E = 1 + int(routes.max())
+        out[dataset] = torch.zeros(*routes.shape[:2], E).scatter_add_(2, routes, torch.ones(routes.shape))
+    if out:         # every workload over the same experts
+        E = max(c.shape[2] for c in out.values())
+        out = {k: torch.nn.functional.pad(c, (0, E - c.shape[2])) for k, c in out.items()}
     return out
 
 
-def make_stream(traces: dict[str, torch.Tensor], phases: list[tuple[str, int]], batch: int, num_experts: int,
+def load_counts(path: str) -> dict[str, torch.Tensor]:
+    """{workload: counts [N samples, L, E]} from an .npz of such arrays (benchmarks/data: one forward each)."""
+    with np.load(path) as f:
+        return {name: torch.from_numpy(f[name].astype(np.float32)) for name in f.files}
+
+
+def esft_counts(git_dir: str, tasks=("intent", "law", "summary", "translation"), layers: int = 26,
+                experts: int = 64) -> dict[str, np.ndarray]:
+    """benchmarks/data/esft_dsv2lite_counts.npz from a snapshot of deepseek-ai/ESFT (`git_dir`, its bare git):
+    each line of results/expert_scores/<task>/expert_weights_<l>.txt is one sample's routed expert ids (tab
+    separated, then its gate weights after a double tab): bincount per line and layer -> [N, L, E]."""
+    import subprocess
+    out = {}
+    for task in tasks:
+        per_layer = []
+        for layer in range(1, layers + 1):
+            text = subprocess.run(["git", f"--git-dir={git_dir}", "show",
+                                   f"HEAD:results/expert_scores/{task}/expert_weights_{layer}.txt"],
+                                  capture_output=True, text=True, check=True).stdout
+            per_layer.append(np.stack([np.bincount(np.array(line.split("\t\t")[0].split("\t"), dtype=np.int64),
+                                                   minlength=experts) for line in text.splitlines() if line]))
+        out[task] = np.stack(per_layer, 1).astype(np.int32)
+    return out
+
+
+def make_stream(pools: dict[str, torch.Tensor], phases: list[tuple[str, int]], batch: int,
                 seed: int = 0) -> tuple[torch.Tensor, list[str]]:
-    """counts [N batches, L, E] and each batch's phase name: `phases` of (workload or "mix", batches)."""
+    """counts [N batches, L, E] and each batch's phase name: `phases` of (workload or "mix", batches), each
+    batch the sum of `batch` rows (tokens or samples) drawn with replacement from the workload's pool."""
     g = torch.Generator().manual_seed(seed)
-    everything = torch.cat(list(traces.values()))
+    everything = torch.cat(list(pools.values()))
     batches, names = [], []
     for workload, n in phases:
-        pool = everything if workload == "mix" else traces[workload]
+        pool = everything if workload == "mix" else pools[workload]
         for _ in range(n):
-            routes = pool[torch.randint(0, len(pool), (batch, ), generator=g)]            # [B, L, K]
-            L = routes.shape[1]
-            counts = torch.zeros(L, num_experts)
-            counts.scatter_add_(1, routes.transpose(0, 1).reshape(L, -1), torch.ones(L, routes[:, 0].numel()))
-            batches.append(counts)
+            batches.append(pool[torch.randint(0, len(pool), (batch, ), generator=g)].sum(0))
             names.append(workload)
     return torch.stack(batches), names
-
-
 def _static_phy(L: int, E: int, G: int, S: int) -> torch.Tensor:
     """Expert e in slot (e // H) * S + e % H (H = E / G home slots per device), other slots empty."""
     H = E // G
@@ -141,7 +165,8 @@ def _eb_rule(G: int, S: int, E: int, L: int, view_interval: int, replan_interval
     return rule
 
 
-def replay(counts_NLE: torch.Tensor, names: list[str], G: int, S: int, rules: dict) -> dict:
+def replay(counts_NLE: torch.Tensor, names: list[str], G: int, S: int, rules: dict,
+           expert_bytes: int = EXPERT_BYTES) -> dict:
     """Every rule over the same batches: mean balancedness (all, per phase), weight copies, bytes, stall."""
     N, L, E = counts_NLE.shape
     out = {}
@@ -161,8 +186,8 @@ def replay(counts_NLE: torch.Tensor, names: list[str], G: int, S: int, rules: di
             phases[name] = [round(float(rows[:, 0].mean()), 4), round(float(rows[:, 1].mean()), 4)]
         out[rule_name] = {"uniform": round(float(arr[:, 0].mean()), 4), "steered": round(float(arr[:, 1].mean()), 4),
                           "phases": phases, "replans": replans, "weight_copies": moves,
-                          "bytes_moved": moves * EXPERT_BYTES,
-                          "stall_s": round(moves * EXPERT_BYTES / (G * BANDWIDTH), 3)}
+                          "bytes_moved": moves * expert_bytes,
+                          "stall_s": round(moves * expert_bytes / (G * BANDWIDTH), 3)}
     return out
 
 
@@ -170,14 +195,7 @@ def held_out(traces: dict[str, torch.Tensor], G: int, S: int) -> dict:
     """Plan on the other workloads' tokens (their summed loads), judge on this one's: ours (dispatch "uniform"
     and "steered", each judged under its own dispatch model) against EPLB's global policy (judged under both),
     and in sample (planned on the workload itself). {workload: {planner: {dispatch: [aggregate, worst layer]}}}."""
-    E = 1 + max(int(t.max()) for t in traces.values())
-
-    def load(routes):       # [L, E] routed tokens of a workload
-        L = routes.shape[1]
-        return torch.zeros(L, E, dtype=torch.float64).scatter_add_(
-            1, routes.transpose(0, 1).reshape(L, -1), torch.ones(L, routes[:, 0].numel(), dtype=torch.float64))
-
-    loads = {name: load(routes) for name, routes in traces.items()}
+    loads = {name: rows.sum(0).double() for name, rows in traces.items()}
     out = {}
     for name, judged in loads.items():
         row = {}
@@ -212,24 +230,29 @@ def sweep_rules(G: int, S: int, E: int, L: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", default=TRACES, help="a directory of per-token routing traces (*.jsonl[.gz])")
+    p.add_argument("--counts", default=None, help="instead: an .npz of per-sample counts [N, L, E] per workload "
+                                                  "(benchmarks/data/esft_dsv2lite_counts.npz)")
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--slots", type=int, default=3, help="slots per device (E / G home + replicas)")
-    p.add_argument("--batch", type=int, default=32, help="tokens per batch (decode: concurrent sequences)")
+    p.add_argument("--batch", type=int, default=32, help="rows per batch: tokens of a trace (decode: concurrent "
+                                                           "sequences) or samples of --counts")
     p.add_argument("--phase-batches", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--expert-bytes", type=int, default=EXPERT_BYTES,
+                   help="bytes of one expert's weights (default Mixtral-8x7B's in bf16; DeepSeek-V2-Lite: 17301504)")
     p.add_argument("--sweep", action="store_true", help="the engine's rule over its settings (sweep_rules), ~9 min")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    traces = load_traces(args.traces)
-    E = 1 + max(int(t.max()) for t in traces.values())
-    L = next(iter(traces.values())).shape[1]
+    traces = load_counts(args.counts) if args.counts else load_traces(args.traces)
+    L, E = next(iter(traces.values())).shape[1:]
     names = list(traces)
     phases = [(n, args.phase_batches) for n in names] + [(names[0], args.phase_batches), ("mix", args.phase_batches)]
-    counts, batch_names = make_stream(traces, phases, args.batch, E, args.seed)
+    counts, batch_names = make_stream(traces, phases, args.batch, args.seed)
     result = {"traces": {n: list(t.shape) for n, t in traces.items()}, "devices": args.devices, "slots": args.slots,
-              "batch": args.batch, "phases": phases, "expert_bytes": EXPERT_BYTES, "bandwidth": BANDWIDTH,
+              "batch": args.batch, "phases": phases, "expert_bytes": args.expert_bytes, "bandwidth": BANDWIDTH,
               "rules": replay(counts, batch_names, args.devices, args.slots,
-                              (sweep_rules if args.sweep else default_rules)(args.devices, args.slots, E, L))}
+                              (sweep_rules if args.sweep else default_rules)(args.devices, args.slots, E, L),
+                              args.expert_bytes)}
     if not args.sweep:
         result["held_out"] = held_out(traces, args.devices, args.slots)
     if args.json:

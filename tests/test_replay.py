@@ -26,8 +26,8 @@ def test_a_shifting_hot_expert_is_followed_by_re_plans_and_the_static_layout_nev
     write_trace(tmp_path / "a.jsonl.gz", "a", hot=0)
     write_trace(tmp_path / "b.jsonl.gz", "b", hot=5, seed=1)
     traces = load_traces(str(tmp_path))
-    assert set(traces) == {"a", "b"} and traces["a"].shape == (40, 2, 2)
-    counts, names = make_stream(traces, [("a", 24), ("b", 24)], batch=16, num_experts=8)
+    assert set(traces) == {"a", "b"} and traces["a"].shape == (40, 2, 8) and torch.all(traces["a"].sum(2) == 2)
+    counts, names = make_stream(traces, [("a", 24), ("b", 24)], batch=16)
     assert counts.shape == (48, 2, 8) and torch.all(counts.sum(2) == 32) and names[:24] == ["a"] * 24
     result = replay(counts, names, G=4, S=3, rules=default_rules(4, 3, 8, 2))
     static = result["static"]
@@ -51,3 +51,28 @@ def test_held_out_plans_on_the_other_workloads_and_in_sample_on_the_workload_its
                 assert 0 < worst <= aggregate <= 1 + 1e-9
                 # the other workload's hot expert is not this one's: planned on itself it balances better
                 assert row["in_sample"][who][dispatch][0] > aggregate, (workload, who, dispatch)
+
+
+def test_esft_logs_become_per_sample_counts_and_load_back_from_the_npz(tmp_path):
+    import subprocess
+    import numpy as np
+    from benchmarks.replay import esft_counts, load_counts
+    repo = tmp_path / "esft"
+    folder = repo / "results" / "expert_scores" / "law"
+    folder.mkdir(parents=True)
+    lines = {1: ["0\t1\t1\t3\t\t0.4\t0.3\t0.2\t0.1", "2\t2\t\t0.5\t0.5"], 2: ["7\t7\t7\t0\t\t0.25\t0.25\t0.25\t0.25", "5\t6\t\t0.6\t0.4"]}
+    for layer, rows in lines.items():
+        (folder / f"expert_weights_{layer}.txt").write_text("\n".join(rows) + "\n")
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "-C", str(repo), "add", "."], check=True)
+    subprocess.run([*git, "-C", str(repo), "commit", "-qm", "logs"], check=True)
+    counts = esft_counts(str(repo / ".git"), tasks=("law", ), layers=2, experts=8)["law"]
+    assert counts.shape == (2, 2, 8)                      # 2 samples x 2 layers x 8 experts
+    assert counts[0, 0].tolist() == [1, 2, 0, 1, 0, 0, 0, 0] and counts[1, 1].tolist() == [0, 0, 0, 0, 0, 1, 1, 0]
+    np.savez_compressed(tmp_path / "c.npz", law=counts)
+    loaded = load_counts(str(tmp_path / "c.npz"))
+    assert torch.equal(loaded["law"], torch.from_numpy(counts).float())
+    stream, names = make_stream(loaded, [("law", 3)], batch=2)
+    assert stream.shape == (3, 2, 8) and names == ["law"] * 3
+    assert torch.all(stream.sum(2) % 2 == 0)              # sums of whole samples (2 or 4 routes each)
