@@ -43,6 +43,8 @@ import time
 
 import torch
 
+from eb_deepspeed.core.config import EasyBalanceConfig
+
 __all__ = ["bench_infer_autoep", "format_autoep_infer_table"]
 
 # (row, the easybalance.inference options of its block; None: plain AutoEP)
@@ -58,7 +60,7 @@ SIMULATED = {"static": ("static", None), "view": ("placement_view", None),
              "exact_aggregated": ("placement_steering_cross", (0.6, 0.0, 0.4)),
              "exact": ("placement_steering_cross", None)}
 TARGETS = {"moe_speedup_4_ranks": 1.3, "overhead_ratio": 0.03, "max_abs_diff": 1e-5}
-REPLAN_INTERVAL = 50        # the default: re-planning time is amortised over it
+REPLAN_INTERVAL = EasyBalanceConfig().inference.replan_interval   # the default: re-planning is amortised over it
 
 
 def _skew_hooks(module, experts: int, zipf_s: float, spread: float) -> None:

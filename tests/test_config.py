@@ -181,7 +181,7 @@ VALID = {"enabled": True, "mode": "balance", "ema_alpha": 0.3, "window": "auto",
          "aux": {"policy": "bias", "weight_range": [0.5, 2.0], "gain": 0.02, "bias_rate": 0.001, "device_weight": 0.5,
                  "loss_coeff": 0.01, "batch_scope": "micro"},
          "inference": {"replica_slots": 1, "split": "view", "topology": "pcie", "decision_batch": 8,
-                       "replan_threshold": 1.5, "replan_interval": 50, "view_interval": 8, "trial_batches": 8}}
+                       "replan_threshold": 1.5, "replan_interval": 24, "view_interval": 4, "trial_batches": 8}}
 EDGES = st.sampled_from([10 ** 400, -10 ** 400, 2 ** 63, 2 ** 31, -1, 0, float("nan"), float("inf"), "", "\x00", [], {}])
 JSONISH = st.recursive(
     EDGES | st.none() | st.booleans() | st.integers(min_value=-10**400, max_value=10**400)

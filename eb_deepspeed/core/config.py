@@ -93,8 +93,8 @@ class InferenceConfig:
     topology: str = "pcie"          # sets the steering cost weights (`weights`) and the hop cost
     decision_batch: int = 8         # tokens per steering decision (the EasyBalance article, §4.1)
     replan_threshold: float = 1.5   # consider a re-plan when a layer's expected slot max/mean passes this
-    replan_interval: int = 50       # batches between two re-plans, at least
-    view_interval: int = 8          # batches between two view updates (one all-reduce each)
+    replan_interval: int = 24       # batches between two re-plans, at least (measured: docs/benchmarks.md, replay)
+    view_interval: int = 4          # batches between two view updates (one all-reduce each)
     trial_batches: int = 8          # batches of a layout trial (replicas vs DeepSpeed's cost, in turns); 0 = none
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
 
