@@ -227,6 +227,21 @@ def sweep_rules(G: int, S: int, E: int, L: int) -> dict:
             for vi in (1, 4, 8) for ri in (8, 24, 50) for th in (1.2, 1.5) for a in (0.3, 0.6)}
 
 
+def targets(result: dict) -> dict:
+    """Issue 40's targets on this replay: ours at the defaults >= EPLB on vLLM's interval + 0.05 (even split) at
+    no more bytes moved; held out, ours >= EPLB (aggregate, even split and steered) on every workload."""
+    out = {}
+    ours, eplb = result["rules"].get("eb_default"), result["rules"].get("eplb_60_20")
+    if ours and eplb:
+        out["eb_default_ge_eplb_60_20_plus_0.05_at_no_more_bytes"] = bool(
+            ours["uniform"] >= eplb["uniform"] + 0.05 and ours["bytes_moved"] <= eplb["bytes_moved"])
+    if "held_out" in result:
+        out["held_out_ge_eplb_every_workload"] = all(
+            row["held_out"]["ours"][d][0] >= row["held_out"]["eplb"][d][0] - 1e-9
+            for row in result["held_out"].values() for d in ("uniform", "steered"))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", default=TRACES, help="a directory of per-token routing traces (*.jsonl[.gz])")
@@ -255,6 +270,7 @@ def main(argv=None) -> int:
                               args.expert_bytes)}
     if not args.sweep:
         result["held_out"] = held_out(traces, args.devices, args.slots)
+    result["targets"] = targets(result)
     if args.json:
         print(json.dumps(result, indent=1))
     else:

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.replay import default_rules, held_out, load_traces, make_stream, replay
+from benchmarks.replay import default_rules, held_out, load_traces, make_stream, replay, targets
 
 pytestmark = pytest.mark.unit
 
@@ -38,6 +38,10 @@ def test_a_shifting_hot_expert_is_followed_by_re_plans_and_the_static_layout_nev
     fast = result["eb_fast"]
     assert fast["replans"] >= 2                           # the hot expert moved: so did the replicas
     assert fast["phases"]["b"][0] > static["phases"]["b"][0] and fast["uniform"] > static["uniform"]
+    judged = targets({"rules": result})
+    ours, eplb = result["eb_default"], result["eplb_60_20"]
+    assert judged == {"eb_default_ge_eplb_60_20_plus_0.05_at_no_more_bytes":
+                      ours["uniform"] >= eplb["uniform"] + 0.05 and ours["bytes_moved"] <= eplb["bytes_moved"]}
 
 
 def test_held_out_plans_on_the_other_workloads_and_in_sample_on_the_workload_itself(tmp_path):
