@@ -38,7 +38,8 @@ from eb_deepspeed.core.config import EasyBalanceConfig
 from eb_deepspeed.planning.placement import index_maps, plan_placement
 
 from .eplb_port import rebalance_global
-from .exact import balancedness_of, steered_max, uniform_loads
+from .exact import steered_max, uniform_loads
+from .plan_vs_eplb import _judge
 
 __all__ = ["load_traces", "load_counts", "esft_counts", "make_stream", "replay", "held_out", "main"]
 
@@ -200,13 +201,9 @@ def held_out(traces: dict[str, torch.Tensor], G: int, S: int) -> dict:
     for name, judged in loads.items():
         row = {}
         for where, planned in (("held_out", sum(v for k, v in loads.items() if k != name)), ("in_sample", judged)):
-            ours = {d: plan_placement(planned, G, S, dispatch=d).phy2log for d in ("uniform", "steered")}
-            eplb = rebalance_global(planned, G * S, G)[0]
-            row[where] = {
-                "ours": {"uniform": balancedness_of(uniform_loads(ours["uniform"], judged, S).max(1), judged, G),
-                         "steered": balancedness_of(steered_max(ours["steered"], judged, S), judged, G)},
-                "eplb": {"uniform": balancedness_of(uniform_loads(eplb, judged, S).max(1), judged, G),
-                         "steered": balancedness_of(steered_max(eplb, judged, S), judged, G)}}
+            ours = {d: _judge(plan_placement(planned, G, S, dispatch=d).phy2log, judged, G, S)[d]
+                    for d in ("uniform", "steered")}
+            row[where] = {"ours": ours, "eplb": _judge(rebalance_global(planned, G * S, G)[0], judged, G, S)}
         out[name] = row
     return out
 
