@@ -43,6 +43,22 @@ def test_the_drift_is_how_far_the_steps_expert_mix_moved_from_the_heat():
     assert restored.metrics()["heat_drift"] == view.metrics()["heat_drift"]
 
 
+def test_the_swing_is_the_exponentially_weighted_deviation_of_each_experts_count_around_its_heat():
+    view = LoadView(1, E, 2, ema_alpha=0.5)
+    view.update(tally([4, 0, 1, 1]))
+    assert view.swing_LE.tolist() == [[0.0] * 4]                   # one step: nothing swung yet
+    view.update(tally([8, 0, 1, 1]))                               # expert 0: 4 off its heat
+    assert view.swing_LE.tolist() == [[2.0, 0.0, 0.0, 0.0]]        # sqrt(0.5 * 0.5 * 4^2)
+    view.update(tally([6, 0, 1, 1]))                               # on its heat (6): the swing decays
+    assert view.swing_LE[0, 0].item() == pytest.approx(2 ** 0.5)
+    restored = LoadView(1, E, 2, ema_alpha=0.5)
+    restored.load_state_dict(view.state_dict())
+    assert torch.equal(restored.swing_LE, view.swing_LE)
+    older = {k: v for k, v in view.state_dict().items() if k != "var_LE"}   # saved before the swing
+    restored.load_state_dict(older)
+    assert torch.equal(restored.swing_LE, torch.zeros(1, E)) and torch.equal(restored.heat_LE, view.heat_LE)
+
+
 def test_device_pressure_counts_kept_routes_and_heat_counts_demand():
     view = LoadView(1, E, 2)
     view.update(tally([10, 0, 2, 2], kept=[6, 0, 2, 2]))

@@ -193,10 +193,29 @@ def test_replanning_from_previous_moves_few_weights_for_the_same_balance():
     (dict(load_LE=torch.ones(4), num_devices=2, slots_per_device=2), r"load_LE must be \[layers, experts\]"),
     (dict(load_LE=torch.ones(1, 4), num_devices=2, slots_per_device=2, refine_rounds=-1),
      r"refine_rounds \(-1\) must be >= 0 or None, refine_iters \(2\) and refine_work \(16384\) >= 1"),
+    (dict(load_LE=torch.ones(1, 4), num_devices=2, slots_per_device=2, swing_LE=torch.ones(2, 4)),
+     r"swing_LE must have load_LE's shape \(1, 4\), got \(2, 4\)"),
+    (dict(load_LE=torch.ones(1, 4), num_devices=2, slots_per_device=2, swing_LE=torch.full((1, 4), float("nan"))),
+     "swing_LE must be finite and non-negative"),
 ])
 def test_bad_inputs_are_refused_with_the_numbers(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_placement(**kwargs)
+
+
+@pytest.mark.parametrize("dispatch", ["uniform", "padded"])
+def test_under_an_even_split_replicas_go_to_the_expert_that_swings_and_the_mean_stays_balanced(dispatch):
+    load = torch.tensor([[10.0, 6.0, 1.0, 1.0]])
+    plain = plan_placement(load, 2, 3, dispatch=dispatch)
+    assert plain.logcnt.tolist() == [[2, 2, 1, 1]]                  # the two largest shares
+    swing = torch.tensor([[0.0, 0.0, 5.0, 0.0]])                     # expert 2: cold on average, it swings
+    hedged = plan_placement(load, 2, 3, dispatch=dispatch, swing_LE=swing)
+    assert hedged.logcnt.tolist() == [[2, 1, 2, 1]]                 # by load + HEDGE x swing: 10, 6, 11, 1
+    # the mean load laid out as evenly as those counts allow: both devices hold a copy of 0 and of 2, the third
+    # slots take 6 and 1 (the price in sample of hedging a cold expert: 11.5 against 9 for the plain plan)
+    assert sorted(hedged.device_load_LG[0].tolist()) == [6.5, 11.5]
+    assert torch.equal(plan_placement(load, 2, 3, dispatch="steered", swing_LE=swing).phy2log,
+                       plan_placement(load, 2, 3, dispatch="steered").phy2log)   # steering splits as batches come
 
 
 def test_padded_dispatch_cost_prefers_replicas_only_where_they_cut_the_largest_slot_enough():

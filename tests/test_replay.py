@@ -47,14 +47,21 @@ def test_a_shifting_hot_expert_is_followed_by_re_plans_and_the_static_layout_nev
 def test_held_out_plans_on_the_other_workloads_and_in_sample_on_the_workload_itself(tmp_path):
     write_trace(tmp_path / "a.jsonl.gz", "a", hot=0)
     write_trace(tmp_path / "b.jsonl.gz", "b", hot=5, seed=1)
-    result = held_out(load_traces(str(tmp_path)), G=4, S=3)
-    for workload, row in result.items():
+    result = held_out(load_traces(str(tmp_path)), G=4, S=3, batch=8, draws=4)
+    for workload, row in result["leave_one_out"].items():
         for who in ("ours", "eplb"):
             for dispatch in ("uniform", "steered"):
                 aggregate, worst = row["held_out"][who][dispatch]
                 assert 0 < worst <= aggregate <= 1 + 1e-9
                 # the other workload's hot expert is not this one's: planned on itself it balances better
                 assert row["in_sample"][who][dispatch][0] > aggregate, (workload, who, dispatch)
+    shifts = result["shifts"]
+    for d in ("uniform", "steered"):
+        mean, se = shifts["ours_minus_eplb"][d]
+        assert abs(mean - (shifts["ours"][d][0] - shifts["eplb"][d][0])) < 2e-4 and se >= 0
+    judged = targets({"rules": {}, "held_out": result})
+    assert set(judged) >= {"held_out_uniform_ge_eplb_leave_one_out_mean", "held_out_steered_ge_eplb_shifts_mean"}
+    assert all(name.split()[0] in ("a", "b") for name in judged["held_out_workloads_where_eplb_wins"])
 
 
 def test_esft_logs_become_per_sample_counts_and_load_back_from_the_npz(tmp_path):

@@ -90,6 +90,7 @@ class LoadView:
         self.ema_alpha, self.window, self.warmup_batches = float(ema_alpha), int(window), int(warmup_batches)
         self.heat_LE = torch.zeros(self.L, self.E, dtype=torch.float64)
         self.drift_L = torch.zeros(self.L, dtype=torch.float64)   # the last step's expert mix against the heat
+        self.var_LE = torch.zeros(self.L, self.E, dtype=torch.float64)   # EMA of (step - heat)^2: see `swing_LE`
         self.pressure_LG = torch.zeros(self.L, self.G, dtype=torch.float64)
         self.updates_L = torch.zeros(self.L, dtype=torch.long)
         self.steps = 0
@@ -207,6 +208,9 @@ class LoadView:
         valid_L1 = valid_L.unsqueeze(1)
         self.drift_L = torch.where(valid_L & ~first_L1[:, 0], _mix_distance(tally.routed_LE, self.heat_LE), 0.0)
         heat_new = torch.where(first_L1, tally.routed_LE, a * tally.routed_LE + (1 - a) * self.heat_LE)
+        # the exponentially weighted variance that goes with the EMA (0 at a layer's first update)
+        var_new = torch.where(first_L1, 0.0, (1 - a) * (self.var_LE + a * (tally.routed_LE - self.heat_LE) ** 2))
+        self.var_LE = torch.where(valid_L1, var_new, self.var_LE)
         pressure_new = torch.where(first_L1, load_LG, a * load_LG + (1 - a) * self.pressure_LG)
         self.heat_LE = torch.where(valid_L1, heat_new, self.heat_LE)
         self.pressure_LG = torch.where(valid_L1, pressure_new, self.pressure_LG)
@@ -216,6 +220,13 @@ class LoadView:
         return valid_L
 
     # ------------------------------------------------------------------ reads
+    @property
+    def swing_LE(self) -> torch.Tensor:
+        """[L, E] how far each expert's routed count swings from step to step around its heat (the
+        exponentially weighted standard deviation, same units): batch noise and drift alike. The planner
+        gives replicas by heat + HEDGE x swing under an even split (`plan_placement`)."""
+        return self.var_LE.sqrt()
+
     @property
     def ready(self) -> bool:
         """True once every layer has had `warmup_batches` valid updates (the EasyBalance article, §4.3)."""
@@ -274,7 +285,8 @@ class LoadView:
                "steps": self.steps, "experts_L": self.experts_L.clone(), "devices_L": self.devices_L.clone(),
                "expert_to_device_LE": self.expert_to_device_LE.clone(),
                "last_tally": self.last.pack(), "last_devices": 0 if self.last.device_LG is None else self.G,
-               "last_load_LG": self.last_load_LG.clone(), "drift_L": self.drift_L.clone()}
+               "last_load_LG": self.last_load_LG.clone(), "drift_L": self.drift_L.clone(),
+               "var_LE": self.var_LE.clone()}
         if self.uniform and bool((self.expert_to_device_LE == self.expert_to_device_LE[0]).all()):
             out["expert_to_device_E"] = self.expert_to_device_LE[0].clone()   # what readers before PR-MoE take
         return out
@@ -319,6 +331,8 @@ class LoadView:
                   "last_tally": (self.L, width), "last_load_LG": (self.L, G)}
         if "drift_L" in state:          # saved since the drift figure (a total variation: 0 to 1)
             shapes["drift_L"] = (self.L, )
+        if "var_LE" in state:           # saved since the swing (a variance)
+            shapes["var_LE"] = (self.L, self.E)
         if "experts_L" in state:
             shapes.update(experts_L=(self.L, ), devices_L=(self.L, ), expert_to_device_LE=(self.L, self.E))
         elif self.uniform:
@@ -326,7 +340,8 @@ class LoadView:
         else:
             return "the checkpointed load view has no per-layer shapes (saved before them); this model's layers differ"
         # counts and loads are never negative; every field of the last tally is a count or a non-negative loss
-        ranges = {key: (0.0, math.inf) for key in ("heat_LE", "pressure_LG", "updates_L", "last_tally", "last_load_LG")}
+        ranges = {key: (0.0, math.inf) for key in ("heat_LE", "pressure_LG", "updates_L", "last_tally", "last_load_LG",
+                                                   "var_LE")}
         ranges["drift_L"] = (0.0, 1.0)
         problem = why_tensors_unfit(state, "load view", shapes, ranges)
         if problem is None and "experts_L" in state and not torch.equal(state["experts_L"].to(torch.long),
@@ -348,6 +363,7 @@ class LoadView:
         self.updates_L = state["updates_L"].to(torch.long).clone()
         self.steps = int(state["steps"])
         self.drift_L = state["drift_L"].to(torch.float64).clone() if "drift_L" in state else torch.zeros(self.L, dtype=torch.float64)
+        self.var_LE = state["var_LE"].to(torch.float64).clone() if "var_LE" in state else torch.zeros_like(self.heat_LE)
         if change is not None:
             self.pressure_LG = self.expert_to_device_load(self.heat_LE)
             self.last = Tally.zeros(self.L, self.E)

@@ -70,6 +70,9 @@ SPREAD_WEIGHT = 0.1
 # Below this many layer-slots (layers x devices x slots) the steered planner also searches from the greedy
 # start and weighs a no-spread plan; above it, time goes to the one search from the uniform plan.
 EXTRA_WORK = 1 << 14
+# Replica counts under an even split go by load + HEDGE x swing (`swing_LE`): held out on real routing (a plan
+# on a mixture of workloads, judged on another) 0.5 .. 2 raised balance steadily; 2 keeps in-sample balance.
+HEDGE = 2.0
 
 __all__ = ["Placement", "plan_placement", "static_placement", "expected_padded_cost", "expected_device_load"]
 
@@ -272,7 +275,7 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
                    previous: Placement | None = None, slot_budget: int | None = None,
                    stickiness: float = 0.1, refine_rounds: int | None = None, refine_iters: int = 2,
                    refine_work: int = 1 << 14, dispatch: str = "steered",
-                   node_spread: bool | None = None) -> Placement:
+                   node_spread: bool | None = None, swing_LE: torch.Tensor | None = None) -> Placement:
     """Plan replicas and their devices for every layer at once (see the module doc).
 
     load_LE: [L, E] expected tokens per layer and logical expert (e.g. the view's heat).
@@ -298,12 +301,22 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     that leave their node), weighed against the slowest device when each layer picks its candidate,
     so spread gives way where it costs more balance than that. None = SPREAD_WEIGHT (0.1) for
     "steered" (steering keeps tokens node-local), False for "uniform" (balance only).
+    swing_LE: [L, E] how far each expert's load swings from batch to batch (a standard deviation in
+    load_LE's units: the view's `swing_LE`), or None. With "uniform" or "padded", replica counts go by
+    load + HEDGE x swing (an expert whose load swings gets the replicas its swings need: what the
+    next batches, not the mean, put on a device) and the search keeps them, balancing the mean load
+    by swaps. Planned on one workload and serving another, this is what transfers (docs/benchmarks.md,
+    held out); "steered" splits each batch as it comes and ignores it.
     Raises TypeError / ValueError naming the argument on bad types, shapes or values (`_checked_inputs`);
     never returns a placement that leaves an expert out or puts two replicas of one expert on one device.
     """
     load_LE, G, S, previous = _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
                                               slot_budget, stickiness, refine_rounds, refine_iters, refine_work,
                                               dispatch, node_spread)
+    if swing_LE is not None:
+        swing_LE = real_tensor("swing_LE", swing_LE, "[layers, experts]")
+        if swing_LE.shape != load_LE.shape:
+            raise ValueError(f"swing_LE must have load_LE's shape {tuple(load_LE.shape)}, got {tuple(swing_LE.shape)}")
     if node_spread is None:
         node_spread = SPREAD_WEIGHT if dispatch == "steered" else False
     # The penalties of the search are absolute (a forbidden device costs 1e30): plan in units where the
@@ -311,7 +324,8 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     peak = float(load_LE.max())
     scale = 2.0 ** math.frexp(peak)[1] if peak > 0 and not 1e-6 <= peak <= 1e12 else 1.0   # exact division
     task = _Task(load_LE / scale if scale != 1.0 else load_LE, G, S, num_nodes, previous, slot_budget, stickiness,
-                 refine_rounds, refine_iters, refine_work, dispatch, node_spread)
+                 refine_rounds, refine_iters, refine_work, dispatch, node_spread,
+                 None if swing_LE is None else swing_LE / scale)
     if dispatch == "steered":
         cands, x_LP = _steered_candidates(task)
     else:
@@ -349,6 +363,7 @@ class _Task:
     refine_work: int
     dispatch: str
     node_spread: bool | float
+    swing_LE: torch.Tensor | None = None
 
     def __post_init__(self):
         self.L, self.E = self.load_LE.shape
@@ -368,8 +383,10 @@ def _uniform_candidates(task: _Task) -> list[np.ndarray]:
     """Steps 1u-3u for "uniform" and "padded" (balance without steering; padded: the counts that minimise
     the largest share stay, only swaps balance the devices), spread over nodes, and not where spread is weighed."""
     nodes_list = [task.spread_G, task.none_G] if task.weighed else [task.spread_G]
+    hedged = None if task.swing_LE is None else task.load_LE + HEDGE * task.swing_LE
     return _uniform_phy(task.load_LE, task.G, task.S, nodes_list, task.was, task.slot_budget, task.stickiness,
-                        task.refine_rounds, fixed_counts=task.dispatch == "padded")
+                        task.refine_rounds, fixed_counts=task.dispatch == "padded" or hedged is not None,
+                        count_load=hedged)
 
 
 def _steered_candidates(task: _Task) -> tuple[list[np.ndarray], np.ndarray | None]:
@@ -415,19 +432,21 @@ def _kept_previous(task: _Task, cands: list[np.ndarray]) -> np.ndarray | None:
 
 
 def _uniform_phy(load_LE, G, S, nodes_list, was, slot_budget, stickiness, refine_rounds,
-                 steered: bool = False, fixed_counts: bool = False) -> list[np.ndarray]:
+                 steered: bool = False, fixed_counts: bool = False, count_load=None) -> list[np.ndarray]:
     """One phy_LP of steps 1u, 2, 3u (see `uniform.py`) per node map in nodes_list ([G] each; zeros = no
     spread), planned side by side. On small inputs several replica-count variants are placed and refined
     too (about 2**15 slots of work in all), and each layer keeps its best. `steered`: a start for the
-    steering-aware search, refined a quarter as long."""
+    steering-aware search, refined a quarter as long. count_load: [L, E] the loads replica counts go by
+    (default load_LE)."""
     L, E = load_LE.shape
     P = G * S
     load = load_LE.numpy()
     n = len(nodes_list)
+    by = load_LE if count_load is None else count_load
     if slot_budget is None:
-        variants = count_variants(load, P, G, 1 if fixed_counts else int(np.clip((1 << 15) // (n * L * P), 1, 4)))
+        variants = count_variants(by.numpy(), P, G, 1 if fixed_counts else int(np.clip((1 << 15) // (n * L * P), 1, 4)))
     else:
-        variants = [replica_counts(load_LE, P, G, slot_budget).numpy()]
+        variants = [replica_counts(by, P, G, slot_budget).numpy()]
     V = len(variants)
     rows = n * V * L
     load_N = np.tile(load, (n * V, 1))

@@ -299,6 +299,8 @@ class ServingEngine:
         counts laid over a one-slot-per-expert prefix (the layout trial's other layout) when that costs no more."""
         model = self.model
         kwargs = {} if model.node_spread is None else {"node_spread": model.node_spread}
+        if model.planner != "steered":        # an even split: replicas for the swings too
+            kwargs["swing_LE"] = self.balancer.view.swing_LE
         planned = plan_placement(heat_LE, self.G, self.S_max, num_nodes=int(self.node_G.max()) + 1,
                                  previous=self.resident, dispatch=model.planner, **kwargs)
         prefixed = with_prefix(planned, previous=self.resident,
