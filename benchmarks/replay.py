@@ -34,7 +34,8 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from eb_deepspeed.adapters.serving.engine import DISPATCH, choose_placement
+from eb_deepspeed.adapters.serving.engine import DEVICE_FLOPS, DISPATCH, choose_placement
+from eb_deepspeed.core.topology import TOPOLOGIES
 from eb_deepspeed.core.config import EasyBalanceConfig
 from eb_deepspeed.planning.placement import index_maps, plan_placement
 
@@ -46,7 +47,8 @@ __all__ = ["load_traces", "load_counts", "esft_counts", "make_stream", "replay",
 
 TRACES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "real_routing")
 EXPERT_BYTES = 3 * 4096 * 14336 * 2      # one Mixtral-8x7B expert (w1, w2, w3) in bf16: 352 MB
-BANDWIDTH = 50e9                          # bytes/s a device receives a moved expert at (stated, not measured)
+BANDWIDTH = TOPOLOGIES["nvlink"].intra_bw  # bytes/s a device receives a moved expert at (stated: one node)
+COPY_ROUTES = DEVICE_FLOPS["cuda"] / BANDWIDTH   # a bf16 expert's copy in routes of its receiver's time (the engine's)
 
 
 def load_traces(directory: str) -> dict[str, torch.Tensor]:
@@ -121,17 +123,16 @@ def _static_phy(L: int, E: int, G: int, S: int) -> torch.Tensor:
     return phy
 
 
-def _balancedness(phy_LP, counts_LE, G: int, S: int) -> tuple[float, float]:
-    """(uniform, steered): sum over layers of mean device load / sum of the max, for one batch."""
-    mean = float(counts_LE.sum()) / G
-    uniform = float(uniform_loads(phy_LP, counts_LE, S).max(1).sum())
-    steered = float(steered_max(phy_LP, counts_LE, S).sum())
-    return mean / max(uniform, 1e-12), mean / max(steered, 1e-12)
+def _busiest(phy_LP, counts_LE, G: int, S: int) -> tuple[float, float, float]:
+    """(mean, uniform, steered) for one batch, each summed over layers: the mean device load, the busiest
+    device's under an even split and under the exact per-batch split (routes; balancedness = mean / busiest)."""
+    return (float(counts_LE.sum()) / G, float(uniform_loads(phy_LP, counts_LE, S).max(1).sum()),
+            float(steered_max(phy_LP, counts_LE, S).sum()))
 
 
-def _moved(old_LP: torch.Tensor, new_LP: torch.Tensor) -> int:
-    """Weight copies: slots that hold an expert they did not hold before."""
-    return int(((new_LP != old_LP) & (new_LP >= 0)).sum())
+def _received(old_LP: torch.Tensor, new_LP: torch.Tensor, G: int) -> torch.Tensor:
+    """[G] weight copies each device receives: its slots that hold an expert they did not hold before."""
+    return ((new_LP != old_LP) & (new_LP >= 0)).view(new_LP.shape[0], G, -1).sum((0, 2))
 
 
 def _eplb_rule(interval: int, window: int, G: int, S: int):
@@ -143,7 +144,7 @@ def _eplb_rule(interval: int, window: int, G: int, S: int):
 
 
 def _eb_rule(G: int, S: int, E: int, L: int, view_interval: int, replan_interval: int, threshold: float,
-             alpha: float, swing: bool = True):
+             alpha: float, swing: bool = True, priced: bool = True):
     model = DISPATCH[(False, "view")]       # a dropless layer, the view's split (AutoEP serving)
     home = index_maps(_static_phy(L, E, G, S), E, G, S)
     state = {"heat": None, "var": None, "current": home, "last": -10 ** 9}
@@ -163,7 +164,12 @@ def _eb_rule(G: int, S: int, E: int, L: int, view_interval: int, replan_interval
             state["heat"] = (1 - alpha) * state["heat"] + alpha * step
         if b - state["last"] < replan_interval:
             return phy_LP
-        chosen = choose_placement(state["heat"], state["current"], home, threshold, plan, model.cost, model.ratio)
+        # priced: move only when the gain over replan_interval batches pays for the copies (the engine's rule)
+        price = (lambda p: float(_received(state["current"].phy2log, p.phy2log, G).max()) * COPY_ROUTES) \
+            if priced else None
+        chosen = choose_placement(state["heat"], state["current"], home, threshold, plan, model.cost, model.ratio,
+                                  price, max(replan_interval, b - state["last"] if state["last"] > 0 else b)
+                                  / view_interval)
         if chosen is None or chosen is state["current"]:
             return phy_LP
         state["current"], state["last"] = chosen, b
@@ -173,19 +179,23 @@ def _eb_rule(G: int, S: int, E: int, L: int, view_interval: int, replan_interval
 
 def replay(counts_NLE: torch.Tensor, names: list[str], G: int, S: int, rules: dict,
            expert_bytes: int = EXPERT_BYTES) -> dict:
-    """Every rule over the same batches: mean balancedness (all, per phase), weight copies, bytes, stall."""
+    """Every rule over the same batches: mean balancedness (all, per phase), weight copies, bytes, the stall
+    (each re-plan waits for its busiest receiving device), and the time: the busiest devices' routes plus the
+    stall in routes (`COPY_ROUTES` a copy), over the mean device's routes (1 = balanced and never moved)."""
     N, L, E = counts_NLE.shape
     out = {}
     for rule_name, rule in rules.items():
         phy = _static_phy(L, E, G, S)
-        per_batch, moves, replans = [], 0, 0
+        per_batch, busiest, moves, replans, stalled = [], [], 0, 0, 0
         for b in range(N):
             new = rule(b, counts_NLE, phy)
             if new is not phy:
-                copies = _moved(phy, new)
-                moves, replans, phy = moves + copies, replans + (copies > 0), new
-            per_batch.append(_balancedness(phy, counts_NLE[b], G, S))
-        arr = np.array(per_batch)
+                received = _received(phy, new, G)
+                moves, replans, phy = moves + int(received.sum()), replans + bool(received.any()), new
+                stalled += int(received.max())
+            busiest.append(_busiest(phy, counts_NLE[b], G, S))
+            per_batch.append((busiest[-1][0] / max(busiest[-1][1], 1e-12), busiest[-1][0] / max(busiest[-1][2], 1e-12)))
+        arr, routes = np.array(per_batch), np.array(busiest).sum(0)
         phases = {}
         for name in dict.fromkeys(names):
             rows = arr[[i for i, n in enumerate(names) if n == name]]
@@ -193,7 +203,9 @@ def replay(counts_NLE: torch.Tensor, names: list[str], G: int, S: int, rules: di
         out[rule_name] = {"uniform": round(float(arr[:, 0].mean()), 4), "steered": round(float(arr[:, 1].mean()), 4),
                           "phases": phases, "replans": replans, "weight_copies": moves,
                           "bytes_moved": moves * expert_bytes,
-                          "stall_s": round(moves * expert_bytes / (G * BANDWIDTH), 3)}
+                          "stall_s": round(stalled * expert_bytes / BANDWIDTH, 3),
+                          "time_uniform": round(float((routes[1] + stalled * COPY_ROUTES) / routes[0]), 4),
+                          "time_steered": round(float((routes[2] + stalled * COPY_ROUTES) / routes[0]), 4)}
     return out
 
 

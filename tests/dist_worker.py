@@ -768,10 +768,14 @@ def scenario_serve_equivalence(p):
     plain = _skewed(_plain_eval_model(**kw))
     equal = p.get("equal_batches", False)
     rows = _serve_and_compare(engine, plain, p["batches"], rank, equal=equal)
+    serving = engine.serving
+    received = [sum(1 for m in serving._moves(serving.home) if m[1] == dst and m[3] != dst) for dst in range(serving.G)]
+    price = serving.move_cost(serving.home)                        # what going home would stall, in routes
     returned = engine.serving.apply(engine.serving.home)          # back to DeepSpeed's layout
     rows += _serve_and_compare(engine, plain, 2, rank, start=p["batches"], equal=equal)
     return {"rows": rows, "S_max": engine.serving.S_max, "moves": engine.serving.weight_moves, "returned": returned,
-            "metrics": engine.easybalance.metrics(), "log": os.path.join(p["out"], "serve_log")}
+            "metrics": engine.easybalance.metrics(), "log": os.path.join(p["out"], "serve_log"),
+            "received": received, "price": price}
 
 
 def scenario_serve_trial(p):

@@ -27,6 +27,9 @@ def test_replicated_serving_gives_deepspeeds_outputs_through_re_plans_with_unequ
         assert rank["S_max"] == 4 // G + replica_slots
         assert all(row["equal"] for row in rank["rows"]), [row["maxdiff"] for row in rank["rows"]]
         assert rank["metrics"]["steps"] == (batches + 2) // view_interval
+        # a move's price: the busiest receiver's copies from other ranks, each 1e11 FLOP/s x 4 bytes (fp32) /
+        # (2 x 16 GB/s, pcie) = 12.5 routes of its time (`ServingEngine.move_cost`)
+        assert rank["price"] == pytest.approx(12.5 * max(rank["received"]))
     rows = ranks[0]["rows"]
     # with top-3 over 4 experts one expert takes at most a third of the routes: replicas never pay there
     if replica_slots and k < 3:   # replicas served some batches; every rank flipped to the same placement together

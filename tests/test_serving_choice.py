@@ -28,6 +28,14 @@ def test_balanced_traffic_keeps_deepspeeds_layout_and_a_small_gain_is_not_taken(
     assert choose_placement(heat, HOME, HOME, 1.2, plan) is HOME
 
 
+def test_a_move_is_taken_only_when_its_gain_over_the_horizon_pays_for_its_weight_copies():
+    heat = torch.tensor([[80.0, 30, 25, 25]])          # replicas save 320 - 240 = 80 per view step (above)
+    price = lambda p: 400.0                            # the copies stall the busiest receiver for 400 routes
+    assert choose_placement(heat, HOME, HOME, 1.5, plan, move_cost=price, horizon=4) is HOME      # 320 < 400
+    moved = choose_placement(heat, HOME, HOME, 1.5, plan, move_cost=price, horizon=6)             # 480 > 400
+    assert moved is not HOME and moved.slots_per_device == 3
+
+
 def test_serving_returns_to_deepspeeds_layout_when_the_hot_expert_cools():
     replicated = plan(torch.tensor([[80.0, 30, 25, 25]]))
     balanced = torch.tensor([[40.0, 40, 40, 40]])

@@ -54,6 +54,11 @@ __all__ = ["ServingEngine", "choose_placement"]
 # batch's load is its own (noise on every slot), and moving weights and the replica split cost time too.
 # Measured on the example model: a 3 % expected gain was a loss.
 MIN_GAIN = 0.10
+# A route (a token through an expert) takes 2 FLOPs per expert parameter, a weight copy moves each parameter's
+# bytes: one copy costs DEVICE_FLOPS x bytes per parameter / (2 x link bandwidth) routes of the receiving rank's
+# time. Stated, not measured (every rank must price a move alike): sustained bf16 expert GEMMs of an H100-class
+# GPU; a CPU core's few GFLOP/s for the CPU (where a copy costs a few routes).
+DEVICE_FLOPS = {"cuda": 400e12, "cpu": 1e11}
 # A layout trial keeps replicas when they served this much faster per token than the one-slot-per-expert
 # prefix, measured in the same batches interleaved: below it, the noise of a short trial.
 TRIAL_GAIN = 0.02
@@ -98,14 +103,16 @@ DISPATCH = {
 
 
 def choose_placement(heat_LE: torch.Tensor, current: Placement, home: Placement, threshold: float,
-                     plan, cost=expected_padded_cost, ratio=expected_slot_ratio) -> Optional[Placement]:
+                     plan, cost=expected_padded_cost, ratio=expected_slot_ratio, move_cost=None,
+                     horizon: float = 1.0) -> Optional[Placement]:
     """The placement to serve next, or None when the view gives no reason to plan (pure).
 
     Plan (`plan(heat_LE)`: replicas for every slot) when a layer's skew under the current placement
     (`ratio(heat_LE, plan)` [L]) passes `threshold`, or when the home layout would cost `MIN_GAIN` less than
     the current one (replicas traffic no longer needs). `cost(heat_LE, plan)` [L]: what each layer computes and
-    sends. Of the plan and the home layout the cheaper is chosen; it replaces the current placement when it
-    costs `MIN_GAIN` less, else the current one is returned (planned, nothing to move).
+    sends per view step. Of the plan and the home layout the cheaper is chosen; it replaces the current placement
+    when it costs `MIN_GAIN` less and, with `move_cost(plan)` (its weight copies, in the same units), when what it
+    saves over `horizon` view steps pays for its moves; else the current one is returned (planned, nothing moves).
     """
     def total(p: Placement) -> float:
         return float(cost(heat_LE, p).sum())
@@ -115,7 +122,10 @@ def choose_placement(heat_LE: torch.Tensor, current: Placement, home: Placement,
     if not (skewed or unneeded):
         return None
     best = min((plan(heat_LE), home), key=total)
-    return best if total(best) < (1 - MIN_GAIN) * total(current) else current
+    gain = total(current) - total(best)
+    if gain <= MIN_GAIN * total(current) or (move_cost is not None and gain * horizon <= move_cost(best)):
+        return current
+    return best
 
 
 class ServingEngine:
@@ -145,7 +155,7 @@ class ServingEngine:
         self.rank = dist.get_rank(store.ep_group) if grouped else 0
         self.ep_ranks = dist.get_process_group_ranks(store.ep_group) if grouped else [dist_rank()]
         self.replans, self.weight_moves, self.failed_moves = 0, 0, 0
-        self.batches, self.last_plan_batch = 0, None
+        self.batches, self.last_plan_batch, self.placed_batch = 0, None, 0
         self.home = static_placement(self.L, self.E, self.G)       # the runtime's layout: S = H, no replicas
         self.placement = self.home      # what the gates' tables serve
         self.resident = self.home       # what the slots hold (`placement`, or a plan whose prefix serves)
@@ -276,8 +286,11 @@ class ServingEngine:
         wait = inf.replan_interval * 2 ** min(self._lost_trials, MAX_BACKOFF)
         if self.last_plan_batch is not None and self.batches - self.last_plan_batch < wait:
             return False
+        # the new placement is expected to serve as long as the one serving has (at least until the next re-plan)
+        horizon = max(inf.replan_interval, self.batches - self.placed_batch) / inf.view_interval
         choice = choose_placement(view.heat_LE, self.placement, self.home, inf.replan_threshold, plan=self._plan,
-                                  cost=self.model.cost, ratio=self.model.ratio)
+                                  cost=self.model.cost, ratio=self.model.ratio, move_cost=self.move_cost,
+                                  horizon=horizon)
         if choice is None:
             return False
         self.last_plan_batch = self.batches
@@ -285,6 +298,7 @@ class ServingEngine:
             return False
         if choice is self.home and _prefix(self.resident) is not None:
             self._serve(_prefix(self.resident))        # the home layout's cost without moving a weight
+            self.placed_batch = self.batches
             return True
         switching = self.placement.slots_per_device == self.H     # from one slot per expert to replicas
         if not self.apply(choice):
@@ -293,6 +307,19 @@ class ServingEngine:
         if switching and not self.store.drops_tokens and _prefix(choice) is not None and inf.trial_batches:
             self._start_trial(choice)
         return True
+
+    def move_cost(self, plan: Placement) -> float:
+        """The time moving to `plan` stalls the busiest receiving rank, in routes it could have computed meanwhile
+        (`DEVICE_FLOPS`; each copy at its link's bandwidth: the topology's inside a node, between nodes across).
+        A plan whose slots are already resident (a prefix of what serves) costs nothing."""
+        topo, per_param = TOPOLOGIES[self.topology], self.store.read_slot(0, 0).element_size()
+        flops = DEVICE_FLOPS["cuda" if self.store.device.type == "cuda" else "cpu"]
+        received = [0.0] * self.G
+        for _, dst, _, src, _ in self._moves(plan):
+            if src != dst:
+                same_node = bool(self.node_G[src] == self.node_G[dst])
+                received[dst] += flops * per_param / (2 * (topo.intra_bw if same_node else topo.inter_bw))
+        return max(received)
 
     def _plan(self, heat_LE: torch.Tensor) -> Placement:
         """Replicas for every slot (S_max per rank) from the view's heat in the runtime's dispatch model; its
@@ -406,6 +433,7 @@ class ServingEngine:
         self.resident = plan
         self._serve(plan)
         self.replans += 1
+        self.placed_batch = self.batches
         self.weight_moves += len(moves)
         return True
 
