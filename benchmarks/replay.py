@@ -1,6 +1,7 @@
 """Serving on real, shifting traffic: real per-token routing replayed batch by batch through placement rules.
 
-    python -m benchmarks.replay [--traces DIR] [--devices G] [--slots S] [--batch B] [--sweep] [--json]
+    python -m benchmarks.replay [--traces DIR | --counts NPZ | --stream FILE] [--devices G] [--slots S] [--batch B]
+                                [--copy-routes R] [--sweep] [--json]
 
 A trace is per-token routing of a real model (`{"dataset", "problem_id", "layer", "token_idx", "experts"}` one
 JSON a line, gzipped or not: ../shared/data/real_routing holds Mixtral-8x7B-Instruct decode on GSM8K and
@@ -10,9 +11,13 @@ after another, then a mixture), and every rule serves the same batches:
   static        DeepSpeed's / AutoEP's layout (expert e on device e // (E / G)), never moved
   eplb_N_W      DeepSeek's EPLB (the port, global policy) on the sum of the last W batches, every N batches
                 (vLLM's rule: a window a third of the interval; and one that re-plans as often as it looks)
-  eb_default    the serving engine's rule at the config's defaults: the view's EMA (ema_alpha) every view_interval
-                batches, `choose_placement` at most every replan_interval batches past replan_threshold
-  eb_fast       the same rule with view_interval 1, replan_interval 8
+  eb_default    the serving engine's rule at the config's defaults: the view's EMA (ema_alpha) and swing every
+                view_interval batches, `choose_placement` at most every replan_interval batches past
+                replan_threshold, a move taken only when its gain pays for its copies (R routes each)
+  eb_unpriced   the same without the price (every move that gains MIN_GAIN)
+  eb_fast       the default rule with view_interval 1, replan_interval 8
+
+--stream replays your own traffic as it came (an SGLang or vLLM dump, or our balance log) through every rule.
 
 Per batch, per layer, device loads of the placement in force under two dispatch models (`exact.py`): uniform
 (each expert's tokens split evenly over its replicas) and steered (split freely per batch: exact per-batch
@@ -309,6 +314,9 @@ def main(argv=None) -> int:
     p.add_argument("--traces", default=TRACES, help="a directory of per-token routing traces (*.jsonl[.gz])")
     p.add_argument("--counts", default=None, help="instead: an .npz of per-sample counts [N, L, E] per workload "
                                                   "(benchmarks/data/esft_dsv2lite_counts.npz)")
+    p.add_argument("--stream", default=None, help="instead: your own traffic as it came, replayed step by step (an "
+                                                  "SGLang or vLLM expert-load dump, or our balance log: "
+                                                  "`eb plan`'s formats); no phases, no held-out table")
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--slots", type=int, default=3, help="slots per device (E / G home + replicas)")
     p.add_argument("--batch", type=int, default=32, help="rows per batch: tokens of a trace (decode: concurrent "
@@ -323,32 +331,41 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="the engine's rule over its settings (sweep_rules), ~9 min")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    traces = load_counts(args.counts) if args.counts else load_traces(args.traces)
-    L, E = next(iter(traces.values())).shape[1:]
-    names = list(traces)
-    phases = [(n, args.phase_batches) for n in names] + [(names[0], args.phase_batches), ("mix", args.phase_batches)]
-    counts, batch_names = make_stream(traces, phases, args.batch, args.seed)
+    if args.stream:
+        from eb_deepspeed.observe.traces import load_trace
+        counts = load_trace(args.stream).float()
+        traces, phases, batch_names = {"stream": counts}, [("stream", len(counts))], ["stream"] * len(counts)
+    else:
+        traces = load_counts(args.counts) if args.counts else load_traces(args.traces)
+        names = list(traces)
+        phases = [(n, args.phase_batches) for n in names] + [(names[0], args.phase_batches),
+                                                              ("mix", args.phase_batches)]
+        counts, batch_names = make_stream(traces, phases, args.batch, args.seed)
+    L, E = counts.shape[1:]
     result = {"traces": {n: list(t.shape) for n, t in traces.items()}, "devices": args.devices, "slots": args.slots,
               "batch": args.batch, "phases": phases, "expert_bytes": args.expert_bytes, "bandwidth": BANDWIDTH,
               "rules": replay(counts, batch_names, args.devices, args.slots,
                               (sweep_rules if args.sweep else default_rules)(args.devices, args.slots, E, L,
                                                                              args.copy_routes),
                               args.expert_bytes, args.copy_routes)}
-    if not args.sweep:
+    if not (args.sweep or args.stream):      # held out needs workloads: one stream has none
         result["held_out"] = held_out(traces, args.devices, args.slots, args.batch, seed=args.seed)
     result["targets"] = targets(result)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        print(f"{L} layers x {E} experts, G {args.devices} x S {args.slots}, batches of {args.batch} tokens, phases "
-              + ", ".join(f"{n} {k}" for n, k in phases))
-        print("| rule | uniform | steered | per phase (uniform / steered) | re-plans | copies | GB | stall s |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(f"{L} layers x {E} experts, G {args.devices} x S {args.slots}, " + (
+            f"{len(counts)} steps of {args.stream}" if args.stream else f"batches of {args.batch} rows, phases "
+            + ", ".join(f"{n} {k}" for n, k in phases)))
+        print("| rule | uniform | steered | time uniform | time steered | per phase (uniform / steered) | re-plans "
+              "| copies | GB | stall s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for name, r in result["rules"].items():
             per = "; ".join(f"{k} {u:.3f}/{s:.3f}" for k, (u, s) in r["phases"].items())
-            print(f"| {name} | {r['uniform']:.4f} | {r['steered']:.4f} | {per} | {r['replans']} | {r['weight_copies']} "
+            print(f"| {name} | {r['uniform']:.4f} | {r['steered']:.4f} | {r['time_uniform']:.3f} | "
+                  f"{r['time_steered']:.3f} | {per} | {r['replans']} | {r['weight_copies']} "
                   f"| {r['bytes_moved'] / 1e9:.1f} | {r['stall_s']} |")
-        if args.sweep:
+        if "held_out" not in result:
             return 0
         print("\nplanned on the other workloads (held out) / on the workload itself, judged on it: aggregate (worst layer)")
         print("| workload | where | ours uniform | without swing | EPLB uniform | ours steered | EPLB steered |")
@@ -362,7 +379,7 @@ def main(argv=None) -> int:
         print("| shifts between mixtures | mean (standard error) | " + " | ".join(
             f"{m:.4f} ({e:.4f})" for m, e in (sh["ours"]["uniform"], sh["ours_no_swing"]["uniform"],
                                              sh["eplb"]["uniform"], sh["ours"]["steered"], sh["eplb"]["steered"])) + " |")
-    print("targets:", result["targets"])
+        print("targets:", result["targets"])
     return 0
 
 

@@ -72,6 +72,20 @@ def test_held_out_plans_on_the_other_workloads_and_in_sample_on_the_workload_its
     assert all(name.split()[0] in ("a", "b") for name in judged["held_out_workloads_where_eplb_wins"])
 
 
+def test_a_users_own_dump_replays_step_by_step_with_every_rule(tmp_path, capsys):
+    from benchmarks.replay import main
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 5, (40, 2, 8), generator=g).float()
+    counts[20:, :, 3] += 60                                   # expert 3 turns hot half way through
+    torch.save({"logical_count": counts}, tmp_path / "expert_distribution.pt")    # SGLang's stat dump
+    assert main(["--stream", str(tmp_path / "expert_distribution.pt"), "--copy-routes", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["phases"] == [["stream", 40]] and "held_out" not in result
+    rules = result["rules"]
+    assert rules["static"]["phases"]["stream"][0] == rules["static"]["uniform"] and rules["eb_default"]["replans"] >= 1
+    assert rules["eb_default"]["time_uniform"] < rules["static"]["time_uniform"]     # cheap copies: moving pays
+
+
 def test_esft_logs_become_per_sample_counts_and_load_back_from_the_npz(tmp_path):
     import subprocess
     import numpy as np
