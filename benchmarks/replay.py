@@ -48,7 +48,7 @@ from .eplb_port import rebalance_global
 from .exact import steered_max, uniform_loads
 from .plan_vs_eplb import _judge
 
-__all__ = ["load_traces", "load_counts", "esft_counts", "make_stream", "replay", "held_out", "main"]
+__all__ = ["load_traces", "load_counts", "esft_counts", "make_stream", "replay", "held_out", "permutation_gain", "main"]
 
 TRACES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "real_routing")
 EXPERT_BYTES = 3 * 4096 * 14336 * 2      # one Mixtral-8x7B expert (w1, w2, w3) in bf16: 352 MB
@@ -268,6 +268,30 @@ def held_out(traces: dict[str, torch.Tensor], G: int, S: int, batch: int = 32, d
     return out
 
 
+def permutation_gain(traces: dict[str, torch.Tensor], devices: list[int], seed: int = 0) -> dict:
+    """Experts re-placed over EP ranks without replicas (a permutation: training-time placement, issue 41) on real
+    loads: {G: {"contiguous", "same_task", "other_tasks": mean balancedness over the workloads}}. same_task: planned
+    on half of a workload's rows, judged on the other half (fine-tuning on one's own data); other_tasks: planned on
+    the other workloads, judged on this one's (the traffic changed)."""
+    g = torch.Generator().manual_seed(seed)
+    L, E = next(iter(traces.values())).shape[1:]
+    out = {}
+    for G in devices:
+        if E % G:
+            continue
+        S, rows = E // G, []
+        for name, t in traces.items():
+            order = torch.randperm(len(t), generator=g)
+            past, judged = t[order[:len(t) // 2]].sum(0).double(), t[order[len(t) // 2:]].sum(0).double()
+            others = sum(v.sum(0).double() / v.sum() for k, v in traces.items() if k != name)
+            rows.append([_judge(phy, judged, G, S)["uniform"][0] for phy in (
+                _static_phy(L, E, G, S), plan_placement(past, G, S, dispatch="uniform").phy2log,
+                plan_placement(others, G, S, dispatch="uniform").phy2log)])
+        mean = np.array(rows).mean(0)
+        out[G] = {key: round(float(v), 4) for key, v in zip(("contiguous", "same_task", "other_tasks"), mean)}
+    return out
+
+
 def default_rules(G: int, S: int, E: int, L: int, copy_routes: float = COPY_ROUTES) -> dict:
     inf, d = EasyBalanceConfig().inference, EasyBalanceConfig()
     return {"static": lambda b, seen, phy: phy,
@@ -329,8 +353,14 @@ def main(argv=None) -> int:
                    help="one expert copy's stall in routes of the receiver's time (default: 400 TFLOP/s over "
                         "150 GB/s, the engine's price on a GPU in one node)")
     p.add_argument("--sweep", action="store_true", help="the engine's rule over its settings (sweep_rules), ~9 min")
+    p.add_argument("--permutation", type=int, nargs="+", default=None, metavar="G",
+                   help="instead: experts permuted over G EP ranks, no replicas (`permutation_gain`)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.permutation:
+        traces = load_counts(args.counts) if args.counts else load_traces(args.traces)
+        print(json.dumps(permutation_gain(traces, args.permutation, args.seed), indent=1))
+        return 0
     if args.stream:
         from eb_deepspeed.observe.traces import load_trace
         counts = load_trace(args.stream).float()

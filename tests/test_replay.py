@@ -86,6 +86,17 @@ def test_a_users_own_dump_replays_step_by_step_with_every_rule(tmp_path, capsys)
     assert rules["eb_default"]["time_uniform"] < rules["static"]["time_uniform"]     # cheap copies: moving pays
 
 
+def test_a_permutation_planned_on_a_workloads_own_past_balances_its_future_and_nothing_moves_at_one_expert_a_rank(
+        tmp_path):
+    from benchmarks.replay import permutation_gain
+    write_trace(tmp_path / "a.jsonl.gz", "a", hot=0, tokens=80)      # experts 0 and 1 share rank 0 contiguously
+    write_trace(tmp_path / "b.jsonl.gz", "b", hot=1, tokens=80, seed=1)
+    gain = permutation_gain(load_traces(str(tmp_path)), [2, 8, 3])
+    assert set(gain) == {2, 8}                                        # 3 ranks do not divide 8 experts
+    assert gain[2]["same_task"] > gain[2]["contiguous"] + 0.03        # the hot expert with cold ones
+    assert gain[8]["same_task"] == gain[8]["contiguous"] == gain[8]["other_tasks"]   # one expert a rank
+
+
 def test_esft_logs_become_per_sample_counts_and_load_back_from_the_npz(tmp_path):
     import subprocess
     import numpy as np
