@@ -23,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_lm import MoELM, StdlibCorpus  # noqa: E402
+from moe_lm import MoELM, StdlibCorpus, run_and_exit  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -183,4 +183,4 @@ def serving_verdict(summary: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

@@ -27,7 +27,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from moe_lm import StdlibCorpus  # noqa: E402
+from moe_lm import StdlibCorpus, run_and_exit  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -219,4 +219,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

@@ -10,9 +10,11 @@ Used by `train_moe_lm.py` and by the tests. Shape legend: B batch, S sequence, D
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 
 import torch
@@ -175,3 +177,22 @@ def _versus(summary: dict, base: dict, baseline_dir: str, rows, opening: str) ->
         metrics[key] = {"baseline": round(theirs, 4), "this_run": round(ours, 4), "change_pct": change}
         words.append(f"{what} {theirs:.3f} -> {ours:.3f}" + ("" if change is None else f" ({change:+.1f} %)"))
     return {"baseline": baseline_dir, "metrics": metrics, "verdict": f"{opening}: " + "; ".join(words)}
+
+
+def run_and_exit(main) -> None:
+    """Run a launcher job's `main` and leave as soon as it returns, once the at-exit hooks (W&B's finish, the
+    balance log's last record) have run and the output is flushed: at the interpreter's own teardown a gloo
+    worker thread can abort a rank that finished its work ("terminate called without an active exception",
+    pytorch/pytorch#179291; seen in CI after a complete run, process group destroyed). A `SystemExit` keeps its
+    code and message; any other exception ends the process the usual way."""
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)

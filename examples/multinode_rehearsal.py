@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout: benchmarks/ (Zipf router)
-from moe_lm import MoELM, StdlibCorpus  # noqa: E402
+from moe_lm import MoELM, StdlibCorpus, run_and_exit  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -200,4 +200,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_moe import FAMILIES, autoep_section, hf_moe_model, zipf_tokens  # noqa: E402
-from moe_lm import versus  # noqa: E402
+from moe_lm import run_and_exit, versus  # noqa: E402
 
 # What "did balancing help" compares with --baseline, second half of each run (lower is better). No steps/s:
 # CPU time on a shared machine is not what a GPU step would take (docs/benchmarks.md measures that).
@@ -301,4 +301,4 @@ def summarize(history: list[dict], step_times: list[float], tokens_per_step: int
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

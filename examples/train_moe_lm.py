@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_lm import MoELM, StdlibCorpus, pyramid, versus  # noqa: E402
+from moe_lm import MoELM, StdlibCorpus, pyramid, run_and_exit, versus  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -258,4 +258,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

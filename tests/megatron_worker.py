@@ -246,8 +246,8 @@ def main():
     dist.destroy_process_group()   # torn down while Python runs, as DeepSpeed's own tests do
     # The result is written and every group destroyed: the interpreter's teardown is not what these tests check.
     # There a gloo worker thread releasing a tensor can take the GIL during finalization and abort the process
-    # ('terminate called without an active exception'; pytorch/pytorch#179291), seen once in a CI run. The
-    # launcher jobs (test_main_job, test_hf_job) still exit the normal way. The at-exit hooks run first, as at exit.
+    # ('terminate called without an active exception'; pytorch/pytorch#179291), seen in CI runs. The
+    # launcher jobs leave the same way (examples/moe_lm.py `run_and_exit`). The at-exit hooks run first, as at exit.
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

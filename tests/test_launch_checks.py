@@ -32,3 +32,21 @@ def test_the_training_ds_config_serves_without_its_training_keys_but_a_misspelle
                                          "wandb, zero_optimization"):
         kept = _inference_keys(config)
     assert kept == {"dtype": "fp32", "tensor_paralel": {"tp_size": 1}}      # DeepSpeed still refuses the typo
+
+
+@pytest.mark.parametrize("body, code, err", [
+    ("return None", 0, ""), ("return 3", 3, ""), ("raise SystemExit('training diverged (NaN loss)')", 1,
+                                                  "training diverged (NaN loss)")])
+def test_a_launcher_job_leaves_with_its_code_after_the_at_exit_hooks(tmp_path, body, code, err):
+    # examples/moe_lm.py run_and_exit: the at-exit hooks (W&B's finish, the last balance record) run, then os._exit
+    import subprocess
+    import sys
+    from conftest import ROOT
+    marker = tmp_path / "hook_ran"
+    script = (f"import atexit, sys; sys.path.insert(0, {ROOT + '/examples'!r}); from moe_lm import run_and_exit\n"
+              f"atexit.register(lambda: open({str(marker)!r}, 'w').write('yes'))\n"
+              f"def main():\n    print('done')\n    {body}\n"
+              "run_and_exit(main)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code and proc.stdout == "done\n" and err in proc.stderr
+    assert marker.read_text() == "yes"
