@@ -289,6 +289,9 @@ def permutation_gain(traces: dict[str, torch.Tensor], devices: list[int], seed: 
                 plan_placement(others, G, S, dispatch="uniform").phy2log)])
         mean = np.array(rows).mean(0)
         out[G] = {key: round(float(v), 4) for key, v in zip(("contiguous", "same_task", "other_tasks"), mean)}
+    # issue 41's target: the busiest rank's share (1 / balancedness) cut by >= 30 % where the layout crowds it
+    out["targets"] = {f"ep{G}_same_task_busiest_share_cut_ge_30pct": bool(1 - r["contiguous"] / r["same_task"] >= 0.3)
+                      for G, r in out.items()}
     return out
 
 

@@ -92,7 +92,9 @@ def test_a_permutation_planned_on_a_workloads_own_past_balances_its_future_and_n
     write_trace(tmp_path / "a.jsonl.gz", "a", hot=0, tokens=80)      # experts 0 and 1 share rank 0 contiguously
     write_trace(tmp_path / "b.jsonl.gz", "b", hot=1, tokens=80, seed=1)
     gain = permutation_gain(load_traces(str(tmp_path)), [2, 8, 3])
-    assert set(gain) == {2, 8}                                        # 3 ranks do not divide 8 experts
+    assert set(gain) == {2, 8, "targets"}                             # 3 ranks do not divide 8 experts
+    assert gain["targets"] == {f"ep{G}_same_task_busiest_share_cut_ge_30pct":
+                               1 - gain[G]["contiguous"] / gain[G]["same_task"] >= 0.3 for G in (2, 8)}
     assert gain[2]["same_task"] > gain[2]["contiguous"] + 0.03        # the hot expert with cold ones
     assert gain[8]["same_task"] == gain[8]["contiguous"] == gain[8]["other_tasks"]   # one expert a rank
 
