@@ -70,8 +70,8 @@ SPREAD_WEIGHT = 0.1
 # Below this many layer-slots (layers x devices x slots) the steered planner also searches from the greedy
 # start and weighs a no-spread plan; above it, time goes to the one search from the uniform plan.
 EXTRA_WORK = 1 << 14
-# Replica counts under an even split go by load + HEDGE x swing (`swing_LE`): held out on real routing (a plan
-# on a mixture of workloads, judged on another) 0.5 .. 2 raised balance steadily; 2 keeps in-sample balance.
+# Replica counts under an even split go by load + HEDGE x swing (`swing_LE`): on replays of real routing it
+# raised balance on both models and both dispatch models (docs/benchmarks.md, "Replicas for the swing").
 HEDGE = 2.0
 
 __all__ = ["Placement", "plan_placement", "static_placement", "expected_padded_cost", "expected_device_load"]
