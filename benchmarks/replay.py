@@ -48,7 +48,7 @@ from .eplb_port import rebalance_global
 from .exact import steered_max, uniform_loads
 from .plan_vs_eplb import _judge
 
-__all__ = ["load_traces", "load_counts", "esft_counts", "make_stream", "replay", "held_out", "permutation_gain", "main"]
+__all__ = ["load_traces", "load_counts", "esft_counts", "olmoe_counts", "make_stream", "replay", "held_out", "permutation_gain", "main"]
 
 TRACES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "real_routing")
 EXPERT_BYTES = 3 * 4096 * 14336 * 2      # one Mixtral-8x7B expert (w1, w2, w3) in bf16: 352 MB
@@ -103,6 +103,35 @@ def esft_counts(git_dir: str, tasks=("intent", "law", "summary", "translation"),
             per_layer.append(np.stack([np.bincount(np.array(line.split("\t\t")[0].split("\t"), dtype=np.int64),
                                                    minlength=experts) for line in text.splitlines() if line]))
         out[task] = np.stack(per_layer, 1).astype(np.int32)
+    return out
+
+
+def olmoe_counts(git_dir: str, domains=("arxiv", "book", "c4", "github", "wikipedia", "tulu"),
+                 top_k: int = 8) -> dict[str, np.ndarray]:
+    """benchmarks/data/olmoe_expert_counts.npz from a snapshot of allenai/OLMoE (`git_dir`, its bare git):
+    scripts/routing_output/olmoe/expert_counts/<domain>.pkl holds, per analysed layer (0, 7, 15 of 16), a
+    Counter of routes per expert id (64 experts, top-8) over the domain's text. Read with an unpickler that
+    builds only Counters and numpy integers. -> {domain: [1, 3, 64] float64}: one token's mean routes."""
+    import collections
+    import io
+    import pickle
+    import subprocess
+
+    class Counts(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) == ("collections", "Counter"):
+                return collections.Counter
+            if name in ("scalar", "dtype") and module in ("numpy", "numpy.core.multiarray", "numpy._core.multiarray"):
+                return np.dtype if name == "dtype" else np._core.multiarray.scalar
+            raise pickle.UnpicklingError(f"{module}.{name} is not a routing count")
+    out = {}
+    for domain in domains:
+        raw = subprocess.run(["git", f"--git-dir={git_dir}", "show",
+                              f"HEAD:scripts/routing_output/olmoe/expert_counts/{domain}.pkl"],
+                             capture_output=True, check=True).stdout
+        layers = Counts(io.BytesIO(raw)).load()
+        counts = np.array([[float(layer.get(e, 0)) for e in range(64)] for layer in layers])
+        out[domain] = (counts * top_k / counts[0].sum())[None]       # routes of one token: sums to top_k a layer
     return out
 
 

@@ -99,6 +99,28 @@ def test_a_permutation_planned_on_a_workloads_own_past_balances_its_future_and_n
     assert gain[8]["same_task"] == gain[8]["contiguous"] == gain[8]["other_tasks"]   # one expert a rank
 
 
+def test_olmoe_counters_become_one_tokens_routes_and_a_pickle_of_anything_else_is_refused(tmp_path):
+    import collections
+    import pickle
+    import subprocess
+    import numpy as np
+    from benchmarks.replay import olmoe_counts
+    repo = tmp_path / "olmoe"
+    folder = repo / "scripts" / "routing_output" / "olmoe" / "expert_counts"
+    folder.mkdir(parents=True)
+    layers = [collections.Counter({np.int64(e): 10 * (e + 1) for e in range(4)}) for _ in range(3)]   # 100 routes
+    (folder / "law.pkl").write_bytes(pickle.dumps(layers))
+    (folder / "evil.pkl").write_bytes(pickle.dumps(subprocess.Popen))   # a class, not a count
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "-C", str(repo), "add", "."], check=True)
+    subprocess.run([*git, "-C", str(repo), "commit", "-qm", "counts"], check=True)
+    law = olmoe_counts(str(repo / ".git"), domains=("law", ), top_k=2)["law"]
+    assert law.shape == (1, 3, 64) and law[0, 0, :5].tolist() == [0.2, 0.4, 0.6, 0.8, 0.0]   # routes of a token
+    with pytest.raises(pickle.UnpicklingError, match="subprocess.Popen is not a routing count"):
+        olmoe_counts(str(repo / ".git"), domains=("evil", ))
+
+
 def test_esft_logs_become_per_sample_counts_and_load_back_from_the_npz(tmp_path):
     import subprocess
     import numpy as np
