@@ -41,6 +41,7 @@ import torch
 
 from eb_deepspeed.adapters.serving.engine import DEVICE_FLOPS, DISPATCH, choose_placement
 from eb_deepspeed.core.topology import TOPOLOGIES
+from eb_deepspeed.core.view import ew_step
 from eb_deepspeed.core.config import EasyBalanceConfig
 from eb_deepspeed.planning.placement import index_maps, plan_placement
 
@@ -194,8 +195,7 @@ def _eb_rule(G: int, S: int, E: int, L: int, view_interval: int, replan_interval
         if state["heat"] is None:       # the view's EMA and the variance that goes with it (`LoadView`)
             state["heat"], state["var"] = step, torch.zeros_like(step)
         else:
-            state["var"] = (1 - alpha) * (state["var"] + alpha * (step - state["heat"]) ** 2)
-            state["heat"] = (1 - alpha) * state["heat"] + alpha * step
+            state["heat"], state["var"] = ew_step(state["heat"], state["var"], step, alpha)
         if b - state["last"] < replan_interval:
             return phy_LP
         # priced: move only when the gain over replan_interval batches pays for the copies (the engine's rule)

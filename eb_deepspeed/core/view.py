@@ -207,9 +207,9 @@ class LoadView:
         first_L1 = (self.updates_L == 0).unsqueeze(1)
         valid_L1 = valid_L.unsqueeze(1)
         self.drift_L = torch.where(valid_L & ~first_L1[:, 0], _mix_distance(tally.routed_LE, self.heat_LE), 0.0)
-        heat_new = torch.where(first_L1, tally.routed_LE, a * tally.routed_LE + (1 - a) * self.heat_LE)
-        # the exponentially weighted variance that goes with the EMA (0 at a layer's first update)
-        var_new = torch.where(first_L1, 0.0, (1 - a) * (self.var_LE + a * (tally.routed_LE - self.heat_LE) ** 2))
+        heat_ew, var_ew = ew_step(self.heat_LE, self.var_LE, tally.routed_LE, a)
+        heat_new = torch.where(first_L1, tally.routed_LE, heat_ew)
+        var_new = torch.where(first_L1, 0.0, var_ew)        # no swing before a second step
         self.var_LE = torch.where(valid_L1, var_new, self.var_LE)
         pressure_new = torch.where(first_L1, load_LG, a * load_LG + (1 - a) * self.pressure_LG)
         self.heat_LE = torch.where(valid_L1, heat_new, self.heat_LE)
@@ -373,6 +373,12 @@ class LoadView:
         self.last = Tally.unpack(state["last_tally"].to(torch.float64).clone(), self.E, int(state["last_devices"]))
         self.last_load_LG = state["last_load_LG"].to(torch.float64).clone()
         return None
+
+
+def ew_step(mean: torch.Tensor, var: torch.Tensor, x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the exponentially weighted mean and the variance that goes with it (the view's heat and
+    swing; the replay's copy of the serving rule)."""
+    return (1 - alpha) * mean + alpha * x, (1 - alpha) * (var + alpha * (x - mean) ** 2)
 
 
 def _mix_distance(a_LE: torch.Tensor, b_LE: torch.Tensor) -> torch.Tensor:
