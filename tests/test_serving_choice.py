@@ -59,14 +59,15 @@ def test_replica_slots_past_the_planners_slots_a_layer_are_refused_before_any_ex
     assert len(model[0].deepspeed_moe.experts.deepspeed_experts) == 4
 
 
-def test_the_engine_plans_replica_counts_for_the_views_swing_under_an_even_split(monkeypatch):
+def test_the_engine_plans_replica_counts_for_the_views_swing_under_an_even_split(monkeypatch, tmp_path):
     from deepspeed.moe.layer import MoE
 
     import eb_deepspeed.adapters.serving.engine as engine_module
     from eb_deepspeed.adapters.deepspeed.serving import MoEStore
     from eb_deepspeed.core.config import EasyBalanceConfig
     model = torch.nn.Sequential(MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=1, k=1))
-    engine = engine_module.ServingEngine(MoEStore(model), EasyBalanceConfig.from_block({"mode": "balance"}))
+    config = EasyBalanceConfig.from_block({"mode": "balance", "log": {"dir": str(tmp_path)}})
+    engine = engine_module.ServingEngine(MoEStore(model), config)
     seen = {}
     real = engine_module.plan_placement
     monkeypatch.setattr(engine_module, "plan_placement", lambda *a, **kw: seen.update(kw) or real(*a, **kw))
