@@ -22,9 +22,12 @@ from hf_moe import autoep_section, hf_moe_model, zipf_tokens
 MICRO, SEQ = 2, 16
 
 
-def config(family: str, zero: int = 0, accum: int = 1, block: dict | None = None, out: str = ".") -> dict:
+def config(family: str, zero: int = 0, accum: int = 1, block: dict | None = None, out: str = ".", ep: int = 2,
+           bf16: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accum, "steps_per_print": 10**6,
-           "zero_optimization": {"stage": zero}, "expert_parallel": autoep_section(family, 2)}
+           "zero_optimization": {"stage": zero}, "expert_parallel": autoep_section(family, ep)}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
     if block is not None:
         cfg["easybalance"] = {"log": {"dir": os.path.join(out, "balance")}, **block}
     return cfg
@@ -206,6 +209,111 @@ def scenario_checkpoint(p):
     return {"saved": saved, "loaded": loaded, "client_step": client["step"], "path": path,
             "next_loss": float(next_loss[0]), "fresh_loss": float(fresh_loss[0]), "plain_path": plain_path,
             "bias_of_gates": bias_of_gates}
+
+
+def _rolled(L: int, E: int, G: int, shift: int):
+    """A permutation of every layer's experts: layer l's rolled by shift + l (none of them AutoEP's layout)."""
+    from eb_deepspeed.planning.placement import index_maps
+    phy2log = torch.stack([torch.roll(torch.arange(E), shift + layer) for layer in range(L)])
+    return index_maps(phy2log, E, G, E // G)
+
+
+def _logical_expert_grads(engine, placement) -> dict[str, torch.Tensor]:
+    """Every expert weight's gradient [E, ...] in logical order, gathered over the EP group (ZeRO 0)."""
+    out = {}
+    for index, (_, layer) in enumerate(find_autoep_layers(engine.module)):
+        for name, param in layer.experts.named_parameters():
+            grad = param.grad.detach().contiguous()
+            parts = [torch.zeros_like(grad) for _ in range(layer.ep_size)]
+            dist.all_gather(parts, grad, group=layer.ep_group)
+            out[f"{index}.{name}"] = torch.cat(parts)[placement.log2phy[index, :, 0]]
+    return out
+
+
+def _placement_block(interval: int = 10**6, **extra) -> dict:
+    return {"mode": "observe", "warmup_batches": 1, "train_placement": {"enabled": True, "interval": interval},
+            **extra}
+
+
+def _fail_once(module, name: str) -> None:
+    real = getattr(module, name)
+
+    def fail(*args, **kwargs):
+        setattr(module, name, real)
+        raise ValueError("injected")
+    setattr(module, name, fail)
+
+
+def scenario_placement(p):
+    """Plain AutoEP against `observe` with training placement, 5 optimizer steps, the experts re-placed before
+    steps 1, 2 and 3 (three permutations) and home at the end: losses, logical gradients (ZeRO 0) and the final
+    weights; with `p["fault"]`, the second move fails on rank 1 while checking what arrived."""
+    import eb_deepspeed.adapters.autoep.placement as placement_module
+    from eb_deepspeed.planning.placement import static_placement
+    family, zero, accum, ep = "mixtral", p["zero"], p["accum"], p["ep"]
+    out = {}
+    for name in ("plain", "placed"):
+        block = _placement_block() if name == "placed" else None
+        engine = engine_for(family, config(family, zero, accum, block, p["out"], ep=ep, bf16=p.get("bf16", False)),
+                            use_eb=name == "placed")
+        placer = getattr(getattr(engine, "easybalance", None), "placement", None)
+        home = static_placement(2, 4, ep)
+        losses, grads, applied = [], [], []
+        for step in range(5):
+            if placer is not None and 1 <= step <= 3:
+                if p.get("fault") and step == 2 and dist.get_rank() == 1:
+                    _fail_once(placement_module, "verify_finite")
+                applied.append(placer.apply(_rolled(2, 4, ep, step)))
+            for micro in range(accum):
+                ids, mask, labels = batch(step, micro)
+                loss = engine(input_ids=ids, attention_mask=mask, labels=labels).loss
+                engine.backward(loss)
+                losses.append(loss.detach().float().clone())
+                if zero == 0:
+                    grads.append(_logical_expert_grads(engine, placer.placement if placer else home))
+                engine.step()
+        if placer is not None:
+            applied.append(placer.apply(home))
+        out[name] = {"losses": losses, "grads": grads, "applied": applied,
+                     "params": {n: t.detach().clone() for n, t in engine.module.state_dict().items()},
+                     "moves": None if placer is None else (placer.replans, placer.weight_moves, placer.moved_bytes,
+                                                           placer.failed_moves)}
+    return out
+
+
+def scenario_placement_auto(p):
+    """Skewed routers (experts 0 and 1 hot, both on EP rank 0), `observe` with placement every 2 steps: the view
+    re-places them by itself, routing untouched (losses equal plain AutoEP's), the busiest rank's share drops;
+    a checkpoint saved while placed loads into plain AutoEP and into a placed engine, both continuing alike."""
+    family, ckpt = "mixtral", os.path.join(p["out"], "ckpt")
+
+    def skewed(engine):
+        offset_E = torch.tensor([3.0, 1.5, 0.0, 0.0])
+        for _, layer in find_autoep_layers(engine.module):
+            layer.router.gate.register_forward_hook(lambda m, a, logits: logits + offset_E)
+        return engine
+
+    block = _placement_block(2, log={"dir": os.path.join(p["out"], "log"), "interval": 1})
+    plain = skewed(engine_for(family, config(family), use_eb=False))
+    placed = skewed(engine_for(family, config(family, block=block)))
+    ratios = []
+    plain_losses, _ = train(plain, 8)
+    placed_losses, _ = train(placed, 8, between=lambda step: ratios.append(
+        placed.easybalance.metrics()["device_max_over_mean"]))
+    placer = placed.easybalance.placement
+    placed.save_checkpoint(ckpt, tag="t")
+    moved_after_save = placer.placement.phy2log.clone()
+    next_placed, _ = train(placed, 1)
+    fresh_plain = engine_for(family, config(family), use_eb=False, seed=3)
+    fresh_placed = engine_for(family, config(family, block=block), seed=3)
+    for engine in (fresh_plain, fresh_placed):
+        skewed(engine)
+        engine.load_checkpoint(ckpt, tag="t")
+    next_plain, _ = train(fresh_plain, 1)
+    next_fresh, _ = train(fresh_placed, 1)
+    return {"plain": plain_losses, "placed": placed_losses, "ratios": ratios, "replans": placer.replans,
+            "phy2log": moved_after_save, "next": [float(x[0]) for x in (next_placed, next_plain, next_fresh)],
+            "records": os.path.join(p["out"], "log")}
 
 
 def scenario_folded(p):

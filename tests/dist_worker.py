@@ -866,8 +866,8 @@ def _inject_move_fault(serving, phase: str) -> None:
         serving._prepare = lambda *a: fail() if first_call() else original(*a)
         return
     if phase == "verify":           # a module function of the engine: patched for this process's weight moves
-        original_verify = engine_module._verify
-        engine_module._verify = lambda *a: fail() if first_call() else original_verify(*a)
+        original_verify = engine_module.verify_finite
+        engine_module.verify_finite = lambda *a: fail() if first_call() else original_verify(*a)
         return
     original_post = engine_module._post
 

@@ -129,6 +129,7 @@ class Balancer:
         # a step whose reduce runs elsewhere in the background (serving's `ServingEngine.settle`): reads of `view`
         # take it first, so what a user reads is never a step behind
         self.settle: Optional[Callable[[], None]] = None
+        self.placement = None             # training-time expert placement (AutoEP's `TrainPlacement`), if on
         self.controls_on = config.mode == "balance" and train    # observe, and serving, change no loss and no route
         self.samples = 0                  # the adapter's sample count, for log steps
         self._nonfinite = {"warned_at": None, "steps": 0, "layers": set()}
@@ -155,6 +156,12 @@ class Balancer:
         if self.controls_on and self.controller.uses_device_loss:
             for layer, ctl in zip(self.layers, self.controls):
                 ctl.set_device_map(self._view.layer_map(layer), self.device)
+
+    def move_experts(self, expert_to_device_LE: torch.Tensor) -> None:
+        """Experts re-placed over the EP ranks (training placement): the view sums loads onto their new ranks, its
+        device pressure is rebuilt from the heat for them, and the device loss reads the new map."""
+        self._view.move_experts(expert_to_device_LE)
+        self._set_maps()
 
     @property
     def view(self) -> LoadView:

@@ -28,7 +28,8 @@ from .files import MAX_JSON_DEPTH, json_too_deep, load_json
 from .policies import POLICIES
 from .topology import TOPOLOGIES
 
-__all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "InferenceConfig", "EasyBalanceConfig"]
+__all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "InferenceConfig", "TrainPlacementConfig",
+           "EasyBalanceConfig"]
 
 MODES = ("observe", "balance")
 SPLITS = ("view", "exact")          # how serving splits an expert's routes over its replicas
@@ -105,6 +106,14 @@ class InferenceConfig:
 
 
 @dataclass(frozen=True)
+class TrainPlacementConfig:
+    """Training-time expert placement (`easybalance.train_placement`, AutoEP): experts re-placed over the EP ranks
+    from the view, weights and optimizer state moved, routing untouched (`adapters.autoep.placement`)."""
+    enabled: bool = False
+    interval: int = 50              # optimizer steps between two re-plans (each only when it pays for its move)
+
+
+@dataclass(frozen=True)
 class EasyBalanceConfig:
     enabled: bool = False           # False when the block is absent; True by default when present
     mode: str = "balance"
@@ -116,6 +125,7 @@ class EasyBalanceConfig:
     log: LogConfig = field(default_factory=LogConfig)
     aux: AuxConfig = field(default_factory=AuxConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    train_placement: TrainPlacementConfig = field(default_factory=TrainPlacementConfig)
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)  # keys the user set
 
     # ------------------------------------------------------------------ parsing
@@ -162,6 +172,7 @@ class EasyBalanceConfig:
             log=_log(block.pop("log", {}), f"{path}.log"),
             aux=_aux(block.pop("aux", {}), f"{path}.aux"),
             inference=_inference(block.pop("inference", {}), f"{path}.inference"),
+            train_placement=_train_placement(block.pop("train_placement", {}), f"{path}.train_placement"),
             explicit=explicit,
         )
         assert not block, f"unparsed keys left: {sorted(block)}"
@@ -186,9 +197,9 @@ class EasyBalanceConfig:
         """
         if context not in CONTEXTS:
             raise ValueError(f"context ({context!r}) must be one of: {', '.join(CONTEXTS)}")
-        top = {"aux", "inference"}
+        top = {"aux", "inference"} | ({"train_placement"} if context == "serve" else set())
         if self.mode == "observe":
-            top |= {"window", "warmup_batches"}
+            top |= {"window", "warmup_batches"} - ({"warmup_batches"} if self.train_placement.enabled else set())
         elif context == "train":
             if not POLICIES[self.aux.policy].uses_view:
                 top |= {"window", "warmup_batches"}
@@ -403,6 +414,14 @@ def _inference(block: Any, path: str) -> InferenceConfig:
         view_interval=_int(block.get("view_interval", d.view_interval), f"{path}.view_interval", minimum=1),
         trial_batches=_trial_batches(block.get("trial_batches", d.trial_batches), f"{path}.trial_batches"),
         explicit=frozenset(block))
+
+
+def _train_placement(block: Any, path: str) -> TrainPlacementConfig:
+    block = dict(_mapping(block, path))
+    _reject_unknown(block, path, ["enabled", "interval"])
+    d = TrainPlacementConfig()
+    return TrainPlacementConfig(enabled=_bool(block.get("enabled", d.enabled), f"{path}.enabled"),
+                                interval=_int(block.get("interval", d.interval), f"{path}.interval", minimum=1))
 
 
 def _trial_batches(value: Any, path: str) -> int:

@@ -117,6 +117,12 @@ class LoadView:
                              f"({_show(self.devices_L)})")
         return map_LE.clone()
 
+    def move_experts(self, expert_to_device_LE: torch.Tensor) -> None:
+        """Experts now on other EP ranks ([E] or [L, E]): loads go onto their new ranks, the device pressure is
+        rebuilt from the heat (as a checkpoint of another layout is restored)."""
+        self.expert_to_device_LE = self._checked_map(expert_to_device_LE)
+        self.pressure_LG = self.expert_to_device_load(self.heat_LE)
+
     @property
     def uniform(self) -> bool:
         """Every layer has the same number of experts and EP ranks (no padding, no copies)."""

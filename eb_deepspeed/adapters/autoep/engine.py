@@ -27,6 +27,7 @@ from ...core.policies import POLICIES
 from .. import common
 from ..deepspeed.hooks import StepHook, reduce_for, wrap_checkpointing
 from .layer import AutoEPBalance
+from .placement import TrainPlacement
 
 __all__ = ["attach", "find_autoep_layers"]
 
@@ -132,9 +133,17 @@ def attach(engine, config: EasyBalanceConfig) -> Balancer:
     gates = [AutoEPBalance(m, index, loss_coeff=config.aux.loss_coeff, grad_scale=lambda: _loss_scale(engine),
                            balance=balance) for index, m in enumerate(layers)]
 
+    placing = config.train_placement.enabled and bool(layers) and int(layers[0].ep_size) > 1
+    if config.train_placement.enabled and not placing:
+        warnings.warn("easybalance.train_placement: the AutoEP layers have one EP rank (autoep_size 1): nothing to "
+                      "re-place")
+
     def hook(balancer: Balancer) -> None:
         engine.module.register_forward_pre_hook(_padding_hook(gates), with_kwargs=True)
         wrap_checkpointing(engine, balancer, StepHook(engine, balancer))
+        if placing:
+            balancer.placement = TrainPlacement(engine, layers, balancer, config.train_placement.interval,
+                                                config.inference.topology)
 
     return common.attach(config, gates, {"shapes": shapes, "maps": maps}, shape_of=shape_of,
                          reduce=reduce_for(engine), device=get_accelerator().current_device_name(), hook=hook,

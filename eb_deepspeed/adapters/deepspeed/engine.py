@@ -223,6 +223,10 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
         out = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
         autoep.attach(out[0], eb_config)
         return out
+    if eb_config.train_placement.enabled:
+        raise ValueError("easybalance.train_placement re-places the experts of AutoEP layers (an enabled "
+                         "expert_parallel section); deepspeed.moe.layer.MoE models keep DeepSpeed's layout: set "
+                         "train_placement.enabled false. Nothing was changed")
     if "loss_coeff" in eb_config.aux.explicit and eb_config.aux.loss_coeff != EasyBalanceConfig().aux.loss_coeff:
         warnings.warn("easybalance.aux.loss_coeff has no effect on deepspeed.moe.layer.MoE models (their l_aux "
                       "keeps your own coefficient); it weighs the loss easybalance attaches to AutoEP models")

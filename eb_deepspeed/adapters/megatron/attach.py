@@ -83,6 +83,9 @@ def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
                          "moe_router_load_balancing_type: \"global_aux_loss\" (the global-batch loss, exact: one "
                          "all-reduce per layer per micro-batch) or \"seq_aux_loss\" (DeepSeek-V3's sequence-wise "
                          "one); easybalance keeps Megatron's losses under every policy. Nothing was changed")
+    if cfg.train_placement.enabled:
+        raise ValueError("easybalance.train_placement re-places the experts of DeepSpeed AutoEP layers; on "
+                         "Megatron-Core set train_placement.enabled false. Nothing was changed")
     routers = [r for _, r in find_routers(model)]
     if not routers:
         raise ValueError("easybalance is enabled but the model has no Megatron-Core TopKRouter")

@@ -20,7 +20,7 @@ first serve on trial against it, in turns, and stay only if they served faster (
 A re-plan moves weights in two phases: every rank fetches the new slots' weights into staging buffers, the ranks
 agree that every fetch succeeded and that they all planned the same placement, then every rank copies and flips
 its tables before the next forward. A failure at any point keeps the old placement on every rank: a rank whose
-transfer failed still completes the others and posts a stand-in for one it could not post (`_transfer`), so no
+transfer failed still completes the others and posts a stand-in for one it could not post (`transfer`), so no
 peer is left waiting; the failure reaches every rank in the agreement.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, check_pl
 from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node
 from .store import Routing, SlotStore
 
-__all__ = ["ServingEngine", "choose_placement"]
+__all__ = ["ServingEngine", "choose_placement", "transfer", "verify_finite", "agree", "placement_key", "warn_failed"]
 
 # A new placement must be expected to cut the cost by this much: the expectation is of the EMA heat, while each
 # batch's load is its own (noise on every slot), and moving weights and the replica split cost time too.
@@ -408,22 +408,22 @@ class ServingEngine:
             raise ValueError(f"a placement of {tuple(plan.phy2log.shape)} slots ({plan.slots_per_device} per rank) "
                              f"does not fit {self.L} layers x {self.G} ranks x at most {self.S_max} slots")
         self._trial = None              # a placement set from outside ends the trial: the tables are its
-        key = int(hashlib.sha1(plan.phy2log.numpy().tobytes()).hexdigest()[:15], 16)
+        key = placement_key(plan.phy2log)
         moves = self._moves(plan)
         staging: dict[tuple[int, int], torch.Tensor] = {}
         ops, ok = [], True
         try:   # phase 1a: staging buffers for our destination slots, the transfers to post
             ops = self._prepare(moves, staging)
         except Exception as e:   # noqa: BLE001 - any failure must reach the agreement, not hang the peers
-            ok = _failed("preparing the weight moves", e)
+            ok = warn_failed("preparing the weight moves", e)
         if not self._agree(ok, key):
             self.failed_moves += 1
             return False
         try:   # phase 1b: every transfer, then a check of what arrived
-            _transfer(ops)
-            _verify(staging)
+            transfer(ops)
+            verify_finite(staging)
         except Exception as e:   # noqa: BLE001
-            ok = _failed("moving expert weights", e)
+            ok = warn_failed("moving expert weights", e)
         if not self._agree(ok, key):
             self.failed_moves += 1
             return False
@@ -451,13 +451,7 @@ class ServingEngine:
         return ops
 
     def _agree(self, ok: bool, key: int) -> bool:
-        """Every rank succeeded, and every rank planned the same placement (the view is identical)."""
-        flags = torch.tensor([int(ok), key, -key], dtype=torch.long, device=self.store.device)
-        if dist_ready() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        if int(flags[1]) != -int(flags[2]):
-            raise RuntimeError("easybalance: ranks planned different placements from what should be the same view")
-        return bool(flags[0])
+        return agree(ok, key, self.store.device)
 
     # ------------------------------------------------------------------ checkpoints (DeepSpeed's file layout)
     def home_states(self) -> dict[tuple[int, int], torch.Tensor]:
@@ -480,7 +474,7 @@ class ServingEngine:
                         ops.append(dist.P2POp(dist.irecv, flats[(layer, e)], self.ep_ranks[src]))
                 elif src == self.rank:
                     ops.append(dist.P2POp(dist.isend, self.store.read_slot(layer, src_j), self.ep_ranks[home]))
-        _transfer(ops)
+        transfer(ops)
         return flats
 
     def save_checkpoint(self, ckpt_dir: str, tag: str = "served") -> str:
@@ -505,6 +499,22 @@ class ServingEngine:
         return path
 
 
+def agree(ok: bool, key: int, device) -> bool:
+    """Every rank succeeded (`ok`), and every rank planned the same placement (`key`, a hash of it: the view is
+    identical everywhere). One all-reduce over every rank."""
+    flags = torch.tensor([int(ok), key, -key], dtype=torch.long, device=device)
+    if dist_ready() and dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    if int(flags[1]) != -int(flags[2]):
+        raise RuntimeError("easybalance: ranks planned different placements from what should be the same view")
+    return bool(flags[0])
+
+
+def placement_key(slots: torch.Tensor) -> int:
+    """A 60-bit hash of a placement's slot map, for `agree`."""
+    return int(hashlib.sha1(slots.cpu().numpy().tobytes()).hexdigest()[:15], 16)
+
+
 def _prefix(plan: Placement) -> Optional[Placement]:
     """The one-slot-per-expert layout resident in `plan`'s first slots, or None (see `with_prefix`)."""
     if plan.slots_per_device * plan.num_devices == plan.num_experts:
@@ -519,13 +529,13 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _failed(what: str, error: Exception) -> bool:
+def warn_failed(what: str, error: Exception) -> bool:
     warnings.warn(f"easybalance: {what} failed on rank {dist_rank()} ({type(error).__name__}: {error}); "
-                  "the old placement keeps serving")
+                  "every rank keeps the old placement")
     return False
 
 
-def _verify(staging: dict) -> None:
+def verify_finite(staging: dict) -> None:
     """What arrived must be finite (a weight move never loads garbage into a serving slot)."""
     for (layer, j), flat in staging.items():
         if not bool(torch.isfinite(flat).all()):
@@ -561,7 +571,7 @@ def _post(op: "dist.P2POp"):
     return op.op(op.tensor, op.peer, op.group, op.tag)
 
 
-def _transfer(ops: list) -> None:
+def transfer(ops: list) -> None:
     """Post every transfer of a weight move and wait for each, so that no peer is left in a `wait()` that
     nothing will answer. On NCCL the ops go as one group (posted one by one, a swap deadlocks) and a failure
     there is the communicator's. On gloo (which posts them one at a time anyway) each is posted on its own:
