@@ -64,6 +64,10 @@ def parse_args(argv=None):
     p.add_argument("--hf-aux-coef", type=float, default=None,
                    help="turn HF's own pooled load-balancing loss on with this router_aux_loss_coef (default off)")
     p.add_argument("--zero", type=int, default=None, help="override zero_optimization.stage")
+    p.add_argument("--train-placement", type=int, default=0, metavar="N",
+                   help="easybalance.train_placement: re-place experts over the EP ranks every N steps (0: off)")
+    p.add_argument("--time-experts", action="store_true",
+                   help="time each rank's expert compute (forward and backward) into summary.json")
     p.add_argument("--micro-batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
     p.add_argument("--grad-accum", type=int, default=None, help="override gradient_accumulation_steps")
     p.add_argument("--gradient-checkpointing", action="store_true", help="HF activation checkpointing")
@@ -101,6 +105,8 @@ def main(argv=None):
     block.setdefault("log", {})["dir"] = os.path.join(args.run_dir, "balance")
     if args.mode is not None:
         block["mode"] = args.mode
+    if args.train_placement:
+        block["train_placement"] = {"enabled": True, "interval": args.train_placement}
     for key, value in (("policy", args.aux_policy), ("loss_coeff", args.loss_coeff), ("bias_rate", args.bias_rate),
                        ("batch_scope", args.batch_scope)):
         if value is not None:
@@ -118,6 +124,8 @@ def main(argv=None):
         model=model, config=ds_config,
         optimizer=lambda ps: torch.optim.AdamW(configure_moe_param_groups(list(ps)), lr=args.lr, weight_decay=0.0))
     balancer = getattr(engine, "easybalance", None)
+
+    expert_clock = ExpertClock(engine.module) if args.time_experts else None
 
     ckpt_dir = os.path.join(args.run_dir, "ckpt")
     start = 0
@@ -147,6 +155,8 @@ def main(argv=None):
                 balancer.note(lm_loss=float(lm_loss.detach()))   # logged beside the balance numbers (JSONL, W&B, eb report)
             engine.step()
         step_times.append(time.perf_counter() - t_step)
+        if expert_clock is not None and step + 1 == args.steps // 2:
+            expert_clock.seconds = 0.0                  # the second half: the routers have settled
         row = {"step": step + 1, "lm_loss": float(lm_loss.detach())}
         if balancer is not None:
             m = balancer.metrics()
@@ -161,11 +171,14 @@ def main(argv=None):
                 "  expert max/mean " + " ".join(f"{v:.2f}" for v in row["expert_max_over_mean"] if v is not None)
                 if balancer is not None else ""), flush=True)
 
+    expert_seconds = expert_clock.gather() if expert_clock is not None else None
     engine.save_checkpoint(ckpt_dir, client_state={"step": args.steps})
     final = evaluate(engine, corpus, args, rank) if args.eval_batches > 0 and corpus is not None else {}
     if rank == 0:
         summary = summarize(history, step_times, micro_batch * args.seq_len * accum * world, args)
         summary["final"] = final
+        if expert_seconds is not None:
+            summary["expert_seconds_per_rank"] = expert_seconds
         if balancer is not None:
             summary["balance"] = {k: v for k, v in balancer.metrics().items() if not isinstance(v, list)}
             balancer.close()        # the log ends on the last step
@@ -185,6 +198,33 @@ def main(argv=None):
     torch.distributed.destroy_process_group()
     if history and math.isnan(history[-1]["lm_loss"]):
         raise SystemExit("training diverged (NaN loss)")
+
+
+class ExpertClock:
+    """Each rank's time in its AutoEP layers' grouped experts (forward and backward, by module hooks): the
+    compute a dropless layer's busiest rank makes every rank wait for."""
+
+    def __init__(self, module):
+        from eb_deepspeed.adapters.autoep import find_autoep_layers
+        self.seconds, self._started = 0.0, None
+        for _, layer in find_autoep_layers(module):
+            layer.experts.register_forward_pre_hook(lambda *a: self._start())
+            layer.experts.register_forward_hook(lambda *a: self._stop())
+            layer.experts.register_full_backward_pre_hook(lambda *a: self._start())
+            layer.experts.register_full_backward_hook(lambda *a: self._stop())
+
+    def _start(self):
+        self._started = time.perf_counter()
+
+    def _stop(self):
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+    def gather(self) -> list[float]:
+        out = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(out, self.seconds)
+        return out
 
 
 EVAL_BATCH = 8      # sequences per evaluation forward

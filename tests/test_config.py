@@ -76,6 +76,9 @@ def test_the_users_dict_is_never_changed_whether_it_parses_or_fails(block):
     ({"topology": "nvlink"}, r"easybalance\.topology: moved to easybalance\.inference\.topology"),
     ({"decision_batch": 4}, r"easybalance\.decision_batch: moved to easybalance\.inference\.decision_batch"),
     ({"log": {"every": 2}}, r"easybalance\.log\.every: unknown key; valid keys: dir, interval, wandb"),
+    ({"train_placement": {"every": 2}}, r"easybalance\.train_placement\.every: unknown key; valid keys: enabled, interval"),
+    ({"train_placement": {"interval": 0}}, r"easybalance\.train_placement\.interval \(0\) must be >= 1"),
+    ({"train_placement": {"enabled": "yes"}}, r"easybalance\.train_placement\.enabled \('yes'\) must be true or false"),
     ({"mode": "fast"}, r"easybalance\.mode \('fast'\) must be one of: observe, balance"),
     ({"inference": {"topology": "infiniband"}},
      r"easybalance\.inference\.topology \('infiniband'\) must be one of: pcie, nvlink, multi_node"),
@@ -138,6 +141,9 @@ def test_a_config_error_is_caught_where_value_errors_are_with_its_path():
     ({"inference": {"decision_batch": 4}, "aux": {"policy": "bias", "bias_rate": 0.01}}, "serve",
      ["easybalance.aux.bias_rate", "easybalance.aux.policy"]),
     ({"ema_alpha": 0.2, "seq_len_weighting": True}, "train", []),
+    # training placement: a training option; in observe it still reads the view's warm-up
+    ({"train_placement": {"enabled": True}}, "serve", ["easybalance.train_placement"]),
+    ({"mode": "observe", "train_placement": {"enabled": True}, "warmup_batches": 2}, "train", []),
 ])
 def test_every_option_set_without_effect_is_named_by_its_json_path(block, context, ignored):
     assert EasyBalanceConfig.from_ds_config({"easybalance": block}).ignored_options(context) == ignored
@@ -181,7 +187,8 @@ VALID = {"enabled": True, "mode": "balance", "ema_alpha": 0.3, "window": "auto",
          "aux": {"policy": "bias", "weight_range": [0.5, 2.0], "gain": 0.02, "bias_rate": 0.001, "device_weight": 0.5,
                  "loss_coeff": 0.01, "batch_scope": "micro"},
          "inference": {"replica_slots": 1, "split": "view", "topology": "pcie", "decision_batch": 8,
-                       "replan_threshold": 1.5, "replan_interval": 24, "view_interval": 4, "trial_batches": 8}}
+                       "replan_threshold": 1.5, "replan_interval": 24, "view_interval": 4, "trial_batches": 8},
+         "train_placement": {"enabled": False, "interval": 50}}
 EDGES = st.sampled_from([10 ** 400, -10 ** 400, 2 ** 63, 2 ** 31, -1, 0, float("nan"), float("inf"), "", "\x00", [], {}])
 JSONISH = st.recursive(
     EDGES | st.none() | st.booleans() | st.integers(min_value=-10**400, max_value=10**400)
@@ -202,7 +209,7 @@ def test_the_valid_block_has_every_key_and_it_parses_back_from_its_dict():
     def leaves(d):
         return sum(leaves(v) if isinstance(v, dict) else 1 for v in d.values())
     cfg = EasyBalanceConfig.from_ds_config({"easybalance": VALID})
-    assert leaves(VALID) == leaves(cfg.to_dict()) == 25          # every key, each with its reason in docs/config.md
+    assert leaves(VALID) == leaves(cfg.to_dict()) == 27          # every key, each with its reason in docs/config.md
     assert EasyBalanceConfig.from_block(cfg.to_dict()) == cfg
 
 

@@ -54,8 +54,9 @@ SCALARS: dict[str, str] = {
     "skipped_layers": "layers left out of the view this step",
     "ready": "view warmed up",
     "steps": "view updates",
-    "replans": "placements applied (serving)",
-    "weight_moves": "expert weights moved by re-plans (serving)",
+    "replans": "placements applied (serving; training placement)",
+    "weight_moves": "experts moved by re-plans (serving; training placement)",
+    "moved_bytes": "bytes of expert state moved so far (training placement: weights, fp32 masters, moments)",
     "lm_loss": "LM loss (the training loop's, `Balancer.note`)",
 }
 # Scalars the training loop hands over with `Balancer.note(...)`.

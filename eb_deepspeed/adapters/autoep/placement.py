@@ -42,6 +42,11 @@ __all__ = ["TrainPlacement"]
 
 # A training route costs forward and backward: 3 x the 2 FLOPs per expert parameter of a forward.
 FLOPS_PER_PARAM = 6
+# A re-plan must be expected to cut the layers' busiest-rank routes by this share. Lower than serving's MIN_GAIN:
+# the heat is the EMA of whole optimizer steps' counts (every rank's micro-batches), and the copies are priced
+# (`move_cost`). With serving's 10 % one layer drifting back to 1.25x went unanswered for 180 steps
+# (docs/benchmarks.md, training-time placement).
+TRAIN_MIN_GAIN = 0.03
 
 
 class TrainPlacement:
@@ -143,7 +148,8 @@ class TrainPlacement:
         choice = choose_placement(
             heat_LE, self.placement, self.home, 1.0,
             lambda h: plan_placement(h, self.G, self.H, previous=self.placement, dispatch="uniform"),
-            cost=model.cost, ratio=model.ratio, move_cost=self.move_cost, horizon=self.interval)
+            cost=model.cost, ratio=model.ratio, move_cost=self.move_cost, horizon=self.interval,
+            min_gain=TRAIN_MIN_GAIN)
         if choice is None or choice is self.placement or torch.equal(choice.phy2log, self.placement.phy2log):
             return False
         return self.apply(choice)

@@ -104,26 +104,27 @@ DISPATCH = {
 
 def choose_placement(heat_LE: torch.Tensor, current: Placement, home: Placement, threshold: float,
                      plan, cost=expected_padded_cost, ratio=expected_slot_ratio, move_cost=None,
-                     horizon: float = 1.0) -> Optional[Placement]:
+                     horizon: float = 1.0, min_gain: float = MIN_GAIN) -> Optional[Placement]:
     """The placement to serve next, or None when the view gives no reason to plan (pure).
 
     Plan (`plan(heat_LE)`: replicas for every slot) when a layer's skew under the current placement
-    (`ratio(heat_LE, plan)` [L]) passes `threshold`, or when the home layout would cost `MIN_GAIN` less than
+    (`ratio(heat_LE, plan)` [L]) passes `threshold`, or when the home layout would cost `min_gain` less than
     the current one (replicas traffic no longer needs). `cost(heat_LE, plan)` [L]: what each layer computes and
     sends per view step. Of the plan and the home layout the cheaper is chosen; it replaces the current placement
-    when it costs `MIN_GAIN` less and, with `move_cost(plan)` (its weight copies, in the same units), when what it
-    saves over `horizon` view steps pays for its moves; else the current one is returned (planned, nothing moves).
+    when it costs `min_gain` (serving: MIN_GAIN) less and, with `move_cost(plan)` (its weight copies, in the same
+    units), when what it saves over `horizon` view steps pays for its moves; else the current one is returned
+    (planned, nothing moves).
     """
     def total(p: Placement) -> float:
         return float(cost(heat_LE, p).sum())
 
     skewed = float(ratio(heat_LE, current).max()) > threshold
-    unneeded = current is not home and total(home) < (1 - MIN_GAIN) * total(current)
+    unneeded = current is not home and total(home) < (1 - min_gain) * total(current)
     if not (skewed or unneeded):
         return None
     best = min((plan(heat_LE), home), key=total)
     gain = total(current) - total(best)
-    if gain <= MIN_GAIN * total(current) or (move_cost is not None and gain * horizon <= move_cost(best)):
+    if gain <= min_gain * total(current) or (move_cost is not None and gain * horizon <= move_cost(best)):
         return current
     return best
 

@@ -1,0 +1,86 @@
+"""Training-time expert placement on AutoEP, side by side in one run (issue 41): plain AutoEP, placement only
+(`observe`: routing untouched), the balanced default, and both, each a real 2-rank launch of the main job's model
+(examples/train_hf_moe.py: a tiny HF Mixtral, 4 layers x 8 experts, top-2, on the stdlib sources).
+
+    python -m benchmarks.train_placement [--steps 200] [--interval 20] [--seed 1234] [--json FILE]
+
+Per variant, over the second half of the run: the busiest EP rank's routed tokens over the mean (p90 over layers;
+a dropless layer's time on a GPU), the busiest rank's time in the experts over the mean rank's (CPU, forward and
+backward, `--time-experts`), LM loss and held-out loss, re-plans and bytes of expert state moved per step against
+the step's all-to-all bytes per rank. `targets` holds issue 41's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {"plain": ["--mode", "observe"], "placement": ["--mode", "observe", "--train-placement", "{interval}"],
+            "default": [], "both": ["--train-placement", "{interval}"]}
+# the main job's model (launch/train_cpu.sh): its dimensions give a step's all-to-all bytes
+LAYERS, HIDDEN, K, SEQ, MICRO = 4, 64, 2, 64, 16
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_variant(name: str, steps: int, interval: int, out: str, seed: int) -> dict:
+    run_dir = os.path.join(out, name)
+    shutil.rmtree(run_dir, ignore_errors=True)           # a fresh log: records of an earlier run would be appended
+    args = [a.format(interval=interval) for a in VARIANTS[name]]
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_port()), "examples/train_hf_moe.py",
+           "--deepspeed_config", "configs/train_hf_cpu_2rank.json", "--steps", str(steps), "--micro-batch", str(MICRO),
+           "--eval-batches", "8", "--time-experts", "--no-report", "--seed", str(seed), "--run-dir", run_dir, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(run_dir, "balance", "balance.jsonl")) as f:
+        last = [json.loads(line) for line in f if line.strip()][-1]
+    seconds = summary["expert_seconds_per_rank"]
+    half = summary["train_second_half"]
+    step_bytes = LAYERS * MICRO * SEQ * K * HIDDEN * 4 * 2 * 2    # routes x hidden x fp32, dispatch + combine, fwd + bwd
+    return {"busiest_rank_share_p90": round(half["device_max_over_mean_p90"], 4),
+            "expert_time_busiest_over_mean": round(max(seconds) / (sum(seconds) / len(seconds)), 4),
+            "expert_seconds_per_rank": [round(s, 3) for s in seconds],
+            "lm_loss": round(half["lm_loss"], 4), "val_loss": round(summary["final"]["val_loss"], 4),
+            "replans": last.get("replans", 0), "moved_bytes_per_step": round(last.get("moved_bytes", 0) / steps),
+            "moved_over_step_bytes": round(last.get("moved_bytes", 0) / steps / step_bytes, 4)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--interval", type=int, default=20)
+    p.add_argument("--seed", type=int, default=1234, help="the example's seed (model and data)")
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_train_placement"))
+    p.add_argument("--json", default=None, help="also write the result here")
+    args = p.parse_args(argv)
+    rows = {name: run_variant(name, args.steps, args.interval, args.out, args.seed) for name in VARIANTS}
+    plain, placed = rows["plain"], rows["placement"]
+    result = {"steps": args.steps, "interval": args.interval, "seed": args.seed, "rows": rows, "targets": {
+        "placement_cuts_busiest_share_ge_30pct": placed["busiest_rank_share_p90"] <= 0.7 * plain["busiest_rank_share_p90"],
+        "moves_le_5pct_of_step_bytes": placed["moved_over_step_bytes"] <= 0.05,
+        "lm_loss_equal_to_plain": abs(placed["lm_loss"] - plain["lm_loss"]) <= 1e-3}}
+    print(f"{'variant':10} {'busiest/mean p90':>16} {'expert time max/mean':>20} {'LM loss':>8} {'held-out':>8} "
+          f"{'re-plans':>8} {'moved/step bytes':>16}")
+    for name, r in rows.items():
+        print(f"{name:10} {r['busiest_rank_share_p90']:16.3f} {r['expert_time_busiest_over_mean']:20.3f} "
+              f"{r['lm_loss']:8.4f} {r['val_loss']:8.4f} {r['replans']:8d} {r['moved_over_step_bytes']:16.4f}")
+    print(json.dumps(result["targets"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
