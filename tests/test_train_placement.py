@@ -64,3 +64,7 @@ def test_the_view_re_places_hot_experts_by_itself_and_checkpoints_stay_in_autoep
         assert plain == placed and fresh == pytest.approx(placed, rel=1e-6)   # both load the same model
     records = [json.loads(line) for line in open(f"{rank['records']}/balance.jsonl")]
     assert max(r.get("replans", 0) for r in records) >= 1 and max(r.get("moved_bytes", 0) for r in records) > 0
+    from eb_deepspeed.observe.monitor import flatten_record
+    from eb_deepspeed.observe.report import summary_panels
+    assert "replans" in summary_panels(records)                       # the moves beside the balance curves
+    assert {"easybalance/replans", "easybalance/moved_bytes"} <= set(flatten_record(records[-1]))   # and in W&B

@@ -41,6 +41,14 @@ TRAINING_ONLY = ("device_loss_weight", "bias_spread", "aux_loss")
 SERVE_SUMMARY = ("device_max_over_mean_p90", "device_util_std", "token_drop_rate", "replans")
 
 
+def summary_panels(records: list[dict]) -> tuple[str, ...]:
+    """The scalars of summary.png: serving's, or training's with the LM loss and, under training placement, its
+    re-plans beside the balance curves."""
+    if _serving(records):
+        return SERVE_SUMMARY
+    return SUMMARY + tuple(k for k in R.NOTES + ("replans", ) if any(k in r for r in records))
+
+
 def log_path(run_dir: str) -> str:
     """The balance log of a run directory (or the .jsonl path itself)."""
     return run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, JSONL_NAME)
@@ -331,8 +339,7 @@ def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
         fig.savefig(written[-1], dpi=90)
         plt.close(fig)
 
-    panels = SERVE_SUMMARY if _serving(records) else \
-        SUMMARY + tuple(k for k in R.NOTES if any(k in r for r in records))           # the LM loss beside balance
+    panels = summary_panels(records)
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5))
     for ax, key in zip(axes, panels):
         values = [_number(r.get(key)) for r in records]
