@@ -293,9 +293,10 @@ def scenario_placement_auto(p):
             layer.router.gate.register_forward_hook(lambda m, a, logits: logits + offset_E)
         return engine
 
+    zero = p.get("zero", 0)
     block = _placement_block(2, log={"dir": os.path.join(p["out"], "log"), "interval": 1})
-    plain = skewed(engine_for(family, config(family), use_eb=False))
-    placed = skewed(engine_for(family, config(family, block=block)))
+    plain = skewed(engine_for(family, config(family, zero), use_eb=False))
+    placed = skewed(engine_for(family, config(family, zero, block=block)))
     ratios = []
     plain_losses, _ = train(plain, 8)
     placed_losses, _ = train(placed, 8, between=lambda step: ratios.append(
@@ -303,16 +304,17 @@ def scenario_placement_auto(p):
     placer = placed.easybalance.placement
     placed.save_checkpoint(ckpt, tag="t")
     moved_after_save = placer.placement.phy2log.clone()
-    next_placed, _ = train(placed, 1)
-    fresh_plain = engine_for(family, config(family), use_eb=False, seed=3)
-    fresh_placed = engine_for(family, config(family, block=block), seed=3)
+    # two steps after the save: the second's loss shows the optimizer state (moments) followed its expert
+    next_placed, _ = train(placed, 2)
+    fresh_plain = engine_for(family, config(family, zero), use_eb=False, seed=3)
+    fresh_placed = engine_for(family, config(family, zero, block=block), seed=3)
     for engine in (fresh_plain, fresh_placed):
         skewed(engine)
         engine.load_checkpoint(ckpt, tag="t")
-    next_plain, _ = train(fresh_plain, 1)
-    next_fresh, _ = train(fresh_placed, 1)
+    next_plain, _ = train(fresh_plain, 2)
+    next_fresh, _ = train(fresh_placed, 2)
     return {"plain": plain_losses, "placed": placed_losses, "ratios": ratios, "replans": placer.replans,
-            "phy2log": moved_after_save, "next": [float(x[0]) for x in (next_placed, next_plain, next_fresh)],
+            "phy2log": moved_after_save, "next": [[float(v) for v in x] for x in (next_placed, next_plain, next_fresh)],
             "records": os.path.join(p["out"], "log")}
 
 
