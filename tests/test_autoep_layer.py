@@ -195,6 +195,17 @@ def test_loss_coeff_on_a_deepspeed_moe_model_warns_that_it_does_nothing_there():
         eb_deepspeed.initialize(model=nn.Linear(2, 2), config={"easybalance": {"aux": {"loss_coeff": 0.5}}})
 
 
+@pytest.mark.parametrize("ds_config, message", [
+    ({"zero_optimization": {"stage": 3}, "expert_parallel": {"enabled": True, "autoep_size": 2}},
+     r"train_placement supports ZeRO stages 0-2.*Nothing was changed"),
+    ({}, r"train_placement re-places the experts of AutoEP layers.*Nothing was changed")])
+def test_training_placement_is_refused_where_it_cannot_move_experts_before_deepspeed_starts(ds_config, message):
+    import eb_deepspeed
+    block = {"easybalance": {"mode": "observe", "train_placement": {"enabled": True}}}
+    with pytest.raises(ValueError, match=message):
+        eb_deepspeed.initialize(model=nn.Linear(2, 2), config={**ds_config, **block})
+
+
 def test_a_non_finite_score_correction_bias_counts_every_token_as_non_finite():
     # DeepSeek-V3's pretrained bias with a NaN: AutoEP then routes every token by NaN scores (2 of 4 experts, every
     # step). Before: no warning, the layer stayed in the view and the bias kept pushing; now the tally flags it

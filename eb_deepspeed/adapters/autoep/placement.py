@@ -54,10 +54,7 @@ class TrainPlacement:
     layout to start), re-planned from `balancer`'s view every `interval` optimizer steps."""
 
     def __init__(self, engine, layers: list, balancer, interval: int, topology: str = "pcie"):
-        if engine.zero_optimization_stage() >= 3:
-            raise ValueError("easybalance.train_placement supports ZeRO stages 0-2 (ZeRO 3 partitions each expert's "
-                             "weights over ranks: moving them is not built); set zero_optimization.stage <= 2 or "
-                             'train_placement.enabled false')
+        assert engine.zero_optimization_stage() < 3, "refused by initialize: ZeRO 3 partitions each expert's weights"
         for m in layers:
             folded = m.folding_group_handles is not None and m.folding_group_handles.spec.tp_size > 1
             if folded or getattr(m, "comm_backend", "comm") != "comm":

@@ -220,6 +220,11 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
         if find_moe_layers(model):
             raise ValueError("easybalance: the model has deepspeed.moe.layer.MoE layers and an enabled "
                              "expert_parallel (AutoEP) section; use one of the two. Nothing was changed")
+        stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+        if eb_config.train_placement.enabled and stage == 3:
+            raise ValueError("easybalance.train_placement supports ZeRO stages 0-2 (ZeRO 3 partitions each expert's "
+                             "weights over ranks: moving them is not built); set zero_optimization.stage <= 2 or "
+                             "train_placement.enabled false. Nothing was changed")
         out = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
         autoep.attach(out[0], eb_config)
         return out
