@@ -247,7 +247,8 @@ def _fail_once(module, name: str) -> None:
 def scenario_placement(p):
     """Plain AutoEP against `observe` with training placement, 5 optimizer steps, the experts re-placed before
     steps 1, 2 and 3 (three permutations) and home at the end: losses, logical gradients (ZeRO 0) and the final
-    weights; with `p["fault"]`, the second move fails on rank 1 while checking what arrived."""
+    weights; with `p["fault"]`, the second move fails on rank 1 while checking what arrived ("verify") or while
+    reading the state it sends ("read": its sends go as NaNs)."""
     import eb_deepspeed.adapters.autoep.placement as placement_module
     from eb_deepspeed.planning.placement import static_placement
     family, zero, accum, ep = "mixtral", p["zero"], p["accum"], p["ep"]
@@ -261,8 +262,8 @@ def scenario_placement(p):
         losses, grads, applied = [], [], []
         for step in range(5):
             if placer is not None and 1 <= step <= 3:
-                if p.get("fault") and step == 2 and dist.get_rank() == 1:
-                    _fail_once(placement_module, "verify_finite")
+                if p.get("fault") and step == 2 and dist.get_rank() == 1:     # checking what arrived, or reading
+                    _fail_once(*((placement_module, "verify_finite") if p["fault"] == "verify" else (placer, "_tensors_of")))
                 applied.append(placer.apply(_rolled(2, 4, ep, step)))
             for micro in range(accum):
                 ids, mask, labels = batch(step, micro)

@@ -198,6 +198,8 @@ def test_loss_coeff_on_a_deepspeed_moe_model_warns_that_it_does_nothing_there():
 @pytest.mark.parametrize("ds_config, message", [
     ({"zero_optimization": {"stage": 3}, "expert_parallel": {"enabled": True, "autoep_size": 2}},
      r"train_placement supports ZeRO stages 0-2.*Nothing was changed"),
+    ({"bf16": {"enabled": True}, "expert_parallel": {"enabled": True, "autoep_size": 2}},
+     r"train_placement at ZeRO 0 .* use ZeRO 1 or 2 for bf16.*Nothing was changed"),
     ({}, r"train_placement re-places the experts of AutoEP layers.*Nothing was changed")])
 def test_training_placement_is_refused_where_it_cannot_move_experts_before_deepspeed_starts(ds_config, message):
     import eb_deepspeed

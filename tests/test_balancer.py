@@ -112,9 +112,9 @@ def test_every_record_key_is_in_the_one_table():
     balancer.step()
     record = balancer.log.record(balancer)
     table = set(R.META) | set(R.PER_LAYER) | set(R.SCALARS) | set(R.MATRICES)
-    # serving adds two, a run's first log one, the training loop's note the rest
-    assert set(record) == table - {"replans", "weight_moves", "run_start", *R.NOTES}
-    balancer.log.extra = lambda: {"replans": 2, "weight_moves": 5}
+    # serving adds two, training placement three, a run's first log one, the training loop's note the rest
+    assert set(record) == table - {"replans", "weight_moves", "moved_bytes", "run_start", *R.NOTES}
+    balancer.log.extra = lambda: {"replans": 2, "weight_moves": 5, "moved_bytes": 8}
     balancer.note(lm_loss=2.5)
     record = balancer.log.record(balancer)
     assert set(record) == table - {"run_start"} and record["lm_loss"] == 2.5

@@ -45,8 +45,9 @@ def test_three_re_placements_keep_plain_autoeps_losses_gradients_and_weights(tmp
         assert_same_training(plain, placed, atol=1e-2 if bf16 else 1e-6)
 
 
-def test_a_move_that_fails_on_one_rank_keeps_every_rank_on_the_old_placement_and_state(tmp_path):
-    for rank in run(tmp_path, "placement", 2, zero=0, accum=1, ep=2, fault=True):
+@pytest.mark.parametrize("fault", ["verify", "read"])
+def test_a_move_that_fails_on_one_rank_keeps_every_rank_on_the_old_placement_and_state(tmp_path, fault):
+    for rank in run(tmp_path, "placement", 2, zero=0, accum=1, ep=2, fault=fault):
         plain, placed = rank["plain"], rank["placed"]
         assert placed["applied"] == [True, False, True, True]       # the second move failed, on every rank
         assert placed["moves"][3] == 1

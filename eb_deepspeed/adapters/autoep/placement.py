@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ...planning.placement import Placement, index_maps, plan_placement, static_placement
 from ..common import dist_ready, torch_optimizer
+from ..deepspeed.hooks import is_decoupled
 from ..serving.engine import DEVICE_FLOPS, DISPATCH, agree, choose_placement, placement_key, transfer, \
     verify_finite, warn_failed
 from ...core.topology import TOPOLOGIES
@@ -55,6 +56,18 @@ class TrainPlacement:
 
     def __init__(self, engine, layers: list, balancer, interval: int, topology: str = "pcie"):
         assert engine.zero_optimization_stage() < 3, "refused by initialize: ZeRO 3 partitions each expert's weights"
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+        optimizer = getattr(engine, "optimizer", None)
+        if not isinstance(optimizer, (torch.optim.Optimizer, DeepSpeedZeroOptimizer, BF16_Optimizer)):
+            raise ValueError(f"easybalance.train_placement moves the state of a torch optimizer (fp32), of ZeRO 1/2 "
+                             f"and of DeepSpeed's BF16_Optimizer; DeepSpeed wrapped this one in "
+                             f"{type(optimizer).__name__}, whose fp32 master weights it cannot move: use ZeRO 1 or 2 "
+                             "for bf16 or fp16 training")
+        if is_decoupled(engine):
+            raise ValueError("easybalance.train_placement writes checkpoints in AutoEP's layout by moving the experts "
+                             "home for the save; an asynchronous (decoupled) checkpoint engine would write them after "
+                             "they moved back: use a synchronous checkpoint engine")
         for m in layers:
             folded = m.folding_group_handles is not None and m.folding_group_handles.spec.tp_size > 1
             if folded or getattr(m, "comm_backend", "comm") != "comm":
@@ -156,17 +169,18 @@ class TrainPlacement:
         received expert's state (weights, fp32 masters, moments) at the topology's bandwidth, against
         `FLOPS_PER_PARAM` per parameter per route at `DEVICE_FLOPS`."""
         flops = DEVICE_FLOPS["cuda" if self.layers[0].router.gate.weight.device.type == "cuda" else "cpu"]
-        per_param = self._bytes_per_param()
+        per_param = self._expert_bytes() / sum(p[0].numel() for p in self.layers[0].experts.parameters())
         received = [0] * self.G
         for _, dst, _, src, _ in self._moves(plan):
             received[dst] += src != dst
         bw = self.topology.intra_bw if self.G <= self.topology.devices_per_node else self.topology.inter_bw
         return max(received) * flops * per_param / (FLOPS_PER_PARAM * bw)
 
-    def _bytes_per_param(self) -> int:
-        """Bytes of one expert parameter's state: the weight, its fp32 master (ZeRO 1/2, bf16), fp32 moments."""
-        master = 4 if hasattr(next(self.layers[0].experts.parameters()), "_hp_mapping") else 0
-        return self._lp_bytes() + master + 4 * len(self._state_keys())
+    def _expert_bytes(self) -> int:
+        """Bytes of one expert's state: each weight, its fp32 master (ZeRO 1/2, bf16), its fp32 moments."""
+        keys = len(self._state_keys())
+        return sum(p[0].numel() * (p.element_size() + 4 * (keys + hasattr(p, "_hp_mapping")))
+                   for p in self.layers[0].experts.parameters())
 
     # ------------------------------------------------------------------ moves
     def _moves(self, plan: Placement) -> list[tuple[int, int, int, int, int]]:
@@ -190,47 +204,69 @@ class TrainPlacement:
             self.placement, self._slots = plan, {}
             return True
         key, device = placement_key(plan.phy2log), self.layers[0].router.gate.weight.device
-        staging: dict[tuple[int, int], torch.Tensor] = {}
         ok = True
-        try:
-            ops = self._prepare(moves, staging)
-            transfer(ops)
-            verify_finite(staging)
-        except Exception as e:   # noqa: BLE001 - any failure must reach the agreement, not hang the peers
-            ok = warn_failed("moving experts with their optimizer state", e)
+        try:   # what every rank checks alone, agreed before any collective of the move (a rank that fails in
+            keys = self._state_keys()        # the middle of the expert-state reads would leave its peers waiting)
+            self._link_optimizer_state(keys)
+        except Exception as e:   # noqa: BLE001
+            ok = warn_failed("preparing to move experts", e)
+        if not agree(ok, key, device):
+            self.failed_moves += 1
+            return False
+        staging: dict[tuple[int, int], torch.Tensor] = {}
+        for layer in sorted({m[0] for m in moves}):      # one layer's full state in memory at a time
+            # a rank that failed goes on matching its peers' transfers (NaNs for what it could not read, which the
+            # receiver refuses), so that every rank reaches the agreement
+            try:
+                ops = self._prepare(layer, [m for m in moves if m[0] == layer], staging, keys)
+                transfer(ops)
+                verify_finite({k: v for k, v in staging.items() if k[0] == layer})
+                for k in [k for k in staging if k[0] == layer]:
+                    staging[k] = staging[k].cpu()                # held on the host until every rank agrees
+            except Exception as e:   # noqa: BLE001 - any failure must reach the agreement, not hang the peers
+                ok = ok and warn_failed(f"moving the experts of layer {layer} with their optimizer state", e)
         if not agree(ok, key, device):
             self.failed_moves += 1
             return False
         for layer in sorted({layer for layer, _ in staging}):
-            self._write(layer, {j: flat for (l, j), flat in staging.items() if l == layer})
+            self._write(layer, {j: flat for (l, j), flat in staging.items() if l == layer}, keys)
         self.placement, self._slots = plan, {}
         self.balancer.move_experts(plan.log2phy[:, :, 0] // self.H)
         self.replans += int(replan)
         self.weight_moves += len(moves)
-        self.moved_bytes += sum(src != dst for _, dst, _, src, _ in moves) * self._expert_params() * \
-            self._bytes_per_param()
+        self.moved_bytes += sum(src != dst for _, dst, _, src, _ in moves) * self._expert_bytes()
         return True
 
-    def _prepare(self, moves, staging) -> list:
-        """Staging for the rows this rank receives, the sends of the rows it gives; a row that stays on this rank
-        is copied into staging (all reads before any write: a cycle of rows is safe)."""
-        ops, reads = [], {}
-        for layer, dst, dst_j, src, src_j in moves:
-            if src == self.rank and layer not in reads:
-                reads[layer] = self._tensors_of(layer)
-            if dst == self.rank and src == self.rank:
-                staging[(layer, dst_j)] = _row(reads[layer], src_j).clone()
+    def _prepare(self, layer: int, moves, staging, keys: list[str]) -> list:
+        """One layer's transfers: staging for the rows this rank receives, the sends of the rows it gives; a row
+        that stays on this rank is copied into staging (all reads before any write: a cycle of rows is safe).
+        Every rank that receives in a layer also sends in it, so the expert-state reads (collective over each
+        expert's data-parallel peers, which play the same part) happen on all of them or none."""
+        device = self.layers[0].router.gate.weight.device
+        width = sum(p[0].numel() * (2 + len(keys) if hasattr(p, "_hp_mapping") else 1 + len(keys))
+                    for p in self.layers[layer].experts.parameters())
+        tensors = None
+        if any(src == self.rank for *_, src, _ in moves):
+            try:
+                tensors = self._tensors_of(layer, keys)
+            except Exception as e:   # noqa: BLE001 - its sends go as NaNs (below), its peers' receives complete
+                warn_failed(f"reading the expert state of layer {layer}", e)
+        ops = []
+        for _, dst, dst_j, src, src_j in moves:
+            if tensors is None and src == self.rank:
+                row = torch.full((width, ), float("nan"), device=device)
+                if dst == self.rank:
+                    staging[(layer, dst_j)] = row
+                else:
+                    ops.append(dist.P2POp(dist.isend, row, self.ep_ranks[dst], self.ep_group))
+            elif dst == self.rank and src == self.rank:
+                staging[(layer, dst_j)] = _row(tensors, src_j).clone()
             elif dst == self.rank:
-                width = self._expert_params() * (self._bytes_per_param() - self._lp_bytes() + 4) // 4
-                staging[(layer, dst_j)] = torch.empty(width, dtype=torch.float32,
-                                                      device=self.layers[0].router.gate.weight.device)
+                staging[(layer, dst_j)] = torch.empty(width, dtype=torch.float32, device=device)
                 ops.append(dist.P2POp(dist.irecv, staging[(layer, dst_j)], self.ep_ranks[src], self.ep_group))
             elif src == self.rank:
-                ops.append(dist.P2POp(dist.isend, _row(reads[layer], src_j), self.ep_ranks[dst], self.ep_group))
+                ops.append(dist.P2POp(dist.isend, _row(tensors, src_j), self.ep_ranks[dst], self.ep_group))
         return ops
-
-    def _expert_params(self) -> int:
-        return sum(p[0].numel() for p in self.layers[0].experts.parameters())
 
     def _state_keys(self) -> list[str]:
         """The optimizer's per-element state (Adam: exp_avg, exp_avg_sq); none before its first step."""
@@ -240,26 +276,20 @@ class TrainPlacement:
         return sorted({k for state in optimizer.state.values() for k, v in state.items()
                        if torch.is_tensor(v) and v.dim() > 0 and v.numel() > 1})
 
-    def _lp_bytes(self) -> int:
-        return next(self.layers[0].experts.parameters()).element_size()
-
     def _link_optimizer_state(self, keys: list[str]) -> None:
         """DeepSpeed links each parameter to its optimizer state after the first optimizer step of its first
-        parameter group, before the other groups (AutoEP's expert groups) have state: link them again."""
+        parameter group, before the other groups (AutoEP's expert groups) have state: link them all again (local,
+        cheap; the same on every rank)."""
         owner = getattr(self.engine, "optimizer", None)
-        mapped = [p for m in self.layers for p in m.experts.parameters() if getattr(p, "_hp_mapping", None) is not None]
-        if keys and mapped and hasattr(owner, "_hp_optimizer_states_linked") and \
-                set(keys) - set(mapped[0]._hp_mapping.optim_fragment or {}):
+        if keys and hasattr(owner, "_hp_optimizer_states_linked"):
             owner._hp_optimizer_states_linked = False
             owner._lazy_init_hp_params_optimizer_state()
 
-    def _tensors_of(self, layer: int) -> list[torch.Tensor]:
+    def _tensors_of(self, layer: int, keys: list[str]) -> list[torch.Tensor]:
         """Every [H, ...] tensor of the layer's expert state, in a fixed order: each weight, its fp32 master (under
         ZeRO 1/2 and bf16), its optimizer moments. Reading the master or moments under ZeRO is collective."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
         optimizer = torch_optimizer(getattr(self.engine, "optimizer", None))
-        keys = self._state_keys()
-        self._link_optimizer_state(keys)
         out = []
         for param in self.layers[layer].experts.parameters():
             out.append(param.data)
@@ -271,10 +301,10 @@ class TrainPlacement:
                 out += [state[k] if k in state else torch.zeros_like(param.data, dtype=torch.float32) for k in keys]
         return out
 
-    def _write(self, layer: int, rows: dict[int, torch.Tensor]) -> None:
+    def _write(self, layer: int, rows: dict[int, torch.Tensor], keys: list[str]) -> None:
         """Phase 2: the received rows into every tensor of the layer's state (DeepSpeed's setters under ZeRO)."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-        tensors = self._tensors_of(layer)
+        tensors = self._tensors_of(layer, keys)
         for j, flat in rows.items():
             at = 0
             for t in tensors:
@@ -282,7 +312,6 @@ class TrainPlacement:
                 with torch.no_grad():
                     t[j].copy_(flat[at:at + n].view_as(t[j]))
                 at += n
-        keys = self._state_keys()
         at = 0
         for param in self.layers[layer].experts.parameters():
             at += 1

@@ -221,6 +221,11 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
             raise ValueError("easybalance: the model has deepspeed.moe.layer.MoE layers and an enabled "
                              "expert_parallel (AutoEP) section; use one of the two. Nothing was changed")
         stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+        half = any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "bfloat16", "fp16"))
+        if eb_config.train_placement.enabled and stage == 0 and half:
+            raise ValueError("easybalance.train_placement at ZeRO 0 moves a torch optimizer's state; with bf16 or fp16 "
+                             "DeepSpeed keeps fp32 master weights there that it cannot move: use ZeRO 1 or 2 for "
+                             "bf16 or fp16 training. Nothing was changed")
         if eb_config.train_placement.enabled and stage == 3:
             raise ValueError("easybalance.train_placement supports ZeRO stages 0-2 (ZeRO 3 partitions each expert's "
                              "weights over ranks: moving them is not built); set zero_optimization.stage <= 2 or "

@@ -137,7 +137,7 @@ def wrap_checkpointing(engine, balancer: Balancer, hook: StepHook) -> None:
         client_state = dict(bound.arguments.get("client_state") or {})
         client_state[STATE_KEY] = balancer.state_dict()
         bound.arguments["client_state"] = client_state
-        if _decoupled(engine):           # an asynchronous checkpoint engine commits later: DeepSpeed's own rules
+        if is_decoupled(engine):           # an asynchronous checkpoint engine commits later: DeepSpeed's own rules
             return original_save(*bound.args, **bound.kwargs)
         return _save_guarded(engine, original_save, bound)
 
@@ -180,7 +180,7 @@ def _universal(engine) -> bool:
     return bool(check()) if callable(check) else False
 
 
-def _decoupled(engine) -> bool:
+def is_decoupled(engine) -> bool:
     check = getattr(getattr(engine, "checkpoint_engine", None), "is_decoupled", None)
     return bool(check()) if callable(check) else False
 
