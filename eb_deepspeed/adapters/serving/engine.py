@@ -48,7 +48,7 @@ from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, check_pl
 from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node
 from .store import Routing, SlotStore
 
-__all__ = ["ServingEngine", "choose_placement", "transfer", "verify_finite", "agree", "placement_key", "warn_failed"]
+__all__ = ["ServingEngine", "choose_placement"]
 
 # A new placement must be expected to cut the cost by this much: the expectation is of the EMA heat, while each
 # batch's load is its own (noise on every slot), and moving weights and the replica split cost time too.
