@@ -12,6 +12,7 @@ the step's all-to-all bytes per rank. `targets` holds issue 41's.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -36,11 +37,16 @@ def run_variant(name: str, steps: int, interval: int, out: str, seed: int) -> di
     run_dir = os.path.join(out, name)
     shutil.rmtree(run_dir, ignore_errors=True)           # a fresh log: records of an earlier run would be appended
     args = [a.format(interval=interval) for a in VARIANTS[name]]
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_port()), "examples/train_hf_moe.py",
+    port = _port()
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "examples/train_hf_moe.py",
            "--deepspeed_config", "configs/train_hf_cpu_2rank.json", "--steps", str(steps), "--micro-batch", str(MICRO),
            "--eval-batches", "8", "--time-experts", "--no-report", "--seed", str(seed), "--run-dir", run_dir, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    try:
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    finally:        # DeepSpeed's CPU shm comm op leaves a 64 MiB /dev/shm buffer per rank, named by the port
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+            os.remove(path)
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
     with open(os.path.join(run_dir, "balance", "balance.jsonl")) as f:
