@@ -129,16 +129,16 @@ class TrainPlacement:
         def wrapped_save(*args, **kwargs):
             """DeepSpeed's files in the logical layout: the experts go home for the save, then back."""
             placed = self.placement
-            self._must_apply(self.home, "before saving a checkpoint")
+            self._must_apply(self.home, "home before saving a checkpoint (nothing was saved)")
             try:
                 return save(*args, **kwargs)
             finally:
-                self._must_apply(placed, "after saving a checkpoint")
+                self._must_apply(placed, "back after saving a checkpoint (the checkpoint is whole)")
 
         def wrapped_load(*args, **kwargs):
             """A checkpoint holds the logical layout: the experts go home first (a load that fails leaves a
             consistent model), the next interval re-plans from the loaded view."""
-            self._must_apply(self.home, "before loading a checkpoint")
+            self._must_apply(self.home, "home before loading a checkpoint (nothing was loaded)")
             return load(*args, **kwargs)
 
         engine.step, engine.save_checkpoint, engine.load_checkpoint = wrapped_step, wrapped_save, wrapped_load
@@ -146,7 +146,7 @@ class TrainPlacement:
     def _must_apply(self, plan: Placement, when: str) -> None:
         if not self.apply(plan, replan=False):
             raise RuntimeError(f"easybalance.train_placement: moving the experts {when} failed on some rank (see its "
-                               "warning); every rank keeps its placement and state, nothing was saved or loaded")
+                               "warning); every rank keeps the placement and state it had before this move")
 
     def maybe_move(self) -> bool:
         """Re-plan from the view (warmed up) and move when it pays; every rank together. True when it moved."""
