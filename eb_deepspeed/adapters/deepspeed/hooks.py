@@ -296,7 +296,3 @@ def saved_state(engine, load_dir: str, tag: Optional[str]) -> tuple[Optional[str
         return None, None
     return path, saved.get(STATE_KEY) if isinstance(saved, dict) else None
 
-
-def _universal(engine) -> bool:
-    check = getattr(engine, "load_universal_checkpoint", None)
-    return bool(check()) if callable(check) else False
