@@ -26,13 +26,12 @@ placement. AutoEP's `tokens_per_expert` buffer counts per slot.
 """
 from __future__ import annotations
 
-import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from ...planning.placement import Placement, index_maps, plan_placement, static_placement
+from ...planning.placement import Placement, plan_placement, static_placement
 from ..common import dist_ready, torch_optimizer
 from ..deepspeed.hooks import is_decoupled
 from ..serving.engine import DEVICE_FLOPS, DISPATCH, agree, choose_placement, placement_key, transfer, \
@@ -243,7 +242,7 @@ class TrainPlacement:
         Every rank that receives in a layer also sends in it, so the expert-state reads (collective over each
         expert's data-parallel peers, which play the same part) happen on all of them or none."""
         device = self.layers[0].router.gate.weight.device
-        width = sum(p[0].numel() * (2 + len(keys) if hasattr(p, "_hp_mapping") else 1 + len(keys))
+        width = sum(p[0].numel() * (1 + hasattr(p, "_hp_mapping") + len(keys))
                     for p in self.layers[layer].experts.parameters())
         tensors = None
         if any(src == self.rank for *_, src, _ in moves):
@@ -285,45 +284,47 @@ class TrainPlacement:
             owner._hp_optimizer_states_linked = False
             owner._lazy_init_hp_params_optimizer_state()
 
-    def _tensors_of(self, layer: int, keys: list[str]) -> list[torch.Tensor]:
-        """Every [H, ...] tensor of the layer's expert state, in a fixed order: each weight, its fp32 master (under
-        ZeRO 1/2 and bf16), its optimizer moments. Reading the master or moments under ZeRO is collective."""
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    def _tensors_of(self, layer: int, keys: list[str]) -> list[tuple[torch.Tensor, Optional[Callable]]]:
+        """Every [H, ...] tensor of the layer's expert state in a fixed order (each weight, its fp32 master under ZeRO
+        1/2 and bf16, its optimizer moments), each with the setter that stores a full copy back (None: the tensor is
+        the state itself). Reading the master or moments under ZeRO is collective."""
+        from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,
+                                     safe_set_full_fp32_param, safe_set_full_optimizer_state)
         optimizer = torch_optimizer(getattr(self.engine, "optimizer", None))
         out = []
         for param in self.layers[layer].experts.parameters():
-            out.append(param.data)
+            out.append((param.data, None))
             if hasattr(param, "_hp_mapping"):
-                out.append(safe_get_full_fp32_param(param))
-                out += [safe_get_full_optimizer_state(param, k) for k in keys]
+                out.append((safe_get_full_fp32_param(param), lambda t, p=param: safe_set_full_fp32_param(p, t)))
+                out += [(safe_get_full_optimizer_state(param, k),
+                         lambda t, p=param, k=k: safe_set_full_optimizer_state(p, t, k)) for k in keys]
             else:
                 state = optimizer.state.get(param, {}) if optimizer is not None else {}
-                out += [state[k] if k in state else torch.zeros_like(param.data, dtype=torch.float32) for k in keys]
+                out += [(state[k] if k in state else torch.zeros_like(param.data, dtype=torch.float32), None)
+                        for k in keys]
         return out
 
     def _write(self, layer: int, rows: dict[int, torch.Tensor], keys: list[str]) -> None:
         """Phase 2: the received rows into every tensor of the layer's state (DeepSpeed's setters under ZeRO)."""
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-        tensors = self._tensors_of(layer, keys)
+        pairs = self._tensors_of(layer, keys)
         for j, flat in rows.items():
-            at = 0
-            for t in tensors:
-                n = t[j].numel()
-                with torch.no_grad():
-                    t[j].copy_(flat[at:at + n].view_as(t[j]))
-                at += n
-        at = 0
-        for param in self.layers[layer].experts.parameters():
-            at += 1
-            if hasattr(param, "_hp_mapping"):
-                safe_set_full_fp32_param(param, tensors[at])
-                for i, k in enumerate(keys):
-                    safe_set_full_optimizer_state(param, tensors[at + 1 + i], k)
-                at += 1 + len(keys)
-            else:
-                at += len(keys)
+            unflatten_row([t for t, _ in pairs], j, flat)
+        for t, store in pairs:
+            if store is not None:
+                store(t)
 
 
-def _row(tensors: list[torch.Tensor], j: int) -> torch.Tensor:
-    """Row j of every tensor as one fp32 vector (bf16 weights widen exactly)."""
-    return torch.cat([t[j].reshape(-1).float() for t in tensors])
+def _row(pairs: list, j: int) -> torch.Tensor:
+    """Row j of every tensor of `_tensors_of` as one fp32 vector (bf16 weights widen exactly; `unflatten_row`'s
+    order)."""
+    return torch.cat([t[j].reshape(-1).float() for t, _ in pairs])
+
+
+def unflatten_row(weights: list, j: int, flat: torch.Tensor) -> None:
+    """Row j of each grouped weight [S, ...] from one vector (`_row`'s and `AutoEPStore.read_slot`'s order)."""
+    at = 0
+    with torch.no_grad():
+        for w in weights:
+            n = w[j].numel()
+            w[j].copy_(flat[at:at + n].view_as(w[j]))
+            at += n

@@ -45,6 +45,7 @@ from ..serving.engine import ServingEngine
 from ..serving.store import Routing, SlotTable, split_by_fraction, steered_split
 from .engine import find_autoep_layers
 from .layer import choice_sums
+from .placement import unflatten_row
 
 __all__ = ["AutoEPStore", "AutoEPRoutes", "init_autoep_inference"]
 
@@ -219,7 +220,7 @@ class AutoEPStore:
         return torch.cat([w[j].reshape(-1) for w in self._stores[layer].values()])
 
     def write_slot(self, layer: int, j: int, flat: torch.Tensor) -> None:
-        _unflatten_row(list(self._stores[layer].values()), j, flat)
+        unflatten_row(list(self._stores[layer].values()), j, flat)
 
     def serve(self, layer: int, placement: Placement) -> None:
         self._point(layer, placement.slots_per_device)
@@ -283,20 +284,10 @@ class AutoEPStore:
                      for name, w in store.items()}
             if homes is not None:
                 for j in range(self.H):
-                    _unflatten_row(list(fresh.values()), j, homes[(layer, rank * self.H + j)])
+                    unflatten_row(list(fresh.values()), j, homes[(layer, rank * self.H + j)])
             for name, param in moe.experts.named_parameters(recurse=False):
                 param.data = fresh[name]
             moe.num_local_experts = moe.experts.num_experts = self.H
-
-
-def _unflatten_row(weights: list, j: int, flat: torch.Tensor) -> None:
-    """Row j of each grouped weight [S, ...] from one vector (`_slot_state`'s order)."""
-    at = 0
-    with torch.no_grad():
-        for w in weights:
-            n = w[j].numel()
-            w[j].copy_(flat[at:at + n].view_as(w[j]))
-            at += n
 
 
 def init_autoep_inference(model: torch.nn.Module, config=None) -> torch.nn.Module:
