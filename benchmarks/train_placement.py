@@ -3,6 +3,7 @@
 (examples/train_hf_moe.py: a tiny HF Mixtral, 4 layers x 8 experts, top-2, on the stdlib sources).
 
     python -m benchmarks.train_placement [--steps 200] [--interval 20] [--seed 1234] [--json FILE]
+    python -m benchmarks.train_placement --bound runs/bench_train_placement/placement   # what a permutation can reach
 
 Per variant, over the second half of the run: the busiest EP rank's routed tokens over the mean (p90 over layers;
 a dropless layer's time on a GPU), the busiest rank's time in the experts over the mean rank's (CPU, forward and
@@ -62,6 +63,24 @@ def run_variant(name: str, steps: int, interval: int, out: str, seed: int) -> di
             "moved_over_step_bytes": round(last.get("moved_bytes", 0) / steps / step_bytes, 4)}
 
 
+def permutation_bound(run_dir: str, devices: int = 2) -> dict:
+    """What a permutation can reach on a run's own traffic: per layer, the busiest rank over the mean of the
+    planner's best permutation of the second half's summed expert counts, against the per-step share the run had."""
+    import torch
+    from eb_deepspeed.planning.placement import expected_device_load, plan_placement
+    with open(os.path.join(run_dir, "balance", "balance.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    half = records[len(records) // 2:]
+    counts_LE = torch.tensor([r["expert_counts_LE"] for r in half], dtype=torch.float64).sum(0)
+    load_LG = expected_device_load(counts_LE, plan_placement(counts_LE, devices, counts_LE.shape[1] // devices,
+                                                             dispatch="uniform"))
+    return {"best_permutation_share": [round(v, 3) for v in (load_LG.amax(1) / load_LG.mean(1)).tolist()],
+            "hottest_expert_over_rank_share": [round(v, 3) for v in
+                                              (counts_LE.amax(1) / (counts_LE.sum(1) / devices)).tolist()],
+            "run_share": [round(sum(r["device_max_over_mean"][layer] for r in half) / len(half), 3)
+                          for layer in range(counts_LE.shape[0])]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200)
@@ -69,7 +88,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234, help="the example's seed (model and data)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_train_placement"))
     p.add_argument("--json", default=None, help="also write the result here")
+    p.add_argument("--bound", default=None, metavar="RUN_DIR",
+                   help="only print what a permutation can reach on a finished run's traffic (permutation_bound)")
     args = p.parse_args(argv)
+    if args.bound:
+        print(json.dumps(permutation_bound(args.bound)))
+        return 0
     rows = {name: run_variant(name, args.steps, args.interval, args.out, args.seed) for name in VARIANTS}
     plain, placed = rows["plain"], rows["placement"]
     result = {"steps": args.steps, "interval": args.interval, "seed": args.seed, "rows": rows, "targets": {
