@@ -1,5 +1,5 @@
-"""`python -m benchmarks train --sweep --framework autoep|megatron|deepspeed --scopes`: training controls on an HF Mixtral
-under DeepSpeed's AutoEP, on the Megatron-Core example, and (the batch scopes) on the DeepSpeed-MoE example.
+"""`python -m benchmarks train --sweep --framework autoep|megatron`: training controls on an HF Mixtral under
+DeepSpeed's AutoEP and on the Megatron-Core example.
 
 AutoEP: every run is `examples/train_hf_moe.py` (4 layers, 8 experts, top-2, dropless) under the real `deepspeed`
 launcher with 2 CPU ranks on the stdlib's sources, micro-batch 2 x 2 accumulation steps per rank (the
@@ -10,25 +10,19 @@ weights). Rows:
 
     none               easybalance observes, no balance loss (AutoEP's own: it has none)
     hf_micro           HF's own loss (all layers' router logits pooled, per micro-batch), easybalance observes
-    micro              easybalance's per-layer loss, `aux.batch_scope` "micro" (fixed weights)
-    global_exact       the same loss over the global batch (one [E] all-reduce per layer per micro-batch)
-    global_lagged      (measured, no gain, left the package) the last step's global batch, from the view
-    sequence           DeepSeek-V3's sequence-wise loss
+    micro              easybalance's per-layer loss over the micro-batch (fixed weights)
     cross_layer        the view's per-layer weights on the micro-batch loss
     bias               the selection bias (aux-loss-free) with a small loss
     bias_cross_layer   the default: the bias with the view's per-layer rates, and the loss
 
 Megatron-Core: `examples/megatron_train_moe.py` (4 layers, 8 experts, top-2, capacity factor 1: tokens drop),
-2 CPU ranks, Megatron's own losses by `moe_router_load_balancing_type` (aux_loss, global_aux_loss, seq_aux_loss;
-easybalance's `batch_scope` is refused there), the policies on top; same rows where they exist.
+2 CPU ranks, Megatron's own losses by `moe_router_load_balancing_type` (aux_loss, global_aux_loss as
+`global_exact`, seq_aux_loss as `sequence`), the policies on top; same rows where they exist. (The same loss over
+the global batch or per sequence on AutoEP and DeepSpeed-MoE measured no better than micro and left the package:
+benchmarks/results/bench_train_sweep_autoep.json, bench_train_sweep_scopes.json; docs/benchmarks.md.)
 
     python -m benchmarks train --sweep --framework autoep --json > benchmarks/results/bench_train_sweep_autoep.json    # ~80 min here
     python -m benchmarks train --sweep --framework megatron --json > benchmarks/results/bench_train_sweep_megatron.json
-    python -m benchmarks train --sweep --framework deepspeed --scopes --policies micro global_exact sequence \
-        bias_cross_layer --json > benchmarks/results/bench_train_sweep_scopes.json                          # ~80 min here
-
-DeepSpeed-MoE (`--scopes`; the policies' own sweep is `python -m benchmarks train --sweep`): the example LM, 8 layers, top-1
-and top-2 alternating, micro-batch 4 x 2 accumulation steps, the batch scopes of DeepSpeed's `l_aux`.
     python -m benchmarks train --sweep --framework autoep --quick                                        # the tests' size
     python -m benchmarks train --sweep --framework autoep --from benchmarks/results/bench_train_sweep_autoep.json     # re-judge only
 """
@@ -60,12 +54,10 @@ def _control_rows(names: tuple[str, ...], coeff_flag: str, scope_args: dict[str,
     return {name: (row(name), COEFFS_OF_ROW[name]) for name in names}
 
 
-_SCOPE_FLAGS = {scope: ["--batch-scope", scope] for scope in ("global_exact", "sequence")}
 AUTOEP_ROWS = {
     "none": (lambda c: ["--mode", "observe"], "none"),
     "hf_micro": (lambda c: ["--mode", "observe", "--hf-aux-coef", str(c)], "one"),
-    **_control_rows(("micro", "global_exact", "sequence", "cross_layer", "bias", "bias_cross_layer"),
-                    "--loss-coeff", _SCOPE_FLAGS),
+    **_control_rows(("micro", "cross_layer", "bias", "bias_cross_layer"), "--loss-coeff", {}),
 }
 # metric -> (where in summary.json (None: its top level), what it is)
 AUTOEP_METRICS = {
@@ -78,7 +70,7 @@ AUTOEP_METRICS = {
                           "distance averaged over layers (0: used alike; higher: more specialised)"),
     "tokens_per_s": (None, "training tokens/s (every rank; noisy on a shared host)"),
 }
-MEGATRON_ROWS = {     # Megatron's own losses are the scopes (easybalance's batch_scope is refused there)
+MEGATRON_ROWS = {     # Megatron's own losses are the scopes
     "none": (lambda c: ["--load-balancing", "none", "--mode", "observe", "--coeff", "0"], "none"),
     **_control_rows(("micro", "global_exact", "sequence", "cross_layer", "bias", "bias_cross_layer"), "--coeff",
                     {"global_exact": ["--load-balancing", "global_aux_loss"],
@@ -91,8 +83,6 @@ DROPPING_METRICS = {
     "device_max_over_mean_p90": ("train_second_half", "p90 over layers of device max/mean, second half"),
     "tokens_per_s": (None, "training tokens/s (every rank; noisy on a shared host)"),
 }
-DEEPSPEED_ROWS = _control_rows(("micro", "global_exact", "sequence", "cross_layer",
-                                 "bias_cross_layer"), "--coeff", _SCOPE_FLAGS)
 # framework -> its example, config (and the flag that takes it), arguments of every run, rows, metrics
 FRAMEWORKS = {
     "autoep": dict(script=os.path.join("examples", "train_hf_moe.py"), config="train_hf_cpu_2rank.json",
@@ -101,14 +91,6 @@ FRAMEWORKS = {
                                               "2" if quick else "8"],
                    shape=dict(model="HF Mixtral, 4 layers, 8 experts, top-2, hidden 64, ffn 128 (examples/hf_moe.py)",
                               micro_batch=2, gradient_accumulation_steps=2, seq_len=64)),
-    "deepspeed": dict(script=os.path.join("examples", "train_moe_lm.py"), config="train_cpu_2rank.json",
-                      config_flag="--deepspeed_config", rows=DEEPSPEED_ROWS, metrics=DROPPING_METRICS,
-                      args=lambda steps, quick: ["--eval-every", str(steps), "--eval-batches", "2" if quick else "8",
-                                                 "--layers", "8", "--k", "1,2", "--micro-batch", "4", "--grad-accum",
-                                                 "2", "--seq-len", "64"],
-                      shape=dict(model="the example byte-level LM, 8 DeepSpeed-MoE layers, top-1 and top-2 "
-                                 "alternating, capacity factor 1 (examples/train_moe_lm.py)", micro_batch=4,
-                                 gradient_accumulation_steps=2, seq_len=64)),
     "megatron": dict(script=os.path.join("examples", "megatron_train_moe.py"), config="megatron_cpu.json",
                      config_flag="--config", rows=MEGATRON_ROWS, metrics=DROPPING_METRICS,
                      args=lambda steps, quick: ["--eval-every", str(steps), "--eval-batches", "2" if quick else "8",
@@ -118,7 +100,7 @@ FRAMEWORKS = {
                                 seq_len=64)),
 }
 FULL = dict(coefficients=(0.003, 0.01, 0.03), seeds=(1, 2, 3), steps=300)
-QUICK = dict(rows=("micro", "global_exact", "cross_layer"), coefficients=(0.01, ), seeds=(1, 2), steps=8)
+QUICK = dict(rows=("micro", "cross_layer"), coefficients=(0.01, ), seeds=(1, 2), steps=8)
 
 
 def _row_coefficients(kind: str, coefficients: tuple) -> tuple:

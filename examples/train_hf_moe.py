@@ -36,7 +36,6 @@ VERSUS = (("device_max_over_mean_p90", "busiest EP rank's routed tokens / mean, 
 
 def parse_args(argv=None):
     import deepspeed
-    from eb_deepspeed.core.losses import BATCH_SCOPES
     from eb_deepspeed.core.policies import POLICIES
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -56,7 +55,6 @@ def parse_args(argv=None):
     p.add_argument("--aux-policy", choices=list(POLICIES), default=None, help="override easybalance.aux.policy")
     p.add_argument("--loss-coeff", type=float, default=None, help="override easybalance.aux.loss_coeff")
     p.add_argument("--bias-rate", type=float, default=None, help="override easybalance.aux.bias_rate")
-    p.add_argument("--batch-scope", choices=BATCH_SCOPES, default=None, help="override easybalance.aux.batch_scope")
     p.add_argument("--eval-batches", type=int, default=0,
                    help="at the end: validation loss over this many batches (8 sequences each) of held-out stdlib "
                         "sources, and how differently the experts serve Python sources and the stdlib's text files "
@@ -107,8 +105,7 @@ def main(argv=None):
         block["mode"] = args.mode
     if args.train_placement:
         block["train_placement"] = {"enabled": True, "interval": args.train_placement}
-    for key, value in (("policy", args.aux_policy), ("loss_coeff", args.loss_coeff), ("bias_rate", args.bias_rate),
-                       ("batch_scope", args.batch_scope)):
+    for key, value in (("policy", args.aux_policy), ("loss_coeff", args.loss_coeff), ("bias_rate", args.bias_rate)):
         if value is not None:
             block.setdefault("aux", {})[key] = value
 

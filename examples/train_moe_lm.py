@@ -25,7 +25,6 @@ from moe_lm import MoELM, StdlibCorpus, pyramid, run_and_exit, versus  # noqa: E
 
 def parse_args(argv=None):
     import deepspeed
-    from eb_deepspeed.core.losses import BATCH_SCOPES
     from eb_deepspeed.core.policies import POLICIES
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -48,7 +47,6 @@ def parse_args(argv=None):
     p.add_argument("--aux-policy", choices=list(POLICIES), default=None,
                    help="override easybalance.aux.policy of the config")
     p.add_argument("--bias-rate", type=float, default=None, help="override easybalance.aux.bias_rate")
-    p.add_argument("--batch-scope", choices=BATCH_SCOPES, default=None, help="override easybalance.aux.batch_scope")
     p.add_argument("--aux-weight-range", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help="override easybalance.aux.weight_range")
     p.add_argument("--aux-gain", type=float, default=None, help="override easybalance.aux.gain")
@@ -121,7 +119,7 @@ def main(argv=None):
     if args.aux_policy is not None:
         block.setdefault("aux", {})["policy"] = args.aux_policy
     for key, value in (("bias_rate", args.bias_rate), ("weight_range", args.aux_weight_range),
-                       ("gain", args.aux_gain), ("batch_scope", args.batch_scope)):
+                       ("gain", args.aux_gain)):
         if value is not None:
             block.setdefault("aux", {})[key] = value
 

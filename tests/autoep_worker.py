@@ -139,54 +139,6 @@ def scenario_tally(p):
             "grad_norm": float(sum(layer.router.gate.weight.detach().norm() for layer in layers))}
 
 
-def scenario_scopes(p):
-    """`aux.batch_scope` on AutoEP with accumulation, padding and checkpointing: after every micro-batch each
-    gate's f (what its loss took) against an independent count of the routes of the step so far on every rank
-    (global_exact); the sequence scope trains."""
-    scope, checkpointing, accum = p["scope"], p["checkpointing"], 2
-    engine = engine_for("mixtral", config("mixtral", 0, accum, {"mode": "balance", "warmup_batches": 1,
-                                                                 "aux": {"batch_scope": scope}}, p["out"]),
-                        checkpointing=checkpointing)
-    layers = [m for _, m in find_autoep_layers(engine.module)]
-    controls = engine.easybalance.controls
-    own_LE = torch.zeros(len(layers), 4, dtype=torch.float64)
-    valid = {"T": None, "on": False}
-
-    def counter(index):
-        def hook(router, args, output):
-            if valid["on"]:
-                own_LE[index] += torch.bincount(output[1][valid["T"]].flatten(), minlength=4).double()
-        return hook
-
-    for index, layer in enumerate(layers):
-        layer.router.register_forward_hook(counter(index))
-    shares, wanted, losses = [], [], []
-    for step in range(3):
-        step_LE = torch.zeros_like(own_LE)
-        for micro in range(accum):
-            ids, mask, labels = batch(step, micro, pad=True)
-            valid["T"], valid["on"] = mask.reshape(-1) > 0, True
-            own_LE.zero_()
-            out = engine(input_ids=ids, attention_mask=mask, labels=labels)
-            valid["on"] = False                  # a checkpointed re-run in backward is not a new route
-            engine.backward(out.loss)
-            losses.append(float(out.loss))
-            dist.all_reduce(own_LE)
-            step_LE += own_LE
-            if scope != "sequence":
-                shares.append(torch.stack([c.global_shares.share(c.layer, rerun=True) for c in controls]))
-                wanted.append((step_LE / step_LE.sum(1, keepdim=True)).float())
-            engine.step()
-    extra = None
-    if scope == "global_exact":     # one more train-mode forward, without autograd on rank 0 only: before, rank 1
-        ids, mask, labels = batch(9, 0, pad=True)     # waited alone in the scope's all-reduce, rank 0 in AutoEP's
-        with torch.set_grad_enabled(dist.get_rank() != 0):
-            engine(input_ids=ids, attention_mask=mask, labels=labels)
-        extra = torch.stack([c.global_shares.share(c.layer, rerun=True) for c in controls])
-    return {"shares": shares, "wanted": wanted, "losses": losses, "scope": [c.batch_scope for c in controls],
-            "extra": extra}
-
-
 def scenario_checkpoint(p):
     """`balance` at a ZeRO stage: save, load into a fresh engine (same state), and into plain AutoEP."""
     family, zero = p["family"], p["zero"]
@@ -321,8 +273,7 @@ def scenario_placement_auto(p):
 
 def scenario_folded(p):
     """Mixtral under AutoEP (autoep_size 2) with tensor-parallel folding (`tensor_parallel.autotp_size` = p["tp"];
-    1: unfolded; attention sharded) on every rank of the job: plain, `observe`, `balance` and `balance` with the
-    exact global batch scope, 3 steps each on the same
+    1: unfolded; attention sharded) on every rank of the job: plain, `observe` and `balance`, 3 steps each on the same
     batches (the batch of data-parallel rank rank // tp: tensor-parallel peers see the same tokens). Per
     engine: losses, router gradients of the first step, weights after 3 steps; for the balancer, its view's counts
     and bias against an independent count of the router's choices."""
@@ -330,8 +281,7 @@ def scenario_folded(p):
     dp_rank = dist.get_rank() // tp
     out = {}
     for name, block in (("plain", None), ("observe", {"mode": "observe"}),
-                        ("balance", {"mode": "balance", "warmup_batches": 1}),
-                        ("exact", {"mode": "balance", "warmup_batches": 1, "aux": {"batch_scope": "global_exact"}})):
+                        ("balance", {"mode": "balance", "warmup_batches": 1})):
         cfg = config("mixtral", 0, 1, block, p["out"])
         if tp > 1:
             cfg["tensor_parallel"] = {"autotp_size": tp, "partition_config": {"use_default_specs": False, "layer_specs": [

@@ -322,51 +322,6 @@ def scenario_view(p):
             "metrics": eb.metrics(), "optimizer": type(engine.optimizer).__name__}
 
 
-def scenario_scopes(p):
-    """`aux.batch_scope` on DeepSpeed-MoE with accumulation: after every micro-batch each gate's f against the
-    routes DeepSpeed counted (exp_counts) in the step so far on every rank; the sequence scope sees the
-    sequence length through the MOELayer hook and gives DeepSpeed's l_aux another value."""
-    scope, accum = p["scope"], 2
-    block = {"mode": "balance", "warmup_batches": 1, "aux": {"policy": "fixed", "batch_scope": scope},
-             "log": {"dir": os.path.join(p["out"], "log")}}
-    engine = make_engine(make_model(ep_size=2), base_config(gradient_accumulation_steps=accum, easybalance=block))
-    gates = gates_of(engine)
-    own_LE = torch.zeros(len(gates), 4, dtype=torch.float64)
-    counting = {"on": False}
-
-    def counter(index):
-        def hook(gate, args, output):
-            if counting["on"]:
-                own_LE[index] += output[-1].double()
-        return hook
-
-    for index, gate in enumerate(gates):
-        gate.register_forward_hook(counter(index))
-    shares, wanted, losses, l_aux_all = [], [], [], []
-    rank = torch.distributed.get_rank()
-    for step in range(3):
-        step_LE = torch.zeros_like(own_LE)
-        for micro in range(accum):
-            torch.manual_seed(7919 * step + 31 * micro + rank)
-            x, y = batch(step, micro)
-            own_LE.zero_()
-            counting["on"] = True
-            logits, l_aux = engine(x)
-            counting["on"] = False
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.1 * sum(l_aux)
-            engine.backward(loss)
-            losses.append(float(loss))
-            l_aux_all.append([float(v) for v in l_aux])
-            torch.distributed.all_reduce(own_LE)
-            step_LE += own_LE
-            if scope != "sequence":
-                shares.append(torch.stack([g.controls.global_shares.share(g.controls.layer, rerun=True) for g in gates]))
-                wanted.append((step_LE / step_LE.sum(1, keepdim=True)).float())
-            engine.step()
-    return {"shares": shares, "wanted": wanted, "losses": losses, "l_aux": l_aux_all,
-            "seq_len": [g.controls.seq_len for g in gates], "scope": [g.controls.batch_scope for g in gates]}
-
-
 def scenario_checkpoint(p):
     """Save after 3 steps, restore into a fresh engine: view, weights and bias come back exactly,
     and the next step gives what the uninterrupted run gives."""
@@ -1081,13 +1036,12 @@ def in_region(audit, serving) -> None:
 
 
 SYNC_BLOCK = {"mode": "balance", "warmup_batches": 1,
-              "aux": {"policy": "bias_cross_layer", "batch_scope": "global_exact"}}
+              "aux": {"policy": "bias_cross_layer"}}
 
 
 def scenario_sync(p):
     """Host-device synchronisations per micro-batch and per step (`benchmarks.sync_audit`, 2 layers): DeepSpeed-MoE
-    training, plain against the block in balance mode with every control on (bias, device loss, the global
-    scope), and serving with replicas (view every batch) against DeepSpeed's eval forward."""
+    training, plain against the block in balance mode with every control on (bias, device loss), and serving with replicas (view every batch) against DeepSpeed's eval forward."""
     from benchmarks.sync_audit import SyncAudit, audited_run
     rank, out = torch.distributed.get_rank(), {}
     for variant in ("plain", "balance"):

@@ -131,28 +131,6 @@ def test_the_balance_loss_reaches_the_router_with_its_weights_and_leaves_the_for
     assert float(counts(gate).aux_L[0]) == pytest.approx(float(own.detach()), rel=1e-6)   # unweighted, in the record
 
 
-def test_a_global_share_replaces_the_forwards_own_routes_in_the_expert_level_loss():
-    torch.manual_seed(0)
-    plain = Layer()
-    layer, gate = make(coeff=0.1)
-    share_E = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0])
-    asked = []
-
-    class Shares:                   # the balancer's GlobalShares, as this layer sees it
-        def share(self, layer, routed_E=None, rerun=False):
-            asked.append(rerun)
-            return share_E
-    gate.controls.batch_scope, gate.controls.global_shares = "global_exact", Shares()
-    x = torch.randn(T, H)
-    top, _, _ = layer(x)
-    top.sum().backward()
-    probs = F.softmax(plain.router.gate(x).float(), 1)
-    top_plain, _, _ = plain(x)
-    (top_plain.sum() + 0.1 * E * (share_E * probs.mean(0)).sum()).backward()     # E x sum f_e P_e
-    torch.testing.assert_close(layer.router.gate.weight.grad, plain.router.gate.weight.grad, rtol=1e-5, atol=1e-7)
-    assert asked == [False]                          # the first run of the forward: its all-reduce
-
-
 def test_observe_attaches_nothing():
     layer, gate = make(balance=False)
     x = torch.randn(T, H, requires_grad=True)

@@ -425,31 +425,3 @@ def test_the_non_finite_warning_repeats_once_per_log_interval_while_it_lasts():
     assert "at 1 step(s) up to step 1" in messages[0] and "at 10 step(s) up to step 11" in messages[1]
     record = balancer.log.record(balancer)
     assert record["device_util_std"] is None and record["device_max_over_mean"] == [None]
-
-
-def test_global_exact_shares_each_forwards_routes_over_the_step_so_far():
-    calls = []
-
-    def reduce(t):
-        calls.append(t.numel())
-        t.mul_(2)                                                       # another rank's routes alike
-
-    gates = [ToyGate()]
-    balancer = make({"aux": {"batch_scope": "global_exact"}}, gates, reduce=reduce)
-    ctl = gates[0].controls
-    assert ctl.batch_scope == "global_exact" and ctl.global_shares is balancer.global_shares
-    share = balancer.global_shares.share
-    assert torch.allclose(share(0, torch.tensor([3.0, 1.0, 0.0, 0.0])), torch.tensor([0.75, 0.25, 0.0, 0.0]))
-    assert calls == [4]                                                 # one [E] all-reduce
-    assert torch.allclose(share(0, rerun=True), torch.tensor([0.75, 0.25, 0.0, 0.0])) and calls == [4]  # none
-    # the second micro-batch of the step: f over both
-    assert torch.allclose(share(0, torch.tensor([0.0, 0.0, 0.0, 4.0])), torch.tensor([3, 1, 0, 4]) / 8.0)
-    balancer.step()                                                     # a step boundary: counting starts afresh
-    assert share(0, rerun=True) is None
-    assert torch.allclose(share(0, torch.tensor([0.0, 2.0, 2.0, 0.0])), torch.tensor([0.0, 0.5, 0.5, 0.0]))
-    balancer.discard_tally()                                            # a skipped step: likewise
-    assert share(0, rerun=True) is None
-    assert torch.equal(share(0, torch.zeros(4)), torch.zeros(4))   # no routes anywhere: f 0 (no host read), loss 0
-    micro = [ToyGate()]
-    make({}, micro)
-    assert micro[0].controls.batch_scope == "micro" and micro[0].controls.global_shares is None

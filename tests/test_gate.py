@@ -101,38 +101,6 @@ def test_the_gate_accumulates_over_micro_batches_and_only_in_training():
     assert part.tokens_L.item() == 64 and part.routed_LE.sum().item() == 128
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_a_global_share_makes_l_aux_e_times_the_global_frequencies_dot_this_batchs_probabilities(k):
-    ds, eb = pair(k, min_capacity=2)
-    x = torch.randn(32, M)
-    share_E = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0])
-    asked = []
-
-    class Shares:                   # the balancer's GlobalShares, as this gate sees it: one all-reduce per forward
-        def share(self, layer, routed_E=None, rerun=False):
-            asked.append(routed_E)
-            return share
-    eb.controls.batch_scope, eb.controls.global_shares = "global_exact", Shares()
-    share = share_E
-    l_eb = call(eb, x, 0, True)[0]
-    l_eb.backward()                                       # (eb shares DeepSpeed's wg parameter)
-    probs = torch.softmax(x @ ds.wg.weight.detach().t(), dim=1)
-    wanted = E * (share_E * probs.mean(0)).sum()
-    torch.testing.assert_close(l_eb.detach(), wanted)
-    assert len(asked) == 1 and int(asked[0].sum()) == 32 * k        # this micro-batch's routes, for the all-reduce
-    # the push: probability off the globally hot experts, whatever this micro-batch routed
-    w = ds.wg.weight.detach().clone().requires_grad_(True)
-    (E * (share_E * torch.softmax(x @ w.t(), dim=1).mean(0)).sum()).backward()
-    torch.testing.assert_close(eb.wg.weight.grad, w.grad)
-    share = torch.full((E, ), 1.0 / E)                    # a balanced global batch: 1 and no push
-    eb.wg.weight.grad = None
-    l_flat = call(eb, x, 0, True)[0]
-    l_flat.backward()
-    assert float(l_flat) == pytest.approx(1.0, abs=1e-6) and float(eb.wg.weight.grad.abs().max()) < 1e-6
-    share = None                                          # no global routes yet: DeepSpeed's own
-    assert_same(call(eb, x, 0, True), call(ds, x, 0, True))
-
-
 def test_the_device_loss_is_one_when_devices_are_balanced_and_hand_derived_otherwise():
     from eb_deepspeed.core.losses import device_balance_loss
     e2d = torch.tensor([0, 0, 1, 1])

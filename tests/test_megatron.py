@@ -92,16 +92,6 @@ def test_a_bad_config_is_a_config_error_with_its_path_before_any_router_changes(
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("scope, megatrons", [("global_exact", "global_aux_loss"), ("sequence", "seq_aux_loss")])
-def test_a_batch_scope_on_megatron_points_to_megatrons_own_loss_before_any_router_changes(scope, megatrons):
-    from eb_deepspeed.adapters.megatron import attach
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=rf"batch_scope \('{scope}'\) is for DeepSpeed-MoE and AutoEP.*{megatrons}"):
-        attach(model, {"easybalance": {"aux": {"batch_scope": scope}}})
-    assert not hasattr(model, "easybalance")
-
-
-@pytest.mark.unit
 def test_eb_router_spec_puts_ebrouter_in_every_moe_layer_of_a_copy_and_refuses_a_dense_spec():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.router import TopKRouter

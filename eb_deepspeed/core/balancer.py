@@ -30,7 +30,6 @@ import torch
 
 from .config import EasyBalanceConfig
 from .controls import LayerControls
-from .losses import GlobalShares
 from .policies import AuxController
 from .record import BalanceLog, BalanceLogger
 from .tally import LayerTally, TallyLayout, take_all, widen_row
@@ -133,23 +132,11 @@ class Balancer:
         self.controls_on = config.mode == "balance" and train    # observe, and serving, change no loss and no route
         self.samples = 0                  # the adapter's sample count, for log steps
         self._nonfinite = {"warned_at": None, "steps": 0, "layers": set()}
-        self.global_shares = self._batch_scope()
         self.log = BalanceLog(logger, config.log.interval)
         self._set_maps()
         self.apply_controls()
         if self.log.on:                   # a run shorter than log.interval still leaves its last record
             atexit.register(self._at_exit)
-
-    def _batch_scope(self) -> Optional[GlobalShares]:
-        """`aux.batch_scope` on every gate's controls (`balance` mode); the exact global scope's shared counts."""
-        scope = self.config.aux.batch_scope
-        if not self.controls_on or scope == "micro":
-            return None
-        shares = GlobalShares([self.experts_L[i] for i in self.layers], self.reduce, self.device) \
-            if scope == "global_exact" else None
-        for index, ctl in enumerate(self.controls):
-            ctl.batch_scope, ctl.global_shares, ctl.layer = scope, shares, index
-        return shares
 
     def _set_maps(self) -> None:
         """Each layer's expert -> EP rank map on its controls (the device loss reads it)."""
@@ -201,8 +188,6 @@ class Balancer:
             for layer, tally in zip(self.layers, self.tallies):
                 packed_LW[layer] = widen_row(tally.take(self.device), self.experts_L[layer], self.num_experts,
                                              self.counted_devices)
-        if self.global_shares is not None:
-            self.global_shares.new_step()
         return packed_LW
 
     def discard_tally(self, last_forward_only: bool = False) -> None:
@@ -214,8 +199,6 @@ class Balancer:
         """
         for tally in self.tallies:
             tally.discard(last_forward_only)
-        if self.global_shares is not None and not last_forward_only:
-            self.global_shares.new_step()
 
     def step(self, samples: Optional[int] = None) -> torch.Tensor:
         """Tally -> one reduce -> view -> control. Returns valid_L [L] bool.

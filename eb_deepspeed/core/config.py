@@ -13,7 +13,6 @@ docs/config.md gives each key's reason (a measured win, or the anchor users come
 Every mistake raises `ConfigError` naming the JSON path, e.g.
     easybalance.ema_alpha (1.5) must be in (0, 1]
     easybalance.inference.weight: unknown key; valid keys: ...
-    easybalance.topology: moved to easybalance.inference.topology
 """
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from .losses import BATCH_SCOPES
 from .files import MAX_JSON_DEPTH, json_too_deep, load_json
 from .policies import POLICIES
 from .topology import TOPOLOGIES
@@ -35,18 +33,6 @@ MODES = ("observe", "balance")
 SPLITS = ("view", "exact")          # how serving splits an expert's routes over its replicas
 CONTEXTS = ("train", "serve")   # eb_deepspeed.initialize / eb_deepspeed.init_inference (as a record's "phase")
 CHECKPOINT_MODES = ("strict", "ignore_mismatch")   # easybalance.checkpoint: a saved state that does not fit
-# Keys of earlier versions, and where they live now.
-MOVED = {"topology": "inference.topology", "decision_batch": "inference.decision_batch"}
-# Keys of earlier versions that left, and why (measured no gain, or one law with another's knob).
-REMOVED = {
-    "aux.smoothing": "the integrator already moves a weight by at most gain per step",
-    "aux.mean_one": "the weights always have mean 1 (the absolute-target variant measured no better)",
-    "aux.target": "the weights always have mean 1 (the absolute-target variant measured no better)",
-    "aux.device_scale": "the device loss's weight is the per-layer weight; scale both losses with your coefficient",
-    "aux.aux_scale": "every l_aux keeps weight 1; set your own aux coefficient (aux.loss_coeff on AutoEP)",
-    "log.max_mb": "the log rotates at a fixed 256 MiB",
-    "inference.weights": "the cost weights come from inference.topology's preset",
-}
 
 
 class ConfigError(ValueError):
@@ -81,8 +67,6 @@ class AuxConfig:
     bias_rate: float = 0.03                          # bias: sign-update rate u (logits; measured, docs/training.md)
     device_weight: float = 0.5                       # bias: weight of the device (window pressure) term
     loss_coeff: float = 0.01                         # AutoEP: coefficient of the balance loss easybalance attaches
-    # over which tokens the balance loss counts its expert frequencies f_e (core/losses.py)
-    batch_scope: str = "micro"
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
 
 
@@ -150,9 +134,6 @@ class EasyBalanceConfig:
     @classmethod
     def from_block(cls, block: Mapping[str, Any], path: str = "easybalance") -> "EasyBalanceConfig":
         block = copy.deepcopy(dict(_mapping(block, path)))
-        for old, new in MOVED.items():
-            if old in block:
-                raise ConfigError(f"{path}.{old}: moved to {path}.{new} (it only steers inference)")
         explicit = frozenset(block)
         _reject_unknown(block, path, [f.name for f in fields(cls) if f.name != "explicit"])
         d = cls()
@@ -220,7 +201,7 @@ class EasyBalanceConfig:
             else:
                 out += [f"easybalance.{key}.{k}" for k in sorted(sub)]
         if self.mode == "balance" and context == "train":
-            used = set(POLICIES[self.aux.policy].options) | {"policy", "loss_coeff", "batch_scope"}
+            used = set(POLICIES[self.aux.policy].options) | {"policy", "loss_coeff"}
             out += [f"easybalance.aux.{k}" for k in sorted(changed_in["aux"] - used)]
         return out
 
@@ -302,11 +283,6 @@ def _reject_unknown(block: Mapping[str, Any], path: str, valid: list[str]) -> No
     if odd:
         raise ConfigError(f"{path}: keys must be strings, got {odd!r}; valid keys: {', '.join(sorted(valid))}")
     unknown = sorted(set(block) - set(valid))
-    gone = [k for k in unknown if f"{path}.{k}".removeprefix("easybalance.") in REMOVED]
-    if gone:
-        key = f"{path}.{gone[0]}"
-        raise ConfigError(f"{key}: removed ({REMOVED[key.removeprefix('easybalance.')]}); valid keys: "
-                          f"{', '.join(sorted(valid))}")
     if unknown:
         where = ", ".join(f"{path}.{k}" for k in unknown)
         raise ConfigError(f"{where}: unknown key; valid keys: {', '.join(sorted(valid))}")
@@ -364,7 +340,7 @@ def _log(block: Any, path: str) -> LogConfig:
 
 def _aux(block: Any, path: str) -> AuxConfig:
     block = dict(_mapping(block, path))
-    _reject_unknown(block, path, ["policy", "loss_coeff", "batch_scope",
+    _reject_unknown(block, path, ["policy", "loss_coeff",
                                   *{o for p in POLICIES.values() for o in p.options}])
     d = AuxConfig()
     policy = _choice(block.get("policy", d.policy), f"{path}.policy", tuple(POLICIES))
@@ -387,12 +363,8 @@ def _aux(block: Any, path: str) -> AuxConfig:
     loss_coeff = _number(block.get("loss_coeff", d.loss_coeff), f"{path}.loss_coeff")
     if not 0.0 <= loss_coeff <= 1e6:
         raise ConfigError(f"{path}.loss_coeff ({loss_coeff}) must be in [0, 1e6]")
-    if block.get("batch_scope") == "global_lagged":
-        raise ConfigError(f"{path}.batch_scope ('global_lagged'): removed (the last step's global batch measured no "
-                          f"gain and has no anchor); use one of: {', '.join(BATCH_SCOPES)}")
-    batch_scope = _choice(block.get("batch_scope", d.batch_scope), f"{path}.batch_scope", BATCH_SCOPES)
     return AuxConfig(policy=policy, weight_range=(lo, hi), gain=gain, bias_rate=rate, device_weight=device_weight,
-                     loss_coeff=loss_coeff, batch_scope=batch_scope, explicit=frozenset(block))
+                     loss_coeff=loss_coeff, explicit=frozenset(block))
 
 
 def _inference(block: Any, path: str) -> InferenceConfig:

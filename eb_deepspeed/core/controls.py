@@ -9,8 +9,6 @@ that the `Balancer` writes at step boundaries and the gate reads in every forwar
     ctl = gate.controls
     selection_TE = logits_TE if ctl.bias_E is None else logits_TE + ctl.bias_on(logits_TE.device)
     loss = l_aux + ctl.device_loss(probs_TE, routed_E, k)            # 0 when the policy has no device loss
-
-`balance_loss` is the expert-level loss of `aux.batch_scope` (written once, for every adapter that computes it).
 """
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .losses import GlobalShares, device_balance_loss, expert_balance_loss, sequence_balance_loss
+from .losses import device_balance_loss
 
 __all__ = ["LayerControls"]
 
@@ -31,18 +29,12 @@ class LayerControls:
     bias_E: [E] selection bias in logit units (added to the scores that choose the top-k, never to the gate
         values); None: no bias. device_loss_weight: weight of the device-level balance loss added to the layer's
         loss (0: not computed). expert_to_device_E: [E] EP rank of each expert within the layer's group (for
-        the device loss). batch_scope: over which tokens the expert-level loss counts its frequencies
-        (`core.losses`); global_shares/layer: the exact global scope's shared counts and this layer's row.
-        seq_len: tokens per sequence of the next forward (the "sequence" scope; None: one sequence).
+        the device loss).
     """
     num_experts: int
     bias_E: Optional[torch.Tensor] = None
     device_loss_weight: float = 0.0
     expert_to_device_E: Optional[torch.Tensor] = None
-    batch_scope: str = "micro"
-    global_shares: Optional[GlobalShares] = None
-    layer: int = 0
-    seq_len: Optional[int] = None
     experts_per_device_G: Optional[torch.Tensor] = field(default=None, repr=False)   # from the map, on the host
     _on_device: dict = field(default_factory=dict, repr=False)    # name -> (host value, its copy on a device)
 
@@ -77,32 +69,6 @@ class LayerControls:
         map_E = self._copy("map", self.expert_to_device_E, probs_TE.device)
         experts_G = self._copy("experts_G", self.experts_per_device_G, probs_TE.device)
         return self.device_loss_weight * device_balance_loss(probs_TE, routed_E, map_E, experts_G, k, valid_T)
-
-    def balance_loss(self, probs_TE: torch.Tensor, routed_E: torch.Tensor, k: int, *, selected_TK: torch.Tensor,
-                     first_run: bool, valid_T: Optional[torch.Tensor] = None,
-                     own: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The expert-level balance loss of this forward under `batch_scope`, 1 at balance.
-
-        Args:
-            probs_TE: [T, E] the router's probabilities (P counts the tokens of valid_T).
-            routed_E: [E] this forward's routes per expert (padding left out).
-            selected_TK: [T, K] chosen experts of every token (the "sequence" scope reads it; -1: no route).
-            first_run: the first run of this forward (not activation checkpointing's re-run): the exact
-                global scope's all-reduce runs then, on every rank for the same forwards.
-            valid_T: [T] real tokens (None: all).
-            own: the framework's own loss of this forward, kept while the global scope has no frequencies yet
-                (None: this forward's own frequencies).
-        """
-        if self.batch_scope == "sequence":
-            T = selected_TK.shape[0]
-            seq_len = self.seq_len if self.seq_len and T % self.seq_len == 0 else T
-            return sequence_balance_loss(probs_TE, selected_TK, seq_len, self.num_experts, valid_T)
-        share_E = None
-        if self.global_shares is not None:
-            share_E = self.global_shares.share(self.layer, routed_E if first_run else None, rerun=not first_run)
-            if share_E is None and own is not None:
-                return own
-        return expert_balance_loss(probs_TE, routed_E, k, share_E, valid_T)
 
     # ------------------------------------------------------------------ helpers
     def _copy(self, name: str, value: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:

@@ -1,73 +1,23 @@
-"""The balance losses the gates attach, and whose expert frequencies they take (`aux.batch_scope`).
+"""The balance losses the gates attach.
 
-Shape legend: E experts, T tokens, K top-k, B sequences, S sequence length, G devices.
+Shape legend: E experts, T tokens, K top-k, G devices.
 
-The balance loss of one layer is l = E · Σ_e f_e · P_e (1 at balance): f_e the share of routes that went to
-expert e, P_e the mean router probability of expert e over this forward's tokens (the only differentiable part).
-The scope says over which tokens f is counted:
-
-  * "micro": this micro-batch on this rank (DeepSpeed's l_aux, HF's loss; the framework's own);
-  * "global_exact": every data-parallel rank, and every micro-batch of the optimizer step so far
-    (arXiv 2501.11873; Megatron-Core's `global_aux_loss`): one all-reduce of [E] per layer per micro-batch;
-  * "sequence": each sequence on its own, averaged over sequences (DeepSeek-V3's sequence-wise balance loss).
+The balance loss of one layer is l = E · Σ_e f_e · P_e (1 at balance): f_e the share of this micro-batch's routes
+on this rank that went to expert e (DeepSpeed's l_aux, HF's loss), P_e the mean router probability of expert e
+over its tokens (the only differentiable part). Counting f over the global batch (Megatron-Core's
+`global_aux_loss`, arXiv 2501.11873) or per sequence (DeepSeek-V3's sequence-wise loss) measured no better on
+DeepSpeed-MoE and AutoEP (docs/benchmarks.md, batch scopes): on Megatron-Core its own losses stay.
 
 `device_balance_loss` is DeepSeek-V2's device-level balance loss (with one expert per "device", the expert-level
-one). `core.controls.LayerControls` is where gates call them from.
+one). `core.controls.LayerControls` is where gates call it from.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["GlobalShares", "expert_balance_loss", "device_balance_loss", "sequence_balance_loss"]
-
-BATCH_SCOPES = ("micro", "global_exact", "sequence")
-
-
-class GlobalShares:
-    """The global batch's expert frequencies f_E of each layer (the "global_exact" scope), for the balance loss.
-
-    Args:
-        experts_L: experts of each local layer.
-        all_reduce: sums a tensor in place over the data-parallel ranks (None: one rank).
-        device: where the counts are reduced (the process group's device).
-    """
-
-    def __init__(self, experts_L: Sequence[int], all_reduce: Optional[Callable] = None,
-                 device: torch.device | str = "cpu"):
-        self.all_reduce = all_reduce
-        self.routes_LE = [torch.zeros(int(e), dtype=torch.float64, device=device) for e in experts_L]   # the step so far
-        self.share_LE: list[Optional[torch.Tensor]] = [None] * len(self.routes_LE)        # the f handed out last
-
-    def share(self, layer: int, routed_E: Optional[torch.Tensor] = None, rerun: bool = False) -> Optional[torch.Tensor]:
-        """f_E (float32, summing to 1) for the loss of this forward of `layer`, or None (no routes yet: the
-        forward's own).
-
-        Args:
-            routed_E: this forward's routes per expert (first run of a forward). Every rank must call it for
-                the same forwards: it is one all-reduce.
-            rerun: the re-run of a forward (activation checkpointing): the first run's f, no collective.
-        """
-        if rerun:
-            return self.share_LE[layer]
-        # a copy: the all-reduce works in place, and the gate's own counts must stay its own
-        counts_E = routed_E.detach().to(self.routes_LE[layer].device, torch.float64, copy=True).reshape(-1)
-        if self.all_reduce is not None:
-            self.all_reduce(counts_E)
-        self.routes_LE[layer] += counts_E
-        # no host read of the total: with no route anywhere yet the share is all zeros, and so is the loss
-        # (as this forward's own, which has no route either)
-        routes_E = self.routes_LE[layer]
-        self.share_LE[layer] = (routes_E / routes_E.sum().clamp_min(1.0)).float()
-        return self.share_LE[layer]
-
-    def new_step(self) -> None:
-        """An optimizer step boundary (or a skipped step): counting starts afresh."""
-        for routes_E in self.routes_LE:
-            routes_E.zero_()
-        self.share_LE = [None] * len(self.routes_LE)
+__all__ = ["expert_balance_loss", "device_balance_loss"]
 
 
 def _mean_probs(probs_TE: torch.Tensor, valid_T: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | int]:
@@ -87,53 +37,18 @@ def _fair_shares(routed_E: torch.Tensor, E: int, k: int, T: torch.Tensor | int, 
 
 
 def expert_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, k: int,
-                        share_E: Optional[torch.Tensor] = None, valid_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        valid_T: Optional[torch.Tensor] = None) -> torch.Tensor:
     """E · Σ_e f_e · P_e, 1 at balance.
 
     Args:
         probs_TE: [T, E] router probabilities; P_E is the mean over the tokens that count.
-        routed_E: [E] this forward's routes per expert: f_e = routed_e / (K · T) (the "micro" scope).
-        share_E: [E] f of the global batch instead (summing to 1), or None.
+        routed_E: [E] this forward's routes per expert: f_e = routed_e / (K · T).
         valid_T: [T] bool, the tokens that count (None: all; padding is False).
     """
     E = probs_TE.shape[1]
     probs_E, T = _mean_probs(probs_TE, valid_T)
-    if share_E is not None:
-        routed_E = share_E.to(probs_TE.device) * (k * T)
     # the device-level loss with one expert per device, in its own order of operations
     return (_fair_shares(routed_E, E, k, T, probs_TE.dtype) * probs_E).sum()
-
-
-def sequence_balance_loss(probs_TE: torch.Tensor, selected_TK: torch.Tensor, seq_len: int, num_experts: int,
-                          valid_T: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss, 1 at balance: the mean over sequences of E · Σ_e f_e · P_e,
-    with f_e = routes of the sequence to e / (K · its tokens), P_e = its tokens' mean probability of e.
-
-    Args:
-        probs_TE: router probabilities [T, E], tokens sequence-major (token t of sequence t // seq_len).
-        selected_TK: chosen experts [T, K] (-1: no route).
-        seq_len: tokens per sequence S (T must be a multiple of it).
-        valid_T: real tokens [T] (False: padding, left out of both f and P); None: all.
-    Returns:
-        the loss, a scalar (0 when there are no tokens).
-    """
-    T, K = selected_TK.shape
-    if T == 0:
-        return probs_TE.sum() * 0.0
-    if seq_len <= 0 or T % seq_len:
-        raise ValueError(f"tokens ({T}) must be a multiple of the sequence length ({seq_len})")
-    B = T // seq_len
-    mask_T = torch.ones(T, dtype=probs_TE.dtype, device=probs_TE.device) if valid_T is None \
-        else valid_T.to(probs_TE.dtype)
-    hits_TE = F.one_hot(selected_TK.long().clamp_min(0), num_experts).to(probs_TE.dtype) \
-        * (selected_TK >= 0).to(probs_TE.dtype)[..., None]
-    counts_BE = (hits_TE.sum(1) * mask_T[:, None]).view(B, seq_len, num_experts).sum(1)
-    tokens_B = mask_T.view(B, seq_len).sum(1)
-    real_B = (tokens_B > 0).to(probs_TE.dtype)                  # a sequence of padding only has no loss
-    f_BE = counts_BE / (K * tokens_B.clamp_min(1.0)[:, None])
-    P_BE = (probs_TE * mask_T[:, None]).view(B, seq_len, num_experts).sum(1) / tokens_B.clamp_min(1.0)[:, None]
-    per_sequence_B = num_experts * (f_BE.detach() * P_BE).sum(1)
-    return (per_sequence_B * real_B).sum() / real_B.sum().clamp_min(1.0)
 
 
 def device_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, expert_to_device_E: torch.Tensor,

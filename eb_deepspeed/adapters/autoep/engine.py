@@ -152,17 +152,12 @@ def attach(engine, config: EasyBalanceConfig) -> Balancer:
 
 def _padding_hook(gates: list[AutoEPBalance]):
     """A forward pre-hook on the HF model: its `attention_mask` [B, S] (1 = a real token) tells every layer
-    which tokens are padding, so that their routes stay out of the tally and the balance loss; its
-    `input_ids` [B, S] (or `inputs_embeds` [B, S, H]) the sequence length, for `aux.batch_scope` "sequence"."""
+    which tokens are padding, so that their routes stay out of the tally and the balance loss."""
     def hook(module, args, kwargs: dict[str, Any]):
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         valid_T = None
         if module.training and isinstance(mask, torch.Tensor) and mask.dim() == 2:
             valid_T = mask.reshape(-1) != 0       # kept on the device: no host sync to ask whether any is padding
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        embeds = kwargs.get("inputs_embeds")
-        seq_len = int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else \
-            int(embeds.shape[1]) if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 else None
         for gate in gates:
-            gate.valid_T, gate.controls.seq_len = valid_T, seq_len
+            gate.valid_T = valid_T
     return hook

@@ -13,11 +13,11 @@ router do the rest:
         the first forward ran without autograd, so its re-run inside backward counts instead);
       - in `balance` mode, attach the balance loss to `top_scores_TK` (Megatron-Core's way: the activation is
         unchanged forward, and backward adds the loss's gradient), so the user's loss needs no extra term:
-            loss_coeff x (expert-level loss of `aux.batch_scope` + device_loss_weight x device-level loss),
+            loss_coeff x (expert-level loss + device_loss_weight x device-level loss),
         both 1.0 at balance (`core.losses.device_balance_loss`; expert level = one expert per "device"),
         on the router's probabilities (softmax, or sigmoid scores normalised per token), local to the rank;
-  * the layer's `controls` (`core.controls.LayerControls`) hold the balancer's bias, device-loss weight and
-    batch scope; the selection bias (`bias` policies) goes through AutoEP's own door, the router's `expert_bias` argument,
+  * the layer's `controls` (`core.controls.LayerControls`) hold the balancer's bias and device-loss weight;
+    the selection bias (`bias` policies) goes through AutoEP's own door, the router's `expert_bias` argument,
     which the router adds to its scores for the top-k choice only (the gate values come from the unbiased
     scores). Ours is in logit units, as on DeepSpeed-MoE and Megatron-Core (its rate means the same
     everywhere, and it moves a collapsed softmax as readily as a balanced one): a router pre-hook hands the
@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ...core.controls import LayerControls
+from ...core.losses import expert_balance_loss
 from ...core.tally import LayerTally, in_backward, logit_sums, route_counts
 
 __all__ = ["AutoEPBalance"]
@@ -147,17 +148,13 @@ class AutoEPBalance:
         counting = self._counts_now()
         attaching = self.balance and torch.is_grad_enabled() and self.loss_coeff > 0 and T > 0
         ctl = self.controls
-        # the exact global scope's all-reduce: every rank, every training forward outside backward, whatever its
-        # grad mode or token count (a rank-local switch would leave one rank waiting in it); a re-run takes its f
-        first_run = not in_backward()
-        if not counting and not attaching and not (ctl.global_shares is not None and first_run):
+        if not counting and not attaching:
             return None
         with torch.set_grad_enabled(attaching):
             probs_TE = self._probs(logits_TE)      # padding is masked by valid_T, never indexed out (no host sync)
             routed_E = tokens_E.detach() if valid_T is None else \
                 route_counts(torch.where(valid_T[:, None], selected_TK, -1), self.num_experts)
-            l_aux = ctl.balance_loss(probs_TE, routed_E, self.k, selected_TK=selected_TK, first_run=first_run,
-                                     valid_T=valid_T)
+            l_aux = expert_balance_loss(probs_TE, routed_E, self.k, valid_T)
         if counting:
             self.tally.add_routes(selected_TK, routed_E=routed_E, logit_sums_T=choice_sums(router, logits_TE), l_aux=l_aux,
                                   valid_T=valid_T,

@@ -79,20 +79,9 @@ def swap_gates(model: torch.nn.Module) -> list[CrossLayerGate]:
         if not isinstance(gate, CrossLayerGate):
             gate = CrossLayerGate.from_topk_gate(gate, layer_index=index)
             moe.deepspeed_moe.gate = gate
-            moe.deepspeed_moe.register_forward_pre_hook(_sequence_length_hook(gate))
         gate.layer_index = index
         gates.append(gate)
     return gates
-
-
-def _sequence_length_hook(gate: CrossLayerGate):
-    """A forward pre-hook on the MOELayer: the sequence length of its input [..., S, D] (batch-first, as
-    DeepSpeed's MoE examples and HF models lay it out) for `aux.batch_scope` "sequence" (None: 2-D input,
-    one sequence)."""
-    def hook(module, args):
-        x = args[0] if args else None
-        gate.controls.seq_len = int(x.shape[-2]) if isinstance(x, torch.Tensor) and x.dim() >= 3 else None
-    return hook
 
 
 def _summary(engine, gates: list[CrossLayerGate]) -> dict[str, Any]:

@@ -16,8 +16,8 @@ sampling) and both return forms behave exactly as DeepSpeed's (the sparse 7-tupl
   * reads its layer's `controls` (`core.controls.LayerControls`, written by the balancer at step boundaries):
     the selection bias (`bias` policies) chooses the top-k on logits + bias, DeepSpeed's gating does the rest
     and the gate values and l_aux are recomputed unbiased (`unbias_gate_output`); a device-loss weight > 0
-    adds that times DeepSeek-V2's device-level balance loss to l_aux (no collective); `aux.batch_scope`
-    other than "micro" replaces l_aux by the loss of that scope. User code that sums `l_aux` keeps working;
+    adds that times DeepSeek-V2's device-level balance loss to l_aux (no collective). User code that sums
+    `l_aux` keeps working;
   * returns a well-formed empty result for an empty batch (DeepSpeed's gate asserts).
 
     gate = CrossLayerGate.from_topk_gate(moe.deepspeed_moe.gate, layer_index=3)
@@ -131,8 +131,6 @@ class CrossLayerGate(TopKGate):
         ctl = self.controls
         if T == 0:
             gate_output = self._empty_output(logits_TE, sparse_routes)   # its l_aux is 0 under any weight
-            if ctl.global_shares is not None and self.training and not in_backward():
-                ctl.global_shares.share(ctl.layer, gate_output[-1])   # the other ranks' all-reduce of this layer
         else:
             # Counted before gating: top2gating adds Gumbel noise to the logits in place.
             recording = self.training and not in_backward()
@@ -145,8 +143,7 @@ class CrossLayerGate(TopKGate):
             biased = ctl.bias_E is not None
             selection_TE = logits_TE + ctl.bias_on(logits_TE.device) if biased else logits_TE
             device_loss = ctl.device_loss_weight > 0 and self.training
-            scope_loss = ctl.batch_scope != "micro" and self.training
-            if device_loss or scope_loss:     # before gating: top2gating adds Gumbel noise to selection_TE in place
+            if device_loss:     # before gating: top2gating adds Gumbel noise to selection_TE in place
                 clean_TE = logits_TE.clone() if selection_TE is logits_TE and self.k == 2 else logits_TE
             if self.k == 1:
                 gate_output = dsm.top1gating(selection_TE, capacity_factor, self.min_capacity, used_token,
@@ -165,27 +162,15 @@ class CrossLayerGate(TopKGate):
             if recording:
                 self._record_output(gate_output, sparse_routes, T, used_token, nonfinite)
 
-            if scope_loss or device_loss:
-                gate_output = (self._loss(gate_output, clean_TE, sparse_routes, recording, scope_loss), ) \
-                    + tuple(gate_output[1:])
+            if device_loss:
+                probs_TE = F.softmax(clean_TE, dim=1)
+                routed_E = gate_output[6] if sparse_routes else gate_output[3]
+                gate_output = (gate_output[0] + ctl.device_loss(probs_TE, routed_E, self.k), ) + tuple(gate_output[1:])
 
         if self.wall_clock_breakdown:
             self.timers(dsm.TOPK_GATE_TIMER).stop()
             self.gate_time = self.timers(dsm.TOPK_GATE_TIMER).elapsed(reset=False)
         return gate_output
-
-    def _loss(self, gate_output, clean_TE: torch.Tensor, sparse_routes: bool, first_run: bool,
-              scope_loss: bool) -> torch.Tensor:
-        """l_aux under the controls: the `aux.batch_scope` loss instead of DeepSpeed's (over its kept routes for
-        "sequence"), plus the weighted device-level loss; both on the unbiased probabilities."""
-        probs_TE = F.softmax(clean_TE, dim=1)
-        routed_E = gate_output[6] if sparse_routes else gate_output[3]
-        l_aux = gate_output[0]
-        if scope_loss:
-            expert_TK = gate_output[3].t() if sparse_routes else routes_from_mask(gate_output[2].any(dim=2), self.k)
-            l_aux = self.controls.balance_loss(probs_TE, routed_E, self.k, selected_TK=expert_TK, first_run=first_run,
-                                               own=l_aux)
-        return l_aux + self.controls.device_loss(probs_TE, routed_E, self.k)
 
     def _record_output(self, gate_output, sparse_routes: bool, T: int, used_token, nonfinite) -> None:
         if sparse_routes:

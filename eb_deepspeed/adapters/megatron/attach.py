@@ -77,12 +77,6 @@ def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
     if not cfg.enabled:
         join_startup_off()              # a rank whose block is on waits for this rank in the start-up all-gather
         return None
-    if cfg.mode == "balance" and cfg.aux.batch_scope != "micro":
-        raise ValueError(f"easybalance.aux.batch_scope ({cfg.aux.batch_scope!r}) is for DeepSpeed-MoE and AutoEP; "
-                         "on Megatron-Core leave it \"micro\" and set the router's own "
-                         "moe_router_load_balancing_type: \"global_aux_loss\" (the global-batch loss, exact: one "
-                         "all-reduce per layer per micro-batch) or \"seq_aux_loss\" (DeepSeek-V3's sequence-wise "
-                         "one); easybalance keeps Megatron's losses under every policy. Nothing was changed")
     if cfg.train_placement.enabled:
         raise ValueError("easybalance.train_placement re-places the experts of DeepSpeed AutoEP layers; on "
                          "Megatron-Core set train_placement.enabled false. Nothing was changed")
