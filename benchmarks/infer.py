@@ -21,18 +21,15 @@ Worker processes are started here with RANK / WORLD_SIZE set (no launcher needed
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-__all__ = ["bench_infer", "slot_bound", "gate_medians_ms", "launch_ranks", "worker_main"]
+__all__ = ["bench_infer", "slot_bound", "gate_medians_ms"]
 
 TARGETS = {"capacity_over_ideal": 1.15, "speedup_zipf": 1.5, "drop_rate_cut": 0.5, "overhead_ratio": 0.03,
            "example_vs_plain": 0.98}
@@ -396,6 +393,7 @@ ROWS = (
 def bench_infer(ranks=(2, 4), splits=("view", "exact"), batches: int = 40, warmup_batches: int = 6,
                 replica_slots: int = 1, ckpt: str = "runs/ds/ckpt", progress: bool = True) -> dict:
     from .bench import _repo_root, free_port
+    from .ranks import launch_ranks
     root = _repo_root()
     rows = []
     for G in ranks:
@@ -436,47 +434,6 @@ def bench_infer(ranks=(2, 4), splits=("view", "exact"), batches: int = 40, warmu
     return {"benchmark": "infer", "rows": rows, "targets": targets, "target_values": TARGETS}
 
 
-def launch_ranks(args: dict, world: int, port: int, module: str = "benchmarks.infer",
-                 out_dir: str | None = None) -> dict:
-    """Run `module`'s `run_rank(args)` on `world` gloo ranks started here (RANK / WORLD_SIZE set, no launcher);
-    rank 0's result, read back from a JSON file in out_dir (default runs/bench_infer under args["root"])."""
-    out_dir = out_dir or os.path.join(args["root"], "runs", "bench_infer")
-    out = os.path.join(out_dir, f"result_{os.getpid()}_{port}.json")
-    os.makedirs(out_dir, exist_ok=True)
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([args["root"], os.environ.get("PYTHONPATH", "")]))
-        procs.append(subprocess.Popen([sys.executable, "-m", module, "--worker", json.dumps({**args, "out": out})],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=3600)[0] for p in procs]
-    for rank, p in enumerate(procs):
-        if p.returncode != 0:
-            raise RuntimeError(f"{module} rank {rank} failed ({p.returncode}):\n{logs[rank][-3000:]}")
-    with open(out) as f:
-        result = json.load(f)
-    os.remove(out)
-    return result
-
-
-def worker_main(run_rank, argv=None) -> None:
-    """A benchmark rank: `run_rank(args)` from --worker's JSON; rank 0 writes the result to args["out"]."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", required=True)
-    args = json.loads(parser.parse_args(argv).worker)
-    result = run_rank(args)
-    if torch.distributed.get_rank() == 0:
-        with open(args["out"], "w") as f:
-            json.dump(result, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__":
-    if "--worker" in sys.argv:           # one rank of a run `launch_ranks` started
-        from .infer import worker_main
-        worker_main(run_rank)
-    else:                                # python -m benchmarks.infer [options]: the same as python -m benchmarks infer
-        from .__main__ import main
-        sys.exit(main(["infer", *sys.argv[1:]]))
+    from .ranks import rank_main
+    rank_main(run_rank, "infer")

@@ -255,7 +255,7 @@ def bench_infer_autoep(ranks=(2, 4), batches: int = 24, warmup_batches: int = 4,
     import shutil
 
     from .bench import _repo_root, free_port, unlink_shm_buffers
-    from .infer import launch_ranks
+    from .ranks import launch_ranks
     root = _repo_root()
     out_dir = os.path.abspath(out_dir)
     log_dir = os.path.join(out_dir, "logs")
@@ -330,9 +330,5 @@ def format_autoep_infer_table(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    if "--worker" in sys.argv:           # one rank of a run `launch_ranks` started
-        from .infer import worker_main
-        worker_main(run_rank)
-    else:                                # python -m benchmarks.infer_autoep [options]: the same as python -m benchmarks infer
-        from .__main__ import main
-        sys.exit(main(["infer", "--framework", "autoep", *sys.argv[1:]]))
+    from .ranks import rank_main
+    rank_main(run_rank, "infer", "--framework", "autoep")

@@ -80,3 +80,104 @@ def test_eb_simulate_ends_with_its_targets_in_words_not_a_raw_json_line(capsys):
     tail = capsys.readouterr().out.strip().splitlines()[-3:]
     assert tail[0] == "targets:" and "target >= 1.35" in tail[1] and "higher is better" in tail[2]
     assert not any(line.lstrip().startswith("{") for line in tail)
+
+
+def _npz(path, **arrays):
+    import numpy as np
+    np.savez(path, **{name: np.asarray(a) for name, a in arrays.items()})
+    return str(path)
+
+
+def test_eb_plan_reads_the_replay_s_counts_npz_summing_samples_and_workloads(tmp_path, capsys):
+    from eb_deepspeed.observe.traces import load_total
+    from eb_deepspeed.tools.cli import main
+    path = _npz(tmp_path / "counts.npz", a=[[[1, 0, 2], [0, 3, 0]], [[2, 1, 0], [1, 1, 1]]], b=[[[0, 0, 4], [2, 0, 0]]])
+    # by hand: every sample of a and b, layer 0: [1+2+0, 0+1+0, 2+0+4]; layer 1: [0+1+2, 3+1+0, 0+1+0]
+    assert [t.tolist() if i == 0 else t for i, t in enumerate(load_total(path))] == [[[3, 1, 6], [3, 4, 1]], 3]
+    assert load_total(path, workload="a")[0].tolist() == [[3, 1, 2], [1, 4, 1]]
+    assert load_total(path, last=1)[0].tolist() == [[0, 0, 4], [2, 0, 0]]          # the last sample: b's
+    assert main(["plan", path, "--devices", "3", "--slots", "1"]) == 0
+    assert f"{path}: 3 samples (every workload), 2 layers x 3 experts -> 3 devices x 1 slots" in capsys.readouterr().out
+    assert main(["plan", path, "--devices", "3", "--slots", "1", "--workload", "b", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["steps"], out["workload"], out["layers"], out["experts"]) == (1, "b", 2, 3)
+
+
+@pytest.mark.parametrize("name", ["esft_dsv2lite_counts.npz", "olmoe_expert_counts.npz"])
+def test_eb_plan_plans_from_the_data_the_benchmarks_replay(name, tmp_path):
+    import numpy as np
+    from benchmarks.replay import load_counts
+    from eb_deepspeed.observe.traces import load_total
+    from eb_deepspeed.tools.cli import main
+    path = os.path.join(ROOT, "benchmarks", "data", name)
+    counts = load_counts(path)
+    total_LE, samples = load_total(path)
+    assert samples == sum(len(c) for c in counts.values())
+    assert np.allclose(total_LE.numpy(), sum(c.double().sum(0) for c in counts.values()).numpy())
+    assert main(["plan", path, "--devices", "4", "--redundant", "4", "--out", str(tmp_path / "plan.json")]) == 0
+    assert json.loads((tmp_path / "plan.json").read_text())["num_experts"] == 64
+
+
+def _bad_npz(path, case):
+    import numpy as np
+    if case == "text":
+        path.write_text("intent,law\n1,2\n")
+    elif case == "npy":
+        with open(path, "wb") as f:
+            np.save(f, np.ones((1, 2, 4)))
+    elif case == "no arrays":
+        np.savez(path)
+    elif case == "objects":
+        np.savez(path, a=np.array([[[1]], "x"], dtype=object))
+    elif case == "bomb":          # 80 MB of zeros in a small file: past max(64 MiB, 8 x its size)
+        np.savez_compressed(path, a=np.zeros((2_500_000, 1, 4)))
+    else:
+        np.savez(path, **case)
+    return str(path)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("text", r"bad.npz: not an .npz of count arrays \(numpy.savez\) \(ValueError: not a zip archive\)"),
+    ("npy", r"bad.npz: not an .npz of count arrays \(numpy.savez\) \(ValueError: not a zip archive\)"),
+    ("objects", r"bad.npz: not an .npz of count arrays .*allow_pickle=False"),
+    ("bomb", r"bad.npz: its zip entries expand to 800\d{5} bytes, more than the 67108864 allowed"),
+    ("no arrays", r"bad.npz: holds no arrays"),
+    ({"a": [[1, 2], [3, 4]]}, r"bad.npz: every array must be \[samples, layers, experts\] .* got \{'a': \(2, 2\)\}"),
+    ({"a": [[[1, 2]]], "b": [[[1, 2, 3]]]},
+     r"bad.npz: every array must be \[samples, layers, experts\] of the same layers and experts, got "
+     r"\{'a': \(1, 1, 2\), 'b': \(1, 1, 3\)\}"),
+    ({"a": [[[1, -2]]]}, r"bad.npz: 'a' must be finite and non-negative"),
+    ({"a": [[[1, 2]]], "b": [[[float("nan"), 2]]]}, r"bad.npz: 'b' must be finite and non-negative"),
+    ({"a": [[[1.0, float("inf")]]]}, r"bad.npz: 'a' must be finite and non-negative"),
+    ({"a": [[[True, False]]]}, r"bad.npz: 'a' must hold real token counts, got torch.bool"),
+    ({"a": __import__("numpy").zeros((0, 2, 4))}, r"bad.npz: 'a' is empty"),
+], ids=lambda c: c if isinstance(c, str) else None)
+def test_a_malformed_counts_npz_is_refused_with_one_line_naming_the_file_and_the_problem(tmp_path, capsys, case,
+                                                                                        message):
+    from eb_deepspeed.observe.traces import load_trace
+    from eb_deepspeed.tools.cli import main
+    path = _bad_npz(tmp_path / "bad.npz", case)
+    with pytest.raises(ValueError, match=message):
+        load_trace(path)
+    assert main(["plan", path, "--devices", "2", "--slots", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"eb plan: error: {path}: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_eb_plan_workload_names_an_array_of_the_npz_and_goes_with_an_npz_only(tmp_path, capsys):
+    from eb_deepspeed.tools.cli import main
+    path = _npz(tmp_path / "counts.npz", law=[[[1, 2]]], intent=[[[3, 4]]])
+    assert main(["plan", path, "--devices", "2", "--slots", "1", "--workload", "code"]) == 2
+    assert f"eb plan: error: {path}: no workload 'code'; it holds ['law', 'intent']" in capsys.readouterr().err
+    (tmp_path / "balance.jsonl").write_text(json.dumps({"step": 1, "expert_counts_LE": [[1, 2]]}) + "\n")
+    assert main(["plan", str(tmp_path), "--devices", "2", "--slots", "1", "--workload", "law"]) == 2
+    assert f"{tmp_path}: workload 'law' names an array of an .npz of counts; this is no .npz" in capsys.readouterr().err
+
+
+def test_an_npz_whose_arrays_together_pass_the_trace_bound_is_refused_before_any_copy(tmp_path, monkeypatch):
+    from eb_deepspeed.observe import traces
+    path = _npz(tmp_path / "counts.npz", a=[[[1, 2]] * 2], b=[[[3, 4]] * 2])   # 4 counts each, 8 together
+    monkeypatch.setattr(traces, "MAX_TRACE_COUNTS", 5)                          # each under the bound, both over
+    with pytest.raises(ValueError, match=r"counts.npz: its arrays \{'a': \(1, 2, 2\), 'b': \(1, 2, 2\)\} hold more "
+                                         r"than the 5 counts a trace may take"):
+        traces.load_trace(path)

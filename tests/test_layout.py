@@ -1,5 +1,5 @@
-"""The package's architecture, checked from its source: layers import only downwards, no cycles, and
-the core never imports a framework."""
+"""The package's architecture, checked from its source: layers import only downwards, no cycles (none in
+benchmarks/ either), and the core never imports a framework; `python -m benchmarks.size` reports the same graph."""
 import ast
 import importlib
 import os
@@ -7,6 +7,8 @@ import os
 import pytest
 
 import eb_deepspeed
+from benchmarks import size
+from benchmarks.size import circles, imports_of
 
 pytestmark = pytest.mark.unit
 PACKAGE = os.path.dirname(eb_deepspeed.__file__)
@@ -23,43 +25,12 @@ ALLOWED = {
 FRAMEWORKS = ("deepspeed", "megatron")
 
 
-def module_name(path: str) -> str:
-    rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
-    return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
-
-
-def imports_of(path: str, known: set[str] = frozenset()) -> set[str]:
-    """Absolute names of every module imported anywhere in the file (function-level imports too).
-    `from pkg import mod` counts as importing `pkg.mod` when that is one of the `known` modules."""
-    name = module_name(path)
-    package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
-    out = set()
-    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parts = parts[:len(parts) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
-            submodules = {f"{base}.{a.name}" for a in node.names} & set(known)
-            out |= submodules if submodules else {base}
-    return out
-
-
 def modules() -> dict[str, str]:
-    found = {}
-    for root, _, files in os.walk(PACKAGE):
-        for f in files:
-            if f.endswith(".py"):
-                found[module_name(os.path.join(root, f))] = os.path.join(root, f)
-    return found
+    return size.modules(PACKAGE)
 
 
 def graph() -> dict[str, set[str]]:
-    mods = modules()
-    return {m: {i for i in imports_of(path, set(mods)) if i in mods and i != m} for m, path in mods.items()}
+    return size.import_graph(PACKAGE)
 
 
 def test_every_layer_imports_only_the_layers_below_it():
@@ -78,7 +49,7 @@ def test_every_layer_imports_only_the_layers_below_it():
 def test_the_core_imports_neither_deepspeed_nor_megatron():
     for mod, path in modules().items():
         if mod.startswith("eb_deepspeed.core"):
-            hits = [i for i in imports_of(path) if i.split(".")[0] in FRAMEWORKS]
+            hits = [i for i in imports_of(mod, path) if i.split(".")[0] in FRAMEWORKS]
             assert not hits, f"{mod} imports {hits}"
 
 
@@ -109,28 +80,41 @@ def test_no_adapter_imports_another_adapters_private_names():
 
 def test_the_serving_engine_and_its_store_protocol_import_no_framework_and_no_adapter():
     for name in ("eb_deepspeed.adapters.serving.engine", "eb_deepspeed.adapters.serving.store"):
-        deps = imports_of(modules()[name], set(modules()))
+        deps = imports_of(name, modules()[name], set(modules()))
         frameworks = [i for i in deps if i.split(".")[0] in FRAMEWORKS + ("transformers", )]
         adapters = [i for i in deps if _adapter(i) not in (None, "serving")]
         assert not frameworks and not adapters, (name, frameworks, adapters)
 
 
 def test_the_import_graph_has_no_cycle():
-    g = graph()
-    state: dict[str, int] = {}
+    assert circles(graph()) == []
 
-    def visit(node, stack):
-        state[node] = 1
-        for dep in g[node]:
-            if state.get(dep) == 1:
-                raise AssertionError(" -> ".join(stack + [node, dep]))
-            if dep not in state:
-                visit(dep, stack + [node])
-        state[node] = 2
 
-    for node in g:
-        if node not in state:
-            visit(node, [])
+def test_benchmarks_have_no_import_circle_main_dispatches_and_nothing_imports_it_back():
+    bench = size.import_graph(os.path.join(os.path.dirname(PACKAGE), "benchmarks"))
+    assert circles(bench) == []
+    assert [m for m, deps in bench.items() if "benchmarks.__main__" in deps] == []
+
+
+def test_a_circle_is_named_by_its_modules_and_each_one_is_found():
+    # a leads into b <-> c; d -> e -> f -> d; g imports into both: two circles, neither a nor g in one
+    g = {"a": {"b"}, "b": {"c"}, "c": {"b"}, "d": {"e"}, "e": {"f"}, "f": {"d"}, "g": {"a", "e"}}
+    assert circles(g) == ["b -> c -> b", "d -> e -> f -> d"]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_benchmarks_size_reports_the_readme_and_both_trees_circles_against_its_targets(monkeypatch):
+    found, root = size.size(), os.path.dirname(PACKAGE)
+    readme = os.path.getsize(os.path.join(root, "README.md"))
+    trees = {top: circles(size.import_graph(os.path.join(root, top))) for top in ("eb_deepspeed", "benchmarks")}
+    assert found["readme_bytes"] == readme and found["circles"] == trees
+    assert found["targets"] == {"lines_le_8600": found["lines"] <= 8600, "names_le_120": found["names"] <= 120,
+                                "keys_le_25": found["keys"] <= 25, "markdown_kb_le_120": found["markdown_kb"] <= 120,
+                                "readme_bytes_le_8192": readme <= 8192, "no_circles": not any(trees.values())}
+    monkeypatch.setattr(size, "circles", lambda graph: ["a -> b -> a"] if "benchmarks.ranks" in graph else [])
+    tangled = size.size()
+    assert tangled["circles"] == {"eb_deepspeed": [], "benchmarks": ["a -> b -> a"]}
+    assert tangled["targets"]["no_circles"] is False
 
 
 def test_the_public_surface_of_the_design_is_importable_from_the_top_level():

@@ -1,6 +1,6 @@
 """Expert-load traces from files, for `eb plan` and the simulator (`python -m benchmarks simulate --workload trace`).
 
-Shape legend: N steps, L layers, E logical experts, P physical slots.
+Shape legend: N steps (of an .npz: samples), L layers, E logical experts, P physical slots.
 
     trace_NLE = load_trace("runs/main/balance")          # our own balance log
     trace_NLE = load_trace("expert_distribution.pt")      # SGLang dump, vLLM-style loads
@@ -22,7 +22,7 @@ from ..core.record import EXPERT_COUNTS, PRESSURE
 __all__ = ["load_trace"]
 
 
-def load_trace(path: str, last: Optional[int] = None) -> torch.Tensor:
+def load_trace(path: str, last: Optional[int] = None, workload: Optional[str] = None) -> torch.Tensor:
     """Expert load trace [steps, layers, experts] from a file (only its last `last` steps when given: a balance
     log is then read holding no more than those).
 
@@ -32,19 +32,22 @@ def load_trace(path: str, last: Optional[int] = None) -> torch.Tensor:
     * vLLM-style expert load (a dict with `expert_load_window` [window, layers, physical] or
       `expert_load_pass` [layers, physical], plus `physical_to_logical_map` [layers, physical]; or a
       logical `global_expert_load` [layers, experts]);
-    * our own balance log (`balance.jsonl`, or its directory: the `expert_counts_LE` of each record).
-    Read with `torch.load(..., weights_only=True)`, only from a regular file, and only when its zip entries
-    expand to at most min(MAX_TRACE_BYTES, max(EXPANSION_FLOOR, MAX_EXPANSION x the file's size)); a trace holds
-    at most MAX_TRACE_COUNTS counts. Malformed files raise ValueError naming the problem.
+    * our own balance log (`balance.jsonl`, or its directory: the `expert_counts_LE` of each record);
+    * the benchmarks' counts (`.npz`: an array [samples, layers, experts] per workload; all, or only `workload`).
+    Read with `torch.load(..., weights_only=True)` or `np.load(..., allow_pickle=False)`, only from a regular file,
+    and only when its zip entries expand to at most min(MAX_TRACE_BYTES, max(EXPANSION_FLOOR, MAX_EXPANSION x the
+    file's size)); a trace holds at most MAX_TRACE_COUNTS counts. Malformed files raise ValueError naming the problem.
     """
+    if workload is not None and not path.endswith(".npz"):
+        raise ValueError(f"{path}: workload {workload!r} names an array of an .npz of counts; this is no .npz")
     if path.endswith(".jsonl") or os.path.isdir(path):
         return _checked(torch.stack(_from_balance_log(path, last)), f"{path}: {EXPERT_COUNTS}")
-    trace_NLE = _from_torch_file(path)
+    trace_NLE = _from_npz(path, workload) if path.endswith(".npz") else _from_torch_file(path)
     return trace_NLE if last is None else trace_NLE[-int(last):]
 
 
 def _from_torch_file(path: str) -> torch.Tensor:
-    data = _torch_load(path)
+    data = _load_bounded(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a dict of tensors, got {type(data).__name__}")
 
@@ -80,9 +83,9 @@ MAX_TRACE_COUNTS = MAX_TRACE_BYTES // 8
 MAX_EXPANSION, EXPANSION_FLOOR = 8, 64 * 2 ** 20
 
 
-def _torch_load(path: str):
-    """torch.load(weights_only=True) of a regular file of at most MAX_TRACE_BYTES whose zip payload expands
-    to at most min(MAX_TRACE_BYTES, max(EXPANSION_FLOOR, MAX_EXPANSION x its size))."""
+def _load_bounded(path: str, read=None, what: str = "a torch.save file readable with weights_only=True"):
+    """torch.load(weights_only=True) (or `read(file)`) of a regular file of at most MAX_TRACE_BYTES whose zip
+    payload expands to at most min(MAX_TRACE_BYTES, max(EXPANSION_FLOOR, MAX_EXPANSION x its size))."""
     with open_regular(path, MAX_TRACE_BYTES) as f:
         size = os.fstat(f.fileno()).st_size
         payload = _zip_payload(f, path)
@@ -94,10 +97,31 @@ def _torch_load(path: str):
                              "torch.save stores tensors uncompressed, so a real dump expands to about its own size)")
         f.seek(0)
         try:
-            return torch.load(f, map_location="cpu", weights_only=True)
-        except Exception as e:  # pickle/zip errors differ by cause; all mean "not a torch.save'd dict"
-            raise ValueError(f"{path}: not a torch.save file readable with weights_only=True "
-                             f"({type(e).__name__}: {e})") from None
+            return read(f) if read else torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle/zip/header errors differ by cause; all mean "not what we read"
+            raise ValueError(f"{path}: not {what} ({type(e).__name__}: {e})") from None
+
+
+def _from_npz(path: str, workload: Optional[str]) -> torch.Tensor:
+    """[samples, L, E]: the .npz's arrays [samples, L, E] (one per workload) one after another, or only `workload`."""
+    import numpy as np
+
+    def read(f):
+        if not zipfile.is_zipfile(f):                           # np.load would try a lone .npy array, then a pickle
+            raise ValueError("not a zip archive")
+        f.seek(0)
+        with np.load(f, allow_pickle=False) as npz:
+            return npz.files, {n: torch.from_numpy(npz[n]) for n in npz.files if workload in (None, n)}
+    names, arrays = _load_bounded(path, read, "an .npz of count arrays (numpy.savez)")
+    if not arrays:
+        raise ValueError(f"{path}: no workload {workload!r}; it holds {names}" if names else f"{path}: holds no arrays")
+    shapes = {name: tuple(t.shape) for name, t in arrays.items()}
+    if any(len(shape) != 3 for shape in shapes.values()) or len({shape[1:] for shape in shapes.values()}) > 1:
+        raise ValueError(f"{path}: every array must be [samples, layers, experts] of the same layers and experts, "
+                         f"got {shapes}")
+    if sum(t.numel() for t in arrays.values()) > MAX_TRACE_COUNTS:      # before any array is copied to float64
+        raise ValueError(f"{path}: its arrays {shapes} hold more than the {MAX_TRACE_COUNTS} counts a trace may take")
+    return torch.cat([_checked(t, f"{path}: '{name}'") for name, t in arrays.items()])
 
 
 def _zip_payload(f, path: str) -> int:
@@ -211,11 +235,11 @@ def _from_balance_log(path: str, last: Optional[int] = None) -> list[torch.Tenso
     return rows
 
 
-def load_total(path: str, last: Optional[int] = None) -> tuple[torch.Tensor, int]:
-    """The summed expert load [layers, experts] of a trace file's steps (its last `last`), and how many steps:
-    what `eb plan` plans from. A balance log is summed record by record, never stacked."""
-    if not (path.endswith(".jsonl") or os.path.isdir(path)):
-        trace_NLE = load_trace(path, last)
+def load_total(path: str, last: Optional[int] = None, workload: Optional[str] = None) -> tuple[torch.Tensor, int]:
+    """The summed expert load [layers, experts] of a trace file's steps (an .npz's samples; its last `last`), and
+    how many: what `eb plan` plans from. A balance log is summed record by record, never stacked."""
+    if workload is not None or not (path.endswith(".jsonl") or os.path.isdir(path)):
+        trace_NLE = load_trace(path, last, workload)
         return trace_NLE.sum(0), int(trace_NLE.shape[0])
     rows = _from_balance_log(path, last)
     total_LE = torch.zeros_like(rows[0])

@@ -4,7 +4,8 @@ checkout: `python -m benchmarks --help`).
     eb report RUN_DIR [--out DIR]     PNG balance curves + heatmap from RUN_DIR/balance.jsonl
     eb report --compare RUN_A RUN_B ... [--out FILE]   the runs side by side in one PNG: per layer, summary, maps
     eb plan LOAD --devices G [--slots S | --redundant R] [--nodes N] [--dispatch uniform|steered|padded]
-            [--out plan.json] [--sglang sglang.json]    a placement from a load file, with a before/after table
+            [--workload NAME] [--out plan.json] [--sglang sglang.json]   a placement from a load file (a balance
+            log, an SGLang or vLLM dump, or the benchmarks' counts .npz), with a before/after table
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _plan(args) -> int:
     from ..observe.traces import load_total
 
     _refuse_overwriting_inputs(args.load, [args.out, args.sglang])
-    load_LE, steps = load_total(args.load, last=args.last)    # summed as read: no [steps, L, E] stack
+    load_LE, steps = load_total(args.load, last=args.last, workload=args.workload)   # summed: no [N, L, E] stack
     L, E = load_LE.shape
     G = args.devices
     if args.slots is not None:
@@ -64,7 +65,7 @@ def _plan(args) -> int:
     table = balance_table(load_LE, {"before (slot p holds expert p % E)": trivial_placement(L, E, G, S),
                                     f"planned (dispatch={args.dispatch})": plan})
     meta = {"dispatch": args.dispatch, "num_nodes": args.nodes, "source": args.load, "steps": steps,
-            "balance": table}
+            **({"workload": args.workload} if args.workload else {}), "balance": table}
     documents = [(path, make()) for path, make in ((args.out, lambda: placement_json(plan, **meta)),
                                                     (args.sglang, lambda: sglang_mapping(plan))) if path]
     written = []
@@ -75,7 +76,9 @@ def _plan(args) -> int:
     if args.json:
         print(json.dumps({"layers": L, "experts": E, "devices": G, "slots_per_device": S, **meta, "written": written}))
         return 0
-    print(f"{args.load}: {steps} load records (one per logged step), {L} layers x {E} experts -> "
+    records = (f"{steps} samples ({args.workload or 'every workload'})" if args.load.endswith(".npz") else
+               f"{steps} load records (one per logged step)")
+    print(f"{args.load}: {records}, {L} layers x {E} experts -> "
           f"{G} devices x {S} slots ({G * S - E} redundant), {args.nodes} node(s)")
     print("balancedness = mean / max device load over the records' summed load (1 = every device equal; higher is "
           "better); aggregate over all layers, and the worst layer")
@@ -156,8 +159,9 @@ def _report_parser(sub) -> None:
 
 def _plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="plan expert replicas and placement from a load file; write ours / SGLang's JSON")
-    p.add_argument("load", help="balance.jsonl or its run directory, an SGLang expert-distribution dump (.pt), or a "
-                                "torch.save'd vLLM EPLB load (expert_load_window + physical_to_logical_map)")
+    p.add_argument("load", help="balance.jsonl or its run directory, an SGLang expert-distribution dump (.pt), a "
+                                "torch.save'd vLLM EPLB load (expert_load_window + physical_to_logical_map), or "
+                                "the benchmarks' counts (.npz of [samples, layers, experts] arrays, benchmarks/data)")
     p.add_argument("--devices", type=counting, required=True, help="EP ranks (SGLang: ep_size)")
     p.add_argument("--slots", type=counting, default=None, help="physical expert slots per device")
     p.add_argument("--redundant", type=non_negative, default=None,
@@ -167,7 +171,9 @@ def _plan_parser(sub) -> None:
                    help="how the serving runtime splits an expert's tokens over its replicas: evenly (SGLang, vLLM), "
                         "freely (our steering), or evenly with every slot padded to the largest (DeepSpeed's "
                         "MOELayer); default uniform")
-    p.add_argument("--last", type=counting, default=None, help="use only the last N steps of the load file")
+    p.add_argument("--last", type=counting, default=None, help="use only the last N steps (of an .npz: samples)")
+    p.add_argument("--workload", metavar="NAME", default=None,
+                   help="an .npz: plan from its array NAME only (default: every array's samples, summed)")
     p.add_argument("--out", default=None, help="write our plan JSON here")
     p.add_argument("--sglang", default=None, help="write SGLang's --init-expert-location JSON here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
