@@ -360,7 +360,7 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
 def bench_steering(tokens: int = 4096, hidden: int = 1024, experts: int = 64, devices: int = 8, k: int = 2,
                    repeats: int = 5, device: str = "cpu") -> dict[str, object]:
     """steer() for one layer (`devices` source ranks x `experts` experts, `tokens` per rank, top-k, two slots
-    per expert on average; on the host) against the forward of a DeepSpeed MoE layer (`experts` experts of
+    per expert on average) against the forward of a DeepSpeed MoE layer (`experts` experts of
     hidden -> 4 * hidden -> hidden, ep_size 1, on `device`) on the same tokens, side by side."""
     from deepspeed.moe.experts import Experts
     from deepspeed.moe.sharded_moe import MOELayer, TopKGate
@@ -376,7 +376,7 @@ def bench_steering(tokens: int = 4096, hidden: int = 1024, experts: int = 64, de
     steer_ms = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        steer(counts_GE, small.expert_devices()[0], torch.zeros(G, dtype=torch.long), pressure_G=torch.rand(G))
+        steer(counts_GE, small.expert_devices()[0])
         steer_ms.append((time.perf_counter() - t0) * 1e3)
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden))

@@ -3,7 +3,7 @@
     python -m benchmarks.fingerprint            # one hash per part, and the case counts
 
 planner: plan_placement on a grid of loads x shapes x dispatch models x previous plans (phy2log, log2phy, logcnt);
-steering: steer on a grid of counts x replica layouts x topologies; simulator: every strategy's table on a grid of
+steering: steer on a grid of counts x replica layouts; simulator: every strategy's table on a grid of
 workloads x topologies. Each hash is SHA-1 over the outputs' bytes (JSON for the tables).
 """
 from __future__ import annotations
@@ -41,16 +41,10 @@ def planner_cases():
 
 
 def steering_cases():
-    for seed, (G, E, S), topology, pressure in itertools.product(
-            range(6), ((2, 8, 6), (4, 8, 3), (4, 16, 6), (8, 16, 3)), ("pcie", "nvlink", "multi_node"),
-            (False, True)):
-        load = _loads(seed, 1, E)
-        plan = plan_placement(load, G, S, num_nodes=2 if topology == "multi_node" else 1)
-        g = torch.Generator().manual_seed(seed)
-        counts_GE = torch.randint(0, 60, (G, E), generator=g)
-        node_G = torch.arange(G) // (G // 2) if topology == "multi_node" else torch.zeros(G, dtype=torch.long)
-        p = torch.rand(G, generator=g, dtype=torch.float64) * 100 if pressure else None
-        yield counts_GE, plan.expert_devices()[0], node_G, dict(pressure_G=p, topology=topology)
+    for seed, (G, E, S), nodes in itertools.product(range(6), ((2, 8, 6), (4, 8, 3), (4, 16, 6), (8, 16, 3)), (1, 2)):
+        plan = plan_placement(_loads(seed, 1, E), G, S, num_nodes=nodes)
+        counts_GE = torch.randint(0, 60, (G, E), generator=torch.Generator().manual_seed(seed))
+        yield counts_GE, plan.expert_devices()[0]
 
 
 def _sha(parts) -> str:
@@ -71,8 +65,8 @@ def planner_hash() -> tuple[int, str]:
 
 def steering_hash() -> tuple[int, str]:
     parts, n = [], 0
-    for counts, devices, node, kw in steering_cases():
-        parts.append(steer(counts, devices, node, **kw).numpy())
+    for counts, devices in steering_cases():
+        parts.append(steer(counts, devices).numpy())
         n += 1
     return n, _sha(parts)
 

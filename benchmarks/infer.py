@@ -301,7 +301,7 @@ def _steering_ms(serving, x, repeats: int = 30) -> float:
                      False, gate.use_rts, None, gate.top2_2nd_expert_sampling).eval()
     plain.wg = gate.wg
     ours = ReplicaGate.from_gate(plain, 1, serving.P, table=SlotTable.even(serving.placement.log2phy[0]),
-                                 routing=Routing(split=gate.routing.split, steer_options=gate.routing.steer_options))
+                                 routing=Routing(split=gate.routing.split))
     ours.drop_tokens = gate.drop_tokens
     h = torch.randn(x.reshape(-1, x.shape[-1]).shape[0] if x.dtype.is_floating_point else x.numel(), M)
     ms = gate_medians_ms(plain, ours, h, repeats, skip=3, take_every=1)

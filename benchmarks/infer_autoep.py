@@ -6,18 +6,15 @@ Shape legend: B batches, L MoE layers, E logical experts, G EP ranks, S slots pe
 
 A tiny Hugging Face Mixtral (examples/hf_moe.py), converted by DeepSpeed's AutoEP, whose routers are skewed the
 same way in every layer (cross-layer correlated hot experts: each router's logits get log Zipf(s) offsets), is
-served five ways side by side in the same processes, on the same batches, in rotating order:
+served four ways side by side in the same processes, on the same batches, in rotating order:
 
   * `static`: plain AutoEP (its own layout, no replicas): the baseline;
   * `per_token`: replicas planned from the view, each route's replica decided on its own, one route after
     another, by the least load so far (the article's per-token decisions);
   * `view`: replicas, the view's split table, decided for the whole batch at once with no collective
     (`split: "view"`; the article's batched decisions + EMA view; easybalance's default, from this measurement);
-  * `exact_aggregated`: replicas, exact steering of each batch from one all-gather of the [E] counts per layer,
-    in decisions of `decision_batch` tokens, few large messages, without the cross-layer term (the article's
-    + communication aggregation: weights intra 0.6, cross 0, comm 0.4);
-  * `exact`: the same with the article's full cost (intra 0.3 · load + cross 0.5 · the view's window pressure
-    + comm 0.2; placement + steering, `split: "exact"`).
+  * `exact`: replicas, each batch's routes split over the copies so that the busiest rank takes the fewest
+    (`split: "exact"`: one all-gather of the [E] counts per layer, the split on the device).
 
 Per row: the MoE layers' forward time and the whole forward's (medians over batches of the slowest rank's),
 and against `static` (MoE speed-up, tokens/s: the median over batches of static's time over the row's in the
@@ -51,14 +48,10 @@ __all__ = ["bench_infer_autoep", "format_autoep_infer_table"]
 ROWS = (("static", None),
         ("per_token", {"split": "view"}),
         ("view", {"split": "view"}),
-        ("exact_aggregated", {"split": "exact"}),
         ("exact", {"split": "exact"}))
-AGGREGATED_WEIGHTS = (0.6, 0.0, 0.4)   # steering's (intra, cross, comm) of the `exact_aggregated` row
 DEFAULT_ROW = "view"        # easybalance's default (`inference.split`), chosen by this measurement
-# each row's strategy in the simulator (`sim.strategies`) and its steering weights (None: the topology's)
-SIMULATED = {"static": ("static", None), "view": ("placement_view", None),
-             "exact_aggregated": ("placement_steering_cross", (0.6, 0.0, 0.4)),
-             "exact": ("placement_steering_cross", None)}
+# each row's strategy in the simulator (`sim.strategies`)
+SIMULATED = {"static": "static", "view": "placement_view", "exact": "placement_steering"}
 TARGETS = {"moe_speedup_4_ranks": 1.3, "overhead_ratio": 0.03, "max_abs_diff": 1e-5}
 REPLAN_INTERVAL = EasyBalanceConfig().inference.replan_interval   # the default: re-planning is amortised over it
 
@@ -119,9 +112,6 @@ def _build_row(name: str, inference: dict | None, args: dict):
              "inference": {"replica_slots": args["replica_slots"], "view_interval": 1, "replan_threshold": 1.05,
                            "replan_interval": 1000, "trial_batches": 0, **inference}}
     served = init_inference(engine, config={"easybalance": block})
-    if name == "exact_aggregated":      # the article's aggregation: the cross-layer term folded into the others
-        for gate in served.serving.gates:
-            gate.routing.steer_options["weights"] = AGGREGATED_WEIGHTS
     if name == "per_token":
         for gate in served.serving.gates:
             gate.slots = _per_token_slots(gate)
@@ -308,8 +298,8 @@ def _simulated(run: dict, view_log: str, replica_slots: int) -> dict:
     out = {}
     for label, model in (("article_model", article), ("steering_cost_measured", corrected)):
         times = {}
-        for row, (strategy, weights) in SIMULATED.items():
-            cfg = SimConfig(model=model, extra_slots=replica_slots, warmup=3, replan_every=10**9, weights=weights)
+        for row, strategy in SIMULATED.items():
+            cfg = SimConfig(model=model, extra_slots=replica_slots, warmup=3, replan_every=10**9)
             times[row] = simulate(workload, strategy, cfg)["step_ms"]
         out[label] = {row: round(times["static"] / t, 4) for row, t in times.items()}
     out["measured"] = {row: rows[row]["moe_speedup"] for row in SIMULATED}

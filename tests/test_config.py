@@ -8,7 +8,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eb_deepspeed import ConfigError, EasyBalanceConfig
-from eb_deepspeed.core.topology import TOPOLOGIES
 
 pytestmark = pytest.mark.unit
 
@@ -21,8 +20,7 @@ def test_no_block_or_no_config_gives_a_disabled_config():
 def test_an_empty_block_enables_balancing_with_the_seed_tuning_table_defaults():
     cfg = EasyBalanceConfig.from_ds_config({"easybalance": {}})
     assert cfg.enabled and cfg.mode == "balance"
-    assert cfg.inference.weights.as_tuple() == (0.3, 0.5, 0.2)
-    assert cfg.ema_alpha == 0.3 and cfg.inference.decision_batch == 8
+    assert cfg.ema_alpha == 0.3 and cfg.inference.topology == "pcie"
     assert 3 <= cfg.warmup_batches <= 5
     # window "auto": 5 layers for a 32-layer model, 8 for a 61-layer one (seed 000 §5.1)
     assert cfg.window_for(32) == 5 and cfg.window_for(61) == 8 and cfg.window_for(4) == 5
@@ -30,13 +28,6 @@ def test_an_empty_block_enables_balancing_with_the_seed_tuning_table_defaults():
 
 def test_enabled_false_disables_balancing():
     assert EasyBalanceConfig.from_ds_config({"easybalance": {"enabled": False, "mode": "observe"}}).enabled is False
-
-
-@pytest.mark.parametrize("topology, expected", [("nvlink", (0.3, 0.6, 0.1)), ("pcie", (0.3, 0.5, 0.2)),
-                                                ("multi_node", (0.2, 0.4, 0.4))])
-def test_topology_presets_set_the_cost_weights_the_way_the_seed_says(topology, expected):
-    w = EasyBalanceConfig.from_ds_config({"easybalance": {"inference": {"topology": topology}}}).inference.weights
-    assert w.as_tuple() == expected == TOPOLOGIES[topology].weights
 
 
 def test_the_config_reads_a_json_file(tmp_path):
@@ -60,7 +51,7 @@ def test_the_users_dict_is_never_changed_whether_it_parses_or_fails(block):
 
 @pytest.mark.parametrize("block, message", [
     ({"ema_alfa": 0.3}, r"easybalance\.ema_alfa: unknown key; valid keys: aux, checkpoint, ema_alpha, enabled, inference, log"),
-    ({"inference": {"replicas": 1}}, r"easybalance\.inference\.replicas: unknown key; valid keys: decision_batch, "
+    ({"inference": {"replicas": 1}}, r"easybalance\.inference\.replicas: unknown key; valid keys: "
                                      r"replan_interval, replan_threshold, replica_slots, split, topology, trial_batches, view_interval$"),
     ({"aux": {"smoothing": 0.5}}, r"easybalance\.aux\.smoothing: unknown key; valid keys: "
                                   r"bias_rate, device_weight, gain, loss_coeff, policy, weight_range$"),
@@ -75,7 +66,7 @@ def test_the_users_dict_is_never_changed_whether_it_parses_or_fails(block):
     ({"ema_alpha": 1.5}, r"easybalance\.ema_alpha \(1\.5\) must be in \(0, 1\]"),
     ({"ema_alpha": 0}, r"easybalance\.ema_alpha \(0\.0\) must be in \(0, 1\]"),
     ({"ema_alpha": "0.3"}, r"easybalance\.ema_alpha \('0\.3'\) must be a finite number"),
-    ({"inference": {"decision_batch": 0}}, r"easybalance\.inference\.decision_batch \(0\) must be >= 1"),
+    ({"inference": {"view_interval": 0}}, r"easybalance\.inference\.view_interval \(0\) must be >= 1"),
     ({"inference": {"replica_slots": -1}}, r"easybalance\.inference\.replica_slots \(-1\) must be >= 0"),
     ({"inference": {"replica_slots": 65536}}, r"easybalance\.inference\.replica_slots \(65536\) must be <= 65535"),
     ({"inference": {"replan_threshold": 0.9}}, r"easybalance\.inference\.replan_threshold \(0\.9\) must be >= 1"),
@@ -116,9 +107,9 @@ def test_a_config_error_is_caught_where_value_errors_are_with_its_path():
 
 @pytest.mark.parametrize("block, context, ignored", [
     # observe changes nothing: every decision option is ignored, in training and in serving
-    ({"mode": "observe", "inference": {"decision_batch": 4}, "warmup_batches": 2, "ema_alpha": 0.2,
+    ({"mode": "observe", "inference": {"view_interval": 2}, "warmup_batches": 2, "ema_alpha": 0.2,
       "aux": {"policy": "bias"}}, "train",
-     ["easybalance.aux.policy", "easybalance.inference.decision_batch", "easybalance.warmup_batches"]),
+     ["easybalance.aux.policy", "easybalance.inference.view_interval", "easybalance.warmup_batches"]),
     ({"mode": "observe", "window": 3}, "serve", ["easybalance.window"]),
     # balance, training: inference options, and the aux options the policy does not read
     ({"inference": {"replica_slots": 2, "topology": "nvlink"}, "aux": {"policy": "cross_layer", "bias_rate": 0.1}},
@@ -128,7 +119,7 @@ def test_a_config_error_is_caught_where_value_errors_are_with_its_path():
      ["easybalance.warmup_batches", "easybalance.window"]),
     # balance, serving: the training controls
     ({"aux": {"gain": 0.5}, "inference": {"replica_slots": 2}}, "serve", ["easybalance.aux.gain"]),
-    ({"inference": {"decision_batch": 4}, "aux": {"policy": "bias", "bias_rate": 0.01}}, "serve",
+    ({"inference": {"view_interval": 2}, "aux": {"policy": "bias", "bias_rate": 0.01}}, "serve",
      ["easybalance.aux.bias_rate", "easybalance.aux.policy"]),
     ({"ema_alpha": 0.2, "seq_len_weighting": True}, "train", []),
     # training placement: a training option; in observe it still reads the view's warm-up
@@ -176,7 +167,7 @@ VALID = {"enabled": True, "mode": "balance", "ema_alpha": 0.3, "window": "auto",
          "seq_len_weighting": False, "checkpoint": "strict", "log": {"interval": 10, "dir": "x", "wandb": True},
          "aux": {"policy": "bias", "weight_range": [0.5, 2.0], "gain": 0.02, "bias_rate": 0.001, "device_weight": 0.5,
                  "loss_coeff": 0.01},
-         "inference": {"replica_slots": 1, "split": "view", "topology": "pcie", "decision_batch": 8,
+         "inference": {"replica_slots": 1, "split": "view", "topology": "pcie",
                        "replan_threshold": 1.5, "replan_interval": 24, "view_interval": 4, "trial_batches": 8},
          "train_placement": {"enabled": False, "interval": 50}}
 EDGES = st.sampled_from([10 ** 400, -10 ** 400, 2 ** 63, 2 ** 31, -1, 0, float("nan"), float("inf"), "", "\x00", [], {}])
@@ -199,7 +190,7 @@ def test_the_valid_block_has_every_key_and_it_parses_back_from_its_dict():
     def leaves(d):
         return sum(leaves(v) if isinstance(v, dict) else 1 for v in d.values())
     cfg = EasyBalanceConfig.from_ds_config({"easybalance": VALID})
-    assert leaves(VALID) == leaves(cfg.to_dict()) == 26          # every key, each with its reason in docs/config.md
+    assert leaves(VALID) == leaves(cfg.to_dict()) == 25          # every key, each with its reason in docs/config.md
     assert EasyBalanceConfig.from_block(cfg.to_dict()) == cfg
 
 

@@ -1,8 +1,7 @@
-"""The one topology table: presets, hop cost, node map and topology resolution from hostnames."""
+"""The one topology table: presets, node map and topology resolution from hostnames."""
 import pytest
-import torch
 
-from eb_deepspeed.core.topology import TOPOLOGIES, hop_cost, node_map, resolve_topology
+from eb_deepspeed.core.topology import node_map, resolve_topology
 
 pytestmark = pytest.mark.unit
 
@@ -16,7 +15,7 @@ def test_ranks_on_the_same_host_share_a_node_numbered_in_order_of_first_appearan
 @pytest.mark.parametrize("name, explicit, nodes, resolved, warns", [
     ("pcie", False, 1, "pcie", None),                      # one node: nothing to change
     ("pcie", False, 2, "multi_node", "was the default"),    # not set, two nodes: follow the ranks
-    ("nvlink", True, 2, "nvlink", "should be >= 0.4"),      # set by the user: kept, with a warning
+    ("nvlink", True, 2, "nvlink", "priced at its one bandwidth"),      # set by the user: kept, with a warning
     ("multi_node", True, 3, "multi_node", None),
 ])
 def test_a_topology_follows_the_nodes_unless_the_user_set_it(name, explicit, nodes, resolved, warns):
@@ -24,7 +23,3 @@ def test_a_topology_follows_the_nodes_unless_the_user_set_it(name, explicit, nod
     assert got == resolved
     assert (warning is None) if warns is None else (warns in warning)
 
-
-def test_hop_cost_uses_the_topologys_same_node_hop():
-    cost = hop_cost(torch.tensor([0, 0, 1]), TOPOLOGIES["nvlink"].node_hop)
-    assert cost.tolist() == [[0.0, 0.1, 1.0], [0.1, 0.0, 1.0], [1.0, 1.0, 0.0]]

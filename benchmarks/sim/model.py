@@ -12,7 +12,8 @@ Cost of one layer on device d (seconds):
                 0 by default, as the article has it: `python -m benchmarks infer --framework autoep` measured 4-15 ms)
 Execution is synchronised per layer (a layer takes its slowest device), or with bounded run-ahead:
 a device may start layer l once every device has finished layer l - run_ahead. Links, latencies and
-devices per node come from the one topology table, `core.topology.TOPOLOGIES`.
+devices per node come from the one topology table, `core.topology.TOPOLOGIES`; the article's cost weights and
+hop costs (§3.3 / §5.1), which only the simulated re-routing reads, from `ARTICLE_WEIGHTS` and `NODE_HOP`.
 """
 from __future__ import annotations
 
@@ -22,7 +23,19 @@ import torch
 
 from eb_deepspeed.core.topology import TOPOLOGIES, Topology
 
-__all__ = ["ClusterModel"]
+__all__ = ["ClusterModel", "ARTICLE_WEIGHTS", "hop_cost"]
+
+# The EasyBalance article's (intra, cross, comm) cost weights per topology (§3.3 / §5.1: 0.3 / 0.5 / 0.2 the usual
+# start; NVLink lowers comm to ~0.1; across a network comm >= 0.4) and a hop inside a node against one across (1).
+ARTICLE_WEIGHTS = {"pcie": (0.3, 0.5, 0.2), "nvlink": (0.3, 0.6, 0.1), "multi_node": (0.2, 0.4, 0.4)}
+NODE_HOP = {"pcie": 0.3, "nvlink": 0.1, "multi_node": 0.2}
+
+
+def hop_cost(node_G: torch.Tensor, topology: str) -> torch.Tensor:
+    """[G, G] cost of sending from rank s to rank d: 0 same rank, the topology's `NODE_HOP` same node, 1 otherwise."""
+    same_node_GG = node_G[:, None] == node_G[None, :]
+    cost_GG = torch.full(same_node_GG.shape, 1.0, dtype=torch.float64).masked_fill_(same_node_GG, NODE_HOP[topology])
+    return cost_GG.fill_diagonal_(0.0)
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,10 @@ import torch
 
 from eb_deepspeed.core import metrics as M
 from eb_deepspeed.core.tally import Tally
-from eb_deepspeed.core.topology import hop_cost
 from eb_deepspeed.core.view import LoadView
 from eb_deepspeed.planning.placement import Placement, index_maps, plan_placement, static_placement
 from eb_deepspeed.planning.steering import even_split, steer
-from .model import ClusterModel
+from .model import ARTICLE_WEIGHTS, ClusterModel, hop_cost
 from .workloads import Workload
 
 __all__ = ["SimConfig", "STRATEGIES", "STRATEGY_LABELS", "simulate", "run_table", "evaluate_targets",
@@ -29,15 +28,13 @@ __all__ = ["SimConfig", "STRATEGIES", "STRATEGY_LABELS", "simulate", "run_table"
 
 # The article's table and ours (`placement_view`, replicas with an even split, is simulated on request: `eb bench
 # infer --framework autoep` sets it beside its measurement)
-STRATEGIES = ("static", "per_token", "batched_ema", "aggregated", "placement_steering_cross", "placement_steering",
-              "greedy_eplb")
+STRATEGIES = ("static", "per_token", "batched_ema", "aggregated", "placement_steering", "greedy_eplb")
 STRATEGY_LABELS = {
     "static": "static baseline (DeepSpeed layout)",
     "per_token": "cross-layer re-routing, per-token decisions",
     "batched_ema": "+ batched decisions (8) and EMA view",
     "aggregated": "+ communication aggregation",
-    "placement_steering_cross": "eb placement + steering, configured weights",
-    "placement_steering": "eb placement + steering, cross term in the plan",
+    "placement_steering": "eb placement + the exact split of each batch",
     "placement_view": "eb placement, each expert's routes split evenly over its replicas (no steering)",
     "greedy_eplb": "per-layer greedy replication (EPLB-style)",
 }
@@ -51,15 +48,13 @@ class Strategy:
     (our planner under that dispatch model), "greedy" (per-layer EPLB-style). steer: split each expert's
     routes over its replicas by `steering.steer` (else evenly). rebalance: the article's candidate-expert
     re-routing at device level; per_token: decide every token on instantaneous loads (else batched, on the
-    EMA view's prediction); aggregate: rebalanced routes share messages. article_weights: steer with the
-    configured (article) cost weights instead of folding the cross-layer weight into the intra-layer one.
+    EMA view's prediction); aggregate: rebalanced routes share messages.
     """
     plan: str | None = None
     steer: bool = False
     rebalance: bool = False
     per_token: bool = False
     aggregate: bool = False
-    article_weights: bool = False
 
 
 STRATEGY_SPECS = {
@@ -67,7 +62,6 @@ STRATEGY_SPECS = {
     "per_token": Strategy(rebalance=True, per_token=True),
     "batched_ema": Strategy(rebalance=True),
     "aggregated": Strategy(rebalance=True, aggregate=True),
-    "placement_steering_cross": Strategy(plan="steered", steer=True, article_weights=True),
     "placement_steering": Strategy(plan="steered", steer=True),
     "placement_view": Strategy(plan="uniform"),
     "greedy_eplb": Strategy(plan="greedy"),
@@ -83,12 +77,12 @@ class SimConfig:
     movable: float = 0.35            # fraction of routes with a near-tie candidate expert (the EasyBalance article's steering)
     ema_alpha: float = 0.3
     window: int = 5                  # the view's cross-layer half-width (easybalance.window)
-    decision_batch: int = 8
-    weights: tuple | None = None     # (intra, cross, comm) of steering; None = model.topology's preset
+    decision_batch: int = 8          # routes per re-routing decision (the EasyBalance article, §4.1)
 
     @property
     def cost_weights(self) -> tuple[float, float, float]:
-        return tuple(self.weights) if self.weights is not None else self.model.topology.weights
+        """The article's (intra, cross, comm) weights of its candidate-expert re-routing, for the topology."""
+        return ARTICLE_WEIGHTS[self.model.topology.name]
 
 
 def _greedy_eplb(load_LE: torch.Tensor, G: int, S: int) -> Placement:
@@ -157,7 +151,7 @@ def simulate(workload: Workload, strategy: str | Strategy, cfg: SimConfig | None
     counts = workload.counts_NLGE
     N, L, G, E = counts.shape
     node_G = cfg.model.node_of(G)
-    hop_GG = hop_cost(node_G, cfg.model.topology.node_hop)
+    hop_GG = hop_cost(node_G, cfg.model.topology.name)
     S = E // G + cfg.extra_slots
     static = static_placement(L, E, G)
     placement = static
@@ -207,24 +201,13 @@ def _step(spec: Strategy, cfg: SimConfig, c_LGE: torch.Tensor, placement: Placem
     model = cfg.model
     devices_LER = placement.expert_devices()
     cross_LG = view.window_pressure() if view.steps else None
-    intra, cross, comm = cfg.cost_weights
-    # Within a synchronised step a layer waits for its slowest device whatever its neighbours do, so
-    # steering folds the cross-layer weight into the intra-layer one (the cross-layer view still acts
-    # through the planner); `article_weights` keeps the configured weights.
-    weights = cfg.cost_weights if spec.article_weights else (intra + cross, 0.0, comm)
     times_LG = torch.zeros(L, G, dtype=torch.float64)
     load_LG = torch.zeros(L, G, dtype=torch.float64)
     for l in range(L):   # layers of one step
         c_GE, dev_ER = c_LGE[l], devices_LER[l]
         steered = spec.steer and planned
         decisions_G = torch.zeros(G, dtype=torch.float64)
-        if steered:
-            split = steer(c_GE, dev_ER, node_G, pressure_G=None if cross_LG is None else cross_LG[l],
-                          weights=weights, topology=model.topology.name, decision_batch=cfg.decision_batch,
-                          weight_G=weight_G)
-            decisions_G = c_GE.sum(1).to(torch.float64) / cfg.decision_batch
-        else:
-            split = even_split(c_GE, dev_ER)
+        split = steer(c_GE, dev_ER) if steered else even_split(c_GE, dev_ER)
         traffic_GG = _traffic(split, dev_ER, weight_G)
         messages_G = ((traffic_GG > 0) & ~torch.eye(G, dtype=torch.bool)).sum(1).to(torch.float64)
         if spec.rebalance:

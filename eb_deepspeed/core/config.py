@@ -1,12 +1,11 @@
 """The `"easybalance"` block of a DeepSpeed config: typed, strict, never mutates the user's dict.
 
     cfg = EasyBalanceConfig.from_ds_config("ds_config.json")      # or a dict
-    cfg.enabled, cfg.mode, cfg.aux.policy, cfg.inference.weights.cross, cfg.window_for(num_layers)
+    cfg.enabled, cfg.mode, cfg.aux.policy, cfg.inference.split, cfg.window_for(num_layers)
     cfg.ignored_options("train")    # JSON paths set by the user that have no effect here
 
 Defaults come from the tuning table of the EasyBalance article (§5.1): EMA alpha 0.3, cross-layer window 5-8
-layers, cost weights intra 0.3 / cross 0.5 / comm 0.2 (the `inference.topology` preset), decision batch 8,
-warm-up 3-5 batches. The options that only steer serving live under `easybalance.inference`; the topology
+layers, warm-up 3-5 batches. The options that only steer serving live under `easybalance.inference`; the topology
 presets come from `topology.TOPOLOGIES`, the aux policies and their options from `policies.POLICIES`.
 docs/config.md gives each key's reason (a measured win, or the anchor users come from).
 
@@ -26,7 +25,7 @@ from .files import MAX_JSON_DEPTH, json_too_deep, load_json
 from .policies import POLICIES
 from .topology import TOPOLOGIES
 
-__all__ = ["ConfigError", "CostWeights", "LogConfig", "AuxConfig", "InferenceConfig", "TrainPlacementConfig",
+__all__ = ["ConfigError", "LogConfig", "AuxConfig", "InferenceConfig", "TrainPlacementConfig",
            "EasyBalanceConfig"]
 
 MODES = ("observe", "balance")
@@ -37,17 +36,6 @@ CHECKPOINT_MODES = ("strict", "ignore_mismatch")   # easybalance.checkpoint: a s
 
 class ConfigError(ValueError):
     """A user mistake in the `easybalance` block; the message names the JSON path."""
-
-
-@dataclass(frozen=True)
-class CostWeights:
-    """Weights of the three cost terms of the EasyBalance article, §2.2 (intra-layer heat, cross-layer pressure, comm)."""
-    intra: float
-    cross: float
-    comm: float
-
-    def as_tuple(self) -> tuple[float, float, float]:
-        return (self.intra, self.cross, self.comm)
 
 
 @dataclass(frozen=True)
@@ -74,19 +62,13 @@ class AuxConfig:
 class InferenceConfig:
     """Serving (`easybalance.inference`): replicas, steering and re-planning."""
     replica_slots: int = 1          # extra physical expert slots per EP rank (0 = no replicas)
-    split: str = "view"             # "view": split table from the plan, no collective; "exact": steer each batch
-    topology: str = "pcie"          # sets the steering cost weights (`weights`) and the hop cost
-    decision_batch: int = 8         # tokens per steering decision (the EasyBalance article, §4.1)
+    split: str = "view"             # "view": even over the copies, no collective; "exact": split each batch
+    topology: str = "pcie"          # the links a weight copy crosses (its price)
     replan_threshold: float = 1.5   # consider a re-plan when a layer's expected slot max/mean passes this
     replan_interval: int = 24       # batches between two re-plans, at least (measured: docs/benchmarks.md, replay)
     view_interval: int = 4          # batches between two view updates (one all-reduce each)
     trial_batches: int = 8          # batches of a layout trial (replicas vs DeepSpeed's cost, in turns); 0 = none
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
-
-    @property
-    def weights(self) -> CostWeights:
-        """Steering's cost weights (intra-layer heat, cross-layer pressure, comm): the topology's preset."""
-        return CostWeights(*TOPOLOGIES[self.topology].weights)
 
 
 @dataclass(frozen=True)
@@ -380,7 +362,6 @@ def _inference(block: Any, path: str) -> InferenceConfig:
                            maximum=MAX_REPLICA_SLOTS),
         split=_choice(block.get("split", d.split), f"{path}.split", SPLITS),
         topology=topology,
-        decision_batch=_int(block.get("decision_batch", d.decision_batch), f"{path}.decision_batch", minimum=1),
         replan_threshold=threshold,
         replan_interval=_int(block.get("replan_interval", d.replan_interval), f"{path}.replan_interval", minimum=1),
         view_interval=_int(block.get("view_interval", d.view_interval), f"{path}.view_interval", minimum=1),

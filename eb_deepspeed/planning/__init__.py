@@ -1,7 +1,7 @@
 """Planning: where replicas live and how tokens are split among them (pure functions, no framework).
 
     plan = plan_placement(load_LE, num_devices, slots_per_device, num_nodes=..., previous=...)
-    split_GER = steer(counts_GE, plan.expert_devices()[layer], node_G, ...)
+    split_GER = steer(counts_GE, plan.expert_devices()[layer])
 
 `placement` (the planner, EPLB-shaped steps), `refine` (its steering-aware step 3), `flows` (the
 planner's model of steering), `steering` (the runtime's per-batch split), `oracle` (exact answers
@@ -11,6 +11,6 @@ from .flows import steer_flows, steered_load
 from .oracle import brute_force_optimum, steered_max_load
 from .placement import (Placement, assign_replicas, expected_device_load, expected_padded_cost, expected_slot_ratio,
                         index_maps, plan_placement, replica_counts, static_placement)
-from .steering import even_split, reroute_near_ties, split_device_loads, steer
+from .steering import Copies, even_split, steer
 
 __all__ = ["Placement", "plan_placement", "static_placement", "steer", "steered_load"]

@@ -42,7 +42,7 @@ from ...core.tally import LayerTally
 from ...planning.placement import Placement
 from ..common import dist_ready
 from ..serving.engine import ServingEngine
-from ..serving.store import Routing, SlotTable, split_by_fraction, steered_split
+from ..serving.store import Routing, SlotTable, exact_split, split_by_fraction
 from .engine import find_autoep_layers
 from .layer import choice_sums
 from .placement import unflatten_row
@@ -72,7 +72,6 @@ class AutoEPRoutes:
         self.layer, self.layer_index = layer, layer_index
         self.num_experts, self.k = int(layer.num_experts), int(layer.top_k)
         self.G, self.routing = int(G), routing
-        self.pressure_G: Optional[torch.Tensor] = None     # the view's cross-layer pressure of this layer
         self.tally = LayerTally(self.num_experts, self.G)
         self._logit_sums_T: Optional[torch.Tensor] = None
         self.set_table(table, S)
@@ -138,8 +137,7 @@ class AutoEPRoutes:
         """This rank's routes per replica [E, R]."""
         if self.routing.split == "view":
             return split_by_fraction(counts_E, self._maps(counts_E.device)[2])
-        n_ER, _ = steered_split(counts_E, self.table, self.S, self.G, self.layer.ep_group, self.routing,
-                                self.pressure_G)
+        n_ER, _ = exact_split(counts_E, self.table, self.S, self.G, self.layer.ep_group, self.routing.rank)
         return n_ER
 
     def _maps(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ from deepspeed.moe import sharded_moe as dsm
 
 from ...core.config import SPLITS
 from ...core.tally import LayerTally, logit_sums
-from ..serving.store import Routing, SlotTable, split_by_fraction, steered_split
+from ..serving.store import Routing, SlotTable, exact_split, split_by_fraction
 from .gate import CrossLayerGate
 
 __all__ = ["ReplicaGate"]
@@ -49,7 +49,6 @@ class ReplicaGate(CrossLayerGate):
             raise ValueError(f"split ({self.routing.split!r}) must be one of: {', '.join(SPLITS)}")
         self.G = int(num_devices)
         self.set_table(table, slots_per_device)
-        self.pressure_G: Optional[torch.Tensor] = None    # the view's cross-layer pressure of this layer
         self.tally = LayerTally(num_experts, self.G)
         self.controls = None        # serving takes no training controls
         self._capacity_value = 0    # the capacity the EP group agreed on for the last batch (`last_capacity`)
@@ -174,7 +173,7 @@ class ReplicaGate(CrossLayerGate):
         (exact split), or None (view split: each rank knows only its own)."""
         if self.routing.split == "view":
             return split_by_fraction(counts_E, self._table_on(counts_E.device).fraction_ER), None
-        return steered_split(counts_E, self.table, self.S, self.G, self.ep_group, self.routing, self.pressure_G)
+        return exact_split(counts_E, self.table, self.S, self.G, self.ep_group, self.routing.rank, slot_loads=True)
 
     def _capacity(self, slot_load_GP, n_ER, T: int) -> int:
         """The EP group's capacity. Without drops: the most routes any rank sends to any slot. With drops:

@@ -173,12 +173,7 @@ class ServingEngine:
             join_startup_off()          # a rank whose block is on waits for this rank in the start-up all-gather
         inf = config.inference if enabled else None
         self.model = DISPATCH[(store.padded, "view" if inf is None else inf.split)]
-        self.routing = Routing(
-            split="view" if inf is None else inf.split, rank=self.rank, node_G=self.node_G, recording=enabled,
-            # the cost weights and hop cost of the topology in effect (the configured one, or multi_node when the
-            # ranks span nodes and the user left it unset: `resolve_topology`)
-            steer_options={} if inf is None else {"weights": TOPOLOGIES[self.topology].weights,
-                                                  "topology": self.topology, "decision_batch": inf.decision_batch})
+        self.routing = Routing(split="view" if inf is None else inf.split, rank=self.rank, recording=enabled)
         store.replicate(self.S_max, self.placement, self.routing)
         self.balancer: Optional[Balancer] = None
         if enabled:
@@ -268,11 +263,7 @@ class ServingEngine:
             self.balancer.take(packed_LW)
 
     def _after_view_step(self) -> None:
-        """The view took a step: the gates get its cross-layer pressure; re-plan if the view says so."""
-        view = self.balancer.view
-        cross_LG = view.window_pressure() if view.steps else None
-        for layer, gate in enumerate(self.gates):
-            gate.pressure_G = None if cross_LG is None else cross_LG[layer]
+        """The view took a step: re-plan if the view says so."""
         if self.R and self._trial is None:
             self.maybe_replan()
 

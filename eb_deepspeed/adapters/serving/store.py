@@ -7,8 +7,8 @@ A runtime (DeepSpeed's `MOELayer`, AutoEP's dropless layer) is served through a 
 rank, each holding one expert's weights, and gates that put each logical route on a physical slot by a
 `SlotTable`. The engine (`engine.py`) decides placements and moves weights; a store only reads and writes slots
 and serves the tables it is given. Both gates split an expert's routes on this rank over its replicas the same
-way: by the table's fractions (`split_by_fraction`, "view": no collective) or by steering this batch's counts of
-every rank (`steered_split`, "exact": one all-gather of [E] per layer).
+way: by the table's fractions (`split_by_fraction`, "view": no collective) or by the exact split of this batch's
+counts of every rank (`exact_split`, "exact": one all-gather of [E] per layer, the split on the device).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ...planning.placement import Placement
-from ...planning.steering import steer
+from ...planning.steering import Copies, rank_share
 
 __all__ = ["SlotStore", "SlotTable", "Routing"]
 
@@ -29,10 +29,18 @@ class SlotTable:
     """One layer's placement as its gate uses it (every rank holds the same table).
 
     log2phy_ER: [E, R] physical slot of each replica (-1 padded); fraction_ER: [E, R] the share of
-    the expert's routes each replica takes in `split="view"` (0 on padding, rows sum to 1).
+    the expert's routes each replica takes in `split="view"` (0 on padding, rows sum to 1); copies: what the
+    exact split reads, per device (`copies_on`).
     """
     log2phy_ER: torch.Tensor
     fraction_ER: torch.Tensor
+    copies: dict = field(default_factory=dict, repr=False)
+
+    def copies_on(self, S: int, G: int, device) -> Copies:
+        """The exact split's view of this table on `device` (built once, at the first forward that needs it)."""
+        if device not in self.copies:
+            self.copies[device] = Copies(torch.where(self.log2phy_ER >= 0, self.log2phy_ER // S, -1), G, device)
+        return self.copies[device]
 
     @classmethod
     def even(cls, log2phy_ER: torch.Tensor) -> "SlotTable":
@@ -42,15 +50,12 @@ class SlotTable:
 
 @dataclass
 class Routing:
-    """How a store's gates split routes: `split` ("view" or "exact"), this rank's place in the EP group, the
-    node of each EP rank [G], `planning.steer`'s options (cost weights, topology, decision batch), whether the
-    gates count routes for the view (`recording`). `tokens`: set to [] by the engine before each forward, then
+    """How a store's gates split routes: `split` ("view" or "exact"), this rank's place in the EP group, whether
+    the gates count routes for the view (`recording`). `tokens`: set to [] by the engine before each forward, then
     holds the most tokens on any EP rank in it, agreed by its first layer that needs it (None: every such layer
     agrees for itself)."""
     split: str = "view"
     rank: int = 0
-    node_G: Optional[torch.Tensor] = None
-    steer_options: dict = field(default_factory=dict)
     recording: bool = True
     tokens: Optional[list] = None
 
@@ -59,7 +64,7 @@ class SlotStore(Protocol):
     """A runtime's MoE layers as slots. Set at construction: `num_layers`, `num_experts`, `num_devices` (E, G of
     every layer), `top_k` (per layer), `ep_group`, `device` (where collectives run), `padded` (every slot is
     padded to the largest: DeepSpeed's MOELayer; else dropless), `drops_tokens`; after `replicate`: `gates`
-    (one per layer, each with a `tally` and `pressure_G`)."""
+    (one per layer, each with a `tally`)."""
     gates: list
 
     def replicate(self, slots: int, placement: Placement, routing: Routing) -> None:
@@ -92,22 +97,21 @@ def split_by_fraction(counts_E: torch.Tensor, fraction_ER: torch.Tensor) -> torc
     return torch.diff(ends_ER, dim=1, prepend=torch.zeros_like(ends_ER[:, :1]))
 
 
-def steered_split(counts_E: torch.Tensor, table: SlotTable, S: int, G: int, ep_group, routing: Routing,
-                  pressure_G: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `exact` split of one batch: every rank's routes per expert [E] from one all-gather over the EP
-    group, steered over the replicas (`planning.steer`, on the host). Returns this rank's routes per replica
-    n_ER [E, R] (on counts_E's device) and every rank's routes per slot slot_load_GP [G, P]."""
-    gathered = [torch.zeros_like(counts_E) for _ in range(G)]
+def exact_split(counts_E: torch.Tensor, table: SlotTable, S: int, G: int, ep_group, rank: int,
+                slot_loads: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The `exact` split of one batch: every rank's routes per expert [E] from one all-gather over the EP group,
+    split over the copies on the device (`planning.steering`). Returns this rank's routes per replica n_ER [E, R]
+    and, with `slot_loads`, every rank's routes per slot [G, P] (else None)."""
+    counts_GE = torch.empty(G, *counts_E.shape, dtype=counts_E.dtype, device=counts_E.device)
     if G > 1:
-        dist.all_gather(gathered, counts_E, group=ep_group)
+        dist.all_gather(list(counts_GE.unbind(0)), counts_E.contiguous(), group=ep_group)
     else:
-        gathered = [counts_E]
-    counts_GE = torch.stack(gathered).cpu().long()         # steering runs on the host
-    devices_ER = torch.where(table.log2phy_ER >= 0, table.log2phy_ER // S, -1)
-    node_G = torch.zeros(G, dtype=torch.long) if routing.node_G is None else routing.node_G
-    split_GER = steer(counts_GE, devices_ER, node_G, pressure_G=pressure_G, **routing.steer_options)
-    P = G * S
-    slot_load_GP = torch.zeros(G, P + 1, dtype=torch.long)
-    slots_ER = torch.where(table.log2phy_ER >= 0, table.log2phy_ER, P)
-    slot_load_GP.index_add_(1, slots_ER.reshape(-1), split_GER.reshape(G, -1))
-    return split_GER[routing.rank].to(counts_E.device), slot_load_GP[:, :P]
+        counts_GE[0] = counts_E
+    n_ER = table.copies_on(S, G, counts_E.device).split(counts_GE.sum(0))
+    if not slot_loads:
+        return rank_share(counts_GE, n_ER, rank), None
+    split_GER = rank_share(counts_GE, n_ER)
+    slots_ER = table.log2phy_ER.to(counts_E.device)
+    slot_load_GP = torch.zeros(G, G * S + 1, dtype=torch.long, device=counts_E.device)
+    slot_load_GP.index_add_(1, torch.where(slots_ER >= 0, slots_ER, G * S).reshape(-1), split_GER.reshape(G, -1))
+    return split_GER[rank], slot_load_GP[:, :G * S]
