@@ -125,10 +125,9 @@ def test_the_public_surface_of_the_design_is_importable_from_the_top_level():
     assert set(names) <= set(eb_deepspeed.__all__)
 
 
-def test_the_metrics_contract_imports_as_a_module_and_is_the_core_s_one():
+def test_the_metrics_contract_is_the_cores_module_as_an_attribute_of_the_package():
     import eb_deepspeed.core.metrics as core_metrics
-    import eb_deepspeed.metrics as contract_metrics
     from eb_deepspeed import metrics as attribute_metrics
-    from eb_deepspeed.metrics import max_over_mean
-    assert contract_metrics is core_metrics is attribute_metrics
-    assert max_over_mean is core_metrics.max_over_mean
+    assert attribute_metrics is core_metrics is eb_deepspeed.metrics
+    assert attribute_metrics.max_over_mean is core_metrics.max_over_mean
+    assert not (__import__("pathlib").Path(eb_deepspeed.__file__).parent / "metrics.py").exists()   # no shim
