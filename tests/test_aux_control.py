@@ -113,7 +113,7 @@ def test_options_the_policy_does_not_use_are_reported_once_each():
     # every option of every policy is a valid aux key, and each policy reports the others' as ignored
     # (set to other than their defaults: a key left at its default changes nothing and warns about nothing)
     every = sorted({o for p in POLICIES.values() for o in p.options})
-    changed = {"weight_range": [0.5, 2.0], "gain": 0.04, "bias_rate": 0.05, "device_weight": 0.25}
+    changed = {"weight_range": [0.5, 2.0], "gain": 0.04, "bias_rate": 0.05}
     assert sorted(changed) == every
     for name, policy in POLICIES.items():
         cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": name, **changed}}})

@@ -54,7 +54,7 @@ def test_the_users_dict_is_never_changed_whether_it_parses_or_fails(block):
     ({"inference": {"replicas": 1}}, r"easybalance\.inference\.replicas: unknown key; valid keys: "
                                      r"replan_interval, replan_threshold, replica_slots, split, topology, trial_batches, view_interval$"),
     ({"aux": {"smoothing": 0.5}}, r"easybalance\.aux\.smoothing: unknown key; valid keys: "
-                                  r"bias_rate, device_weight, gain, loss_coeff, policy, weight_range$"),
+                                  r"bias_rate, gain, loss_coeff, policy, weight_range$"),
     ({"inference": {"split": "fast"}}, r"easybalance\.inference\.split \('fast'\) must be one of: view, exact"),
     ({"log": {"every": 2}}, r"easybalance\.log\.every: unknown key; valid keys: dir, interval, wandb"),
     ({"train_placement": {"every": 2}}, r"easybalance\.train_placement\.every: unknown key; valid keys: enabled, interval"),
@@ -165,7 +165,7 @@ def test_a_missing_or_broken_config_file_is_a_config_error_naming_the_file(tmp_p
 
 VALID = {"enabled": True, "mode": "balance", "ema_alpha": 0.3, "window": "auto", "warmup_batches": 4,
          "seq_len_weighting": False, "checkpoint": "strict", "log": {"interval": 10, "dir": "x", "wandb": True},
-         "aux": {"policy": "bias", "weight_range": [0.5, 2.0], "gain": 0.02, "bias_rate": 0.001, "device_weight": 0.5,
+         "aux": {"policy": "bias", "weight_range": [0.5, 2.0], "gain": 0.02, "bias_rate": 0.001,
                  "loss_coeff": 0.01},
          "inference": {"replica_slots": 1, "split": "view", "topology": "pcie",
                        "replan_threshold": 1.5, "replan_interval": 24, "view_interval": 4, "trial_batches": 8},
@@ -190,7 +190,7 @@ def test_the_valid_block_has_every_key_and_it_parses_back_from_its_dict():
     def leaves(d):
         return sum(leaves(v) if isinstance(v, dict) else 1 for v in d.values())
     cfg = EasyBalanceConfig.from_ds_config({"easybalance": VALID})
-    assert leaves(VALID) == leaves(cfg.to_dict()) == 25          # every key, each with its reason in docs/config.md
+    assert leaves(VALID) == leaves(cfg.to_dict()) == 24          # every key, each with its reason in docs/config.md
     assert EasyBalanceConfig.from_block(cfg.to_dict()) == cfg
 
 

@@ -53,7 +53,6 @@ class AuxConfig:
     weight_range: tuple[float, float] = (0.25, 4.0)  # cross_layer: clip of the per-layer device-loss weights
     gain: float = 0.02                               # cross_layer: integral gain on the log-weights (measured)
     bias_rate: float = 0.03                          # bias: sign-update rate u (logits; measured, docs/training.md)
-    device_weight: float = 0.5                       # bias: weight of the device (window pressure) term
     loss_coeff: float = 0.01                         # AutoEP: coefficient of the balance loss easybalance attaches
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
 
@@ -339,13 +338,10 @@ def _aux(block: Any, path: str) -> AuxConfig:
     rate = _number(block.get("bias_rate", d.bias_rate), f"{path}.bias_rate")
     if not 0.0 < rate <= 1.0:
         raise ConfigError(f"{path}.bias_rate ({rate}) must be in (0, 1]")
-    device_weight = _number(block.get("device_weight", d.device_weight), f"{path}.device_weight")
-    if device_weight < 0:
-        raise ConfigError(f"{path}.device_weight ({device_weight}) must be >= 0")
     loss_coeff = _number(block.get("loss_coeff", d.loss_coeff), f"{path}.loss_coeff")
     if not 0.0 <= loss_coeff <= 1e6:
         raise ConfigError(f"{path}.loss_coeff ({loss_coeff}) must be in [0, 1e6]")
-    return AuxConfig(policy=policy, weight_range=(lo, hi), gain=gain, bias_rate=rate, device_weight=device_weight,
+    return AuxConfig(policy=policy, weight_range=(lo, hi), gain=gain, bias_rate=rate,
                      loss_coeff=loss_coeff, explicit=frozenset(block))
 
 

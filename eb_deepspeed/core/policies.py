@@ -32,6 +32,9 @@ from .state import why_tensors_unfit
 __all__ = ["POLICIES", "AuxController"]
 
 _ERROR_CLIP = 1.0   # one step moves a log-weight by at most gain x this (a single outlier step cannot jump it)
+# The bias's device term (the window pressure of the expert's EP rank, the article §2.2) against its expert term:
+# half as strong. Not measured apart from the policy it belongs to (a constant, not a key; 0 is DeepSeek-V3's bias).
+DEVICE_WEIGHT = 0.5
 
 
 def device_scores(pressure_LG: torch.Tensor, cross_LG: torch.Tensor) -> torch.Tensor:
@@ -150,7 +153,7 @@ class CrossLayerPolicy(AuxPolicy):
 
 class BiasPolicy(AuxPolicy):
     name = "bias"
-    options = ("bias_rate", "device_weight")
+    options = ("bias_rate", )
     uses_bias = True
     uses_view = True
 
@@ -179,7 +182,7 @@ def _bias_step(ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
     counts_LE = torch.where(valid_L[:, None], view.last.routed_LE, 0.0)   # a layer with no counts holds its bias
     cross_LG = view.window_pressure()
     ctl.bias_LE = bias_update(ctl.bias_LE, counts_LE, cross_LG, view.expert_device_mean(cross_LG),
-                              rate=ctl.cfg.bias_rate, device_weight=ctl.cfg.device_weight, mask_LE=view.mask_LE)
+                              rate=ctl.cfg.bias_rate, device_weight=DEVICE_WEIGHT, mask_LE=view.mask_LE)
     return True
 
 
