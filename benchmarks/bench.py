@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from eb_deepspeed.planning.oracle import brute_force_optimum, steered_max_load
+from .exact import brute_force_optimum, steered_max_load
 
 __all__ = ["bench_gate", "bench_train", "bench_train_autoep", "bench_plan", "bench_optimum", "free_port",
            "AUTOEP_ROWS"]

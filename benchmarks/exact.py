@@ -5,6 +5,8 @@ slot p lives on device p // S).
 
     uniform_loads(phy_LP, load_LE, S)   # [L, G]: each expert's load split evenly over its replicas
     steered_max(phy_LP, load_LE, S)     # [L]: the slowest device when the split is free (exact LP)
+    steered_max_load(holds_GE, load_E)  # the same on a tiny layer, by Hall's theorem (tests)
+    brute_force_optimum(load_E, G, S)   # the best of it over every legal filling of the slots (tiny inputs)
 
 `steered_max` solves, per layer, min T subject to: every expert's load is split over its replicas
 (x >= 0, sum over its slots = load), every device carries at most T. It uses SciPy's HiGHS solver,
@@ -12,12 +14,14 @@ one judge for every placement (ours, EPLB's), independent of the planner's own w
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-__all__ = ["uniform_loads", "steered_max", "balancedness_of"]
+__all__ = ["uniform_loads", "steered_max", "balancedness_of", "steered_max_load", "brute_force_optimum"]
 
 
 def _np(x) -> np.ndarray:
@@ -68,3 +72,37 @@ def balancedness_of(max_L, load_LE, G: int) -> tuple[float, float]:
     mean_L = _np(load_LE).astype(np.float64).sum(1) / G
     max_L = np.asarray(max_L, dtype=np.float64)
     return float(mean_L.sum() / max_L.sum()), float((mean_L / max_L).min())
+
+
+def steered_max_load(holds_GE, load_E) -> float:
+    """Slowest device's load when steering splits each expert's tokens freely among its replicas.
+
+    holds_GE: [G][E] bools (device g holds expert e); load_E: [E] tokens. By Hall's theorem
+    (supply and demand on a bipartite graph with unbounded edges) the optimum is the max over
+    expert subsets A of load(A) / |devices holding any expert of A|. Exponential in E: tiny inputs.
+    """
+    E = len(load_E)
+    best = 0.0
+    for mask in range(1, 2 ** E):
+        A = [e for e in range(E) if mask >> e & 1]
+        devices = {d for d in range(len(holds_GE)) for e in A if holds_GE[d][e]}
+        best = max(best, sum(load_E[e] for e in A) / len(devices))
+    return best
+
+
+def brute_force_optimum(load_E, G: int, S: int) -> float:
+    """The best steered max load over every legal filling of G * S slots (no expert twice on a device,
+    every expert at least once, every slot used)."""
+    E, P = len(load_E), G * S
+    best = float("inf")
+    seen = set()
+    for assign in itertools.product(range(E), repeat=P):
+        per_dev = [frozenset(assign[d * S:(d + 1) * S]) for d in range(G)]
+        if any(len(d) < S for d in per_dev) or len(set(assign)) < E:
+            continue
+        key = tuple(sorted(tuple(sorted(d)) for d in per_dev))
+        if key in seen:
+            continue
+        seen.add(key)
+        best = min(best, steered_max_load([[e in d for e in range(E)] for d in per_dev], load_E))
+    return best

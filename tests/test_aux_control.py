@@ -100,15 +100,6 @@ def test_bias_cross_layer_moves_the_bias_and_the_device_loss_weights_together_an
         AuxController(3, 4, cfg.aux).load_state_dict(ctl.state_dict())
 
 
-def test_a_state_saved_before_the_device_loss_restores_with_fresh_device_weights():
-    cfg = EasyBalanceConfig.from_ds_config({"easybalance": {"aux": {"policy": "cross_layer"}}})
-    old = {"policy": "cross_layer", "weight_L": torch.tensor([1.5, 0.5], dtype=torch.float64),
-           "bias_LE": torch.zeros(2, 4, dtype=torch.float64), "updates": 7}
-    ctl = AuxController(2, 4, cfg.aux)
-    assert ctl.load_state_dict(old) == []           # its per-layer l_aux weights are no longer state
-    assert ctl.device_loss_weights().tolist() == [1.0, 1.0] and ctl.updates == 7
-
-
 def test_options_the_policy_does_not_use_are_reported_once_each():
     # every option of every policy is a valid aux key, and each policy reports the others' as ignored
     # (set to other than their defaults: a key left at its default changes nothing and warns about nothing)

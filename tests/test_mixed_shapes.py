@@ -177,17 +177,6 @@ def test_a_short_row_widens_into_the_padded_layout_field_by_field():
         widen_row(torch.zeros(TallyLayout(5).width), 5, 2)
 
 
-def test_a_uniform_checkpoint_of_the_format_before_per_layer_shapes_still_loads():
-    view = LoadView(2, 4, 2)
-    view.update(Tally.build([[1, 2, 3, 4], [4, 3, 2, 1]]))
-    old = {k: v for k, v in view.state_dict().items() if k not in ("experts_L", "devices_L", "expert_to_device_LE")}
-    restored = LoadView(2, 4, 2)
-    restored.load_state_dict(old)
-    assert torch.equal(restored.pressure_LG, view.pressure_LG)
-    mixed = LoadView(2, [2, 4], 2)
-    assert "saved before them" in mixed.why_unfit({**old, "heat_LE": torch.zeros(2, 4)})
-
-
 def test_a_pr_moe_balance_log_is_refused_as_a_trace_with_the_reason(tmp_path):
     import json
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eb_deepspeed.planning.flows import steer_flows
-from eb_deepspeed.planning.oracle import brute_force_optimum, steered_max_load
+from benchmarks.exact import brute_force_optimum, steered_max_load
 from eb_deepspeed.planning.placement import plan_placement, replica_counts, static_placement
 from benchmarks.bench import pareto_loads
 

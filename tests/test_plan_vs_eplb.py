@@ -8,7 +8,7 @@ from benchmarks.eplb_port import rebalance_experts, rebalance_global
 from benchmarks.exact import balancedness_of, steered_max, uniform_loads
 from benchmarks.plan_vs_eplb import EPLB_README, cases, compare_case
 from eb_deepspeed.planning import uniform as un
-from eb_deepspeed.planning.oracle import steered_max_load
+from benchmarks.exact import steered_max_load
 from eb_deepspeed.planning.placement import assign_replicas, plan_placement
 from eb_deepspeed.planning.slots import holds_mask
 from benchmarks.bench import pareto_loads

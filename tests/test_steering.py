@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from eb_deepspeed.planning.oracle import steered_max_load
+from benchmarks.exact import steered_max_load
 from eb_deepspeed.planning.placement import plan_placement
 from eb_deepspeed.planning.steering import Copies, rank_share, steer
 

@@ -297,22 +297,19 @@ class Balancer:
                 "config": self.config.to_dict()}
 
     def why_unfit(self, state: object) -> Optional[str]:
-        """Why a saved state cannot be restored into this balancer (None: it can, or it is of an older
-        format, which `load_state_dict` skips). Checks everything before anything is changed."""
+        """Why a saved state cannot be restored into this balancer (None: it can). Checks everything before anything
+        is changed."""
         if not isinstance(state, dict):
             return f"the balancer state is a {type(state).__name__}, not a dict"
         version = state.get("version", 0)
         if not isinstance(version, int):
             return f"the balancer state's version {version!r} is not an integer"
-        if version < self.VERSION:
-            return None
         if version != self.VERSION:
-            return (f"the balancer state format {version} is newer than this eb_deepspeed reads ({self.VERSION}); "
-                    "upgrade eb_deepspeed")
+            return f"the balancer state format {version} is not the one this eb_deepspeed reads ({self.VERSION})"
         return self._view.why_unfit(state.get("view")) or self.controller.why_unfit(state.get("aux"))
 
     def load_state_dict(self, state: dict[str, object]) -> bool:
-        """Restore a saved state; returns False (and changes nothing) for a state of an older format.
+        """Restore a saved state; returns True.
 
         A state that does not fit (`why_unfit`) raises ValueError and changes nothing. A state saved at another
         EP size (or expert layout) restores what is per expert or per layer (heat, bias, device-loss weights,
@@ -323,8 +320,6 @@ class Balancer:
         problem = self.why_unfit(state)
         if problem is not None:
             raise ValueError(problem)
-        if state.get("version", 0) < self.VERSION:
-            return False
         layout = self._view.load_state_dict(state["view"])
         self.log.resumed(self._view.steps)
         changed = self.controller.load_state_dict(state["aux"])

@@ -250,16 +250,13 @@ class AuxController:
             return "the aux state is not a dict with a policy and an update count"
         if state["updates"] < 0:
             return f"the checkpointed aux updates is {state['updates']}, expected an integer >= 0"
-        shapes = {"bias_LE": tuple(self.bias_LE.shape)}
-        if "log_w_L" in state:                  # absent from states saved before the device loss
-            shapes["log_w_L"] = tuple(self.log_w_L.shape)
+        shapes = {"bias_LE": tuple(self.bias_LE.shape), "log_w_L": tuple(self.log_w_L.shape)}
         return why_tensors_unfit(state, "aux", shapes, STATE_RANGES)
 
     def load_state_dict(self, state: dict[str, object]) -> list[str]:
         """Restore the saved bias and weights, made to obey the current config; returns what that changed.
 
-        A checkpoint of another policy is not this policy's state: the controller starts fresh. (States of
-        earlier versions also hold per-layer aux weights and smoothed weights: no longer state, ignored.)
+        A checkpoint of another policy is not this policy's state: the controller starts fresh.
         """
         problem = self.why_unfit(state)
         if problem is not None:
@@ -267,8 +264,7 @@ class AuxController:
         if state["policy"] != self.cfg.policy:
             return [f"aux.policy was \"{state['policy']}\": weights and bias start fresh"]
         self.bias_LE = state["bias_LE"].to(torch.float64).clone()
-        if "log_w_L" in state:
-            self.log_w_L = state["log_w_L"].to(torch.float64).clone()
+        self.log_w_L = state["log_w_L"].to(torch.float64).clone()
         self.updates = int(state["updates"])
         lo, hi = self.cfg.weight_range
         w_L = self.log_w_L.exp()

@@ -123,19 +123,6 @@ class LoadView:
         self.expert_to_device_LE = self._checked_map(expert_to_device_LE)
         self.pressure_LG = self.expert_to_device_load(self.heat_LE)
 
-    @property
-    def uniform(self) -> bool:
-        """Every layer has the same number of experts and EP ranks (no padding, no copies)."""
-        return bool((self.experts_L == self.E).all()) and bool((self.devices_L == self.G).all())
-
-    @property
-    def expert_to_device_E(self) -> torch.Tensor:
-        """[E] the one expert -> EP rank map of a view whose layers all share it (see `layer_map`)."""
-        first_E = self.expert_to_device_LE[0]
-        if not self.uniform or not bool((self.expert_to_device_LE == first_E).all()):
-            raise ValueError("the layers differ in shape or expert layout: use layer_map(layer)")
-        return first_E
-
     def layer_map(self, layer: int) -> torch.Tensor:
         """[E_l] group-local EP rank of each expert of `layer` (what its gate's device loss needs)."""
         return self.expert_to_device_LE[layer, :int(self.experts_L[layer])]
@@ -286,28 +273,21 @@ class LoadView:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, object]:
-        out = {"shape": (self.L, self.E, self.G), "heat_LE": self.heat_LE.clone(),
-               "pressure_LG": self.pressure_LG.clone(), "updates_L": self.updates_L.clone(),
-               "steps": self.steps, "experts_L": self.experts_L.clone(), "devices_L": self.devices_L.clone(),
-               "expert_to_device_LE": self.expert_to_device_LE.clone(),
-               "last_tally": self.last.pack(), "last_devices": 0 if self.last.device_LG is None else self.G,
-               "last_load_LG": self.last_load_LG.clone(), "drift_L": self.drift_L.clone(),
-               "var_LE": self.var_LE.clone()}
-        if self.uniform and bool((self.expert_to_device_LE == self.expert_to_device_LE[0]).all()):
-            out["expert_to_device_E"] = self.expert_to_device_LE[0].clone()   # what readers before PR-MoE take
-        return out
+        return {"shape": (self.L, self.E, self.G), "heat_LE": self.heat_LE.clone(),
+                "pressure_LG": self.pressure_LG.clone(), "updates_L": self.updates_L.clone(),
+                "steps": self.steps, "experts_L": self.experts_L.clone(), "devices_L": self.devices_L.clone(),
+                "expert_to_device_LE": self.expert_to_device_LE.clone(),
+                "last_tally": self.last.pack(), "last_devices": 0 if self.last.device_LG is None else self.G,
+                "last_load_LG": self.last_load_LG.clone(), "drift_L": self.drift_L.clone(),
+                "var_LE": self.var_LE.clone()}
 
     def layout_change(self, state: dict) -> str | None:
         """How the devices of a state (one `why_unfit` accepts) differ from this view's (None: they do not):
         another EP size, or experts on other EP ranks. Such a state is restored expert by expert (`load_state_dict`)."""
-        devices_L = state["devices_L"].to(torch.long) if "devices_L" in state else \
-            torch.full((self.L, ), int(state["shape"][2]), dtype=torch.long)
+        devices_L = state["devices_L"].to(torch.long)
         if not torch.equal(devices_L, self.devices_L):
             return f"EP ranks per layer {_show(devices_L)} -> {_show(self.devices_L)}"
-        saved = state["expert_to_device_LE"] if "experts_L" in state else state["expert_to_device_E"]
-        saved_LE = torch.as_tensor(saved, dtype=torch.long)
-        saved_LE = torch.where(self.mask_LE, saved_LE.expand(self.L, -1) if saved_LE.dim() == 1 else saved_LE, 0)
-        if not torch.equal(saved_LE, self.expert_to_device_LE):
+        if not torch.equal(torch.where(self.mask_LE, state["expert_to_device_LE"].long(), 0), self.expert_to_device_LE):
             return "experts on other EP ranks"
         return None
 
@@ -315,8 +295,7 @@ class LoadView:
         """Why `state` cannot be this view's (None: it can). Checks everything `load_state_dict` reads.
 
         Layers and experts must match; the devices may differ (`layout_change`): then only the expert-level
-        fields are read. A state saved before per-layer shapes (no `experts_L`) is read as uniform layers with
-        one map."""
+        fields are read."""
         if not isinstance(state, dict) or "shape" not in state:
             return "the load view state is not a dict with a shape"
         try:
@@ -334,24 +313,15 @@ class LoadView:
             return f"the load view's steps is {state.get('steps')!r}, expected an integer >= 0"
         width = TallyLayout(self.E, devices).width
         shapes = {"heat_LE": (self.L, self.E), "pressure_LG": (self.L, G), "updates_L": (self.L, ),
-                  "last_tally": (self.L, width), "last_load_LG": (self.L, G)}
-        if "drift_L" in state:          # saved since the drift figure (a total variation: 0 to 1)
-            shapes["drift_L"] = (self.L, )
-        if "var_LE" in state:           # saved since the swing (a variance)
-            shapes["var_LE"] = (self.L, self.E)
-        if "experts_L" in state:
-            shapes.update(experts_L=(self.L, ), devices_L=(self.L, ), expert_to_device_LE=(self.L, self.E))
-        elif self.uniform:
-            shapes["expert_to_device_E"] = (self.E, )
-        else:
-            return "the checkpointed load view has no per-layer shapes (saved before them); this model's layers differ"
+                  "last_tally": (self.L, width), "last_load_LG": (self.L, G), "drift_L": (self.L, ),
+                  "var_LE": (self.L, self.E), "experts_L": (self.L, ), "devices_L": (self.L, ),
+                  "expert_to_device_LE": (self.L, self.E)}
         # counts and loads are never negative; every field of the last tally is a count or a non-negative loss
         ranges = {key: (0.0, math.inf) for key in ("heat_LE", "pressure_LG", "updates_L", "last_tally", "last_load_LG",
                                                    "var_LE")}
         ranges["drift_L"] = (0.0, 1.0)
         problem = why_tensors_unfit(state, "load view", shapes, ranges)
-        if problem is None and "experts_L" in state and not torch.equal(state["experts_L"].to(torch.long),
-                                                                        self.experts_L):
+        if problem is None and not torch.equal(state["experts_L"].to(torch.long), self.experts_L):
             return (f"the checkpointed load view's experts_L per layer is {state['experts_L'].tolist()}, this model's "
                     f"{self.experts_L.tolist()}")
         return problem
@@ -368,8 +338,8 @@ class LoadView:
         self.heat_LE = state["heat_LE"].to(torch.float64).clone()
         self.updates_L = state["updates_L"].to(torch.long).clone()
         self.steps = int(state["steps"])
-        self.drift_L = state["drift_L"].to(torch.float64).clone() if "drift_L" in state else torch.zeros(self.L, dtype=torch.float64)
-        self.var_LE = state["var_LE"].to(torch.float64).clone() if "var_LE" in state else torch.zeros_like(self.heat_LE)
+        self.drift_L = state["drift_L"].to(torch.float64).clone()
+        self.var_LE = state["var_LE"].to(torch.float64).clone()
         if change is not None:
             self.pressure_LG = self.expert_to_device_load(self.heat_LE)
             self.last = Tally.zeros(self.L, self.E)

@@ -176,8 +176,6 @@ def read_log(run_dir: str, keys: Optional[Sequence[str]] = None, max_records: Op
     stride, seen, newest, runs = 1, 0, None, 0
     for record in iter_log(run_dir):
         start = record.get("run_start")
-        if not isinstance(start, int) and newest is not None and record["step"] <= newest["step"]:
-            start = record["step"] - 1          # a resume logged without a marker (older logs)
         if isinstance(start, int) and not isinstance(start, bool):
             runs += newest is not None and (newest["step"] > start or start == 0)   # a run that replaces what it follows
             while kept and kept[-1]["step"] > start:

@@ -8,7 +8,7 @@ slot p lives on device p // S).
 
 This is the continuous relaxation of what steering can reach: every token may go to any replica
 of its expert, from any source. Its fixed point minimises the sum of squared device loads, and
-with it the slowest device (tested against the exact oracle in `oracle.py`). The runtime's
+with it the slowest device (tested against the exact optimum, `benchmarks/exact.py`). The runtime's
 `steering.steer` works per source rank in whole tokens with communication costs, so it reaches
 this bound only approximately; the planner uses this model to score placements.
 """

@@ -163,9 +163,8 @@ def wrap_checkpointing(engine, balancer: Balancer, hook: StepHook) -> None:
         elif problem is not None:      # the file could not be read ahead (an unusual layout): DeepSpeed loaded it
             raise ValueError(f"easybalance: {load_path}: {problem}. The model was loaded, the balancer state was not; "
                              'set "easybalance": {"checkpoint": "ignore_mismatch"} to go on without it')
-        elif not balancer.load_state_dict(state):
-            warnings.warn(f"easybalance: checkpoint {load_path} holds balancer state of an older format "
-                          f"({state.get('version')}); the load view starts cold")
+        else:
+            balancer.load_state_dict(state)
         return load_path, client_state
 
     engine.save_checkpoint = save_checkpoint
