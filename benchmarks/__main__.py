@@ -17,11 +17,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from eb_deepspeed.tools.cli import Choices, bounded, counting, non_negative, run
+from eb_deepspeed.tools.cli import bounded, counting, non_negative, run
 
 __all__ = ["main"]
+
+
+class Choices:
+    """argparse choices read on first use: `eb --help` never imports the modules (and torch) behind them."""
+
+    def __init__(self, load):
+        self._load, self._values = load, None
+
+    def _get(self) -> list[str]:
+        if self._values is None:
+            self._values = list(self._load())
+        return self._values
+
+    def __contains__(self, value) -> bool:
+        return value in self._get()
+
+    def __iter__(self):
+        return iter(self._get())
+
+
+def ranks_in_log(path: str) -> int | None:
+    """The EP ranks our own balance log recorded (the width of its last `pressure_LG`), or None for other
+    files (SGLang's and vLLM's loads name no ranks) and logs without it."""
+    if not (path.endswith(".jsonl") or os.path.isdir(path)):
+        return None
+    from eb_deepspeed.observe.report import read_log
+    last = read_log(path, keys=())[-1]
+    pressure = last.get("pressure_LG")
+    if isinstance(pressure, list) and pressure and isinstance(pressure[0], list) and pressure[0]:
+        return len(pressure[0])
+    return None
 
 
 def _bench(args) -> int:
@@ -185,7 +217,6 @@ def _simulate(args) -> int:
     from tqdm import tqdm
 
     from . import sim
-    from eb_deepspeed.observe.traces import ranks_in_log
     names = list(sim.WORKLOADS) if args.workload == "all" else [args.workload]
     cfg = sim.SimConfig(model=sim.ClusterModel(topology=sim.TOPOLOGIES[args.topology], run_ahead=args.run_ahead),
                         extra_slots=args.extra_slots)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import math
 import os
 import sys
 import sysconfig
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["StdlibCorpus", "MoELM", "stdlib_source_files", "pyramid", "versus"]
+__all__ = ["StdlibCorpus", "MoELM", "stdlib_source_files", "pyramid", "versus", "deepspeed_capacity", "dropped_routes"]
 
 
 def stdlib_source_files() -> list[str]:
@@ -196,3 +197,16 @@ def run_and_exit(main) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
+
+
+def deepspeed_capacity(tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int) -> int:
+    """DeepSpeed's per-expert capacity with drop_tokens: max(ceil(tokens / E * capacity_factor * k), min_capacity)."""
+    return max(math.ceil(tokens / num_experts * capacity_factor * k), min_capacity)
+
+
+def dropped_routes(counts_LE: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Routes over capacity per layer: sum_e max(0, c_le - C). [L, E] -> [L]
+
+    Exact for DeepSpeed's gates: each expert keeps min(count, capacity) routes.
+    """
+    return (torch.as_tensor(counts_LE, dtype=torch.float64) - capacity).clamp_min(0).sum(1)

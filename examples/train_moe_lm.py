@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_lm import MoELM, StdlibCorpus, pyramid, run_and_exit, versus  # noqa: E402
+from moe_lm import MoELM, StdlibCorpus, deepspeed_capacity, dropped_routes, pyramid, run_and_exit, versus  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -153,7 +153,7 @@ def main(argv=None):
         from eb_deepspeed import metrics as M
         engine.eval()
         g = torch.Generator().manual_seed(args.seed + 7 + 1000 * rank)  # same windows every evaluation
-        capacity_L1 = torch.tensor([[M.deepspeed_capacity(micro_batch * args.seq_len, experts_L[layer],
+        capacity_L1 = torch.tensor([[deepspeed_capacity(micro_batch * args.seq_len, experts_L[layer],
                                                           args.k[layer % len(args.k)], args.capacity_factor, 4)]
                                     for layer in range(args.layers)], dtype=torch.float64)
         # sums: loss, max_vio per layer, device max/mean per layer, dropped routes, routes, batches
@@ -170,7 +170,7 @@ def main(argv=None):
                                                                    y.to(engine.device).flatten()))
                 sums[1:1 + L] += M.per_width(M.max_vio, counts_LE, torch.tensor(experts_L))
                 sums[1 + L:1 + 2 * L] += M.max_over_mean(device_LG)
-                sums[1 + 2 * L:1 + 3 * L] += M.dropped_routes(counts_LE, capacity_L1)
+                sums[1 + 2 * L:1 + 3 * L] += dropped_routes(counts_LE, capacity_L1)
                 sums[1 + 3 * L] += counts_LE.sum()
                 sums[2 + 3 * L] += 1
         torch.distributed.all_reduce(sums)

@@ -45,7 +45,7 @@ def test_every_eb_option_has_help_text():
 
 def test_eb_simulate_trace_reads_the_rank_count_from_our_log(tmp_path):
     from eb_deepspeed.core.record import EXPERT_COUNTS, PRESSURE
-    from eb_deepspeed.observe.traces import ranks_in_log
+    from benchmarks.__main__ import ranks_in_log
     log = tmp_path / "balance.jsonl"
     with open(log, "w") as f:
         for step in (5, 10):

@@ -68,10 +68,11 @@ def test_summarize_reports_p90_of_device_max_over_mean():
 
 def test_deepspeed_capacity_and_dropped_routes_follow_the_capacity_rule():
     # 64 tokens, 8 experts, k = 2, factor 1.0: ceil(64 / 8 * 1.0 * 2) = 16; min capacity wins when larger
-    assert M.deepspeed_capacity(64, 8, 2, 1.0, 4) == 16
-    assert M.deepspeed_capacity(4, 8, 1, 1.0, 4) == 4
+    from moe_lm import deepspeed_capacity, dropped_routes     # the example's evaluation (examples/moe_lm.py)
+    assert deepspeed_capacity(64, 8, 2, 1.0, 4) == 16
+    assert deepspeed_capacity(4, 8, 1, 1.0, 4) == 4
     # experts over capacity 16 lose the excess: (20 - 16) + (17 - 16) = 5
-    assert M.dropped_routes(torch.tensor([[20.0, 17.0, 16.0, 3.0]]), 16).tolist() == [5.0]
+    assert dropped_routes(torch.tensor([[20.0, 17.0, 16.0, 3.0]]), 16).tolist() == [5.0]
 
 
 def test_summarize_returns_exactly_its_declared_keys_and_the_per_layer_ones_are_record_curves():

@@ -12,8 +12,6 @@ max_vio = cv = util std = 0), so an empty batch never turns a curve into NaN.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 __all__ = ["max_over_mean", "balancedness", "aggregate_balancedness", "max_vio", "cv", "device_util_std", "token_drop_rate"]
@@ -79,19 +77,6 @@ def token_drop_rate(dropped_routes: float | torch.Tensor, tokens: float | torch.
     if k < 1:
         raise ValueError(f"k ({k}) must be >= 1")
     return dropped / (tokens * k) if tokens > 0 else 0.0
-
-
-def deepspeed_capacity(tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int) -> int:
-    """DeepSpeed's per-expert capacity with drop_tokens: max(ceil(tokens / E * capacity_factor * k), min_capacity)."""
-    return max(math.ceil(tokens / num_experts * capacity_factor * k), min_capacity)
-
-
-def dropped_routes(counts_LE: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Routes over capacity per layer: sum_e max(0, c_le - C). [L, E] -> [L]
-
-    Exact for DeepSpeed's gates: each expert keeps min(count, capacity) routes.
-    """
-    return (_as_LX(counts_LE) - capacity).clamp_min(0).sum(1)
 
 
 def per_width(fn, load_LX: torch.Tensor, widths_L: torch.Tensor | None) -> torch.Tensor:

@@ -121,14 +121,6 @@ class Tally:
                 out_LW[:, layout.span(_field(f.name))] = getattr(self, f.name)
         return out_LW
 
-    @property
-    def num_layers(self) -> int:
-        return self.routed_LE.shape[0]
-
-    @property
-    def num_experts(self) -> int:
-        return self.routed_LE.shape[1]
-
     def valid_L(self) -> torch.Tensor:
         """[L] bool: layers that saw tokens and no non-finite router logits."""
         return (self.tokens_L > 0) & (self.nonfinite_L == 0)

@@ -118,17 +118,17 @@ def _cut_partial_line(f) -> None:
     warnings.warn(f"easybalance: {f.name} ended in a partial record (a killed run); cut it off ({size - end} bytes)")
 
 
-def flatten_record(record: dict[str, Any], prefix: str = "easybalance") -> dict[str, float]:
+def flatten_record(record: dict[str, Any]) -> dict[str, float]:
     """Namespaced scalar keys: `easybalance/device_util_std`, and per layer `easybalance_layer_03/max_vio`
     (W&B sections panels by the part before the first "/": one section per layer)."""
     out: dict[str, float] = {}
     for key in R.SCALARS:
         if record.get(key) is not None:        # None: left out this step (non-finite router logits)
-            out[f"{prefix}/{key}"] = float(record[key])
+            out[f"easybalance/{key}"] = float(record[key])
     for key in R.PER_LAYER:
         for layer, value in enumerate(record.get(key, ()) or ()):
             if value is not None:
-                out[f"{prefix}_layer_{layer:02d}/{key}"] = float(value)
+                out[f"easybalance_layer_{layer:02d}/{key}"] = float(value)
     return out
 
 

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ..core.files import open_regular
-from ..core.record import EXPERT_COUNTS, PRESSURE
+from ..core.record import EXPERT_COUNTS
 
 __all__ = ["load_trace"]
 
@@ -136,19 +136,6 @@ def _zip_payload(f, path: str) -> int:
             return sum(info.file_size for info in z.infolist())
     except (zipfile.BadZipFile, ValueError, OSError) as e:
         raise ValueError(f"{path}: not a torch.save file (a damaged zip: {e})") from None
-
-
-def ranks_in_log(path: str) -> int | None:
-    """The EP ranks our own balance log recorded (the width of its last `pressure_LG`), or None for other
-    files (SGLang's and vLLM's loads name no ranks) and logs without it."""
-    if not (path.endswith(".jsonl") or os.path.isdir(path)):
-        return None
-    from ..observe.report import read_log
-    last = read_log(path, keys=())[-1]
-    pressure = last.get(PRESSURE)
-    if isinstance(pressure, list) and pressure and isinstance(pressure[0], list) and pressure[0]:
-        return len(pressure[0])
-    return None
 
 
 def _from_sglang_records(data: dict, path: str) -> torch.Tensor:

@@ -103,24 +103,6 @@ def bounded(minimum: int, maximum: int = 2 ** 20):
 counting, non_negative = bounded(1), bounded(0)
 
 
-class Choices:
-    """argparse choices read on first use: `eb --help` never imports the modules (and torch) behind them."""
-
-    def __init__(self, load):
-        self._load, self._values = load, None
-
-    def _get(self) -> list[str]:
-        if self._values is None:
-            self._values = list(self._load())
-        return self._values
-
-    def __contains__(self, value) -> bool:
-        return value in self._get()
-
-    def __iter__(self):
-        return iter(self._get())
-
-
 def main(argv: list[str] | None = None) -> int:
     """The `eb` command: parse, check the arguments that depend on each other, run the sub-command."""
     return run(_parser(), argv, _check_args, lambda args: f"eb {args.command}")

@@ -75,14 +75,13 @@ class StepHook:
         self.warned_missed = False
         self.open_step: Optional[int] = None    # global_steps of the forwards tallied since the last step
         self.discarded_steps = 0
-        self.handle = None
         engine.module.register_forward_pre_hook(self.before_forward)
         optimizer = torch_optimizer(getattr(engine, "optimizer", None))
         if optimizer is None:
             warnings.warn("easybalance: the engine has no torch optimizer to hook; call engine.easybalance.step() "
                           "on every rank after each optimizer step yourself")
         else:
-            self.handle = optimizer.register_step_post_hook(self)
+            optimizer.register_step_post_hook(self)
 
     def __call__(self, optimizer, args, kwargs) -> None:
         step = int(self.engine.global_steps)       # DeepSpeed increments it after the optimizer step

@@ -149,14 +149,11 @@ class MoEStore:
         return folder
 
 
-def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[str] = None,
-                        expert_in_slot=None) -> str:
+def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[str] = None) -> str:
     """Load DeepSpeed's MoE checkpoint layout into `module` on this rank: the non-expert weights from
     `mp_rank_00_model_states.pt`, and each local expert module j of MoE layer l from the file of the
-    expert it holds, `layer_{l}_expert_{e}_mp_rank_00_model_states.pt` (read with weights_only=True).
-
-    expert_in_slot(l, j) -> logical expert in local module j (-1: none); default DeepSpeed's layout, expert
-    EP-rank * local experts + j. Works for a plain DeepSpeed model whose layers have their EP groups.
+    expert it holds, `layer_{l}_expert_{e}_mp_rank_00_model_states.pt` (read with weights_only=True): DeepSpeed's
+    layout, expert EP-rank * local experts + j. Works for a plain DeepSpeed model whose layers have their EP groups.
     """
     problem = incomplete_problem(ckpt_dir, tag)
     if problem:
@@ -164,12 +161,11 @@ def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[st
     tag = _tag(ckpt_dir, tag)
     folder = os.path.join(ckpt_dir, tag)
     moes = find_moe_layers(module)
-    if expert_in_slot is None:
-        def expert_in_slot(layer, j):
-            moe = moes[layer][1]
-            group = moe.deepspeed_moe.ep_group
-            ep_rank = dist.get_rank(group) if dist_ready() and moe.ep_size > 1 else 0
-            return ep_rank * moe.num_local_experts + j if j < moe.num_local_experts else -1
+
+    def expert_in_slot(layer, j):
+        moe = moes[layer][1]
+        ep_rank = dist.get_rank(moe.deepspeed_moe.ep_group) if dist_ready() and moe.ep_size > 1 else 0
+        return ep_rank * moe.num_local_experts + j if j < moe.num_local_experts else -1
     state = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"), map_location="cpu",
                        weights_only=True)["module"]
     empty = set()

@@ -55,8 +55,6 @@ def _config(config: Any) -> EasyBalanceConfig:
     """The block from a ds_config (dict or JSON path) holding "easybalance", or from the block itself
     (a dict or a standalone JSON file whose keys are the block's). A ds_config without the block is off."""
     from dataclasses import fields
-    if isinstance(config, EasyBalanceConfig):
-        return config
     if isinstance(config, (str, os.PathLike)):
         config = read_json(config)
     if isinstance(config, dict) and "easybalance" not in config and config:
