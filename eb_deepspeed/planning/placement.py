@@ -62,7 +62,11 @@ def check_plan_size(num_layers: int, num_slots: int, num_devices: int) -> None:
     if P > MAX_SLOTS or L * P > MAX_LAYER_SLOTS or L * P * G > MAX_SCAN:
         raise ValueError(f"{L} layers x {P} slots over {G} devices is more than the planner takes ({MAX_SLOTS} slots "
                          f"per layer, {MAX_LAYER_SLOTS} in all, layers x slots x devices <= {MAX_SCAN})")
-MAX_STICKINESS = 1e3
+# With `previous`, an expert stays on its old device when that device's load is within this fraction of the layer's
+# mean device load of the best choice (step 2); in the refinements moving all P slots of a layer must gain it.
+STICKINESS = 0.1
+REFINE_ITERS = 2            # water-filling iterations per confirmation of the steering-aware search
+REFINE_WORK = 1 << 14       # slots steered per round to confirm moves (more candidates per layer on smaller inputs)
 DISPATCH = ("steered", "uniform", "padded")   # how a runtime splits (and pads) an expert's tokens over its replicas
 # The default weight of node spread under steered dispatch: a layer gives up at most 1 % of its mean device
 # load to lower the expected cross-node route fraction by 0.1 (see `cross_node_fraction`).
@@ -273,22 +277,17 @@ def assign_replicas(load_LE: torch.Tensor, cnt_LE: torch.Tensor, G: int, S: int,
 
 def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: int, *, num_nodes: int = 1,
                    previous: Placement | None = None, slot_budget: int | None = None,
-                   stickiness: float = 0.1, refine_rounds: int | None = None, refine_iters: int = 2,
-                   refine_work: int = 1 << 14, dispatch: str = "steered",
+                   refine_rounds: int | None = None, dispatch: str = "steered",
                    node_spread: bool | None = None, swing_LE: torch.Tensor | None = None) -> Placement:
     """Plan replicas and their devices for every layer at once (see the module doc).
 
     load_LE: [L, E] expected tokens per layer and logical expert (e.g. the view's heat).
     num_nodes must divide num_devices (devices d of node d // (G / num_nodes)).
+    previous: the placement serving now; weight moves away from it are priced (`STICKINESS`).
     slot_budget: total physical slots over all layers (L*E <= budget <= L*G*S); None fills every slot.
-    stickiness: with `previous`, keep an expert on its old device when that device's load is within
-    this fraction of the layer's mean device load of the best choice (step 2); in the refinement
-    (step 3) moving all P slots of a layer must gain this fraction of the mean device load.
     refine_rounds: rounds of every local search (0 = greedy only); None = sized by the input: the
     steering-aware search clamp(2**16 // (L * P), 1, 64), the uniform one clamp(2**18 // (rows * P), 4, 8G)
     (as the start of a steered plan, clamp(2**16 // (rows * P), 0, 8G)), rows = layers x variants.
-    refine_iters: water-filling iterations per confirmation; refine_work: slots steered per round
-    to confirm moves (more candidates per layer on smaller inputs).
     dispatch: how the runtime splits an expert's tokens over its replicas. "steered" (ours: freely,
     by `steering.steer`): plans for the slowest device after steering. "uniform" (vLLM, SGLang,
     EPLB: evenly): replica counts that minimise the largest share, then balanced packing and a local
@@ -311,8 +310,7 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     never returns a placement that leaves an expert out or puts two replicas of one expert on one device.
     """
     load_LE, G, S, previous = _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
-                                              slot_budget, stickiness, refine_rounds, refine_iters, refine_work,
-                                              dispatch, node_spread)
+                                              slot_budget, refine_rounds, dispatch, node_spread)
     if swing_LE is not None:
         swing_LE = real_tensor("swing_LE", swing_LE, "[layers, experts]")
         if swing_LE.shape != load_LE.shape:
@@ -323,9 +321,8 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     # largest load is 1 when loads are far from that, and report the loads in the caller's units.
     peak = float(load_LE.max())
     scale = 2.0 ** math.frexp(peak)[1] if peak > 0 and not 1e-6 <= peak <= 1e12 else 1.0   # exact division
-    task = _Task(load_LE / scale if scale != 1.0 else load_LE, G, S, num_nodes, previous, slot_budget, stickiness,
-                 refine_rounds, refine_iters, refine_work, dispatch, node_spread,
-                 None if swing_LE is None else swing_LE / scale)
+    task = _Task(load_LE / scale if scale != 1.0 else load_LE, G, S, num_nodes, previous, slot_budget,
+                 refine_rounds, dispatch, node_spread, None if swing_LE is None else swing_LE / scale)
     if dispatch == "steered":
         cands, x_LP = _steered_candidates(task)
     else:
@@ -335,8 +332,8 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
         cands.append(keep_LP)
     # Each layer keeps its best candidate under the runtime's dispatch, weighing node spread and weight moves.
     weight = 0.0 if isinstance(node_spread, bool) else float(node_spread)
-    phy, x_LP = _choose(np.stack(cands), task.load, G, S, task.node_G, weight, task.was, stickiness, dispatch, x_LP,
-                        refine_iters, refine_work)
+    phy, x_LP = _choose(np.stack(cands), task.load, G, S, task.node_G, weight, task.was, STICKINESS, dispatch, x_LP,
+                        REFINE_ITERS, REFINE_WORK)
     plan = index_maps(torch.from_numpy(np.ascontiguousarray(phy)), task.E, G, S, task.load_LE, previous)
     if x_LP is not None:
         plan.steered_load_LG = torch.from_numpy(x_LP.reshape(task.L, G, S).sum(2))
@@ -357,10 +354,7 @@ class _Task:
     num_nodes: int
     previous: Placement | None
     slot_budget: int | None
-    stickiness: float
     refine_rounds: int | None
-    refine_iters: int
-    refine_work: int
     dispatch: str
     node_spread: bool | float
     swing_LE: torch.Tensor | None = None
@@ -384,7 +378,7 @@ def _uniform_candidates(task: _Task) -> list[np.ndarray]:
     the largest share stay, only swaps balance the devices), spread over nodes, and not where spread is weighed."""
     nodes_list = [task.spread_G, task.none_G] if task.weighed else [task.spread_G]
     hedged = None if task.swing_LE is None else task.load_LE + HEDGE * task.swing_LE
-    return _uniform_phy(task.load_LE, task.G, task.S, nodes_list, task.was, task.slot_budget, task.stickiness,
+    return _uniform_phy(task.load_LE, task.G, task.S, nodes_list, task.was, task.slot_budget, STICKINESS,
                         task.refine_rounds, fixed_counts=task.dispatch == "padded" or hedged is not None,
                         count_load=hedged)
 
@@ -395,19 +389,19 @@ def _steered_candidates(task: _Task) -> tuple[list[np.ndarray], np.ndarray | Non
     candidate's steered slot loads x_LP or None)"""
     t = task
     nodes_list = [t.spread_G, t.none_G] if t.weighed and t.small else [t.spread_G]
-    uni = _uniform_phy(t.load_LE, t.G, t.S, nodes_list, t.was, t.slot_budget, t.stickiness, t.refine_rounds,
+    uni = _uniform_phy(t.load_LE, t.G, t.S, nodes_list, t.was, t.slot_budget, STICKINESS, t.refine_rounds,
                        steered=True)
     # about the same refinement time at every size: fewer rounds on larger inputs
     rounds = int(np.clip((1 << 16) // (t.L * t.P), 1, 64)) if t.refine_rounds is None else t.refine_rounds
-    refine = lambda phy: refine_for_steering(phy, t.load, t.G, t.S, t.spread_G, t.was, t.stickiness, rounds,
-                                             t.refine_iters, t.refine_work)
+    refine = lambda phy: refine_for_steering(phy, t.load, t.G, t.S, t.spread_G, t.was, STICKINESS, rounds,
+                                             REFINE_ITERS, REFINE_WORK)
     cands, x_LP = [uni[0]], None
     if rounds > 0:
         phy, x_LP = refine(uni[0].copy())
         cands = [phy]
     if t.small:
         phy = assign_replicas(t.load_LE, replica_counts(t.load_LE, t.P, t.G, t.slot_budget), t.G, t.S, t.spread_G,
-                              t.was, t.stickiness)
+                              t.was, STICKINESS)
         if rounds > 0:
             phy, _ = refine(phy)
         cands += [phy] + uni[1:]
@@ -528,8 +522,8 @@ def _choose(phy_CLP, load_LE, G, S, node_G, spread_weight, was, stickiness, disp
     return phy, x
 
 
-def _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous, slot_budget, stickiness,
-                    refine_rounds, refine_iters, refine_work, dispatch, node_spread):
+def _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous, slot_budget, refine_rounds, dispatch,
+                    node_spread):
     """`plan_placement`'s arguments checked: (load_LE float64 [L, E], G, S, previous with clean index maps or
     None); TypeError / ValueError naming the argument and what is valid."""
     load_LE = real_tensor("load_LE", load_LE, "[layers, experts]")
@@ -537,8 +531,7 @@ def _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
         raise ValueError(f"load_LE must be [layers, experts] with at least one of each, got shape {tuple(load_LE.shape)}")
     L, E = load_LE.shape
     for name, value in (("num_devices", num_devices), ("slots_per_device", slots_per_device), ("num_nodes", num_nodes),
-                        ("refine_iters", refine_iters), ("refine_work", refine_work), ("refine_rounds", refine_rounds),
-                        ("slot_budget", slot_budget)):
+                        ("refine_rounds", refine_rounds), ("slot_budget", slot_budget)):
         optional = name in ("refine_rounds", "slot_budget")
         if not is_integer(value) and not (optional and value is None):
             raise ValueError(f"{name} ({value!r}) must be an integer" + (" or None" if optional else ""))
@@ -555,12 +548,8 @@ def _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
     if slot_budget is not None and not L * E <= slot_budget <= L * P:
         raise ValueError(f"slot_budget ({slot_budget}) must be in [layers * experts, layers * slots] = "
                          f"[{L * E}, {L * P}]")
-    if (refine_rounds is not None and refine_rounds < 0) or refine_iters < 1 or refine_work < 1:
-        raise ValueError(f"refine_rounds ({refine_rounds}) must be >= 0 or None, refine_iters ({refine_iters}) "
-                         f"and refine_work ({refine_work}) >= 1")
-    if not (is_real(stickiness) and 0.0 <= float(stickiness) <= MAX_STICKINESS):
-        raise ValueError(f"stickiness ({stickiness!r}) must be a number in [0, {MAX_STICKINESS}] (a fraction of the "
-                         "mean device load)")
+    if refine_rounds is not None and refine_rounds < 0:
+        raise ValueError(f"refine_rounds ({refine_rounds}) must be >= 0 or None")
     if not isinstance(dispatch, str) or dispatch not in DISPATCH:
         raise ValueError(f"dispatch ({dispatch!r}) must be one of {list(DISPATCH)}")
     if not (node_spread is None or isinstance(node_spread, bool)
