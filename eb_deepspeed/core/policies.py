@@ -25,6 +25,8 @@ on every rank with the same reduced view, so every rank computes the same weight
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .state import why_tensors_unfit
@@ -121,13 +123,19 @@ def bias_update(bias_LE: torch.Tensor, counts_LE: torch.Tensor, cross_LG: torch.
     return torch.where(mask_LE, new_LE - new_LE.sum(1, keepdim=True) / n_L1, 0.0)
 
 
+@dataclass(frozen=True)
 class AuxPolicy:
-    """One training control law. `options`: the `easybalance.aux.*` keys it reads."""
-    name = ""
+    """One training control law: `options`, the `easybalance.aux.*` keys it reads; whether it hands the gates a
+    selection bias (`uses_bias`) and each layer a device-level balance loss weight (`uses_device_loss`)."""
+    name: str
     options: tuple[str, ...] = ()
-    uses_bias = False          # hands a selection bias to the gates
-    uses_view = False          # acts on the view (so `window` and `warmup_batches` matter)
-    uses_device_loss = False   # hands each gate a device-level balance loss weight
+    uses_bias: bool = False
+    uses_device_loss: bool = False
+
+    @property
+    def uses_view(self) -> bool:
+        """It acts on the view (so `window` and `warmup_batches` matter)."""
+        return self.uses_bias or self.uses_device_loss
 
     def step(self, ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
         """One control step from the warm view; returns whether anything changed. valid_L [L]: the
@@ -138,33 +146,6 @@ class AuxPolicy:
         if self.uses_device_loss:
             changed |= _cross_layer_step(ctl, view, valid_L)
         return changed
-
-
-class FixedPolicy(AuxPolicy):
-    name = "fixed"
-
-
-class CrossLayerPolicy(AuxPolicy):
-    name = "cross_layer"
-    options = ("weight_range", "gain")
-    uses_view = True
-    uses_device_loss = True
-
-
-class BiasPolicy(AuxPolicy):
-    name = "bias"
-    options = ("bias_rate", )
-    uses_bias = True
-    uses_view = True
-
-
-class BiasCrossLayerPolicy(AuxPolicy):
-    """The bias selects; the per-layer device loss (weights from the view) takes the residual."""
-    name = "bias_cross_layer"
-    options = BiasPolicy.options + CrossLayerPolicy.options
-    uses_bias = True
-    uses_view = True
-    uses_device_loss = True
 
 
 def _cross_layer_step(ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
@@ -186,8 +167,12 @@ def _bias_step(ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
     return True
 
 
-POLICIES: dict[str, AuxPolicy] = {p.name: p for p in (FixedPolicy(), CrossLayerPolicy(), BiasPolicy(),
-                                                       BiasCrossLayerPolicy())}
+POLICIES: dict[str, AuxPolicy] = {p.name: p for p in (
+    AuxPolicy("fixed"),
+    AuxPolicy("cross_layer", ("weight_range", "gain"), uses_device_loss=True),
+    AuxPolicy("bias", ("bias_rate", ), uses_bias=True),
+    # the bias selects; the per-layer device loss (weights from the view) takes the residual
+    AuxPolicy("bias_cross_layer", ("bias_rate", "weight_range", "gain"), uses_bias=True, uses_device_loss=True))}
 
 
 # What a saved control state can hold: a bias of 1e4 logits is far past any a run can use (a softmax saturates near
