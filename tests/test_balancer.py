@@ -344,7 +344,7 @@ def test_a_state_of_the_earlier_aux_format_restores_its_bias_and_weights():
 def test_device_metrics_are_of_the_device_load_the_view_took():
     from eb_deepspeed.core import LoadView
     view = LoadView(1, E, 2)
-    view.update(Tally.build([[4.0, 0, 0, 0]]), device_load_LG=torch.tensor([[2.0, 2.0]]))
+    view.update(Tally.build([[4.0, 0, 0, 0]], device_LG=torch.tensor([[2.0, 2.0]])))
     assert view.metrics()["device_max_over_mean"] == [1.0] and view.metrics()["expert_max_over_mean"] == [4.0]
 
 

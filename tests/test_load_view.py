@@ -107,7 +107,7 @@ def test_corrupt_tallies_are_refused_without_changing_the_view():
     with pytest.raises(ValueError, match="tallies must be finite and non-negative"):
         view.update(bad)
     with pytest.raises(ValueError, match="tallies must be finite and non-negative"):
-        view.update(tally([1, 1, 1, 1]), device_load_LG=torch.tensor([[1.0, -2.0]]))
+        view.update(Tally.build([[1, 1, 1, 1]], device_LG=torch.tensor([[1.0, -2.0]])))
     with pytest.raises(ValueError, match=r"tally is for \(layers, experts\) = \(1, 3\), the view has \(1, 4\)"):
         view.update(tally([1, 1, 1]))
     with pytest.raises(ValueError, match=r"a packed tally must be \[layers, 19\] for 4 experts, got \(1, 3\)"):
@@ -138,7 +138,7 @@ def test_update_does_not_modify_the_callers_tally():
 def test_a_device_load_given_with_the_tally_replaces_the_expert_to_device_sum():
     # replicated placements: experts are not where expert_to_device_E says, the adapter knows the real load
     view = LoadView(1, E, 2)
-    view.update(tally([4, 0, 0, 0]), device_load_LG=torch.tensor([[2.0, 2.0]]))
+    view.update(Tally.build([[4, 0, 0, 0]], device_LG=torch.tensor([[2.0, 2.0]])))
     assert view.pressure_LG.tolist() == [[2.0, 2.0]] and view.heat_LE.tolist() == [[4.0, 0.0, 0.0, 0.0]]
 
 

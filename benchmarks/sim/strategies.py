@@ -175,7 +175,7 @@ def simulate(workload: Workload, strategy: str | Strategy, cfg: SimConfig | None
         bal_den += float(load_LG.amax(1).sum())
         # the view: sequence-length weighted heat per expert, device pressure from the simulated loads
         heat_step_LE = (counts[n] * workload.weight_G[None, :, None]).sum(1)
-        view.update(Tally.build(heat_step_LE), device_load_LG=load_LG)
+        view.update(Tally.build(heat_step_LE, device_LG=load_LG))
         if progress is not None:
             progress.update(1)
     step = sum(times) / len(times)

@@ -157,23 +157,19 @@ class LoadView:
             out_LG.view(-1).index_add_(0, (row_L1 + device_LE).reshape(-1), share_LE.reshape(-1))
         return out_LG
 
-    def update(self, tally: Tally, *, device_load_LG: torch.Tensor | None = None) -> torch.Tensor:
+    def update(self, tally: Tally) -> torch.Tensor:
         """Fold one step's reduced tally into the view (a copy of it). Returns valid_L [L] bool: the layers
-        that were updated (saw tokens, no non-finite logits).
-
-        device_load_LG: [L, G] the step's load per device when experts are not where
-        `expert_to_device_LE` says (replicated placements); None takes the tally's own `device_LG`
-        when it has one, else sums `tally.load_LE` onto the devices.
-        The first valid update of a layer sets its EMA directly (no pull towards the zero start).
+        that were updated (saw tokens, no non-finite logits). The device load is the tally's `device_LG` when it
+        has one (replicated placements), else its `load_LE` summed onto the experts' devices. The first valid
+        update of a layer sets its EMA directly (no pull towards the zero start).
         """
         if tally.routed_LE.shape != (self.L, self.E):
             raise ValueError(f"tally is for (layers, experts) = {tuple(tally.routed_LE.shape)}, "
                              f"the view has {(self.L, self.E)}")
         return self.update_packed(tally.pack().detach().to("cpu", torch.float64),       # pack: a private copy
-                                  0 if tally.device_LG is None else self.G, device_load_LG=device_load_LG)
+                                  0 if tally.device_LG is None else self.G)
 
-    def update_packed(self, packed_LW: torch.Tensor, num_devices: int = 0, *,
-                      device_load_LG: torch.Tensor | None = None) -> torch.Tensor:
+    def update_packed(self, packed_LW: torch.Tensor, num_devices: int = 0) -> torch.Tensor:
         """`update` from the reduced packed tally [L, W] (CPU float64), which the view keeps as `last` (its
         fields are views into it: hand over a buffer no one else writes). num_devices: G when the tally
         holds `device_LG`, else 0."""
@@ -186,12 +182,7 @@ class LoadView:
                                                                                    tally.load_LE)):
             raise ValueError(f"a tally counted routes to experts a layer does not have (experts per layer "
                              f"{self.experts_L.tolist()}); a gate recorded a corrupt count")
-        if device_load_LG is None:
-            device_load_LG = tally.device_LG
-        load_LG = self.expert_to_device_load(tally.load_LE) if device_load_LG is None else \
-            torch.as_tensor(device_load_LG, dtype=torch.float64).detach().cpu().clone()
-        if load_LG.shape != (self.L, self.G):
-            raise ValueError(f"device_load_LG must be [{self.L}, {self.G}], got {tuple(load_LG.shape)}")
+        load_LG = self.expert_to_device_load(tally.load_LE) if tally.device_LG is None else tally.device_LG.clone()
         for part in (packed_LW, load_LG):
             if not bool(torch.isfinite(part).all()) or bool((part < 0).any()):
                 raise ValueError("tallies must be finite and non-negative; a gate recorded a corrupt count")
