@@ -222,15 +222,15 @@ def _plt():
     return plt
 
 
-def heatmap_figure(pressure_LG, title: str = "device pressure", relative: bool = True):
-    """Layers x devices. relative: each device's load over its layer's mean, on a scale centred at 1
-    (balanced) and symmetric around it, so a 15 % spread looks like 15 %; else tokens per step from 0."""
+def heatmap_figure(pressure_LG, title: str = "device pressure"):
+    """Layers x devices: each device's load over its layer's mean, on a scale centred at 1 (balanced) and
+    symmetric around it, so a 15 % spread looks like 15 %."""
     plt = _plt()
     L = len(pressure_LG)
     G = len(pressure_LG[0]) if L else 0
     # bounded size (a 64-rank, 61-layer view would otherwise draw a 40-inch figure): at most 16 x 12 inches
     fig, ax = plt.subplots(figsize=(min(16, max(6, 1 + 0.6 * G)), min(12, max(3.5, 1 + 0.35 * L))))
-    draw_heatmap(ax, pressure_LG, title, relative)
+    draw_heatmap(ax, pressure_LG, title)
     fig.tight_layout()
     return fig
 
@@ -241,28 +241,21 @@ def _over_layer_mean(pressure_LG) -> list[list[float]]:
     return [[v / m if m > 0 else float("nan") for v in row] for row, m in zip(values, means)]
 
 
-def draw_heatmap(ax, pressure_LG, title: str, relative: bool = True, spread: Optional[float] = None) -> None:
+def draw_heatmap(ax, pressure_LG, title: str, spread: Optional[float] = None) -> None:
     """`heatmap_figure`'s drawing into `ax`; `spread`: the colour scale's half-width around 1 (several maps
     drawn on one scale), by default this map's own."""
     L = len(pressure_LG)
     G = len(pressure_LG[0]) if L else 0
-    if relative:
-        values = _over_layer_mean(pressure_LG)
-        if spread is None:
-            spread = max([abs(v - 1.0) for row in values for v in row if v == v] + [0.05])
-        im = ax.imshow(values, aspect="auto", cmap="RdBu_r", vmin=1 - spread, vmax=1 + spread,
-                       interpolation="nearest")
-        label = "load / layer mean (1 = balanced)"
-    else:
-        im = ax.imshow([[_number(v) for v in row] for row in pressure_LG], aspect="auto", cmap="magma", vmin=0,
-                       interpolation="nearest")
-        label = "tokens / step (EMA)"
+    values = _over_layer_mean(pressure_LG)
+    if spread is None:
+        spread = max([abs(v - 1.0) for row in values for v in row if v == v] + [0.05])
+    im = ax.imshow(values, aspect="auto", cmap="RdBu_r", vmin=1 - spread, vmax=1 + spread, interpolation="nearest")
     ax.set_xlabel("EP rank (device)")
     ax.set_ylabel("MoE layer")
     ax.set_xticks(range(0, G, max(1, G // 16)))
     ax.set_yticks(range(0, L, max(1, L // 24)))
     ax.set_title(title, fontsize="medium")
-    ax.figure.colorbar(im, ax=ax, label=label)
+    ax.figure.colorbar(im, ax=ax, label="load / layer mean (1 = balanced)")
 
 
 def _serving(records: list[dict[str, Any]]) -> bool:
@@ -300,10 +293,7 @@ def curve_figure(records: list[dict[str, Any]], key: str, title: str):
     num_layers = max(len(r) for r in rows if r)
     for layer in range(num_layers):
         pts = [(s, _number(r[layer])) for s, r in zip(steps, rows) if r and layer < len(r)]
-        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        color = f"C{layer % 10}"
-        ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
-        ax.plot(xs, _smoothed(ys, SMOOTH), color=color, label=f"layer {layer}")
+        _plot_faint_and_smoothed(ax, pts, f"C{layer % 10}", f"layer {layer}")
     _reference_line(ax, key)
     ax.set_xlabel(_x_label(records))
     ax.set_ylabel(title)
@@ -340,9 +330,7 @@ def render_report(run_dir: str, out_dir: str | None = None) -> list[str]:
     panels = summary_panels(records)
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5))
     for ax, key in zip(axes, panels):
-        values = [_number(r.get(key)) for r in records]
-        ax.plot(steps, values, color="C0", alpha=0.25, linewidth=0.8)
-        ax.plot(steps, _smoothed(values, SMOOTH), color="C0")
+        _plot_faint_and_smoothed(ax, [(s, _number(r.get(key))) for s, r in zip(steps, records)], "C0")
         _reference_line(ax, key)
         ax.set_title(R.SCALARS[key], fontsize="medium")
         ax.set_ylabel(key)
@@ -375,6 +363,13 @@ def _smoothed(values: list[float], span: int) -> list[float]:
     return out
 
 
+def _plot_faint_and_smoothed(ax, points: list[tuple[float, float]], color: str, label: Optional[str] = None) -> None:
+    """(x, y) points drawn faint as logged, and solid as a trailing mean of SMOOTH points."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
+    ax.plot(xs, _smoothed(ys, SMOOTH), color=color, label=label)
+
+
 def _balance_dir(run_dir: str) -> str:
     """A run directory of the example (holding balance/) or the balance directory itself."""
     nested = os.path.join(run_dir, "balance")
@@ -394,8 +389,8 @@ def _second_half_loads(records: list[dict[str, Any]]) -> Optional[list[list[floa
 COMPARE_LAYERS = 8      # per-layer panels drawn at most (evenly spaced over the layers)
 
 
-def render_compare(run_dirs: Sequence[str], out_path: str, smooth: int = 5) -> str:
-    """One PNG, one colour per run (raw faint, a trailing mean of `smooth` records solid), labelled with the
+def render_compare(run_dirs: Sequence[str], out_path: str) -> str:
+    """One PNG, one colour per run (raw faint, a trailing mean of SMOOTH records solid), labelled with the
     run's directory name and mode: per layer (at most COMPARE_LAYERS, evenly spaced) the expert max/mean and
     the busiest device's load over the mean; the summary curves and the noted LM loss; and per run a layers
     x devices map of each device's load over its layer's mean (EMA pressure, second half of the run), all
@@ -422,9 +417,7 @@ def render_compare(run_dirs: Sequence[str], out_path: str, smooth: int = 5) -> s
             ax = axes[row][col]
             for index, records in enumerate(runs):
                 pts = [(r["step"], _number(r[key][layer])) for r in records if r.get(key) and layer < len(r[key])]
-                color = f"C{index % 10}"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, alpha=0.25, linewidth=0.8)
-                ax.plot([p[0] for p in pts], _smoothed([p[1] for p in pts], smooth), color=color, label=labels[index])
+                _plot_faint_and_smoothed(ax, pts, f"C{index % 10}", labels[index])
             ax.set_title(f"layer {layer}: {what}", fontsize="medium")
             _reference_line(ax, key)
             ax.grid(alpha=0.3)
@@ -433,11 +426,8 @@ def render_compare(run_dirs: Sequence[str], out_path: str, smooth: int = 5) -> s
     for col, key in enumerate(summary):
         ax = axes[2][col]
         for index, records in enumerate(runs):
-            steps = [r["step"] for r in records]
-            values = [_number(r.get(key)) for r in records]
-            color = f"C{index % 10}"
-            ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
-            ax.plot(steps, _smoothed(values, smooth), color=color, label=labels[index])
+            _plot_faint_and_smoothed(ax, [(r["step"], _number(r.get(key))) for r in records], f"C{index % 10}",
+                                     labels[index])
         ax.set_title(R.SCALARS[key], fontsize="medium")
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
@@ -451,7 +441,7 @@ def render_compare(run_dirs: Sequence[str], out_path: str, smooth: int = 5) -> s
     for c in range(col, cols):
         axes[2][c].axis("off")
     axes[0][0].legend(fontsize="small")
-    fig.suptitle(f"{len(run_dirs)} runs: faint = logged values, solid = trailing mean of {smooth} records",
+    fig.suptitle(f"{len(run_dirs)} runs: faint = logged values, solid = trailing mean of {SMOOTH} records",
                  fontsize="medium")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
