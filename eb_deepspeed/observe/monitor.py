@@ -144,16 +144,9 @@ class DeepSpeedMonitorLogger(BalanceLogger):
         events = [(k, v, step) for k, v in flatten_record(record).items()]
         self.monitor.write_events(events)
         if self.heatmap and R.PRESSURE in record:
-            self._log_heatmap(record, step)
-
-    def _log_heatmap(self, record: dict[str, Any], step: int) -> None:
-        import wandb  # lazy: only when DeepSpeed's wandb monitor is on
-        if wandb.run is None:
-            return
-        import matplotlib.pyplot as plt
-        fig = heatmap_figure(record[R.PRESSURE], title=f"device pressure (EMA), step {record['step']}")
-        wandb.log({"easybalance/pressure_heatmap": wandb.Image(fig)}, step=step)
-        plt.close(fig)
+            import wandb  # lazy: only when DeepSpeed's wandb monitor is on
+            if wandb.run is not None:
+                _log_heatmap(wandb, record, step)
 
 
 class WandbRunLogger(BalanceLogger):
@@ -166,7 +159,12 @@ class WandbRunLogger(BalanceLogger):
             return
         wandb.log(flatten_record(record), step=step)
         if R.PRESSURE in record:
-            import matplotlib.pyplot as plt
-            fig = heatmap_figure(record[R.PRESSURE], title=f"device pressure (EMA), step {record['step']}")
-            wandb.log({"easybalance/pressure_heatmap": wandb.Image(fig)}, step=step)
-            plt.close(fig)
+            _log_heatmap(wandb, record, step)
+
+
+def _log_heatmap(wandb, record: dict[str, Any], step: int) -> None:
+    """The record's pressure heatmap into the current W&B run, as an image."""
+    import matplotlib.pyplot as plt
+    fig = heatmap_figure(record[R.PRESSURE], title=f"device pressure (EMA), step {record['step']}")
+    wandb.log({"easybalance/pressure_heatmap": wandb.Image(fig)}, step=step)
+    plt.close(fig)
