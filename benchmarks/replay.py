@@ -39,7 +39,8 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from eb_deepspeed.adapters.serving.engine import DEVICE_FLOPS, DISPATCH, choose_placement
+from eb_deepspeed.adapters.moves import DEVICE_FLOPS
+from eb_deepspeed.adapters.serving.engine import DISPATCH, choose_placement
 from eb_deepspeed.core.topology import TOPOLOGIES
 from eb_deepspeed.core.view import ew_step
 from eb_deepspeed.core.config import EasyBalanceConfig

@@ -202,6 +202,7 @@ def scenario_placement(p):
     weights; with `p["fault"]`, the second move fails on rank 1 while checking what arrived ("verify") or while
     reading the state it sends ("read": its sends go as NaNs)."""
     import eb_deepspeed.adapters.autoep.placement as placement_module
+    import eb_deepspeed.adapters.moves as moves_module
     from eb_deepspeed.planning.placement import static_placement
     family, zero, accum, ep = "mixtral", p["zero"], p["accum"], p["ep"]
     out = {}
@@ -215,7 +216,8 @@ def scenario_placement(p):
         for step in range(5):
             if placer is not None and 1 <= step <= 3:
                 if p.get("fault") and step == 2 and dist.get_rank() == 1:     # checking what arrived, or reading
-                    _fail_once(*((placement_module, "verify_finite") if p["fault"] == "verify" else (placer, "_tensors_of")))
+                    _fail_once(*((moves_module, "verify_finite") if p["fault"] == "verify"
+                                 else (placement_module.ExpertState, "read")))
                 applied.append(placer.apply(_rolled(2, 4, ep, step)))
             for micro in range(accum):
                 ids, mask, labels = batch(step, micro)

@@ -724,7 +724,9 @@ def scenario_serve_equivalence(p):
     equal = p.get("equal_batches", False)
     rows = _serve_and_compare(engine, plain, p["batches"], rank, equal=equal)
     serving = engine.serving
-    received = [sum(1 for m in serving._moves(serving.home) if m[1] == dst and m[3] != dst) for dst in range(serving.G)]
+    from eb_deepspeed.adapters.moves import slot_moves
+    received = [sum(1 for m in slot_moves(serving.resident, serving.home) if m[1] == dst and m[3] != dst)
+                for dst in range(serving.G)]
     price = serving.move_cost(serving.home)                        # what going home would stall, in routes
     returned = engine.serving.apply(engine.serving.home)          # back to DeepSpeed's layout
     rows += _serve_and_compare(engine, plain, 2, rank, start=p["batches"], equal=equal)
@@ -815,16 +817,17 @@ def _inject_move_fault(serving, phase: str) -> None:
 
     def fail():
         raise RuntimeError(f"injected: the link went down ({phase})")
+    import eb_deepspeed.adapters.moves as moves_module
     import eb_deepspeed.adapters.serving.engine as engine_module
-    if phase == "prepare":
-        original = serving._prepare
-        serving._prepare = lambda *a: fail() if first_call() else original(*a)
+    if phase == "prepare":          # the store's rows, as this process's moves see them
+        original = engine_module._SlotRows.prepare
+        engine_module._SlotRows.prepare = lambda *a: fail() if first_call() else original(*a)
         return
-    if phase == "verify":           # a module function of the engine: patched for this process's weight moves
-        original_verify = engine_module.verify_finite
-        engine_module.verify_finite = lambda *a: fail() if first_call() else original_verify(*a)
+    if phase == "verify":           # a module function of the moves: patched for this process's weight moves
+        original_verify = moves_module.verify_finite
+        moves_module.verify_finite = lambda *a: fail() if first_call() else original_verify(*a)
         return
-    original_post = engine_module._post
+    original_post = moves_module._post
 
     class FailingWait:
         def __init__(self, work):
@@ -840,7 +843,7 @@ def _inject_move_fault(serving, phase: str) -> None:
         if phase == "post":
             fail()
         return FailingWait(original_post(op))
-    engine_module._post = post
+    moves_module._post = post
 
 
 def scenario_serve_move_fault(p):

@@ -26,7 +26,7 @@ from ...core.config import EasyBalanceConfig
 from ...core.policies import POLICIES
 from .. import common
 from ..deepspeed.hooks import StepHook, reduce_for, wrap_checkpointing
-from .layer import AutoEPBalance
+from .layer import AutoEPBalance, find_autoep_layers
 from .placement import TrainPlacement
 
 __all__ = ["attach", "find_autoep_layers"]
@@ -64,12 +64,6 @@ def check_versions(deepspeed_version: Optional[str] = None, transformers_version
                               f"{transformers_version} (>= {tf_from}: `_CanRecordRegistry.get()` takes 2 positional "
                               "arguments). Install transformers 5.22.2 (pip install 'transformers==5.22.2', or "
                               "pip install -e .[hf]) or a DeepSpeed release that supports your transformers")
-
-
-def find_autoep_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Every `AutoEPMoELayer` of a converted model, in module order (the order of layers)."""
-    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, AutoEPMoELayer)]
 
 
 def expert_to_device(layer) -> torch.Tensor:

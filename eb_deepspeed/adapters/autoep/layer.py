@@ -171,3 +171,9 @@ class AutoEPBalance:
             scores_TE = torch.sigmoid(logits_TE.float())
             return scores_TE / scores_TE.sum(1, keepdim=True).clamp_min(1e-20)
         return F.softmax(logits_TE.float(), dim=1)
+
+
+def find_autoep_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every `AutoEPMoELayer` of a converted model, in module order (the order of layers)."""
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, AutoEPMoELayer)]

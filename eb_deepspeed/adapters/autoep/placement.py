@@ -1,52 +1,55 @@
 """Training-time expert placement for AutoEP (`easybalance.train_placement`): experts re-placed over the EP ranks
 from the view, routing untouched — for fine-tuning, where the pretrained routing is the model's knowledge.
 
-Shape legend: L MoE layers, E experts, G EP ranks, H experts per rank (E / G), T tokens, K top-k.
+Shape legend: L MoE layers, E experts, G EP ranks, H experts per rank (E / G).
 
-    "easybalance": {"mode": "observe", "train_placement": {"enabled": true, "interval": 50}}
+    "easybalance": {"mode": "observe", "train_placement": {"interval": 50}}
 
 A dropless AutoEP layer takes as long as its busiest EP rank, so putting hot experts on different ranks removes
-the device skew without changing a route. Every `interval` optimizer steps (`engine.step`'s boundary, every rank
-together) the view's heat is planned as a permutation of each layer's experts over the ranks (`plan_placement`
-with H slots per rank: no replicas; `choose_placement`: only when it cuts the busiest rank's expected routes by
-`MIN_GAIN` and the saving over the interval pays for the move, `move_cost`). A move is two-phase, as serving's:
+the device skew without changing a route. At the first training forward after every `interval`-th optimizer step
+(a forward pre-hook: every rank together, the optimizer's step over) the view's heat is planned as a permutation
+of each layer's experts over the ranks (`plan_placement` with H slots per rank: no replicas; `choose_placement`:
+only when it cuts the busiest rank's expected routes by `TRAIN_MIN_GAIN` and the saving over the interval pays for
+the copies). The experts move with their state (`ExpertState`: weights, fp32 masters, optimizer moments) by
+`adapters.moves.RowMover`: any failure on any rank leaves every rank on the old placement and state, or every rank
+raising. The route map is serving's (`AutoEPRoutes`, counting nothing): each route of the router's logical top-k
+goes to its expert's slot; gate values and the tally stay logical, so AutoEP's all-to-all, grouped GEMMs and
+combine run as its own over the permuted rows.
 
-  1. every rank reads the state of the experts it sends (model weights, fp32 master weights and optimizer
-     moments: DeepSpeed's `safe_get_full_fp32_param` / `safe_get_full_optimizer_state` under ZeRO 1/2 and bf16,
-     the torch optimizer's own state under ZeRO 0), sends it, receives what it gets into staging, checks it is
-     finite; one all-reduce agrees that every rank succeeded and planned the same permutation;
-  2. only then is staging written into the rows (`safe_set_full_*`), and every rank flips its route map.
-
-A failure anywhere in phase 1 leaves every rank on the old placement with its state untouched. The route map is a
-forward hook on each router, after the balancer's: the router's logical top-k (`selected_TK`) becomes each
-expert's slot, its counts the slots' counts; gate values and the tally stay logical, so the layer's all-to-all,
-grouped GEMMs and combine run as AutoEP's own over the permuted rows. Checkpoints are written in the logical
-layout (the experts moved home for the save, then back), so they load into plain AutoEP and back into any
-placement. AutoEP's `tokens_per_expert` buffer counts per slot.
+Checkpoints (`save_checkpoint`, `save_16bit_model`) are written in the logical layout: the experts go home for the
+save, then back; `load_checkpoint` goes home first. `module.state_dict()` of a placed layer is refused (it would
+give permuted rows under AutoEP's keys): `with engine.easybalance.placement.at_home(): ...` on every rank.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+import contextlib
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ...planning.placement import Placement, plan_placement, static_placement
 from ..common import dist_ready, torch_optimizer
-from ..deepspeed.hooks import is_decoupled
-from ..serving.engine import DEVICE_FLOPS, DISPATCH, agree, choose_placement, placement_key, transfer, \
-    verify_finite, warn_failed
-from ...core.topology import TOPOLOGIES
+from ..deepspeed.hooks import is_decoupled, shared_problem
+from ..moves import RowMover, copy_stall, placement_key, slot_moves, warn_failed
+from ..serving.engine import DISPATCH, choose_placement
+from ..serving.store import Routing, SlotTable
+from .serving import AutoEPRoutes
 
 __all__ = ["TrainPlacement"]
 
 # A training route costs forward and backward: 3 x the 2 FLOPs per expert parameter of a forward.
 FLOPS_PER_PARAM = 6
 # A re-plan must be expected to cut the layers' busiest-rank routes by this share. Lower than serving's MIN_GAIN:
-# the heat is the EMA of whole optimizer steps' counts (every rank's micro-batches), and the copies are priced
-# (`move_cost`). With serving's 10 % one layer drifting back to 1.25x went unanswered for 180 steps
-# (docs/benchmarks.md, training-time placement).
+# the heat is the EMA of whole optimizer steps' counts (every rank's micro-batches), and the copies are priced.
+# With serving's 10 % one layer drifting back to 1.25x went unanswered for 180 steps (docs/benchmarks.md).
 TRAIN_MIN_GAIN = 0.03
+# Optimizers whose update of an element reads that element's own state alone (and per-tensor scalars such as the
+# step count): moving a row with its state is then the same training. Adafactor, LAMB, LARS, Muon and others
+# compute a step from a whole tensor (its norm, its factored moments): a row moved to another rank's tensor would
+# change the steps of its neighbours. By class name (no import of DeepSpeed's ops).
+ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop",
+                          "FusedAdam", "DeepSpeedCPUAdam", "FusedLion", "DeepSpeedCPULion", "DeepSpeedCPUAdagrad")
 
 
 class TrainPlacement:
@@ -55,28 +58,9 @@ class TrainPlacement:
 
     def __init__(self, engine, layers: list, balancer, interval: int, topology: str = "pcie"):
         assert engine.zero_optimization_stage() < 3, "refused by initialize: ZeRO 3 partitions each expert's weights"
-        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-        optimizer = getattr(engine, "optimizer", None)
-        if not isinstance(optimizer, (torch.optim.Optimizer, DeepSpeedZeroOptimizer, BF16_Optimizer)):
-            raise ValueError(f"easybalance.train_placement moves the state of a torch optimizer (fp32), of ZeRO 1/2 "
-                             f"and of DeepSpeed's BF16_Optimizer; DeepSpeed wrapped this one in "
-                             f"{type(optimizer).__name__}, whose fp32 master weights it cannot move: use ZeRO 1 or 2 "
-                             "for bf16 or fp16 training")
-        if is_decoupled(engine):
-            raise ValueError("easybalance.train_placement writes checkpoints in AutoEP's layout by moving the experts "
-                             "home for the save; an asynchronous (decoupled) checkpoint engine would write them after "
-                             "they moved back: use a synchronous checkpoint engine")
-        for m in layers:
-            folded = m.folding_group_handles is not None and m.folding_group_handles.spec.tp_size > 1
-            if folded or getattr(m, "comm_backend", "comm") != "comm":
-                raise ValueError("easybalance.train_placement needs AutoEP's all-to-all (expert_parallel.comm_backend "
-                                 '"comm") without tensor-parallel folding')
-            if getattr(m, "expert_bias", None) is not None:
-                raise ValueError("easybalance.train_placement: AutoEP's own expert_bias (load_balance_coeff) counts "
-                                 "tokens per slot; set load_balance_coeff to null to re-place experts")
+        _check_engine(engine, layers)
         self.engine, self.layers, self.balancer = engine, layers, balancer
-        self.interval, self.topology = int(interval), TOPOLOGIES[topology]
+        self.interval, self.topology = int(interval), topology
         self.L = len(layers)
         self.E, self.G = int(layers[0].num_experts), int(layers[0].ep_size)
         self.H = self.E // self.G
@@ -84,68 +68,36 @@ class TrainPlacement:
         if not torch.equal(balancer.view.expert_to_device_LE, home_LE):
             raise ValueError("easybalance.train_placement: AutoEP placed experts other than contiguously "
                              f"({balancer.view.expert_to_device_LE.tolist()}); only its contiguous layout is re-placed")
-        self.ep_group = layers[0].ep_group
-        self.rank = dist.get_rank(self.ep_group) if self.G > 1 else 0
-        self.ep_ranks = dist.get_process_group_ranks(self.ep_group) if self.G > 1 else [0]
-        self.home = static_placement(self.L, self.E, self.G)
-        self.placement = self.home
+        ep_group = layers[0].ep_group
+        rank = dist.get_rank(ep_group) if self.G > 1 else 0
+        self.ep_ranks = dist.get_process_group_ranks(ep_group) if self.G > 1 else [0]
+        self.device = layers[0].router.gate.weight.device
+        self.mover = RowMover(rank, self.ep_ranks, ep_group, self.device)
+        self.node_G = [balancer.shape.rank_to_node[r] if r < len(balancer.shape.rank_to_node) else 0
+                       for r in self.ep_ranks]
+        self.home = self.placement = static_placement(self.L, self.E, self.G)
         self.replans, self.weight_moves, self.moved_bytes, self.failed_moves = 0, 0, 0, 0
-        self._slots: dict = {}          # device -> [L, E] slot of each expert there
-        for index, m in enumerate(layers):
-            m.router.register_forward_hook(self._router_hook(index))
+        self._home_depth = 0           # inside `at_home` (a checkpoint or an export): the layers' state is logical
+        self._checked_step = None
+        routing = Routing(recording=False)          # the balancer's hooks count the logical routes
+        self.routes = [AutoEPRoutes(m, i, self.G, self.H, table=SlotTable.even(self.home.log2phy[i]), routing=routing)
+                       for i, m in enumerate(layers)]
+        for m in layers:
+            m.register_state_dict_pre_hook(self._refuse_placed_export)
+        engine.module.register_forward_pre_hook(self._before_forward)
         balancer.log.extra = lambda: {"replans": self.replans, "weight_moves": self.weight_moves,
                                       "moved_bytes": self.moved_bytes}
-        self._wrap(engine)
-
-    # ------------------------------------------------------------------ routes
-    def _router_hook(self, layer: int):
-        def hook(router, args, output):
-            if self.placement is self.home:
-                return None
-            top_scores_TK, selected_TK, counts_E = output
-            slot_E = self._slot_map(counts_E.device)[layer]
-            counts_P = torch.zeros_like(counts_E).index_copy_(0, slot_E, counts_E)
-            return top_scores_TK, slot_E[selected_TK.long()].to(selected_TK.dtype), counts_P
-        return hook
-
-    def _slot_map(self, device) -> torch.Tensor:
-        if device not in self._slots:
-            self._slots[device] = self.placement.log2phy[:, :, 0].to(device)
-        return self._slots[device]
+        self._wrap_exports(engine)
 
     # ------------------------------------------------------------------ the step boundary
-    def _wrap(self, engine) -> None:
-        step, save, load = engine.step, engine.save_checkpoint, engine.load_checkpoint
-
-        def wrapped_step(*args, **kwargs):
-            before = int(engine.global_steps)
-            out = step(*args, **kwargs)
-            now = int(engine.global_steps)
-            if now != before and now % self.interval == 0:
-                self.maybe_move()
-            return out
-
-        def wrapped_save(*args, **kwargs):
-            """DeepSpeed's files in the logical layout: the experts go home for the save, then back."""
-            placed = self.placement
-            self._must_apply(self.home, "home before saving a checkpoint (nothing was saved)")
-            try:
-                return save(*args, **kwargs)
-            finally:
-                self._must_apply(placed, "back after saving a checkpoint (the checkpoint is whole)")
-
-        def wrapped_load(*args, **kwargs):
-            """A checkpoint holds the logical layout: the experts go home first (a load that fails leaves a
-            consistent model), the next interval re-plans from the loaded view."""
-            self._must_apply(self.home, "home before loading a checkpoint (nothing was loaded)")
-            return load(*args, **kwargs)
-
-        engine.step, engine.save_checkpoint, engine.load_checkpoint = wrapped_step, wrapped_save, wrapped_load
-
-    def _must_apply(self, plan: Placement, when: str) -> None:
-        if not self.apply(plan, replan=False):
-            raise RuntimeError(f"easybalance.train_placement: moving the experts {when} failed on some rank (see its "
-                               "warning); every rank keeps the placement and state it had before this move")
+    def _before_forward(self, module, args) -> None:
+        """The first training forward after every `interval`-th optimizer step re-plans (every rank together)."""
+        step = int(self.engine.global_steps)
+        if not module.training or step == self._checked_step:
+            return
+        self._checked_step = step
+        if step > 0 and step % self.interval == 0:
+            self.maybe_move()
 
     def maybe_move(self) -> bool:
         """Re-plan from the view (warmed up) and move when it pays; every rank together. True when it moved."""
@@ -164,167 +116,225 @@ class TrainPlacement:
         return self.apply(choice)
 
     def move_cost(self, plan: Placement) -> float:
-        """The stall of moving to `plan`, in routes the busiest receiving rank could have trained meanwhile: each
-        received expert's state (weights, fp32 masters, moments) at the topology's bandwidth, against
-        `FLOPS_PER_PARAM` per parameter per route at `DEVICE_FLOPS`."""
-        flops = DEVICE_FLOPS["cuda" if self.layers[0].router.gate.weight.device.type == "cuda" else "cpu"]
-        per_param = self._expert_bytes() / sum(p[0].numel() for p in self.layers[0].experts.parameters())
-        received = [0] * self.G
-        for _, dst, _, src, _ in self._moves(plan):
-            received[dst] += src != dst
-        bw = self.topology.intra_bw if self.G <= self.topology.devices_per_node else self.topology.inter_bw
-        return max(received) * flops * per_param / (FLOPS_PER_PARAM * bw)
-
-    def _expert_bytes(self) -> int:
-        """Bytes of one expert's state: each weight, its fp32 master (ZeRO 1/2, bf16), its fp32 moments."""
-        keys = len(self._state_keys())
-        return sum(p[0].numel() * (p.element_size() + 4 * (keys + hasattr(p, "_hp_mapping")))
-                   for p in self.layers[0].experts.parameters())
+        """The stall of moving to `plan`, in routes the busiest receiving rank could have trained meanwhile
+        (`moves.copy_stall`: each received expert's whole state, `FLOPS_PER_PARAM` per parameter per route)."""
+        per_param = _state_bytes(self.layers[0], len(_state_keys(self.engine))) / _params(self.layers[0])
+        return copy_stall(slot_moves(self.placement, plan), per_param, FLOPS_PER_PARAM, self.node_G, self.topology,
+                          self.device.type)
 
     # ------------------------------------------------------------------ moves
-    def _moves(self, plan: Placement) -> list[tuple[int, int, int, int, int]]:
-        """(layer, destination rank, its row, source rank, its row) of every expert whose slot changes."""
-        old_LE, new_LE = self.placement.log2phy[:, :, 0], plan.log2phy[:, :, 0]
-        moves = []
-        for layer, e in (old_LE != new_LE).nonzero().tolist():
-            old, new = int(old_LE[layer, e]), int(new_LE[layer, e])
-            moves.append((layer, new // self.H, new % self.H, old // self.H, old % self.H))
-        return moves
-
     def apply(self, plan: Placement, replan: bool = True) -> bool:
         """Move every expert whose slot changes, with its optimizer state, and flip every rank's route map to
-        `plan`; or, when any rank fails, keep the old placement and state everywhere (module doc). `replan`: count
-        it as a re-plan (a checkpoint's trip home and back is not)."""
+        `plan`; or, when any rank fails, keep the old placement and state everywhere (`moves.RowMover`). `replan`:
+        count it as a re-plan (a checkpoint's trip home and back is not)."""
         if plan.phy2log.shape != (self.L, self.E) or plan.slots_per_device != self.H:
             raise ValueError(f"a training placement is a permutation of {self.E} experts over {self.G} ranks x "
                              f"{self.H} slots in each of {self.L} layers, got {tuple(plan.phy2log.shape)}")
-        moves = self._moves(plan)
-        if not moves:
-            self.placement, self._slots = plan, {}
-            return True
-        key, device = placement_key(plan.phy2log), self.layers[0].router.gate.weight.device
-        ok = True
-        try:   # what every rank checks alone, agreed before any collective of the move (a rank that fails in
-            keys = self._state_keys()        # the middle of the expert-state reads would leave its peers waiting)
-            self._link_optimizer_state(keys)
-        except Exception as e:   # noqa: BLE001
-            ok = warn_failed("preparing to move experts", e)
-        if not agree(ok, key, device):
-            self.failed_moves += 1
-            return False
-        staging: dict[tuple[int, int], torch.Tensor] = {}
-        for layer in sorted({m[0] for m in moves}):      # one layer's full state in memory at a time
-            # a rank that failed goes on matching its peers' transfers (NaNs for what it could not read, which the
-            # receiver refuses), so that every rank reaches the agreement
-            try:
-                ops = self._prepare(layer, [m for m in moves if m[0] == layer], staging, keys)
-                transfer(ops)
-                verify_finite({k: v for k, v in staging.items() if k[0] == layer})
-                for k in [k for k in staging if k[0] == layer]:
-                    staging[k] = staging[k].cpu()                # held on the host until every rank agrees
-            except Exception as e:   # noqa: BLE001 - any failure must reach the agreement, not hang the peers
-                ok = ok and warn_failed(f"moving the experts of layer {layer} with their optimizer state", e)
-        if not agree(ok, key, device):
-            self.failed_moves += 1
-            return False
-        for layer in sorted({layer for layer, _ in staging}):
-            self._write(layer, {j: flat for (l, j), flat in staging.items() if l == layer}, keys)
-        self.placement, self._slots = plan, {}
-        self.balancer.move_experts(plan.log2phy[:, :, 0] // self.H)
-        self.replans += int(replan)
+        moves = slot_moves(self.placement, plan)
+        if moves:
+            ok, rows = True, None
+            try:        # rank-local, agreed before any collective of the move
+                rows = ExpertState(self.engine, self.layers)
+            except Exception as e:   # noqa: BLE001
+                ok = warn_failed("preparing to move experts", e)
+            problem = shared_problem(None if rows is None else rows.unsupported())
+            if problem:
+                raise ValueError(f"easybalance.train_placement: {problem}")
+            if not self.mover.move(moves, placement_key(plan.phy2log), rows, ok):
+                self.failed_moves += 1
+                return False
+        self.placement = self.home if torch.equal(plan.phy2log, self.home.phy2log) else plan
+        for layer, routes in enumerate(self.routes):
+            routes.set_table(SlotTable.even(plan.log2phy[layer]), self.H)
+        if moves:
+            self.balancer.move_experts(plan.log2phy[:, :, 0] // self.H)
+        self.replans += int(replan and bool(moves))
         self.weight_moves += len(moves)
-        self.moved_bytes += sum(src != dst for _, dst, _, src, _ in moves) * self._expert_bytes()
+        self.moved_bytes += sum(src != dst for _, dst, _, src, _ in moves) * \
+            _state_bytes(self.layers[0], len(_state_keys(self.engine)))
         return True
 
-    def _prepare(self, layer: int, moves, staging, keys: list[str]) -> list:
-        """One layer's transfers: staging for the rows this rank receives, the sends of the rows it gives; a row
-        that stays on this rank is copied into staging (all reads before any write: a cycle of rows is safe).
-        Every rank that receives in a layer also sends in it, so the expert-state reads (collective over each
-        expert's data-parallel peers, which play the same part) happen on all of them or none."""
-        device = self.layers[0].router.gate.weight.device
-        width = sum(p[0].numel() * (1 + hasattr(p, "_hp_mapping") + len(keys))
-                    for p in self.layers[layer].experts.parameters())
-        tensors = None
-        if any(src == self.rank for *_, src, _ in moves):
-            try:
-                tensors = self._tensors_of(layer, keys)
-            except Exception as e:   # noqa: BLE001 - its sends go as NaNs (below), its peers' receives complete
-                warn_failed(f"reading the expert state of layer {layer}", e)
-        ops = []
-        for _, dst, dst_j, src, src_j in moves:
-            if tensors is None and src == self.rank:
-                row = torch.full((width, ), float("nan"), device=device)
-                if dst == self.rank:
-                    staging[(layer, dst_j)] = row
-                else:
-                    ops.append(dist.P2POp(dist.isend, row, self.ep_ranks[dst], self.ep_group))
-            elif dst == self.rank and src == self.rank:
-                staging[(layer, dst_j)] = _row(tensors, src_j).clone()
-            elif dst == self.rank:
-                staging[(layer, dst_j)] = torch.empty(width, dtype=torch.float32, device=device)
-                ops.append(dist.P2POp(dist.irecv, staging[(layer, dst_j)], self.ep_ranks[src], self.ep_group))
-            elif src == self.rank:
-                ops.append(dist.P2POp(dist.isend, _row(tensors, src_j), self.ep_ranks[dst], self.ep_group))
-        return ops
+    # ------------------------------------------------------------------ checkpoints and exports
+    @contextlib.contextmanager
+    def at_home(self, when: str = "for an export"):
+        """The experts in AutoEP's own layout inside the block (collective: every rank enters it), placed again
+        after it."""
+        placed = self.placement
+        self._must_apply(self.home, f"home {when} (nothing was done)")
+        self._home_depth += 1
+        try:
+            yield
+        finally:
+            self._home_depth -= 1
+            self._must_apply(placed, f"back after {when} (what it wrote is whole)")
 
-    def _state_keys(self) -> list[str]:
-        """The optimizer's per-element state (Adam: exp_avg, exp_avg_sq); none before its first step."""
-        optimizer = torch_optimizer(getattr(self.engine, "optimizer", None))
-        if optimizer is None:
-            return []
-        return sorted({k for state in optimizer.state.values() for k, v in state.items()
-                       if torch.is_tensor(v) and v.dim() > 0 and v.numel() > 1})
+    def _must_apply(self, plan: Placement, when: str) -> None:
+        if not self.apply(plan, replan=False):
+            raise RuntimeError(f"easybalance.train_placement: moving the experts {when} failed on some rank (see its "
+                               "warning); every rank keeps the placement and state it had before this move")
 
-    def _link_optimizer_state(self, keys: list[str]) -> None:
-        """DeepSpeed links each parameter to its optimizer state after the first optimizer step of its first
-        parameter group, before the other groups (AutoEP's expert groups) have state: link them all again (local,
-        cheap; the same on every rank)."""
-        owner = getattr(self.engine, "optimizer", None)
-        if keys and hasattr(owner, "_hp_optimizer_states_linked"):
+    def _refuse_placed_export(self, module, prefix, keep_vars) -> None:
+        if self.placement is not self.home and not self._home_depth:
+            raise RuntimeError("easybalance.train_placement: the experts are re-placed over the EP ranks, and this "
+                               "state dict would hold them permuted under AutoEP's keys; on every rank, take it "
+                               "inside `with engine.easybalance.placement.at_home():` (save_checkpoint and "
+                               "save_16bit_model do so themselves)")
+
+    def _wrap_exports(self, engine) -> None:
+        """DeepSpeed's files in the logical layout: `save_checkpoint` and `save_16bit_model` go home for the save
+        and back; `load_checkpoint` goes home first (a checkpoint holds the logical layout; the next interval
+        re-plans from the loaded view). DeepSpeed has no checkpoint hook: the engine's methods are wrapped."""
+        for name in ("save_checkpoint", "save_16bit_model"):
+            def save(*args, _save=getattr(engine, name), _name=name, **kwargs):
+                with self.at_home(f"for {_name}"):
+                    return _save(*args, **kwargs)
+            setattr(engine, name, save)
+        load = engine.load_checkpoint
+
+        def load_checkpoint(*args, **kwargs):
+            self._must_apply(self.home, "home before loading a checkpoint (nothing was loaded)")
+            return load(*args, **kwargs)
+        engine.load_checkpoint = load_checkpoint
+
+
+class ExpertState:
+    """Every AutoEP layer's expert state as rows (`moves.Rows`): row j of each weight [H, ...], of its fp32 master
+    and of each optimizer moment, widened to fp32, as one vector. Under ZeRO 1/2 (and bf16) the master and the
+    moments are partitioned over the expert's data-parallel peers: a read gathers them with one all-reduce each
+    into buffers allocated by `prepare` (as DeepSpeed's `safe_get_full_*` do, but with nothing to allocate after
+    the ranks agreed), a write stores this rank's fragment only (local, as `safe_set_full_*`); at ZeRO 0 they are
+    the torch optimizer's own state."""
+
+    def __init__(self, engine, layers: list):
+        self.layers, self.keys = layers, _state_keys(engine)
+        self.optimizer = torch_optimizer(getattr(engine, "optimizer", None))
+        owner = getattr(engine, "optimizer", None)
+        if self.keys and hasattr(owner, "_hp_optimizer_states_linked"):
+            # DeepSpeed links each parameter to its optimizer state after the first step of its first parameter
+            # group, before AutoEP's expert groups have state: link them all again (local, the same on every rank)
             owner._hp_optimizer_states_linked = False
             owner._lazy_init_hp_params_optimizer_state()
+        self._full: dict = {}
 
-    def _tensors_of(self, layer: int, keys: list[str]) -> list[tuple[torch.Tensor, Optional[Callable]]]:
-        """Every [H, ...] tensor of the layer's expert state in a fixed order (each weight, its fp32 master under ZeRO
-        1/2 and bf16, its optimizer moments), each with the setter that stores a full copy back (None: the tensor is
-        the state itself). Reading the master or moments under ZeRO is collective."""
-        from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,
-                                     safe_set_full_fp32_param, safe_set_full_optimizer_state)
-        optimizer = torch_optimizer(getattr(self.engine, "optimizer", None))
+    def unsupported(self) -> Optional[str]:
+        """Why a state tensor of the experts cannot move row by row (None: every one can)."""
+        for m in self.layers:
+            for param in m.experts.parameters():
+                mapping = getattr(param, "_hp_mapping", None)
+                for key in self.keys:
+                    if mapping is not None:
+                        have = mapping.optim_fragment or {}
+                        if key not in have or have[key].numel() != mapping.lp_fragment_address.numel:
+                            return f"the optimizer state {key!r} does not follow its parameter's elements"
+                    elif self.optimizer is not None and key in self.optimizer.state.get(param, {}) and \
+                            self.optimizer.state[param][key].shape != param.shape:
+                        return (f"the optimizer state {key!r} has shape {tuple(self.optimizer.state[param][key].shape)}"
+                                f", its parameter {tuple(param.shape)}: it cannot move row by row")
+        return None
+
+    def _slots(self, layer: int) -> list[tuple[torch.nn.Parameter, Optional[str]]]:
+        """(parameter, what of it) for each tensor of a row, in order: "data", then under ZeRO None (the fp32
+        master) and the moment keys, else the moment keys of the torch optimizer's state."""
         out = []
         for param in self.layers[layer].experts.parameters():
-            out.append((param.data, None))
-            if hasattr(param, "_hp_mapping"):
-                out.append((safe_get_full_fp32_param(param), lambda t, p=param: safe_set_full_fp32_param(p, t)))
-                out += [(safe_get_full_optimizer_state(param, k),
-                         lambda t, p=param, k=k: safe_set_full_optimizer_state(p, t, k)) for k in keys]
-            else:
-                state = optimizer.state.get(param, {}) if optimizer is not None else {}
-                out += [(state[k] if k in state else torch.zeros_like(param.data, dtype=torch.float32), None)
-                        for k in keys]
+            out.append((param, "data"))
+            out += [(param, None)] * hasattr(param, "_hp_mapping") + [(param, key) for key in self.keys]
         return out
 
-    def _write(self, layer: int, rows: dict[int, torch.Tensor], keys: list[str]) -> None:
-        """Phase 2: the received rows into every tensor of the layer's state (DeepSpeed's setters under ZeRO)."""
-        pairs = self._tensors_of(layer, keys)
-        for j, flat in rows.items():
-            unflatten_row([t for t, _ in pairs], j, flat)
-        for t, store in pairs:
-            if store is not None:
-                store(t)
+    def prepare(self, layer: int) -> None:
+        self._full = {(id(p), k): torch.empty(p.numel(), dtype=torch.float32, device=p.device)
+                      for p, k in self._slots(layer) if k != "data" and hasattr(p, "_hp_mapping")}
+        self._width = sum(p[0].numel() for p, _ in self._slots(layer))
+
+    def row_like(self, layer: int) -> torch.Tensor:
+        return torch.empty(self._width, dtype=torch.float32, device=self.layers[layer].router.gate.weight.device)
+
+    def read(self, layer: int, rows: list[int]) -> dict[int, torch.Tensor]:
+        if not rows:             # the data-parallel peers of this rank have no rows in this layer either
+            return {}
+        tensors = [self._whole(p, k) for p, k in self._slots(layer)]
+        return {j: torch.cat([t[j].reshape(-1).float() for t in tensors]) for j in rows}
+
+    def _whole(self, param, key) -> torch.Tensor:
+        """The whole tensor [H, ...] of `param`'s `key` (collective under ZeRO)."""
+        if key == "data":
+            return param.data
+        if not hasattr(param, "_hp_mapping"):
+            state = self.optimizer.state.get(param, {}) if self.optimizer is not None else {}
+            return state[key] if key in state else torch.zeros_like(param.data, dtype=torch.float32)
+        full = self._full[(id(param), key)].zero_()
+        if param._hp_mapping is not None:
+            at = param._hp_mapping.lp_fragment_address
+            full[at.start:at.start + at.numel].copy_(param._hp_mapping.get_hp_fragment(key).reshape(-1))
+        dist.all_reduce(full, group=param._dp_group)
+        return full.view(param.shape)
+
+    def write(self, layer: int, rows: dict[int, torch.Tensor]) -> None:
+        at = 0
+        with torch.no_grad():
+            for param, key in self._slots(layer):
+                n = param[0].numel()
+                values = {j: flat[at:at + n] for j, flat in rows.items()}
+                at += n
+                if key == "data" or not hasattr(param, "_hp_mapping"):
+                    target = param.data if key == "data" else self._whole(param, key)
+                    for j, value in values.items():
+                        target[j].copy_(value.view_as(target[j]))
+                elif param._hp_mapping is not None:   # this rank's fragment of the flat tensor
+                    fragment = param._hp_mapping.get_hp_fragment(key).reshape(-1)
+                    start = param._hp_mapping.lp_fragment_address.start
+                    for j, value in values.items():
+                        lo, hi = max(j * n, start), min((j + 1) * n, start + fragment.numel())
+                        if lo < hi:
+                            fragment[lo - start:hi - start].copy_(value[lo - j * n:hi - j * n])
 
 
-def _row(pairs: list, j: int) -> torch.Tensor:
-    """Row j of every tensor of `_tensors_of` as one fp32 vector (bf16 weights widen exactly; `unflatten_row`'s
-    order)."""
-    return torch.cat([t[j].reshape(-1).float() for t, _ in pairs])
+def _check_engine(engine, layers: list) -> None:
+    """What training placement refuses, said before any move (at initialize)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    optimizer = getattr(engine, "optimizer", None)
+    if not isinstance(optimizer, (torch.optim.Optimizer, DeepSpeedZeroOptimizer, BF16_Optimizer)):
+        raise ValueError(f"easybalance.train_placement moves the state of a torch optimizer (fp32), of ZeRO 1/2 "
+                         f"and of DeepSpeed's BF16_Optimizer; DeepSpeed wrapped this one in "
+                         f"{type(optimizer).__name__}, whose fp32 master weights it cannot move: use ZeRO 1 or 2 "
+                         "for bf16 or fp16 training")
+    inner = torch_optimizer(optimizer)
+    if inner is not None and type(inner).__name__ not in ELEMENTWISE_OPTIMIZERS:
+        raise ValueError(f"easybalance.train_placement moves each expert row with its optimizer state, which keeps "
+                         f"training the same only for an optimizer that updates every element from its own state; "
+                         f"{type(inner).__name__} is not one eb_deepspeed knows to (a step from a whole tensor's "
+                         f"norm or factored moments would change with the rows beside it). Supported: "
+                         f"{', '.join(ELEMENTWISE_OPTIMIZERS)}; or set train_placement.enabled false")
+    if is_decoupled(engine):
+        raise ValueError("easybalance.train_placement writes checkpoints in AutoEP's layout by moving the experts "
+                         "home for the save; an asynchronous (decoupled) checkpoint engine would write them after "
+                         "they moved back: use a synchronous checkpoint engine")
+    for m in layers:
+        folded = m.folding_group_handles is not None and m.folding_group_handles.spec.tp_size > 1
+        if folded or getattr(m, "comm_backend", "comm") != "comm":
+            raise ValueError("easybalance.train_placement needs AutoEP's all-to-all (expert_parallel.comm_backend "
+                             '"comm") without tensor-parallel folding')
+        if getattr(m, "expert_bias", None) is not None:
+            raise ValueError("easybalance.train_placement: AutoEP's own expert_bias (load_balance_coeff) counts "
+                             "tokens per slot; set load_balance_coeff to null to re-place experts")
 
 
-def unflatten_row(weights: list, j: int, flat: torch.Tensor) -> None:
-    """Row j of each grouped weight [S, ...] from one vector (`_row`'s and `AutoEPStore.read_slot`'s order)."""
-    at = 0
-    with torch.no_grad():
-        for w in weights:
-            n = w[j].numel()
-            w[j].copy_(flat[at:at + n].view_as(w[j]))
-            at += n
+def _state_keys(engine) -> list[str]:
+    """The optimizer's per-element state (Adam: exp_avg, exp_avg_sq); none before its first step."""
+    optimizer = torch_optimizer(getattr(engine, "optimizer", None))
+    if optimizer is None:
+        return []
+    return sorted({k for state in optimizer.state.values() for k, v in state.items()
+                   if torch.is_tensor(v) and v.dim() > 0 and v.numel() > 1})
+
+
+def _params(layer) -> int:
+    """Parameters of one expert of an AutoEP layer."""
+    return sum(p[0].numel() for p in layer.experts.parameters())
+
+
+def _state_bytes(layer, keys: int) -> int:
+    """Bytes of one expert's state: each weight, its fp32 master (ZeRO 1/2, bf16), its fp32 moments."""
+    return sum(p[0].numel() * (p.element_size() + 4 * (keys + hasattr(p, "_hp_mapping")))
+               for p in layer.experts.parameters())

@@ -43,9 +43,7 @@ from ...planning.placement import Placement
 from ..common import dist_ready
 from ..serving.engine import ServingEngine
 from ..serving.store import Routing, SlotTable, exact_split, split_by_fraction
-from .engine import find_autoep_layers
-from .layer import choice_sums
-from .placement import unflatten_row
+from .layer import choice_sums, find_autoep_layers
 
 __all__ = ["AutoEPStore", "AutoEPRoutes", "init_autoep_inference"]
 
@@ -322,3 +320,13 @@ def init_autoep_inference(model: torch.nn.Module, config=None) -> torch.nn.Modul
             lambda mod, args, kwargs: serving.before_batch(tuple(args) + tuple(kwargs.values())), with_kwargs=True)
         module.register_forward_hook(lambda mod, args, output: serving.after_batch())
     return module
+
+
+def unflatten_row(weights: list, j: int, flat: torch.Tensor) -> None:
+    """Row j of each grouped weight [S, ...] from one vector (`AutoEPStore.read_slot`'s order)."""
+    at = 0
+    with torch.no_grad():
+        for w in weights:
+            n = w[j].numel()
+            w[j].copy_(flat[at:at + n].view_as(w[j]))
+            at += n

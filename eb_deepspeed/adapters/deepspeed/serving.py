@@ -254,7 +254,7 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     """
     import deepspeed
 
-    from ..autoep.engine import find_autoep_layers
+    from ..autoep.layer import find_autoep_layers
     if find_autoep_layers(getattr(model, "module", model)):
         raise ValueError("init_inference: an AutoEP-converted model; eb_deepspeed.init_inference serves it in "
                          "AutoEP's own layers (this one builds on deepspeed.init_inference, which has no AutoEP path)")

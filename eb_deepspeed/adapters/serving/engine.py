@@ -17,17 +17,13 @@ pads every slot to the largest (extra slots pay only where they cut the largest 
 slots); a dropless layer takes as long as its busiest rank. Replicas that replace a one-slot-per-expert layout
 first serve on trial against it, in turns, and stay only if they served faster (then the next loss backs off).
 
-A re-plan moves weights in two phases: every rank fetches the new slots' weights into staging buffers, the ranks
-agree that every fetch succeeded and that they all planned the same placement, then every rank copies and flips
-its tables before the next forward. A failure at any point keeps the old placement on every rank: a rank whose
-transfer failed still completes the others and posts a stand-in for one it could not post (`transfer`), so no
-peer is left waiting; the failure reaches every rank in the agreement.
+A re-plan moves weights with `adapters.moves.RowMover` (agreed in phases: a failure anywhere keeps the old placement
+on every rank, no peer is left waiting), then every rank flips its tables before the next forward.
 """
 from __future__ import annotations
 
 import atexit
 import datetime
-import hashlib
 import time
 import warnings
 import weakref
@@ -40,12 +36,13 @@ import torch.distributed as dist
 from ...core.balancer import Balancer, ModelShape, check_agreement
 from ...core.config import EasyBalanceConfig
 from ...core.record import NullLogger
-from ...core.topology import TOPOLOGIES, resolve_topology
+from ...core.topology import resolve_topology
 from ...observe.monitor import JsonlLogger
 from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, check_plan_size, expected_device_load,
                                    expected_padded_cost, expected_slot_ratio, plan_placement, prefix_placement,
                                    static_placement, with_prefix)
 from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node
+from ..moves import RowMover, copy_stall, placement_key, slot_moves, transfer
 from .store import Routing, SlotStore
 
 __all__ = ["ServingEngine", "choose_placement"]
@@ -54,11 +51,6 @@ __all__ = ["ServingEngine", "choose_placement"]
 # batch's load is its own (noise on every slot), and moving weights and the replica split cost time too.
 # Measured on the example model: a 3 % expected gain was a loss.
 MIN_GAIN = 0.10
-# A route (a token through an expert) takes 2 FLOPs per expert parameter, a weight copy moves each parameter's
-# bytes: one copy costs DEVICE_FLOPS x bytes per parameter / (2 x link bandwidth) routes of the receiving rank's
-# time. Stated, not measured (every rank must price a move alike): sustained bf16 expert GEMMs of an H100-class
-# GPU; a CPU core's few GFLOP/s for the CPU (where a copy costs a few routes).
-DEVICE_FLOPS = {"cuda": 400e12, "cpu": 1e11}
 # A layout trial keeps replicas when they served this much faster per token than the one-slot-per-expert
 # prefix, measured in the same batches interleaved: below it, the noise of a short trial.
 TRIAL_GAIN = 0.02
@@ -155,6 +147,7 @@ class ServingEngine:
         grouped = dist_ready() and self.G > 1
         self.rank = dist.get_rank(store.ep_group) if grouped else 0
         self.ep_ranks = dist.get_process_group_ranks(store.ep_group) if grouped else [dist_rank()]
+        self.mover = RowMover(self.rank, self.ep_ranks, store.ep_group, store.device)
         self.replans, self.weight_moves, self.failed_moves = 0, 0, 0
         self.batches, self.last_plan_batch, self.placed_batch = 0, None, 0
         self.home = static_placement(self.L, self.E, self.G)       # the runtime's layout: S = H, no replicas
@@ -219,11 +212,6 @@ class ServingEngine:
         if note and dist_rank() == 0:
             warnings.warn(f"easybalance.inference.topology: {note}")
         return logger
-
-    def expert_in_slot(self, plan: Placement, layer: int, rank: int, j: int) -> int:
-        """The logical expert in rank's local slot j under `plan` (-1: empty, or not a slot of the plan)."""
-        S = plan.slots_per_device
-        return int(plan.phy2log[layer, rank * S + j]) if j < S else -1
 
     # ------------------------------------------------------------------ per batch
     def before_batch(self, inputs: tuple) -> None:
@@ -302,16 +290,10 @@ class ServingEngine:
 
     def move_cost(self, plan: Placement) -> float:
         """The time moving to `plan` stalls the busiest receiving rank, in routes it could have computed meanwhile
-        (`DEVICE_FLOPS`; each copy at its link's bandwidth: the topology's inside a node, between nodes across).
-        A plan whose slots are already resident (a prefix of what serves) costs nothing."""
-        topo, per_param = TOPOLOGIES[self.topology], self.store.read_slot(0, 0).element_size()
-        flops = DEVICE_FLOPS["cuda" if self.store.device.type == "cuda" else "cpu"]
-        received = [0.0] * self.G
-        for _, dst, _, src, _ in self._moves(plan):
-            if src != dst:
-                same_node = bool(self.node_G[src] == self.node_G[dst])
-                received[dst] += flops * per_param / (2 * (topo.intra_bw if same_node else topo.inter_bw))
-        return max(received)
+        (`moves.copy_stall`: a serving route takes 2 FLOPs per parameter). A plan whose slots are already resident
+        (a prefix of what serves) costs nothing."""
+        return copy_stall(slot_moves(self.resident, plan), self.store.read_slot(0, 0).element_size(), 2,
+                          self.node_G, self.topology, self.store.device.type)
 
     def _plan(self, heat_LE: torch.Tensor) -> Placement:
         """Replicas for every slot (S_max per rank) from the view's heat in the runtime's dispatch model; its
@@ -376,23 +358,6 @@ class ServingEngine:
             self.store.serve(layer, placement)
 
     # ------------------------------------------------------------------ weight moves
-    def _moves(self, plan: Placement) -> list[tuple[int, int, int, int, int]]:
-        """(layer, destination rank, its slot, source rank, its slot) for every slot of `plan` whose slot holds
-        another expert now: the source is a slot that holds the expert (`resident`), on the destination's rank
-        when there is one."""
-        old, S_old, S_new = self.resident, self.resident.slots_per_device, plan.slots_per_device
-        moves = []
-        for layer in range(self.L):
-            for p in range(self.G * S_new):
-                e, rank, j = int(plan.phy2log[layer, p]), p // S_new, p % S_new
-                if e < 0 or self.expert_in_slot(old, layer, rank, j) == e:
-                    continue
-                holders = [(q // S_old, q % S_old) for q in torch.nonzero(old.phy2log[layer] == e).flatten().tolist()]
-                local = [h for h in holders if h[0] == rank]
-                src_rank, src_j = (local or holders)[0]
-                moves.append((layer, rank, j, src_rank, src_j))
-        return moves
-
     def apply(self, plan: Placement) -> bool:
         """Move weights for `plan` and flip every rank to it, or keep the old placement everywhere."""
         if plan.phy2log.shape[0] != self.L or plan.num_experts != self.E or plan.num_devices != self.G \
@@ -400,50 +365,16 @@ class ServingEngine:
             raise ValueError(f"a placement of {tuple(plan.phy2log.shape)} slots ({plan.slots_per_device} per rank) "
                              f"does not fit {self.L} layers x {self.G} ranks x at most {self.S_max} slots")
         self._trial = None              # a placement set from outside ends the trial: the tables are its
-        key = placement_key(plan.phy2log)
-        moves = self._moves(plan)
-        staging: dict[tuple[int, int], torch.Tensor] = {}
-        ops, ok = [], True
-        try:   # phase 1a: staging buffers for our destination slots, the transfers to post
-            ops = self._prepare(moves, staging)
-        except Exception as e:   # noqa: BLE001 - any failure must reach the agreement, not hang the peers
-            ok = warn_failed("preparing the weight moves", e)
-        if not self._agree(ok, key):
+        moves = slot_moves(self.resident, plan)
+        if not self.mover.move(moves, placement_key(plan.phy2log), _SlotRows(self.store)):
             self.failed_moves += 1
             return False
-        try:   # phase 1b: every transfer, then a check of what arrived
-            transfer(ops)
-            verify_finite(staging)
-        except Exception as e:   # noqa: BLE001
-            ok = warn_failed("moving expert weights", e)
-        if not self._agree(ok, key):
-            self.failed_moves += 1
-            return False
-        # phase 2: every rank got every weight: copy them in and flip the tables before the next forward
-        for (layer, j), flat in staging.items():
-            self.store.write_slot(layer, j, flat)
         self.resident = plan
         self._serve(plan)
         self.replans += 1
         self.placed_batch = self.batches
         self.weight_moves += len(moves)
         return True
-
-    def _prepare(self, moves, staging) -> list:
-        ops = []
-        for layer, dst, dst_j, src, src_j in moves:
-            if dst == self.rank:
-                staging[(layer, dst_j)] = torch.empty_like(self.store.read_slot(layer, dst_j))
-                if src == self.rank:
-                    staging[(layer, dst_j)].copy_(self.store.read_slot(layer, src_j))
-                else:
-                    ops.append(dist.P2POp(dist.irecv, staging[(layer, dst_j)], self.ep_ranks[src]))
-            elif src == self.rank:
-                ops.append(dist.P2POp(dist.isend, self.store.read_slot(layer, src_j), self.ep_ranks[dst]))
-        return ops
-
-    def _agree(self, ok: bool, key: int) -> bool:
-        return agree(ok, key, self.store.device)
 
     # ------------------------------------------------------------------ checkpoints (DeepSpeed's file layout)
     def home_states(self) -> dict[tuple[int, int], torch.Tensor]:
@@ -491,22 +422,6 @@ class ServingEngine:
         return path
 
 
-def agree(ok: bool, key: int, device) -> bool:
-    """Every rank succeeded (`ok`), and every rank planned the same placement (`key`, a hash of it: the view is
-    identical everywhere). One all-reduce over every rank."""
-    flags = torch.tensor([int(ok), key, -key], dtype=torch.long, device=device)
-    if dist_ready() and dist.get_world_size() > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    if int(flags[1]) != -int(flags[2]):
-        raise RuntimeError("easybalance: ranks planned different placements from what should be the same view")
-    return bool(flags[0])
-
-
-def placement_key(slots: torch.Tensor) -> int:
-    """A 60-bit hash of a placement's slot map, for `agree`."""
-    return int(hashlib.sha1(slots.cpu().numpy().tobytes()).hexdigest()[:15], 16)
-
-
 def _prefix(plan: Placement) -> Optional[Placement]:
     """The one-slot-per-expert layout resident in `plan`'s first slots, or None (see `with_prefix`)."""
     if plan.slots_per_device * plan.num_devices == plan.num_experts:
@@ -519,19 +434,6 @@ def _synchronize(device: torch.device) -> None:
     """Wait for the accelerator's queued work (a layout trial times forwards)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def warn_failed(what: str, error: Exception) -> bool:
-    warnings.warn(f"easybalance: {what} failed on rank {dist_rank()} ({type(error).__name__}: {error}); "
-                  "every rank keeps the old placement")
-    return False
-
-
-def verify_finite(staging: dict) -> None:
-    """What arrived must be finite (a weight move never loads garbage into a serving slot)."""
-    for (layer, j), flat in staging.items():
-        if not bool(torch.isfinite(flat).all()):
-            raise ValueError(f"layer {layer} slot {j}: received non-finite expert weights")
 
 
 def _wait_posted(posted: list) -> None:
@@ -558,40 +460,21 @@ def _settle_at_exit(ref: "weakref.ref[ServingEngine]") -> None:
         warnings.warn(f"easybalance: the last view step could not be taken at exit ({e})")
 
 
-def _post(op: "dist.P2POp"):
-    """Post one transfer (non-blocking); its work object."""
-    return op.op(op.tensor, op.peer, op.group, op.tag)
+class _SlotRows:
+    """The store's slots as the rows a move moves (`moves.Rows`): each slot's weights, local."""
 
+    def __init__(self, store: SlotStore):
+        self.store = store
 
-def transfer(ops: list) -> None:
-    """Post every transfer of a weight move and wait for each, so that no peer is left in a `wait()` that
-    nothing will answer. On NCCL the ops go as one group (posted one by one, a swap deadlocks) and a failure
-    there is the communicator's. On gloo (which posts them one at a time anyway) each is posted on its own:
-    one this rank fails to post is replaced by a stand-in of the same shape (a send of NaNs, which the
-    receiver's check refuses; a receive into scratch), so the peer's matching operation completes; a wait
-    that fails does not stop the others. Then the first error is raised, and reaches the agreement."""
-    if not ops:
-        return
-    if dist.get_backend(ops[0].group) != "gloo":
-        requests, errors = dist.batch_isend_irecv(ops), []
-    else:
-        requests, errors = [], []
-        for op in ops:
-            try:
-                requests.append(_post(op))
-            except Exception as e:   # noqa: BLE001 - whatever failed, the peer's operation must still be matched
-                errors.append(e)
-                sends = op.op is dist.isend
-                stand_in = torch.full_like(op.tensor, float("nan")) if sends else torch.empty_like(op.tensor)
-                requests.append(_post(dist.P2POp(op.op, stand_in, op.peer, op.group, op.tag)))
-    for request in requests:
-        try:
-            request.wait()
-        except Exception as e:   # noqa: BLE001
-            errors.append(e)
-    if errors:
-        # a fresh error, no traceback into the transfers: no work object outlives the move in a frame that an
-        # exception keeps alive (a gloo work freed after its process group is gone at exit aborts the process)
-        message = f"{type(errors[0]).__name__}: {errors[0]}"
-        requests.clear(), errors.clear()
-        raise RuntimeError(message)
+    def prepare(self, layer: int) -> None:
+        pass
+
+    def row_like(self, layer: int) -> torch.Tensor:
+        return torch.empty_like(self.store.read_slot(layer, 0))
+
+    def read(self, layer: int, rows: list[int]) -> dict[int, torch.Tensor]:
+        return {j: self.store.read_slot(layer, j) for j in rows}
+
+    def write(self, layer: int, rows: dict[int, torch.Tensor]) -> None:
+        for j, flat in rows.items():
+            self.store.write_slot(layer, j, flat)

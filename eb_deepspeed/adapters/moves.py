@@ -1,0 +1,241 @@
+"""Expert rows moved between EP ranks, for serving's re-plans and training's placement: which rows move, what moving
+them costs, and the move itself, in phases that leave every rank on one placement.
+
+Shape legend: L layers, G EP ranks, S slots (rows) per rank, P physical slots (G * S; slot p is row p % S of rank
+p // S).
+
+    moves = slot_moves(old, new)                         # (layer, dst rank, dst row, src rank, src row) per copy
+    stall = copy_stall(moves, bytes_per_param, flops_per_route, node_G, "nvlink", "cuda")   # routes it costs
+    moved = RowMover(rank, ep_ranks, group, device).move(moves, key, rows)      # False: every rank kept its rows
+
+`rows` (`Rows`) is what a row is: serving's slot weights, or training's expert state (weights, fp32 masters and
+optimizer moments). A move, every rank of the job together:
+
+  0. the caller's own checks agree (`agree`: one all-reduce of ok flags and the plan's hash; ranks that planned
+     different placements raise);
+  1. per layer with moves: `rows.prepare(layer)` allocates what the layer needs (buffers for what arrives and for
+     collective reads); the ranks agree before any rank posts a transfer or enters a collective;
+  2. `rows.read` the rows this rank sends and the rows it will overwrite (collective over expert-data-parallel
+     peers under ZeRO), the transfers (`transfer`: a rank that cannot post one posts a stand-in, so no peer waits),
+     a check that what arrived is finite; both kept on the host;
+  3. the ranks agree that every layer arrived everywhere; then `rows.write` (local) and one more agreement; a rank
+     that failed to write makes every rank write back what it overwrote: all keep the old rows. Only a rank that
+     cannot even write back makes every rank raise.
+
+Any failure on any rank at any step ends with every rank on the old rows (False) or every rank raising; none is left
+waiting for a peer.
+"""
+from __future__ import annotations
+
+import hashlib
+import warnings
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..core.topology import TOPOLOGIES
+from .common import dist_rank, dist_ready
+
+__all__ = ["slot_moves", "copy_stall", "RowMover", "Rows"]
+
+Move = tuple[int, int, int, int, int]      # (layer, dst rank, dst row, src rank, src row)
+# A route takes FLOPs per expert parameter (2 in a forward, 6 with its backward); moving a row takes its bytes at
+# the link's bandwidth. Stated, not measured (every rank must price a move alike): sustained bf16 expert GEMMs of
+# an H100-class GPU; a CPU core's few GFLOP/s on the CPU (where a copy costs a few routes).
+DEVICE_FLOPS = {"cuda": 400e12, "cpu": 1e11}
+
+
+def slot_moves(old, new) -> list[Move]:
+    """The copies a placement change makes: every slot of `new` (a `Placement`) whose row holds another expert in
+    `old`, fetched from a slot of `old` that holds the expert (on the destination's rank when there is one)."""
+    S_old, S_new = old.slots_per_device, new.slots_per_device
+    moves = []
+    for layer in range(new.phy2log.shape[0]):
+        for p in torch.nonzero(new.phy2log[layer] >= 0).flatten().tolist():
+            e, rank, j = int(new.phy2log[layer, p]), p // S_new, p % S_new
+            if j < S_old and int(old.phy2log[layer, rank * S_old + j]) == e:
+                continue
+            holders = [(q // S_old, q % S_old) for q in torch.nonzero(old.phy2log[layer] == e).flatten().tolist()]
+            src_rank, src_j = ([h for h in holders if h[0] == rank] or holders)[0]
+            moves.append((layer, rank, j, src_rank, src_j))
+    return moves
+
+
+def copy_stall(moves: list[Move], bytes_per_param: float, flops_per_route: float, node_G, topology: str,
+               device_type: str) -> float:
+    """The time the busiest receiving rank waits for its copies, in routes it could have computed meanwhile: each
+    copied row's parameters at `bytes_per_param` over the link between its ranks (the topology's bandwidth inside
+    a node, between nodes across: node_G [G] node of each rank), against `flops_per_route` per parameter at
+    `DEVICE_FLOPS`. A row that stays on its rank costs nothing."""
+    topo, flops = TOPOLOGIES[topology], DEVICE_FLOPS["cuda" if device_type == "cuda" else "cpu"]
+    received: dict[int, float] = {}
+    for _, dst, _, src, _ in moves:
+        if src != dst:
+            bw = topo.intra_bw if int(node_G[src]) == int(node_G[dst]) else topo.inter_bw
+            received[dst] = received.get(dst, 0.0) + flops * bytes_per_param / (flops_per_route * bw)
+    return max(received.values(), default=0.0)
+
+
+class Rows(Protocol):
+    """What a move moves: a layer's rows, each as one flat vector."""
+
+    def prepare(self, layer: int) -> None:
+        """Allocate what `row_like`, `read` and `write` of this layer need (local; may fail: agreed before use)."""
+
+    def row_like(self, layer: int) -> torch.Tensor:
+        """An uninitialised row of this layer (a receive buffer)."""
+
+    def read(self, layer: int, rows: list[int]) -> dict[int, torch.Tensor]:
+        """These local rows of the layer, each as one vector (collective over expert-data-parallel peers where the
+        state is partitioned: every such peer reads the same layer)."""
+
+    def write(self, layer: int, rows: dict[int, torch.Tensor]) -> None:
+        """Store each vector into its local row (local; no collective)."""
+
+
+class RowMover:
+    """Moves rows between the ranks of one EP group (`rank` in it, `ep_ranks` their global ranks, `group` the
+    process group of the transfers); agreements are over every rank of the job, on `device`."""
+
+    def __init__(self, rank: int, ep_ranks: list[int], group, device):
+        self.rank, self.ep_ranks, self.group, self.device = rank, ep_ranks, group, device
+
+    def move(self, moves: list[Move], key: int, rows: Rows, ok: bool = True) -> bool:
+        """Move every row of `moves` (module doc), or leave every rank's rows as they were (False). `key`: the
+        plan's hash (`placement_key`); `ok`: this rank's own checks passed."""
+        if not agree(ok, key, self.device):
+            return False
+        staged: dict[tuple[int, int], torch.Tensor] = {}     # (layer, row) -> what arrives there (host)
+        kept: dict[tuple[int, int], torch.Tensor] = {}       # (layer, row) -> what it held (host)
+        for layer in sorted({m[0] for m in moves}):
+            mine = [m for m in moves if m[0] == layer and self.rank in (m[1], m[3])]
+            prepared, buffers = self._prepare(layer, mine, rows)
+            if not agree(ok and prepared, key, self.device):   # nobody has posted or read anything of this layer
+                return False
+            ok = self._transfer(layer, mine, rows, *buffers, staged, kept)
+        if not agree(ok, key, self.device):
+            return False
+        written = self._write(rows, staged)
+        if agree(written, key, self.device):
+            return True
+        restored = self._write(rows, kept)                   # every rank: back to what it held
+        if not agree(restored, key, self.device):
+            raise RuntimeError("easybalance: moving expert rows failed while writing them and writing back the old "
+                               "rows failed too (see the warnings): the experts' state is inconsistent; load the "
+                               "last checkpoint")
+        return False
+
+    def _prepare(self, layer: int, mine: list[Move], rows: Rows) -> tuple[bool, tuple]:
+        """Step 1 of one layer: every allocation of the layer (receive buffers, a row of NaNs to send in place of
+        one this rank fails to read), before anything is posted."""
+        try:
+            rows.prepare(layer)
+            recv = {m[2]: rows.row_like(layer) for m in mine if m[1] == self.rank and m[3] != self.rank}
+            return True, (recv, rows.row_like(layer).fill_(float("nan")))
+        except Exception as e:   # noqa: BLE001 - any failure must reach the agreement, not hang the peers
+            return warn_failed(f"preparing the moves of layer {layer}", e), ({}, None)
+
+    def _transfer(self, layer: int, mine: list[Move], rows: Rows, recv: dict, nan_row, staged: dict,
+                  kept: dict) -> bool:
+        """Step 2 of one layer: read, transfer, check, keep on the host. A rank that fails goes on matching its
+        peers' transfers (NaNs for what it could not read, which the receiver refuses)."""
+        ok = True
+        wanted = sorted({m[4] for m in mine if m[3] == self.rank} | {m[2] for m in mine if m[1] == self.rank})
+        try:
+            got = rows.read(layer, wanted)
+        except Exception as e:   # noqa: BLE001
+            ok, got = warn_failed(f"reading the rows of layer {layer}", e), None
+        ops = []
+        for _, dst, dst_j, src, src_j in mine:
+            row = got[src_j] if got is not None and src == self.rank else nan_row
+            if src == self.rank and dst == self.rank:
+                recv[dst_j] = row.clone()
+            elif src == self.rank:
+                ops.append(dist.P2POp(dist.isend, row, self.ep_ranks[dst], self.group))
+            else:
+                ops.append(dist.P2POp(dist.irecv, recv[dst_j], self.ep_ranks[src], self.group))
+        try:
+            transfer(ops)
+            verify_finite({(layer, j): t for j, t in recv.items()})
+            for j, t in recv.items():
+                staged[(layer, j)] = t.cpu()
+                kept[(layer, j)] = got[j].cpu()
+        except Exception as e:   # noqa: BLE001
+            ok = warn_failed(f"moving the rows of layer {layer}", e)
+        return ok
+
+    def _write(self, rows: Rows, values: dict) -> bool:
+        try:
+            for layer in sorted({layer for layer, _ in values}):
+                rows.write(layer, {j: t.to(self.device) for (l, j), t in values.items() if l == layer})
+            return True
+        except Exception as e:   # noqa: BLE001
+            return warn_failed("writing the moved rows", e)
+
+
+def agree(ok: bool, key: int, device) -> bool:
+    """Every rank succeeded (`ok`), and every rank planned the same placement (`key`, a hash of it: the view is
+    identical everywhere). One all-reduce over every rank."""
+    flags = torch.tensor([int(ok), key, -key], dtype=torch.long, device=device)
+    if dist_ready() and dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    if int(flags[1]) != -int(flags[2]):
+        raise RuntimeError("easybalance: ranks planned different placements from what should be the same view")
+    return bool(flags[0])
+
+
+def placement_key(slots: torch.Tensor) -> int:
+    """A 60-bit hash of a placement's slot map, for `agree`."""
+    return int(hashlib.sha1(slots.cpu().numpy().tobytes()).hexdigest()[:15], 16)
+
+
+def warn_failed(what: str, error: Exception) -> bool:
+    warnings.warn(f"easybalance: {what} failed on rank {dist_rank()} ({type(error).__name__}: {error}); "
+                  "every rank keeps the old placement")
+    return False
+
+
+def verify_finite(staging: dict) -> None:
+    """What arrived must be finite (a move never loads garbage into a row)."""
+    for (layer, j), flat in staging.items():
+        if not bool(torch.isfinite(flat).all()):
+            raise ValueError(f"layer {layer} row {j}: received non-finite values")
+
+
+def _post(op: "dist.P2POp"):
+    """Post one transfer (non-blocking); its work object."""
+    return op.op(op.tensor, op.peer, op.group, op.tag)
+
+
+def transfer(ops: list) -> None:
+    """Post every transfer of a move and wait for each, so that no peer is left in a `wait()` that nothing will
+    answer. On NCCL the ops go as one group (posted one by one, a swap deadlocks) and a failure there is the
+    communicator's. On gloo (which posts them one at a time anyway) each is posted on its own: one this rank fails
+    to post is replaced by a stand-in of the same shape (a send of NaNs, which the receiver's check refuses; a
+    receive into scratch), so the peer's matching operation completes; a wait that fails does not stop the others.
+    Then the first error is raised."""
+    if not ops:
+        return
+    if dist.get_backend(ops[0].group) != "gloo":
+        requests, errors = dist.batch_isend_irecv(ops), []
+    else:
+        requests, errors = [], []
+        for op in ops:
+            try:
+                requests.append(_post(op))
+            except Exception as e:   # noqa: BLE001 - whatever failed, the peer's operation must still be matched
+                errors.append(e)       # its own buffer stands in (no allocation here): NaNs sent, a receive into it
+                stand_in = op.tensor.fill_(float("nan")) if op.op is dist.isend else op.tensor
+                requests.append(_post(dist.P2POp(op.op, stand_in, op.peer, op.group, op.tag)))
+    for request in requests:
+        try:
+            request.wait()
+        except Exception as e:   # noqa: BLE001
+            errors.append(e)
+    if errors:
+        # a fresh error, no traceback into the transfers: no work object outlives the move in a frame that an
+        # exception keeps alive (a gloo work freed after its process group is gone at exit aborts the process)
+        message = f"{type(errors[0]).__name__}: {errors[0]}"
+        requests.clear(), errors.clear()
+        raise RuntimeError(message)
