@@ -1,12 +1,13 @@
-"""`python -m benchmarks.seq_len`: does `easybalance.seq_len_weighting` make the view's per-EP-rank load a better
-predictor of each rank's expert time than plain route counts? Writes benchmarks/results/seq_len.json.
+"""`python -m benchmarks.seq_len`: does weighting each token by its sequence's length (the article's last advice;
+`easybalance.seq_len_weighting` until this measured it worse) make the per-EP-rank load a better predictor of each
+rank's expert time than plain route counts? Writes benchmarks/results/seq_len.json.
 
 Shape legend: B rows, S row length, L MoE layers, E experts, G EP ranks, T tokens (B x S), K top-k, N records.
 
     python -m benchmarks.seq_len [--seeds 3] [--steps 40] [--json]
 
 A tiny HF Mixtral (examples/hf_moe.py) under DeepSpeed's AutoEP, 2 gloo ranks, ep_size 2, trained on the stdlib
-sources, `mode: observe`, `seq_len_weighting: true`, `set_sequence_lengths` before every forward. AutoEP is dropless:
+sources, `mode: observe`; the weights are `length_weights` of each row's real length. AutoEP is dropless:
 a rank's experts run GEMMs over exactly the rows it receives. (DeepSpeed-MoE pads every expert to the capacity on
 every rank, so its expert time does not depend on the routes and no view can predict it.) Real lengths are uniform
 in [min_len, S]. `padded`: one sequence a row, padded to S with byte 0, no attention mask (padding goes through router
@@ -15,7 +16,7 @@ length per row, so lengths_B = S and every weight is 1; `segment` is what per-to
 over the mean) would predict. Truth per step, layer and rank: CPU seconds of the main thread in `layer.experts`
 forward + backward (`thread_time`: less disturbed by a shared host than `wall`, also given) and the GEMM rows
 (`flops`: FLOPs are rows x 18 H F). Predictions: each rank's share of the reduced routes, unweighted
-(`view.last.kept_LE`) and weighted (`view.last_load_LG`), both recomputed from the routes (`own_routes_match_view`);
+(`view.last.kept_LE`, also recomputed from the routes: `own_routes_match_view`) and weighted;
 `constant` (1 / G) is the floor. Scores over steps (the first 2 left out), layers and seeds: mean |predicted -
 measured| busiest-rank share, Pearson r of rank 0's share (pooled, and within each seed and layer).
 """
@@ -84,11 +85,17 @@ class _ExpertClock:
         self.wall_L[i] += time.perf_counter() - self.started[1]
 
 
+def length_weights(lengths_B: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """What `seq_len_weighting` gave each token (the option left the package on this measurement): its
+    sequence's real length over the batch mean, [B] -> [B * seq_len]."""
+    lengths_B = lengths_B.double()
+    return (lengths_B / lengths_B.mean()).repeat_interleave(seq_len)
+
+
 def _run(args: dict, corpus, seed: int, kind: str) -> list[dict]:
     """One training run of `kind` batches; per (step, layer) the per-rank truth and every prediction."""
     import eb_deepspeed
     from deepspeed.moe.utils import configure_moe_param_groups
-    from eb_deepspeed import sequence_length_weights
     from eb_deepspeed.adapters.autoep import find_autoep_layers
     from hf_moe import autoep_section, hf_moe_model
     G, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -97,7 +104,7 @@ def _run(args: dict, corpus, seed: int, kind: str) -> list[dict]:
     model = hf_moe_model("mixtral", layers=args["layers"], hidden=args["hidden"], experts=E, k=2, ffn=args["ffn"])
     cfg = {"train_micro_batch_size_per_gpu": B, "steps_per_print": 10**6,
            "expert_parallel": autoep_section("mixtral", G),
-           "easybalance": {"mode": "observe", "seq_len_weighting": True,
+           "easybalance": {"mode": "observe",
                            "log": {"dir": os.path.join(args["out_dir"], "log"), "interval": 10**6, "wandb": False}}}
     engine, _, _, _ = eb_deepspeed.initialize(model=model, config=cfg, optimizer=lambda ps: torch.optim.AdamW(
         configure_moe_param_groups(list(ps)), lr=1e-3, weight_decay=0.0))
@@ -110,13 +117,12 @@ def _run(args: dict, corpus, seed: int, kind: str) -> list[dict]:
     for step in range(args["steps"]):
         x_BS, y_BS, len_B, seg_T = make_batch(corpus, kind, B, S, args["min_len"], g)
         clock.reset(len(layers))
-        eb.set_sequence_lengths(len_B, S)
         engine.backward(engine(input_ids=x_BS, labels=y_BS).loss)
         engine.step()
         seg_T = seg_T.double()      # own predictions [3, L, G]: unweighted, the API's row weights, per sequence
         own_WLG = torch.stack([torch.stack([torch.zeros(G, dtype=torch.float64).index_add_(
             0, (r_TK // (E // G)).reshape(-1), w_T.repeat_interleave(r_TK.shape[1])) for r_TK in routes]) for w_T in
-            (torch.ones(B * S, dtype=torch.float64), sequence_length_weights(len_B, S), seg_T * (1 / seg_T).mean())])
+            (torch.ones(B * S, dtype=torch.float64), length_weights(len_B, S), seg_T * (1 / seg_T).mean())])
         torch.distributed.all_reduce(own_WLG)
         truth, view = [None] * G, eb.view
         unweighted_LG = view.expert_to_device_load(view.last.kept_LE)
@@ -124,7 +130,7 @@ def _run(args: dict, corpus, seed: int, kind: str) -> list[dict]:
         for layer in range(len(layers)):
             out.append({"seed": seed, "step": step, "layer": layer,
                         **{key: [t[j][layer] for t in truth] for j, key in enumerate(("cpu", "wall", "flops"))},
-                        "unweighted": unweighted_LG[layer].tolist(), "weighted": view.last_load_LG[layer].tolist(),
+                        "unweighted": unweighted_LG[layer].tolist(), "weighted": own_WLG[1, layer].tolist(),
                         "own_unweighted": own_WLG[0, layer].tolist(), "own_weighted": own_WLG[1, layer].tolist(),
                         "segment": own_WLG[2, layer].tolist()})
     eb.close()

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "metrics": ".core.metrics", "Balancer": ".core.balancer", "ConfigError": ".core.config",
     "EasyBalanceConfig": ".core.config", "LogConfig": ".core.config",
-    "LoadView": ".core.view", "sequence_length_weights": ".core.view", "plan_placement": ".planning.placement",
+    "LoadView": ".core.view", "plan_placement": ".planning.placement",
     "steer": ".planning.steering", "load_trace": ".observe.traces",
     # the DeepSpeed-facing parts import deepspeed (slow)
     "initialize": ".adapters.deepspeed", "init_inference": ".adapters.serving",

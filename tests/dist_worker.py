@@ -136,44 +136,6 @@ def scenario_user_equivalence(p):
     return out
 
 
-def scenario_seq_len(p):
-    """Mixed-length batches through the real gate and hook: the weighted view is the true load."""
-    from eb_deepspeed import sequence_length_weights
-    rank = torch.distributed.get_rank()
-    S, E, G = SMALL["seq_len"], SMALL["experts"], 2
-    lengths = torch.tensor([16, 3, 9, 5]) if rank == 0 else torch.tensor([2, 16, 12, 7])
-    out = {}
-    for weighted in (True, False):
-        block = {"mode": "observe", "seq_len_weighting": weighted, "log": {"dir": os.path.join(p["out"], "log")}}
-        engine = make_engine(make_model(ep_size=2, use_rts=False), base_config(easybalance=block))
-        captured = []
-        handles = [blk.moe.deepspeed_moe.gate.register_forward_hook(lambda m, a, o: captured.append(o[3].clone()))
-                   for blk in engine.module.blocks]
-        if weighted:
-            engine.easybalance.set_sequence_lengths(lengths, S)
-        x, y = batch(0)
-        logits, l_aux = engine(x)
-        engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.1 * sum(l_aux))
-        engine.step()
-        for h in handles:
-            h.remove()
-        # the true load: every kept route costs its token's sequence length relative to the batch mean;
-        # the count: every kept route costs 1. Per expert, then per device (expert e on rank e // (E / G)).
-        w_T = sequence_length_weights(lengths, S)
-        true_LG, count_LG = torch.zeros(len(captured), G, dtype=torch.float64), torch.zeros(len(captured), G,
-                                                                                           dtype=torch.float64)
-        for layer, idx_KT in enumerate(captured):
-            kept_KT = idx_KT >= 0
-            dev_R = idx_KT[kept_KT].long() // (E // G)
-            true_LG[layer].index_add_(0, dev_R, w_T.expand_as(idx_KT)[kept_KT])
-            count_LG[layer].index_add_(0, dev_R, torch.ones(dev_R.numel(), dtype=torch.float64))
-        torch.distributed.all_reduce(true_LG)
-        torch.distributed.all_reduce(count_LG)
-        out["weighted" if weighted else "unweighted"] = {"pressure_LG": engine.easybalance.view.pressure_LG.clone(),
-                                                         "true_LG": true_LG, "count_LG": count_LG}
-    return out
-
-
 class _PipeEmbed(torch.nn.Module):
     def __init__(self, hidden):
         super().__init__()

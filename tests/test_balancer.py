@@ -92,19 +92,6 @@ def test_the_bias_policy_writes_each_gates_bias_and_observe_writes_nothing():
     assert quiet[0].controls == LayerControls(E) and observer.device_loss_weights() == [0.0]   # untouched
 
 
-def test_sequence_lengths_weigh_every_gates_tally():
-    gates = [ToyGate(), ToyGate()]
-    balancer = make({"mode": "observe", "seq_len_weighting": True}, gates)
-    balancer.set_sequence_lengths(torch.tensor([2, 1]), seq_len=2)
-    weights_T = torch.tensor([4 / 3, 4 / 3, 2 / 3, 2 / 3], dtype=torch.float64)
-    assert all(torch.allclose(g.tally.token_weights_T, weights_T) for g in gates)
-    gates[0].forward(torch.tensor([0, 0, 2, 3]))
-    balancer.step()
-    assert balancer.view.last.load_LE[0].tolist() == pytest.approx([8 / 3, 0, 2 / 3, 2 / 3])
-    with pytest.raises(ValueError, match="set_sequence_lengths\\(\\) needs easybalance.seq_len_weighting = true"):
-        make({"mode": "observe"}, [ToyGate()]).set_sequence_lengths(torch.tensor([1]), 1)
-
-
 def test_every_record_key_is_in_the_one_table():
     gates = [ToyGate()]
     balancer = make({"mode": "observe"}, gates)

@@ -121,7 +121,7 @@ def test_a_config_error_is_caught_where_value_errors_are_with_its_path():
     ({"aux": {"gain": 0.5}, "inference": {"replica_slots": 2}}, "serve", ["easybalance.aux.gain"]),
     ({"inference": {"view_interval": 2}, "aux": {"policy": "bias", "bias_rate": 0.01}}, "serve",
      ["easybalance.aux.bias_rate", "easybalance.aux.policy"]),
-    ({"ema_alpha": 0.2, "seq_len_weighting": True}, "train", []),
+    ({"ema_alpha": 0.2}, "train", []),
     # training placement: a training option; in observe it still reads the view's warm-up
     ({"train_placement": {"enabled": True}}, "serve", ["easybalance.train_placement"]),
     ({"mode": "observe", "train_placement": {"enabled": True}, "warmup_batches": 2}, "train", []),
@@ -164,7 +164,7 @@ def test_a_missing_or_broken_config_file_is_a_config_error_naming_the_file(tmp_p
 
 
 VALID = {"enabled": True, "mode": "balance", "ema_alpha": 0.3, "window": "auto", "warmup_batches": 4,
-         "seq_len_weighting": False, "checkpoint": "strict", "log": {"interval": 10, "dir": "x", "wandb": True},
+         "checkpoint": "strict", "log": {"interval": 10, "dir": "x", "wandb": True},
          "aux": {"policy": "bias", "weight_range": [0.5, 2.0], "gain": 0.02, "bias_rate": 0.001,
                  "loss_coeff": 0.01},
          "inference": {"replica_slots": 1, "split": "view", "topology": "pcie",
@@ -190,7 +190,7 @@ def test_the_valid_block_has_every_key_and_it_parses_back_from_its_dict():
     def leaves(d):
         return sum(leaves(v) if isinstance(v, dict) else 1 for v in d.values())
     cfg = EasyBalanceConfig.from_ds_config({"easybalance": VALID})
-    assert leaves(VALID) == leaves(cfg.to_dict()) == 24          # every key, each with its reason in docs/config.md
+    assert leaves(VALID) == leaves(cfg.to_dict()) == 23          # every key, each with its reason in docs/config.md
     assert EasyBalanceConfig.from_block(cfg.to_dict()) == cfg
 
 

@@ -2,17 +2,16 @@
 import pytest
 import torch
 
-from eb_deepspeed import LoadView, sequence_length_weights
+from eb_deepspeed import LoadView
 from eb_deepspeed.core.tally import Tally
 
 pytestmark = pytest.mark.unit
 E = 4  # experts 0, 1 on device 0; experts 2, 3 on device 1
 
 
-def tally(routed, kept=None, load=None, tokens=None, nonfinite=0.0):
+def tally(routed, kept=None, tokens=None, nonfinite=0.0):
     """One layer's tally from readable parts (a [1, E] Tally)."""
-    return Tally.build([routed], kept_LE=None if kept is None else [kept], load_LE=None if load is None else [load],
-                       tokens_L=tokens, nonfinite_L=nonfinite)
+    return Tally.build([routed], kept_LE=None if kept is None else [kept], tokens_L=tokens, nonfinite_L=nonfinite)
 
 
 def stack(*rows):
@@ -110,18 +109,17 @@ def test_corrupt_tallies_are_refused_without_changing_the_view():
         view.update(Tally.build([[1, 1, 1, 1]], device_LG=torch.tensor([[1.0, -2.0]])))
     with pytest.raises(ValueError, match=r"tally is for \(layers, experts\) = \(1, 3\), the view has \(1, 4\)"):
         view.update(tally([1, 1, 1]))
-    with pytest.raises(ValueError, match=r"a packed tally must be \[layers, 19\] for 4 experts, got \(1, 3\)"):
+    with pytest.raises(ValueError, match=r"a packed tally must be \[layers, 14\] for 4 experts, got \(1, 3\)"):
         Tally.unpack(torch.zeros(1, 3), E)
     assert torch.equal(view.pressure_LG, before["pressure_LG"]) and view.steps == before["steps"]
 
 
 def test_the_tally_packs_and_unpacks_by_name_and_the_layout_has_one_width():
-    t = tally([1, 2, 3, 4], kept=[1, 2, 3, 3], load=[2, 2, 2, 2], tokens=5, nonfinite=1)
+    t = tally([1, 2, 3, 4], kept=[1, 2, 3, 3], tokens=5, nonfinite=1)
     packed = t.pack()
-    assert packed.shape == (1, 3 * (E + 1) + 4)   # three per-expert fields, each after a scratch slot, and 4 counts
+    assert packed.shape == (1, 2 * (E + 1) + 4)   # two per-expert fields, each after a scratch slot, and 4 counts
     back = Tally.unpack(packed, E)
     assert back.routed_LE.tolist() == [[1, 2, 3, 4]] and back.kept_LE.tolist() == [[1, 2, 3, 3]]
-    assert back.load_LE.tolist() == [[2, 2, 2, 2]]
     assert back.tokens_L.tolist() == [5] and back.nonfinite_L.tolist() == [1] and back.forwards_L.tolist() == [1]
     assert back.dropped_L().tolist() == [1.0] and back.valid_L().tolist() == [False]
 
@@ -140,14 +138,6 @@ def test_a_device_load_given_with_the_tally_replaces_the_expert_to_device_sum():
     view = LoadView(1, E, 2)
     view.update(Tally.build([[4, 0, 0, 0]], device_LG=torch.tensor([[2.0, 2.0]])))
     assert view.pressure_LG.tolist() == [[2.0, 2.0]] and view.heat_LE.tolist() == [[4.0, 0.0, 0.0, 0.0]]
-
-
-def test_sequence_length_weighting_counts_tokens_by_relative_length():
-    w = sequence_length_weights(torch.tensor([4, 2]), seq_len=4)
-    # mean length 3: tokens of the long sequence weigh 4/3, of the short one 2/3
-    assert w.tolist() == pytest.approx([4 / 3] * 4 + [2 / 3] * 4)
-    with pytest.raises(ValueError, match=r"sequence lengths must be in \[0, 4\]"):
-        sequence_length_weights(torch.tensor([5, 1]), seq_len=4)
 
 
 def test_state_dict_round_trip_restores_the_view_exactly():
@@ -199,7 +189,7 @@ def test_a_tally_with_device_columns_feeds_the_pressure_and_survives_a_checkpoin
     view.update(Tally.build([[4.0, 0, 0, 0]], device_LG=[[1.0, 3.0]]))   # a replica of expert 0 on device 1
     assert view.pressure_LG.tolist() == [[1.0, 3.0]] and view.heat_LE.tolist() == [[4.0, 0.0, 0.0, 0.0]]
     packed = Tally.build([[4.0, 0, 0, 0]], device_LG=[[1.0, 3.0]]).pack()
-    assert packed.shape == (1, 3 * (E + 1) + (2 + 1) + 4)
+    assert packed.shape == (1, 2 * (E + 1) + (2 + 1) + 4)
     assert Tally.unpack(packed, E, 2).device_LG.tolist() == [[1.0, 3.0]]
     restored = LoadView(1, E, 2)
     restored.load_state_dict(view.state_dict())

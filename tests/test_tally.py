@@ -22,18 +22,17 @@ class OneAtATime:
         self.row_W, self.undo = None, None
         self.tokens = self.forwards = 0
 
-    def add(self, routed_E, expert_R, tokens, nonfinite, l_aux, weight_R=None, device_R=None):
+    def add(self, routed_E, expert_R, tokens, nonfinite, l_aux, device_R=None):
         lay = self.layout
         self.undo = (None if self.row_W is None else self.row_W.clone(), self.tokens, self.forwards)
         if self.row_W is None:
             self.row_W = torch.zeros(lay.width, dtype=torch.float64)
         row = self.row_W
         row[lay.span("routed")] += routed_E
-        weight_R = torch.ones(expert_R.numel(), dtype=torch.float64) if weight_R is None else weight_R.double()
-        row.index_add_(0, expert_R.long() + lay.start["kept"], torch.ones_like(weight_R))
-        row.index_add_(0, expert_R.long() + lay.start["load"], weight_R)
+        ones_R = torch.ones(expert_R.numel(), dtype=torch.float64)
+        row.index_add_(0, expert_R.long() + lay.start["kept"], ones_R)
         if lay.num_devices:
-            row.index_add_(0, device_R.long() + lay.start["device"], weight_R)
+            row.index_add_(0, device_R.long() + lay.start["device"], ones_R)
         if isinstance(tokens, int):
             self.tokens += tokens
         else:
@@ -69,12 +68,8 @@ def random_forward(g: torch.Generator, kind: str, device_E: torch.Tensor):
     if kind != "dropless":                              # the capacity limit dropped some routes
         expert_TK = torch.where(torch.rand(T, K, generator=g) < 0.3, -1, expert_TK)
     if kind == "mixed":                                 # forwards of every kind in one tally
-        kind = random.Random(T).choice(["by map", "by route", "weighted", "weighted by map"])
-    weights_T = None
-    if kind.startswith("weighted"):                     # not dyadic: the order of the additions shows
-        weights_T = (torch.rand(T, generator=g, dtype=torch.float64) * 3).to(
-            random.Random(T).choice([torch.float32, torch.float64]))
-    by_map = kind in ("dropless", "by map", "weighted by map")     # devices by expert (the home layout's way)
+        kind = random.Random(T).choice(["by map", "by route"])
+    by_map = kind in ("dropless", "by map")             # devices by expert (the home layout's way)
     # else each route's own device (replicas: one expert's routes on several ranks)
     device_TK = device_E[expert_TK.long().clamp_min(0)] if by_map else torch.randint(0, G, (T, K), generator=g)
     device_TK = torch.where(expert_TK >= 0, device_TK, -1)
@@ -93,13 +88,12 @@ def random_forward(g: torch.Generator, kind: str, device_E: torch.Tensor):
         kwargs["logit_sums_T"] = logit_sums(logits_TE)
     else:
         kwargs["nonfinite"] = nonfinite_tokens(logits_TE)
-    reference = (routed_E, expert_TK.reshape(-1), tokens, nonfinite_tokens(logits_TE), l_aux,
-                 None if weights_T is None else weights_T.reshape(T, 1).expand(T, K).reshape(-1), device_TK.reshape(-1))
-    return expert_TK, kwargs, reference, weights_T
+    reference = (routed_E, expert_TK.reshape(-1), tokens, nonfinite_tokens(logits_TE), l_aux, device_TK.reshape(-1))
+    return expert_TK, kwargs, reference
 
 
 @pytest.mark.parametrize("fold_every", [1, 3, 16])
-@pytest.mark.parametrize("kind", ["dropless", "by map", "by route", "weighted", "weighted by map", "mixed"])
+@pytest.mark.parametrize("kind", ["dropless", "by map", "by route", "mixed"])
 def test_a_deferred_tally_gives_the_rows_of_adding_one_forward_at_a_time(kind, fold_every):
     g = torch.Generator().manual_seed(7 * fold_every + len(kind))
     device_E = torch.tensor([0, 0, 1, 2, 2, 1])
@@ -107,8 +101,7 @@ def test_a_deferred_tally_gives_the_rows_of_adding_one_forward_at_a_time(kind, f
     tally.fold_every = fold_every
     rows, rng = 0, random.Random(fold_every)
     for step in range(60):                              # more forwards than the fold bound between takes
-        expert_TK, kwargs, args, weights_T = random_forward(g, kind, device_E)
-        tally.token_weights_T = weights_T            # sequence-length weighting of this forward
+        expert_TK, kwargs, args = random_forward(g, kind, device_E)
         tally.add_routes(expert_TK, **kwargs)
         reference.add(*args)
         assert len(tally._pending) <= fold_every     # memory stays bounded without a take
@@ -124,19 +117,18 @@ def test_a_deferred_tally_gives_the_rows_of_adding_one_forward_at_a_time(kind, f
     assert rows >= 3
 
 
-def test_the_fold_adds_weights_and_aux_in_the_order_added_not_just_to_the_same_sum():
+def test_the_fold_adds_aux_in_the_order_added_not_just_to_the_same_sum():
     # 1e16 + 1 + 1 in that order stays 1e16 in float64 (each 1 is half an ulp, rounded to even), while
     # 1 + 1 first would give 1e16 + 2: only the order added matches adding one forward at a time.
     tally, reference = LayerTally(2), OneAtATime(2)
     for w in (1e16, 1.0, 1.0):
         w = torch.tensor(w, dtype=torch.float64)
-        tally.token_weights_T = w[None]
         tally.add_routes(torch.tensor([[0]]), routed_E=torch.tensor([1, 0]), l_aux=w)
-        reference.add(torch.tensor([1, 0]), torch.tensor([0]), 1, torch.tensor(0), w, w[None])
+        reference.add(torch.tensor([1, 0]), torch.tensor([0]), 1, torch.tensor(0), w)
     row = tally.take()
     tally = Tally.unpack(row[None], 2)
     assert torch.equal(row, reference.take())
-    assert tally.load_LE.tolist() == [[1e16, 0.0]] and tally.aux_L.tolist() == [1e16]
+    assert tally.aux_L.tolist() == [1e16]
 
 
 def test_discarding_the_last_forward_forgets_exactly_that_forward_even_right_after_a_fold():
@@ -196,10 +188,10 @@ def test_the_replica_gate_tallies_its_kept_routes_by_logical_expert_and_rank(lay
         kept_R = slot_R >= 0
         logits_TE = x_TM @ gate.wg.weight.t()
         reference.add(counts_E, torch.where(kept_R, phy2log_P[slot_R.clamp_min(0)], -1), x_TM.shape[0],
-                         nonfinite_tokens(logits_TE), l_aux, None, torch.where(kept_R, slot_R // S, -1))
+                         nonfinite_tokens(logits_TE), l_aux, torch.where(kept_R, slot_R // S, -1))
     tally = Tally.unpack(gate.tally.take()[None], E, gate.G)
     want = Tally.unpack(reference.take()[None], E, gate.G)
-    for name in ("routed_LE", "kept_LE", "load_LE", "device_LG", "tokens_L", "nonfinite_L", "aux_L", "forwards_L"):
+    for name in ("routed_LE", "kept_LE", "device_LG", "tokens_L", "nonfinite_L", "aux_L", "forwards_L"):
         assert torch.equal(getattr(tally, name), getattr(want, name)), name
     assert tally.nonfinite_L.tolist() == [1.0] and tally.forwards_L.tolist() == [20.0]
     assert (layout == "replicas, drops") == bool((tally.kept_LE < tally.routed_LE).any())

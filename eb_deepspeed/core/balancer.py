@@ -2,7 +2,7 @@
 
 Shape legend: L MoE layers (all of the model's, over every pipeline stage), E experts per layer (the
 most of any layer when layers differ: PR-MoE), G EP ranks (devices; the largest EP group when layers
-differ), W packed tally width, B sequences, T tokens.
+differ), W packed tally width.
 
 An adapter hands the `Balancer` its gates and one `reduce` function, and calls `step()` once per optimizer step
 (gradient-accumulation boundary) on every rank:
@@ -33,7 +33,7 @@ from .controls import LayerControls
 from .policies import AuxController
 from .record import BalanceLog, BalanceLogger
 from .tally import LayerTally, TallyLayout, take_all, widen_row
-from .view import LoadView, sequence_length_weights
+from .view import LoadView
 
 __all__ = ["Balancer", "BalancedGate", "ModelShape"]
 
@@ -164,18 +164,6 @@ class Balancer:
     @property
     def num_nodes(self) -> int:
         return max(self.shape.rank_to_node) + 1
-
-    # ------------------------------------------------------------------ per forward
-    def set_sequence_lengths(self, lengths_B: torch.Tensor, seq_len: int) -> None:
-        """Real lengths of the sequences in the next micro-batch ([B]); weights the view by length.
-
-        Only with `easybalance.seq_len_weighting: true`; call before each forward.
-        """
-        if not self.config.seq_len_weighting:
-            raise ValueError("set_sequence_lengths() needs easybalance.seq_len_weighting = true")
-        weights_T = sequence_length_weights(lengths_B, seq_len)
-        for tally in self.tallies:
-            tally.token_weights_T = weights_T
 
     # ------------------------------------------------------------------ per step
     def gather(self) -> torch.Tensor:

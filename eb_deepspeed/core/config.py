@@ -85,7 +85,6 @@ class EasyBalanceConfig:
     ema_alpha: float = 0.3
     window: int | None = None       # None = "auto": 5 layers, growing to 8 for deep models
     warmup_batches: int = 4
-    seq_len_weighting: bool = False
     checkpoint: str = "strict"      # a saved balancer state that does not fit: "strict" error, or "ignore_mismatch"
     log: LogConfig = field(default_factory=LogConfig)
     aux: AuxConfig = field(default_factory=AuxConfig)
@@ -129,7 +128,6 @@ class EasyBalanceConfig:
             ema_alpha=ema_alpha,
             window=window,
             warmup_batches=_int(block.pop("warmup_batches", d.warmup_batches), f"{path}.warmup_batches", minimum=0),
-            seq_len_weighting=_bool(block.pop("seq_len_weighting", d.seq_len_weighting), f"{path}.seq_len_weighting"),
             checkpoint=_choice(block.pop("checkpoint", d.checkpoint), f"{path}.checkpoint", CHECKPOINT_MODES),
             log=_log(block.pop("log", {}), f"{path}.log"),
             aux=_aux(block.pop("aux", {}), f"{path}.aux"),

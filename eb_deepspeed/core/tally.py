@@ -11,12 +11,11 @@ tensors and adds them all to the row when the row is taken: see `LayerTally`.)
 
     routed_LE    route requests per expert, before the capacity limit (demand)
     kept_LE      routes kept per expert (what the experts processed)
-    load_LE      kept routes weighted by sequence length (= kept when weighting is off)
     tokens_L     tokens seen
     nonfinite_L  tokens whose router logits held NaN/Inf
     aux_L        sum of the layer's unweighted l_aux over forwards (and ranks)
     forwards_L   forwards counted (aux / forwards is the mean l_aux)
-    device_LG    optional: kept routes (weighted) per EP rank, for gates that know where each route
+    device_LG    optional: kept routes per EP rank, for gates that know where each route
                  went (replicated experts); None when experts sit where the view's map says
 
 The packed layout is private to this file: `TallyLayout` gives every field its slice. Each
@@ -33,7 +32,7 @@ import torch
 
 __all__ = ["Tally", "TallyLayout", "LayerTally"]
 
-PER_EXPERT_FIELDS = ("routed", "kept", "load")
+PER_EXPERT_FIELDS = ("routed", "kept")
 PER_LAYER_FIELDS = ("tokens", "nonfinite", "aux", "forwards")
 
 
@@ -69,7 +68,6 @@ class Tally:
     """One step's counts for L layers (float64). Build it by name; `pack` / `unpack` for the wire."""
     routed_LE: torch.Tensor
     kept_LE: torch.Tensor
-    load_LE: torch.Tensor
     tokens_L: torch.Tensor
     nonfinite_L: torch.Tensor
     aux_L: torch.Tensor
@@ -82,9 +80,9 @@ class Tally:
         return cls.unpack(torch.zeros(num_layers, width, dtype=torch.float64), num_experts, num_devices)
 
     @classmethod
-    def build(cls, routed_LE, kept_LE=None, load_LE=None, tokens_L=None, nonfinite_L=None, aux_L=None,
-              forwards_L=None, device_LG=None) -> "Tally":
-        """A tally from readable parts: kept defaults to routed, load to kept, tokens to routed / 2
+    def build(cls, routed_LE, kept_LE=None, tokens_L=None, nonfinite_L=None, aux_L=None, forwards_L=None,
+              device_LG=None) -> "Tally":
+        """A tally from readable parts: kept defaults to routed, tokens to routed / 2
         (top-2), forwards to 1, the rest to 0. For tests, simulators and adapters that count
         elsewhere."""
         routed_LE = torch.as_tensor(routed_LE, dtype=torch.float64)
@@ -96,9 +94,8 @@ class Tally:
             return torch.as_tensor(default if v is None else v, dtype=torch.float64).expand(L).clone()
 
         kept_LE = routed_LE if kept_LE is None else torch.as_tensor(kept_LE, dtype=torch.float64).reshape(L, -1)
-        load_LE = kept_LE if load_LE is None else torch.as_tensor(load_LE, dtype=torch.float64).reshape(L, -1)
         device_LG = None if device_LG is None else torch.as_tensor(device_LG, dtype=torch.float64).reshape(L, -1).clone()
-        return cls(routed_LE.clone(), kept_LE.clone(), load_LE.clone(), per_layer(tokens_L, routed_LE.sum(1) / 2),
+        return cls(routed_LE.clone(), kept_LE.clone(), per_layer(tokens_L, routed_LE.sum(1) / 2),
                    per_layer(nonfinite_L, 0.0), per_layer(aux_L, 0.0), per_layer(forwards_L, 1.0), device_LG)
 
     @classmethod
@@ -163,7 +160,6 @@ class _Forward(NamedTuple):
     """One counted forward, waiting to be folded into the row (see `LayerTally`)."""
     routed_E: torch.Tensor                   # [E] route requests before the capacity limit
     expert_TK: torch.Tensor                  # [T, K] int expert of each route, -1 = dropped
-    weight_TK: Optional[torch.Tensor]        # [T, K] load weight of each route (None: 1)
     device_TK: Optional[torch.Tensor]        # [T, K] int EP rank of each route, -1 = dropped
     device_E: Optional[torch.Tensor]         # [E] int EP rank of every route of each expert (instead of device_TK)
     kept_E: Optional[torch.Tensor]           # [E] kept routes per expert, counted by the gate (None: from the routes)
@@ -200,7 +196,6 @@ class LayerTally:
         self._scratch_dirty = False     # a fold route by route wrote to the scratch slots since the last take
         self._cache: dict[tuple, tuple] = {}     # the fold's fixed tensors per device: (the map they hold, tensor)
         self._constants: dict[tuple, torch.Tensor] = {}     # `_constant`
-        self.token_weights_T: Optional[torch.Tensor] = None   # [T] load weight of each token of the next forwards
         self.generation = 0             # rows taken or discarded so far (a reader's "new step" signal)
 
     def add_routes(self, expert_TK: torch.Tensor, *, routed_E: Optional[torch.Tensor] = None,
@@ -209,8 +204,7 @@ class LayerTally:
                       valid_T: Optional[torch.Tensor] = None,
                       device_TK: Optional[torch.Tensor] = None, device_E: Optional[torch.Tensor] = None,
                       kept_E: Optional[torch.Tensor] = None, layer: int = 0) -> None:
-        """Add one forward's routes, given by token (no host sync): what every adapter's gate calls. Each token's
-        load weight is `token_weights_T` (sequence-length weighting, set before the forward; None: 1).
+        """Add one forward's routes, given by token (no host sync): what every adapter's gate calls.
 
         Args:
             expert_TK: [T, K] int expert of each route, -1 where none (dropped by the capacity limit, or fewer
@@ -227,14 +221,9 @@ class LayerTally:
             kept_E: [E] kept routes per expert when the gate has them (None: counted from expert_TK).
             layer: the layer's index, for messages.
         """
-        T, K = expert_TK.shape
-        token_weights_T = self.token_weights_T
-        if token_weights_T is not None and token_weights_T.numel() != T:
-            raise ValueError(f"layer {layer}: sequence-length weights cover {token_weights_T.numel()} tokens, the batch "
-                             f"has {T}; call set_sequence_lengths() with one length per sequence")
-        weight_TK = None if token_weights_T is None else token_weights_T.reshape(T, 1).expand(T, K)
+        T = expert_TK.shape[0]
         if logits_TE is None and valid_T is None and routed_E is not None:     # nothing to compute
-            self._add(routed_E, expert_TK, T if tokens is None else tokens, nonfinite, logit_sums_T, l_aux, weight_TK,
+            self._add(routed_E, expert_TK, T if tokens is None else tokens, nonfinite, logit_sums_T, l_aux,
                       device_TK, device_E, kept_E)
             return
         with torch.no_grad():
@@ -251,11 +240,9 @@ class LayerTally:
                 routed_E = route_counts(expert_TK, self.layout.num_experts)
             if tokens is None:
                 tokens = T if valid_T is None else valid_T1.sum()
-            self._add(routed_E, expert_TK, tokens, nonfinite, logit_sums_T, l_aux, weight_TK, device_TK, device_E,
-                      kept_E)
+            self._add(routed_E, expert_TK, tokens, nonfinite, logit_sums_T, l_aux, device_TK, device_E, kept_E)
 
-    def _add(self, routed_E, expert_TK, tokens, nonfinite, logit_sums_T, l_aux, weight_TK, device_TK, device_E,
-             kept_E) -> None:
+    def _add(self, routed_E, expert_TK, tokens, nonfinite, logit_sums_T, l_aux, device_TK, device_E, kept_E) -> None:
         """Keep one forward for the fold, folding the waiting ones first when `fold_every` wait (so the last
         forward is always pending, for `discard`)."""
         if not self.layout.num_devices:
@@ -267,7 +254,7 @@ class LayerTally:
         if l_aux is not None and l_aux.requires_grad:      # a kept autograd graph would outlive the forward
             l_aux = l_aux.detach()
         tensor_tokens = isinstance(tokens, torch.Tensor)
-        self._pending.append(_Forward(routed_E, expert_TK, weight_TK, device_TK, device_E, kept_E,
+        self._pending.append(_Forward(routed_E, expert_TK, device_TK, device_E, kept_E,
                                       _scalar(tokens) if tensor_tokens else None, 0 if tensor_tokens else tokens,
                                       _scalar(nonfinite), logit_sums_T, _scalar(l_aux)))
         self._last_pending = True
@@ -275,12 +262,10 @@ class LayerTally:
     def _fold(self) -> None:
         """Add every pending forward to the row, bit for bit as adding one forward at a time does.
 
-        Counts (routed, kept, unweighted load and devices, tokens, nonfinite, forwards) are integers, which
-        float64 sums exactly in any order: each is summed over the pending forwards at once. The fractional
-        values (weighted load and devices, aux) go through one `index_add_` in the order they were added (within a
-        forward, in route order), the order in which adding one forward at a time adds them on the CPU.
-        (On CUDA `index_add_` adds in no fixed order: those sums may differ in the last bit, as the
-        weighted ones already could within one forward.)"""
+        Counts (routed, kept, devices, tokens, nonfinite, forwards) are integers, which float64 sums exactly in any
+        order: each is summed over the pending forwards at once. The fractional values (aux) go through one
+        `index_add_` in the order they were added, the order in which adding one forward at a time adds them on
+        the CPU. (On CUDA `index_add_` adds in no fixed order: those sums may differ in the last bit.)"""
         pending, self._pending = self._pending, []
         if not pending:
             return
@@ -301,25 +286,17 @@ class LayerTally:
                 expert1_R = _cat_routes([f.expert_TK for f in pending if f.kept_E is None]).add_(1)
                 counts_E1 = row.new_zeros(E + 1).index_add_(0, expert1_R, self._ones(row.device, expert1_R.numel()))
                 kept_E = kept_E + counts_E1[1:]
-        # Step 2: route by route, the weighted load, and the devices unless one map serves every forward
-        weighted = any(w is not None for w in by.weight_TK)
-        device_E = by.device_E[0] if not weighted and all(d is by.device_E[0] for d in by.device_E) else None
-        if weighted or (lay.num_devices and device_E is None):
-            expert1_R = _cat_routes(list(by.expert_TK)).add_(1)
-            weight_R = self._ones(row.device, expert1_R.numel()) if not weighted else _cat_routes(
-                [self._ones(row.device, 1).expand(f.expert_TK.shape) if f.weight_TK is None else f.weight_TK
-                 for f in pending]).to(f64)
-            if weighted:
-                self._field(row, "load").index_add_(0, expert1_R, weight_R)
-            if lay.num_devices:
-                device1_R = _cat_routes([f.device_TK if f.device_E is None else
-                                         torch.cat([f.device_E, f.device_E.new_full((1, ), -1)])[f.expert_TK]
-                                         for f in pending]).add_(1)
-                self._field(row, "device").index_add_(0, device1_R, weight_R)
+        # Step 2: route by route, the devices, unless one map serves every forward
+        device_E = by.device_E[0] if all(d is by.device_E[0] for d in by.device_E) else None
+        if lay.num_devices and device_E is None:
+            device1_R = _cat_routes([f.device_TK if f.device_E is None else
+                                     torch.cat([f.device_E, f.device_E.new_full((1, ), -1)])[f.expert_TK]
+                                     for f in pending]).add_(1)
+            self._field(row, "device").index_add_(0, device1_R, self._ones(row.device, device1_R.numel()))
             self._scratch_dirty = True
         # Step 3: one index_add_ of the counts per expert (and per device, by the map) and the per-layer
         # values; a float64 0 first (to a scratch slot), so that their cat is float64
-        values = [self._constant(row.device, 0), routed_E, kept_E] + ([] if weighted else [kept_E]) + \
+        values = [self._constant(row.device, 0), routed_E, kept_E] + \
             ([kept_E] if lay.num_devices and device_E is not None else [])
         values.append(self._constant(row.device, len(pending)))
         fields = ["forwards"]
@@ -341,13 +318,13 @@ class LayerTally:
         if aux:
             values.append(torch.stack(aux).to(row.device))
             fields += ["aux"] * len(aux)
-        row.index_add_(0, self._slots(row.device, weighted, device_E, tuple(fields)), torch.cat(values))
+        row.index_add_(0, self._slots(row.device, device_E, tuple(fields)), torch.cat(values))
 
-    def _slots(self, device, weighted: bool, device_E: Optional[torch.Tensor], fields: tuple[str, ...]) -> torch.Tensor:
-        """Where `_fold`'s step 3 adds its values: a scratch slot, the routed and kept fields [E], the load field
-        [E] unless weighted, the device of each expert by `device_E` [E] when given, then the per-layer slot of
-        each of `fields`. Made once per pattern, map and device (no host-to-device copy per fold)."""
-        key = (device, weighted, None if device_E is None else id(device_E), fields)
+    def _slots(self, device, device_E: Optional[torch.Tensor], fields: tuple[str, ...]) -> torch.Tensor:
+        """Where `_fold`'s step 3 adds its values: a scratch slot, the routed and kept fields [E], the device of
+        each expert by `device_E` [E] when given, then the per-layer slot of each of `fields`. Made once per
+        pattern, map and device (no host-to-device copy per fold)."""
+        key = (device, None if device_E is None else id(device_E), fields)
         if key not in self._cache or self._cache[key][0] is not device_E:
             if len(self._cache) > 64:     # patterns and maps come and go (a new placement): keep the few in use
                 self._cache.clear()
@@ -355,7 +332,7 @@ class LayerTally:
             # built on the device from aranges and fills: no host-to-device copy (a cache miss comes in a forward)
             experts = [torch.full((1, ), lay.scratch[0], dtype=torch.long, device=device)] + \
                 [torch.arange(lay.start[name], lay.start[name] + E, device=device)
-                 for name in ("routed", "kept") + (() if weighted else ("load", ))]
+                 for name in ("routed", "kept")]
             devices = [] if device_E is None else [device_E.to(device, torch.long) + lay.start["device"]]
             per_layer = [torch.full((1, ), lay.start[name], dtype=torch.long, device=device) for name in fields]
             self._cache[key] = (device_E, torch.cat(experts + devices + per_layer))
@@ -413,16 +390,16 @@ class LayerTally:
 def take_all(tallies: list[LayerTally], device: torch.device | str) -> Optional[torch.Tensor]:
     """Every layer's packed row at once [N, W] (float64, on `device`), each tally reset as `take` resets it; None
     (nothing taken) unless every pending forward of every layer has one shape: as many forwards per layer, the same
-    fields and routes shape, no sequence-length weights, no devices, no row folded earlier. Then the fold is some
+    fields and routes shape, no devices, no row folded earlier. Then the fold is some
     twenty ops for all layers instead of about thirty per layer (`benchmarks scale`), with `take`'s sums."""
     def signature(f: _Forward) -> tuple:
         return (f.expert_TK.shape, f.kept_E is None, f.kept_E is f.routed_E, f.tokens is None, f.host_tokens,
-                f.nonfinite is None, f.logit_sums_T is None, f.l_aux is None, f.weight_TK is None)
+                f.nonfinite is None, f.logit_sums_T is None, f.l_aux is None)
     if not tallies or not tallies[0]._pending:
         return None
     lay, n, first = tallies[0].layout, len(tallies[0]._pending), tallies[0]._pending[0]
     want = signature(first)
-    if not want[-1] or any(t._row_W is not None or t.layout.width != lay.width or t.layout.num_devices
+    if any(t._row_W is not None or t.layout.width != lay.width or t.layout.num_devices
                            or len(t._pending) != n or any(signature(f) != want for f in t._pending) for t in tallies):
         return None
     N, E, f64 = len(tallies), lay.num_experts, torch.float64
@@ -442,7 +419,7 @@ def take_all(tallies: list[LayerTally], device: torch.device | str) -> Optional[
         counts = torch.zeros(N * (E + 1), dtype=f64, device=expert_NR.device)
         counts.index_add_(0, (expert_NR + offset_N1).view(-1), tallies[0]._ones(expert_NR.device, expert_NR.numel()))
         kept_NE = counts.view(N, E + 1)[:, 1:]
-    for name, value in (("routed", routed_NE), ("kept", kept_NE), ("load", kept_NE)):
+    for name, value in (("routed", routed_NE), ("kept", kept_NE)):
         out_NW[:, lay.span(name)] = value
     out_NW[:, lay.start["forwards"]] = n
     if first.tokens is not None:

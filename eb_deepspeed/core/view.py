@@ -2,7 +2,7 @@
 heat matrix, EMA-smoothed, identical on every rank (the EasyBalance article, §2.1 and §3.2).
 
 Shape legend: L MoE layers, E logical experts per layer (the most of any layer when layers differ),
-G EP ranks (devices; the largest EP group when layers differ), B sequences.
+G EP ranks (devices; the largest EP group when layers differ).
 
 `LoadView.update(tally)` folds one step's reduced `Tally` (see `tally.py`) into the view. Everything
 here is pure tensor code on CPU float64, so every rank computes the same view from the same
@@ -21,26 +21,7 @@ from .record import PER_LAYER
 from .state import why_tensors_unfit
 from .tally import Tally, TallyLayout
 
-__all__ = ["LoadView", "sequence_length_weights"]
-
-
-def sequence_length_weights(lengths_B: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Per-token load weights from per-sequence lengths (the EasyBalance article, last section).
-
-    A token of a long sequence costs more than one of a short sequence on the same expert, so
-    the view counts it by its sequence's length relative to the batch mean.
-    lengths_B: [B] real length of each sequence (<= seq_len); returns [B * seq_len] weights,
-    token t of sequence b weighing lengths_B[b] / mean(lengths_B).
-    """
-    lengths_B = torch.as_tensor(lengths_B, dtype=torch.float64).reshape(-1)
-    if lengths_B.numel() == 0:
-        return lengths_B.new_zeros(0)
-    if not bool(torch.isfinite(lengths_B).all()) or bool((lengths_B < 0).any()) or bool((lengths_B > seq_len).any()):
-        raise ValueError(f"sequence lengths must be in [0, {seq_len}], got min {float(lengths_B.min())} "
-                         f"max {float(lengths_B.max())}")
-    mean = float(lengths_B.mean())
-    w_B = lengths_B / mean if mean > 0 else torch.ones_like(lengths_B)
-    return w_B.repeat_interleave(seq_len)
+__all__ = ["LoadView"]
 
 
 def _per_layer(value, num_layers: int, name: str) -> torch.Tensor:
@@ -160,7 +141,7 @@ class LoadView:
     def update(self, tally: Tally) -> torch.Tensor:
         """Fold one step's reduced tally into the view (a copy of it). Returns valid_L [L] bool: the layers
         that were updated (saw tokens, no non-finite logits). The device load is the tally's `device_LG` when it
-        has one (replicated placements), else its `load_LE` summed onto the experts' devices. The first valid
+        has one (replicated placements), else its `kept_LE` summed onto the experts' devices. The first valid
         update of a layer sets its EMA directly (no pull towards the zero start).
         """
         if tally.routed_LE.shape != (self.L, self.E):
@@ -178,11 +159,10 @@ class LoadView:
             raise ValueError(f"a packed tally for the view must be CPU float64, got {packed_LW.dtype} on "
                              f"{packed_LW.device}")
         padded_LE = ~self.mask_LE
-        if bool(padded_LE.any()) and any(bool(t[padded_LE].ne(0).any()) for t in (tally.routed_LE, tally.kept_LE,
-                                                                                   tally.load_LE)):
+        if bool(padded_LE.any()) and any(bool(t[padded_LE].ne(0).any()) for t in (tally.routed_LE, tally.kept_LE)):
             raise ValueError(f"a tally counted routes to experts a layer does not have (experts per layer "
                              f"{self.experts_L.tolist()}); a gate recorded a corrupt count")
-        load_LG = self.expert_to_device_load(tally.load_LE) if tally.device_LG is None else tally.device_LG.clone()
+        load_LG = self.expert_to_device_load(tally.kept_LE) if tally.device_LG is None else tally.device_LG.clone()
         for part in (packed_LW, load_LG):
             if not bool(torch.isfinite(part).all()) or bool((part < 0).any()):
                 raise ValueError("tallies must be finite and non-negative; a gate recorded a corrupt count")
@@ -227,8 +207,8 @@ class LoadView:
     def metrics(self) -> dict[str, object]:
         """Metrics of the last step and of the EMA view, as Python numbers.
 
-        Device metrics are of the step's device load as the view took it (kept routes, weighted by
-        sequence length when that is on, or the device load given to `update`); expert metrics of
+        Device metrics are of the step's device load as the view took it (kept routes, or the tally's own
+        device load); expert metrics of
         the routed demand. A layer with non-finite router logits this step routed garbage: its
         per-layer numbers are None (JSON null) and the aggregates leave it out
         (`nonfinite_layer_ids` lists them).

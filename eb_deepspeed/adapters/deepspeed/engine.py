@@ -4,7 +4,7 @@ Shape legend: L MoE layers (the whole model's), E experts per layer, G EP ranks,
 
     engine, optimizer, _, _ = eb_deepspeed.initialize(model=model, model_parameters=params,
                                                       config="ds_config.json")
-    engine.easybalance               # the core Balancer: .view, .metrics(), .set_sequence_lengths(...)
+    engine.easybalance               # the core Balancer: .view, .metrics()
 
 The balancing loop itself is `core.Balancer`; this file only connects it to DeepSpeed-MoE models: the gate
 swap (`CrossLayerGate`), and one **all-gather at start-up** that checks that every rank agrees on the model
