@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eb_deepspeed import ConfigError, EasyBalanceConfig
+from eb_deepspeed.core.config import TrainPlacementConfig
 
 pytestmark = pytest.mark.unit
 
@@ -214,3 +215,11 @@ def test_every_mutated_block_is_valid_or_a_config_error_naming_its_path(where, v
     # what parsed is usable: the numbers that reach the loop are finite and in range
     assert 0 < cfg.ema_alpha <= 1 and cfg.window_for(64) < 2 ** 31 and cfg.inference.view_interval >= 1
     cfg.ignored_options("train"), cfg.ignored_options("serve"), cfg.to_dict()
+
+
+def test_the_train_placement_sub_block_is_on_when_present_as_the_block_is():
+    read = lambda block: EasyBalanceConfig.from_ds_config({"easybalance": block}).train_placement
+    assert not read({}).enabled                                            # no sub-block: off
+    assert read({"train_placement": {"interval": 5}}) == TrainPlacementConfig(enabled=True, interval=5)
+    assert read({"train_placement": {}}).enabled
+    assert not read({"train_placement": {"enabled": False, "interval": 5}}).enabled

@@ -73,7 +73,8 @@ class InferenceConfig:
 @dataclass(frozen=True)
 class TrainPlacementConfig:
     """Training-time expert placement (`easybalance.train_placement`, AutoEP): experts re-placed over the EP ranks
-    from the view, weights and optimizer state moved, routing untouched (`adapters.autoep.placement`)."""
+    from the view, weights and optimizer state moved, routing untouched (`adapters.autoep.placement`). Off without
+    the sub-block; on when it is there, as the block itself is."""
     enabled: bool = False
     interval: int = 50              # optimizer steps between two re-plans (each only when it pays for its move)
 
@@ -132,7 +133,7 @@ class EasyBalanceConfig:
             log=_log(block.pop("log", {}), f"{path}.log"),
             aux=_aux(block.pop("aux", {}), f"{path}.aux"),
             inference=_inference(block.pop("inference", {}), f"{path}.inference"),
-            train_placement=_train_placement(block.pop("train_placement", {}), f"{path}.train_placement"),
+            train_placement=_train_placement(block.pop("train_placement", None), f"{path}.train_placement"),
             explicit=explicit,
         )
         assert not block, f"unparsed keys left: {sorted(block)}"
@@ -364,10 +365,12 @@ def _inference(block: Any, path: str) -> InferenceConfig:
 
 
 def _train_placement(block: Any, path: str) -> TrainPlacementConfig:
+    if block is None:
+        return TrainPlacementConfig()
     block = dict(_mapping(block, path))
     _reject_unknown(block, path, ["enabled", "interval"])
     d = TrainPlacementConfig()
-    return TrainPlacementConfig(enabled=_bool(block.get("enabled", d.enabled), f"{path}.enabled"),
+    return TrainPlacementConfig(enabled=_bool(block.get("enabled", True), f"{path}.enabled"),
                                 interval=_int(block.get("interval", d.interval), f"{path}.interval", minimum=1))
 
 

@@ -244,17 +244,24 @@ def incomplete_problem(load_dir: str, tag: Optional[str], latest_name: str = "la
     """Why the checkpoint a load of (load_dir, tag) would read is not whole, or None: its folder holds
     `INCOMPLETE` (a save into it never finished), or, for tag None, `latest` is empty (a save outside
     eb_deepspeed killed while writing it). This rank's files only."""
-    latest = os.path.join(load_dir, latest_name)
-    if tag is None and os.path.isfile(latest):
-        with open(latest, encoding="utf-8", errors="replace") as f:
-            tag = f.read().strip()
-        if not tag:
-            return f"{latest} is empty (a save was stopped while writing it)"
+    if tag is None:
+        tag = latest_tag(load_dir, latest_name)
+        if tag == "":
+            return f"{os.path.join(load_dir, latest_name)} is empty (a save was stopped while writing it)"
     if tag is not None and os.path.exists(os.path.join(load_dir, str(tag), INCOMPLETE)):
         return (f"checkpoint {os.path.join(load_dir, str(tag))} is incomplete: a save_checkpoint into it did not "
                 "finish (killed or failed while it was written; DeepSpeed writes in place, so its files may be "
                 "torn, and what the tag held before is gone)")
     return None
+
+
+def latest_tag(load_dir: str, name: str = "latest") -> Optional[str]:
+    """The tag DeepSpeed's `latest` file of `load_dir` names ("" when empty), or None without the file."""
+    latest = os.path.join(load_dir, name)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest, encoding="utf-8", errors="replace") as f:
+        return f.read().strip()
 
 
 def refuse(load_dir: str, problem: str):
@@ -276,12 +283,9 @@ def _refuse_incomplete(engine, load_dir: str, tag: Optional[str]) -> None:
 def saved_state(engine, load_dir: str, tag: Optional[str]) -> tuple[Optional[str], Any]:
     """(file, balancer state) of the checkpoint DeepSpeed is about to load, read without loading it
     (memory-mapped, weights only); (None, None) when the file cannot be found or read ahead."""
-    if tag is None:
-        latest = os.path.join(load_dir, "latest_universal" if _universal(engine) else "latest")
-        if not os.path.isfile(latest):
-            return None, None
-        with open(latest) as f:
-            tag = f.read().strip()
+    tag = latest_tag(load_dir, "latest_universal" if _universal(engine) else "latest") if tag is None else tag
+    if not tag:
+        return None, None
     try:
         path = engine._get_ckpt_name(load_dir, tag)
     except (AttributeError, TypeError, RuntimeError):     # a DeepSpeed without it, or no process group yet

@@ -36,7 +36,7 @@ from ..common import dist_rank, dist_ready
 from ..serving.engine import ServingEngine
 from ..serving.store import Routing, SlotTable
 from .engine import check_world_size, find_moe_layers
-from .hooks import incomplete_problem, mark_complete, mark_incomplete, on_rank0_for_all, refuse
+from .hooks import incomplete_problem, latest_tag, mark_complete, mark_incomplete, on_rank0_for_all, refuse
 from .replicas import ReplicaGate
 
 __all__ = ["init_inference", "MoEStore", "load_moe_checkpoint"]
@@ -195,11 +195,10 @@ def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[st
 def _tag(ckpt_dir: str, tag: Optional[str]) -> str:
     if tag is not None:
         return str(tag)
-    latest = os.path.join(ckpt_dir, "latest")
-    if not os.path.exists(latest):
+    latest = latest_tag(ckpt_dir)
+    if latest is None:
         raise FileNotFoundError(f"{ckpt_dir}: no `latest` file; pass tag=")
-    with open(latest, encoding="utf-8") as f:
-        return f.read().strip()
+    return latest
 
 
 def check_one_serving_shape(model: torch.nn.Module) -> None:
