@@ -21,6 +21,8 @@ import socket
 import subprocess
 import sys
 
+from eb_deepspeed.tools.cli import bounded
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"plain": ["--mode", "observe"], "placement": ["--mode", "observe", "--train-placement", "{interval}"],
             "default": [], "both": ["--train-placement", "{interval}"]}
@@ -67,9 +69,13 @@ def permutation_bound(run_dir: str, devices: int = 2) -> dict:
     """What a permutation can reach on a run's own traffic: per layer, the busiest rank over the mean of the
     planner's best permutation of the second half's summed expert counts, against the per-step share the run had."""
     import torch
+    from eb_deepspeed.observe.report import read_log
     from eb_deepspeed.planning.placement import expected_device_load, plan_placement
-    with open(os.path.join(run_dir, "balance", "balance.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = [r for r in read_log(os.path.join(run_dir, "balance"), keys=("expert_counts_LE", "device_max_over_mean"))
+               if r.get("expert_counts_LE") and r.get("device_max_over_mean")]
+    if not records:
+        raise ValueError(f"{run_dir}: its balance log holds no record with expert counts (a run of "
+                         "examples/train_hf_moe.py logs them)")
     half = records[len(records) // 2:]
     counts_LE = torch.tensor([r["expert_counts_LE"] for r in half], dtype=torch.float64).sum(0)
     load_LG = expected_device_load(counts_LE, plan_placement(counts_LE, devices, counts_LE.shape[1] // devices,
@@ -83,8 +89,8 @@ def permutation_bound(run_dir: str, devices: int = 2) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--interval", type=int, default=20)
+    p.add_argument("--steps", type=bounded(1), default=200)
+    p.add_argument("--interval", type=bounded(1), default=20, help="optimizer steps between re-plans (>= 1)")
     p.add_argument("--seed", type=int, default=1234, help="the example's seed (model and data)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_train_placement"))
     p.add_argument("--json", default=None, help="also write the result here")
@@ -92,7 +98,11 @@ def main(argv=None) -> int:
                    help="only print what a permutation can reach on a finished run's traffic (permutation_bound)")
     args = p.parse_args(argv)
     if args.bound:
-        print(json.dumps(permutation_bound(args.bound)))
+        try:
+            print(json.dumps(permutation_bound(args.bound)))
+        except (OSError, ValueError) as e:
+            print(f"benchmarks.train_placement --bound: error: {e}", file=sys.stderr)
+            return 2
         return 0
     rows = {name: run_variant(name, args.steps, args.interval, args.out, args.seed) for name in VARIANTS}
     plain, placed = rows["plain"], rows["placement"]

@@ -236,6 +236,70 @@ def scenario_placement(p):
     return out
 
 
+def _expert_state(engine) -> list[dict]:
+    """Every layer's expert state, row by row, as a move reads it (collective under ZeRO: every rank calls it)."""
+    from eb_deepspeed.adapters.autoep.placement import ExpertState
+    rows, layers = ExpertState(engine, [m for _, m in find_autoep_layers(engine.module)]), []
+    for layer, m in enumerate(rows.layers):
+        rows.prepare(layer)
+        layers.append({j: t.clone() for j, t in rows.read(layer, list(range(int(m.num_local_experts)))).items()})
+    return layers
+
+
+def scenario_placement_faults(p):
+    """Moves that fail on one rank (`p["victim"]`) at each point: allocating what a layer's move needs
+    ("prepare"), posting a transfer ("post"), writing what arrived ("write"): every rank keeps the old placement
+    and state, no rank waits; then a move that goes through, training equal to plain AutoEP's; then the exports:
+    `state_dict()` refused while placed, the logical layout inside `at_home()` and from `save_16bit_model`."""
+    import eb_deepspeed.adapters.autoep.placement as placement_module
+    import eb_deepspeed.adapters.moves as moves_module
+    zero, ep, rank = p["zero"], p["ep"], dist.get_rank()
+    plain = engine_for("mixtral", config("mixtral", zero, 1, None, p["out"], ep=ep), use_eb=False)
+    placed = engine_for("mixtral", config("mixtral", zero, 1, _placement_block(), p["out"], ep=ep))
+    placer = placed.easybalance.placement
+    losses = {"plain": train(plain, 1)[0], "placed": train(placed, 1)[0]}        # the optimizer has state now
+    out = {"applied": [], "unchanged": []}
+    for step, (where, name) in enumerate(((placement_module.ExpertState, "prepare"), (moves_module, "_post"),
+                                          (placement_module.ExpertState, "write")), start=1):
+        before = _expert_state(placed)
+        if rank == p["victim"]:
+            _fail_once(where, name)
+        out["applied"].append(placer.apply(_rolled(2, 4, ep, step)))
+        after = _expert_state(placed)
+        out["unchanged"].append(all(torch.equal(a[j], b[j]) for a, b in zip(before, after) for j in a))
+        out["placed_after_fault"] = placer.placement is placer.home
+    out["applied"].append(placer.apply(_rolled(2, 4, ep, 1)))
+    for name, engine in (("plain", plain), ("placed", placed)):
+        losses[name] += train(engine, 3)[0]
+    out["losses"] = {k: [float(v) for v in vs] for k, vs in losses.items()}
+    try:
+        placed.module.state_dict()
+        out["refused"] = None
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    with placer.at_home():
+        inside = {k: v.detach().clone() for k, v in placed.module.state_dict().items()}
+    out["export_max_diff"] = max(float((inside[k].float() - v.float()).abs().max())
+                                 for k, v in plain.module.state_dict().items())
+    for name, engine in (("plain", plain), ("placed", placed)):
+        engine.save_16bit_model(os.path.join(p["out"], name), "model.bin")
+    out["still_placed"] = placer.placement is not placer.home
+    out["failed_moves"] = placer.failed_moves
+    out["exported"] = [os.path.join(p["out"], name, "model.bin") for name in ("plain", "placed")]
+    return out
+
+
+def scenario_placement_refuses(p):
+    """An optimizer whose step reads a whole tensor (Adafactor) is refused at initialize, naming it."""
+    model = hf_moe_model("mixtral", layers=2, hidden=32, experts=4, k=2, ffn=32, seq_len=SEQ)
+    try:
+        eb_deepspeed.initialize(model=model, config=config("mixtral", 0, 1, _placement_block(), p["out"]),
+                                optimizer=lambda ps: torch.optim.Adafactor(configure_moe_param_groups(list(ps))))
+        return {"error": None}
+    except ValueError as e:
+        return {"error": str(e)}
+
+
 def scenario_placement_auto(p):
     """Skewed routers (experts 0 and 1 hot, both on EP rank 0), `observe` with placement every 2 steps: the view
     re-places them by itself, routing untouched (losses equal plain AutoEP's), the busiest rank's share drops;

@@ -181,3 +181,21 @@ def test_an_npz_whose_arrays_together_pass_the_trace_bound_is_refused_before_any
     with pytest.raises(ValueError, match=r"counts.npz: its arrays \{'a': \(1, 2, 2\), 'b': \(1, 2, 2\)\} hold more "
                                          r"than the 5 counts a trace may take"):
         traces.load_trace(path)
+
+@pytest.mark.parametrize("argv, message", [(["--steps", "-5"], "--steps: -5 must be >= 1"),
+                                           (["--interval", "0"], "--interval: 0 must be >= 1")])
+def test_the_benchmark_refuses_bad_counts_before_launching_anything(argv, message, capsys, monkeypatch):
+    import benchmarks.train_placement as bench
+    monkeypatch.setattr(bench, "run_variant", lambda *a: pytest.fail("launched"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+def test_the_bound_of_a_missing_or_empty_run_is_one_clear_line(tmp_path, capsys):
+    from benchmarks.train_placement import main
+    (tmp_path / "empty" / "balance").mkdir(parents=True)
+    (tmp_path / "empty" / "balance" / "balance.jsonl").write_text("")
+    for run, says in ((tmp_path / "missing", "no balance log at"), (tmp_path / "empty", "holds no records yet")):
+        assert main(["--bound", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err and "Traceback" not in err

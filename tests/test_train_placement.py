@@ -70,3 +70,27 @@ def test_the_view_re_places_hot_experts_by_itself_and_checkpoints_stay_in_autoep
     from eb_deepspeed.observe.report import summary_panels
     assert "replans" in summary_panels(records)                       # the moves beside the balance curves
     assert {"easybalance/replans", "easybalance/moved_bytes"} <= set(flatten_record(records[-1]))   # and in W&B
+
+
+
+@pytest.mark.parametrize("world, ep, zero, victim", [(2, 2, 0, 1), (2, 2, 2, 0), (4, 2, 2, 3)])
+def test_a_move_that_fails_anywhere_on_one_rank_leaves_every_rank_on_the_old_placement_without_a_hang(
+        tmp_path, world, ep, zero, victim):
+    # (4, 2, 2): EP 2 x expert data parallelism 2 under ZeRO 2, where reading a moved expert's state is a
+    # collective over its data-parallel peers
+    ranks = run(tmp_path, "placement_faults", world, zero=zero, ep=ep, victim=victim)
+    for rank in ranks:
+        assert rank["applied"] == [False, False, False, True]       # prepare, post, write failed; then a move
+        assert rank["unchanged"] == [True, True, True] and rank["failed_moves"] == 3
+        losses = rank["losses"]
+        assert losses["placed"] == pytest.approx(losses["plain"], rel=1e-6)
+        assert "at_home" in rank["refused"]                         # state_dict() of a placed model: refused
+        assert rank["export_max_diff"] <= 1e-6 and rank["still_placed"]
+    plain, placed = (torch.load(path, weights_only=True) for path in ranks[0]["exported"])
+    assert plain.keys() == placed.keys()
+    assert max(float((plain[k].float() - placed[k].float()).abs().max()) for k in plain) <= 1e-6
+
+
+def test_an_optimizer_whose_step_reads_a_whole_tensor_is_refused_at_initialize(tmp_path):
+    for rank in run(tmp_path, "placement_refuses", 2):
+        assert "Adafactor is not one eb_deepspeed knows to" in rank["error"] and "AdamW" in rank["error"]
