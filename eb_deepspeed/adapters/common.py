@@ -6,11 +6,7 @@
 
 `attach` is the one recipe every training adapter follows: one start-up all-gather (every rank's summary, rank 0
 opening the log), agreement, the adapter's own checks on what was gathered, the `Balancer`, its step hook, and
-`owner.easybalance`.
-
-Routes reach the tally through one door, `core.tally.LayerTally.add_routes`. An adapter holds only
-what differs between frameworks: which layer class, where its routes come from, and how the bias and the
-balance loss reach its router. World size 1 (no process group) works everywhere: no communication.
+`owner.easybalance`. World size 1 (no process group) works everywhere: no communication.
 """
 from __future__ import annotations
 
@@ -80,8 +76,7 @@ def gather_startup(mine: dict[str, Any], prepare: Optional[Callable[[], Any]] = 
     `mine` gets this rank's host name under "host" (the node map; leave it out of agreement checks).
     prepare: this rank's start-up work that can fail on one rank alone (rank 0 opening the balance log): run
     before the all-gather, its failure travels in it, and every rank raises the same error instead of one
-    rank dying while the others wait in their first collective. Every rank then evaluates the same list,
-    so a disagreement raises the same error everywhere instead of hanging the first per-step reduce.
+    rank dying while the others wait in their first collective.
     """
     result, problem = None, None
     if prepare is not None:

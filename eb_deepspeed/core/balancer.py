@@ -11,12 +11,9 @@ An adapter hands the `Balancer` its gates and one `reduce` function, and calls `
     ...forwards...                # each gate adds its routes to its `tally`
     balancer.step()               # one reduce of the stacked [L, W] tally, then view and controls
 
-A gate is anything with two fields (torchtitan's `_MoELike` is a Protocol of fields too): `tally`, the
-`LayerTally` its forwards add to, and `controls`, the `LayerControls` it reads (None for serving's gates, which
-take no controls). The balancer drains the one and writes the other; it holds no module. With pipeline
-parallelism a rank holds some of the model's layers: `ModelShape.local_layers` gives their global indices, the
-tally rows of the other layers stay 0 on this rank, and a `reduce` over every rank fills them in, so every rank
-holds the whole view. World size 1 is `reduce=None`: no communication at all.
+A gate is a `BalancedGate`: a `tally` its forwards add to and the `controls` it reads. With pipeline parallelism
+a rank holds some of the model's layers (`ModelShape.local_layers`): the other layers' tally rows stay 0 here and
+a `reduce` over every rank fills them in. World size 1 is `reduce=None`: no communication at all.
 """
 from __future__ import annotations
 
@@ -39,7 +36,8 @@ __all__ = ["Balancer", "BalancedGate", "ModelShape"]
 
 
 class BalancedGate(Protocol):
-    """What the loop needs from a gate: two fields."""
+    """What the loop needs from a gate: two fields (`controls` None for serving's gates). The balancer drains
+    the one and writes the other; it holds no module."""
     tally: LayerTally
     controls: Optional[LayerControls]
 
@@ -47,17 +45,13 @@ class BalancedGate(Protocol):
 @dataclass
 class ModelShape:
     """The model's MoE layers as the view sees them (the same on every rank), and which of them this rank holds.
-
-    experts_L / devices_L: [L] experts and EP ranks of every layer of the model (layers may differ: PR-MoE;
-    every EP size must divide the largest). local_layers: the global index of each of this rank's gates, in
-    order (None: the gates are the whole model). expert_to_device_LE: [E] or [L, E] EP rank (within the
-    layer's group) holding each expert (None: DeepSpeed's contiguous layout). rank_to_node: node of each rank.
-    """
-    experts_L: list[int]
-    devices_L: list[int]
-    local_layers: Optional[list[int]] = None
+    Layers may differ (PR-MoE); every EP size must divide the largest."""
+    experts_L: list[int]                    # [L] experts of every layer of the model
+    devices_L: list[int]                    # [L] EP ranks of every layer
+    local_layers: Optional[list[int]] = None    # global index of each of this rank's gates, in order (None: all)
+    # [E] or [L, E] group-local EP rank of each expert (None: DeepSpeed's contiguous layout, e // (E / G))
     expert_to_device_LE: Optional[torch.Tensor] = None
-    rank_to_node: list[int] = field(default_factory=lambda: [0])
+    rank_to_node: list[int] = field(default_factory=lambda: [0])    # node of each rank
 
     @classmethod
     def uniform(cls, num_layers: int, num_experts: int, num_devices: int, **kwargs) -> "ModelShape":

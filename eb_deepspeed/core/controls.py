@@ -2,9 +2,8 @@
 
 Shape legend: E experts of the layer, G EP ranks of its group, T tokens, K top-k.
 
-torchtitan's MoE reads its `expert_bias` buffer in forward and nobody calls a setter on it; here each layer's
-gate (DeepSpeed's `CrossLayerGate`, AutoEP's `AutoEPBalance`, Megatron's `EBRouter`) holds a `LayerControls`
-that the `Balancer` writes at step boundaries and the gate reads in every forward:
+Each layer's gate (DeepSpeed's `CrossLayerGate`, AutoEP's `AutoEPBalance`, Megatron's `EBRouter`) holds a
+`LayerControls` that the `Balancer` writes at step boundaries and the gate reads in every forward:
 
     ctl = gate.controls
     selection_TE = logits_TE if ctl.bias_E is None else logits_TE + ctl.bias_on(logits_TE.device)
@@ -24,17 +23,11 @@ __all__ = ["LayerControls"]
 
 @dataclass
 class LayerControls:
-    """The controls of one MoE layer (defaults: route and weigh as the framework does).
-
-    bias_E: [E] selection bias in logit units (added to the scores that choose the top-k, never to the gate
-        values); None: no bias. device_loss_weight: weight of the device-level balance loss added to the layer's
-        loss (0: not computed). expert_to_device_E: [E] EP rank of each expert within the layer's group (for
-        the device loss).
-    """
+    """The controls of one MoE layer (defaults: route and weigh as the framework does)."""
     num_experts: int
-    bias_E: Optional[torch.Tensor] = None
-    device_loss_weight: float = 0.0
-    expert_to_device_E: Optional[torch.Tensor] = None
+    bias_E: Optional[torch.Tensor] = None     # [E] logit units, added to the top-k scores only, never the gate values
+    device_loss_weight: float = 0.0          # weight of the device-level balance loss on the layer's loss (0: off)
+    expert_to_device_E: Optional[torch.Tensor] = None   # [E] EP rank of each expert in its group (the device loss)
     experts_per_device_G: Optional[torch.Tensor] = field(default=None, repr=False)   # from the map, on the host
     _on_device: dict = field(default_factory=dict, repr=False)    # name -> (host value, its copy on a device)
 

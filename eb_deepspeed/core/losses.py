@@ -4,9 +4,8 @@ Shape legend: E experts, T tokens, K top-k, G devices.
 
 The balance loss of one layer is l = E · Σ_e f_e · P_e (1 at balance): f_e the share of this micro-batch's routes
 on this rank that went to expert e (DeepSpeed's l_aux, HF's loss), P_e the mean router probability of expert e
-over its tokens (the only differentiable part). Counting f over the global batch (Megatron-Core's
-`global_aux_loss`, arXiv 2501.11873) or per sequence (DeepSeek-V3's sequence-wise loss) measured no better on
-DeepSpeed-MoE and AutoEP (docs/benchmarks.md, batch scopes): on Megatron-Core its own losses stay.
+over its tokens (the only differentiable part). Other scopes of f (global batch, per sequence): docs/benchmarks.md,
+"batch scopes"; on Megatron-Core its own losses stay.
 
 `device_balance_loss` is DeepSeek-V2's device-level balance loss (with one expert per "device", the expert-level
 one). `core.controls.LayerControls` is where gates call it from.

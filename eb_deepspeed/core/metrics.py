@@ -61,10 +61,8 @@ def cv(load_LX: torch.Tensor) -> torch.Tensor:
 
 
 def device_util_std(load_LG: torch.Tensor) -> float:
-    """Population std over devices of L / max(L), averaged over layers (the EasyBalance article's 设备利用率标准差, device-utilisation std).
-
-    [L, G] -> scalar. The article's case: 0.28 before cross-layer balancing, 0.11 after.
-    """
+    """Population std over devices of L / max(L), averaged over layers (the EasyBalance article's
+    设备利用率标准差, device-utilisation std). [L, G] -> scalar"""
     load = _as_LX(load_LG)
     max_L = load.amax(1, keepdim=True)
     util_LG = torch.where(max_L > 0, load / max_L.clamp_min(1e-300), torch.ones_like(load))

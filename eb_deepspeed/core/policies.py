@@ -7,21 +7,17 @@ weight, instead of one fixed coefficient for all layers. Four policies (`easybal
 layer's l_aux keeps the user's coefficient in all of them:
 
   fixed             no device loss, no bias: DeepSpeed's behaviour, the baseline.
-  cross_layer       each layer's l_aux gets a device-level balance loss (DeepSeek-V2's,
-                    `losses.device_balance_loss`, computed in the gate) weighted per layer from the view:
-                    up where the layer's device imbalance, weighed by how hot those devices are across
-                    the window, stays high; down where it stays low. Integral action on the log-weight
-                    (persistent skew accumulates, step noise averages out), clipped to `weight_range`,
-                    kept at mean 1 (the same total device push, placed better).
+  cross_layer       each layer's l_aux gets a device-level balance loss (DeepSeek-V2's, computed in the gate)
+                    weighted per layer from the view by integral action (`integral_weights` of `device_scores`):
+                    up where the layer's imbalance on hot devices stays high, down where it stays low;
+                    clipped to `weight_range`, kept at mean 1.
   bias              aux-loss-free balancing (Wang et al. 2024, DeepSeek-V3): a per-expert bias added to
                     the selection scores only (never to the gate values), moved by `bias_rate` towards
                     balance with a sign update and re-centred to mean 0, made device-aware by the view.
   bias_cross_layer  both: the bias selects, the per-layer device loss takes the residual.
 
-`POLICIES` is the registry: each entry names the `aux.*` options it reads (the config takes its
-choices and its "ignored option" warnings from it) and says which controls it moves.
-`AuxController.update(view)` runs once per gradient-accumulation boundary, after the view update,
-on every rank with the same reduced view, so every rank computes the same weights and bias.
+`POLICIES` is the registry (`AuxPolicy`; the config takes its choices and warnings from it). `AuxController.update`
+runs after the view update on every rank with the same reduced view, so every rank computes the same controls.
 """
 from __future__ import annotations
 
@@ -125,12 +121,11 @@ def bias_update(bias_LE: torch.Tensor, counts_LE: torch.Tensor, cross_LG: torch.
 
 @dataclass(frozen=True)
 class AuxPolicy:
-    """One training control law: `options`, the `easybalance.aux.*` keys it reads; whether it hands the gates a
-    selection bias (`uses_bias`) and each layer a device-level balance loss weight (`uses_device_loss`)."""
+    """One training control law."""
     name: str
-    options: tuple[str, ...] = ()
-    uses_bias: bool = False
-    uses_device_loss: bool = False
+    options: tuple[str, ...] = ()           # the `easybalance.aux.*` keys it reads
+    uses_bias: bool = False                 # it hands the gates a selection bias
+    uses_device_loss: bool = False          # it weighs a device-level balance loss per layer
 
     @property
     def uses_view(self) -> bool:
@@ -171,7 +166,6 @@ POLICIES: dict[str, AuxPolicy] = {p.name: p for p in (
     AuxPolicy("fixed"),
     AuxPolicy("cross_layer", ("weight_range", "gain"), uses_device_loss=True),
     AuxPolicy("bias", ("bias_rate", ), uses_bias=True),
-    # the bias selects; the per-layer device loss (weights from the view) takes the residual
     AuxPolicy("bias_cross_layer", ("bias_rate", "weight_range", "gain"), uses_bias=True, uses_device_loss=True))}
 
 

@@ -3,20 +3,9 @@
 Shape legend: L MoE layers, E experts per layer, W packed width (`TallyLayout(E).width`),
 R routes of one forward (K * T; -1 = a route the capacity limit dropped), T tokens, K routes per token.
 
-A gate owns a `LayerTally` and calls `add_routes(...)` on every counted forward with its routes by token (no
-host sync, no collective); every adapter's gate goes through that one door. (A "record" is a log line, never a
-count: `core/record.py`.) At the step boundary the balancer stacks each layer's packed row into one `[L, W]`
-tensor, all-reduces it once, and reads it back by name with `Tally.unpack`. (The tally keeps each forward's
-tensors and adds them all to the row when the row is taken: see `LayerTally`.)
-
-    routed_LE    route requests per expert, before the capacity limit (demand)
-    kept_LE      routes kept per expert (what the experts processed)
-    tokens_L     tokens seen
-    nonfinite_L  tokens whose router logits held NaN/Inf
-    aux_L        sum of the layer's unweighted l_aux over forwards (and ranks)
-    forwards_L   forwards counted (aux / forwards is the mean l_aux)
-    device_LG    optional: kept routes per EP rank, for gates that know where each route
-                 went (replicated experts); None when experts sit where the view's map says
+A gate owns a `LayerTally` and calls `add_routes(...)` on every counted forward (no host sync, no collective);
+the balancer reads the reduced `[L, W]` rows back by name with `Tally.unpack`. (A "record" is a log line, never
+a count: `core/record.py`.) The fields are `Tally`'s.
 
 The packed layout is private to this file: `TallyLayout` gives every field its slice. Each
 per-expert (and the per-device) field is preceded by one scratch slot, so counting a route of
@@ -66,13 +55,13 @@ class TallyLayout:
 @dataclass
 class Tally:
     """One step's counts for L layers (float64). Build it by name; `pack` / `unpack` for the wire."""
-    routed_LE: torch.Tensor
-    kept_LE: torch.Tensor
-    tokens_L: torch.Tensor
-    nonfinite_L: torch.Tensor
-    aux_L: torch.Tensor
-    forwards_L: torch.Tensor
-    device_LG: Optional[torch.Tensor] = None
+    routed_LE: torch.Tensor                  # route requests per expert, before the capacity limit (demand)
+    kept_LE: torch.Tensor                    # routes kept per expert (what the experts processed)
+    tokens_L: torch.Tensor                   # tokens seen
+    nonfinite_L: torch.Tensor                # tokens whose router logits held NaN/Inf
+    aux_L: torch.Tensor                      # sum of the layer's unweighted l_aux over forwards (and ranks)
+    forwards_L: torch.Tensor                 # forwards counted (aux / forwards is the mean l_aux)
+    device_LG: Optional[torch.Tensor] = None   # kept routes per EP rank, from gates that know it (None: view's map)
 
     @classmethod
     def zeros(cls, num_layers: int, num_experts: int, num_devices: int = 0) -> "Tally":
@@ -174,8 +163,7 @@ class LayerTally:
     """One layer's running tally, filled during forward and drained at the step boundary.
 
     `add_routes` keeps a forward's tensors and does no arithmetic (a small tensor op costs mostly its fixed
-    overhead, and counting forward by forward took some twenty of them each); `take` folds every kept
-    forward into the packed row with about a dozen ops for all of them, as does an `add_routes` that finds
+    overhead); `take` folds every kept forward into the packed row at once, as does an `add_routes` that finds
     `fold_every` forwards waiting (memory stays bounded when nobody takes). The fold gives the row that
     adding one forward at a time gives (`_fold`). The hazard of keeping tensors: a caller must not change
     a counted tensor in place before the next `take` (the gates hand over tensors that their forward
@@ -390,8 +378,7 @@ class LayerTally:
 def take_all(tallies: list[LayerTally], device: torch.device | str) -> Optional[torch.Tensor]:
     """Every layer's packed row at once [N, W] (float64, on `device`), each tally reset as `take` resets it; None
     (nothing taken) unless every pending forward of every layer has one shape: as many forwards per layer, the same
-    fields and routes shape, no devices, no row folded earlier. Then the fold is some
-    twenty ops for all layers instead of about thirty per layer (`benchmarks scale`), with `take`'s sums."""
+    fields and routes shape, no devices, no row folded earlier; then one fold for all layers, with `take`'s sums."""
     def signature(f: _Forward) -> tuple:
         return (f.expert_TK.shape, f.kept_E is None, f.kept_E is f.routed_E, f.tokens is None, f.host_tokens,
                 f.nonfinite is None, f.logit_sums_T is None, f.l_aux is None)

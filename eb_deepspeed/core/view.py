@@ -4,11 +4,9 @@ heat matrix, EMA-smoothed, identical on every rank (the EasyBalance article, §2
 Shape legend: L MoE layers, E logical experts per layer (the most of any layer when layers differ),
 G EP ranks (devices; the largest EP group when layers differ).
 
-`LoadView.update(tally)` folds one step's reduced `Tally` (see `tally.py`) into the view. Everything
-here is pure tensor code on CPU float64, so every rank computes the same view from the same
-reduced tallies. A layer is left untouched by a step when it saw no tokens (empty batch) or any
-non-finite logits on any rank: its EMA keeps the previous value instead of decaying or learning
-garbage.
+`LoadView.update(tally)` folds one step's reduced `Tally` into the view: pure CPU float64 tensor code, so every
+rank computes the same view. A layer that saw no tokens or any non-finite logits on any rank is left untouched by
+that step (its EMA holds instead of decaying or learning garbage).
 """
 from __future__ import annotations
 

@@ -5,11 +5,9 @@ Shape legend: L layers, G EP ranks.
 A record is a dict of Python numbers and per-layer lists (`BalanceLog.record`; keys in `core/record.py`).
   * `JsonlLogger` appends it to `DIR/balance.jsonl` — always on, rank 0 only; `eb report DIR`
     renders it to PNGs (see `report.py`), so nothing needs a W&B account.
-  * `DeepSpeedMonitorLogger` sends it through DeepSpeed's own monitor (`engine.monitor`), so
-    it lands in W&B (and TensorBoard/CSV) whenever the user's ds_config enables them: scalars as
-    `easybalance/token_drop_rate`, per-layer numbers as `easybalance_layer_03/device_max_over_mean`
-    (W&B makes one panel section per layer: its weights next to its imbalance); the layers x devices
-    pressure heatmap goes to W&B as an image at every logged step (W&B's step slider animates it).
+  * `DeepSpeedMonitorLogger` sends it through DeepSpeed's own monitor (`engine.monitor`), so it lands in
+    W&B (and TensorBoard/CSV) whenever the user's ds_config enables them, keys as `flatten_record` names
+    them; the layers x devices pressure heatmap goes to W&B as an image at every logged step.
   * `NullLogger` is the no-op twin, so the step hook never asks "is logging on?".
 """
 from __future__ import annotations
@@ -163,7 +161,6 @@ class WandbRunLogger(BalanceLogger):
 
 
 def _log_heatmap(wandb, record: dict[str, Any], step: int) -> None:
-    """The record's pressure heatmap into the current W&B run, as an image."""
     import matplotlib.pyplot as plt
     fig = heatmap_figure(record[R.PRESSURE], title=f"device pressure (EMA), step {record['step']}")
     wandb.log({"easybalance/pressure_heatmap": wandb.Image(fig)}, step=step)

@@ -3,7 +3,6 @@
     eb report easybalance_log            # writes easybalance_log/plots/*.png
     eb report --compare RUN_A RUN_B ...  # one PNG overlaying the runs' summary curves (after a sweep)
 
-No W&B needed: the JSONL log is always written (rank 0) by the step hook.
 Shape legend: L layers, G EP ranks.
 """
 from __future__ import annotations
@@ -71,7 +70,6 @@ def iter_log(run_dir: str) -> Iterator[dict[str, Any]]:
 
 
 def _records_of(path: str) -> Iterator[dict[str, Any]]:
-    """The records of one log file (a regular file; lines of at most MAX_RECORD_BYTES)."""
     with open_regular(path) as f:
         for lineno in itertools.count(1):
             raw = _line(f, path, lineno)
@@ -364,7 +362,6 @@ def _smoothed(values: list[float], span: int) -> list[float]:
 
 
 def _plot_faint_and_smoothed(ax, points: list[tuple[float, float]], color: str, label: Optional[str] = None) -> None:
-    """(x, y) points drawn faint as logged, and solid as a trailing mean of SMOOTH points."""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
     ax.plot(xs, _smoothed(ys, SMOOTH), color=color, label=label)

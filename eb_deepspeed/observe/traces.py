@@ -4,9 +4,6 @@ Shape legend: N steps (of an .npz: samples), L layers, E logical experts, P phys
 
     trace_NLE = load_trace("runs/main/balance")          # our own balance log
     trace_NLE = load_trace("expert_distribution.pt")      # SGLang dump, vLLM-style loads
-
-Every importer ends in the same check (`_checked`): a float64 tensor [N, L, E] of finite,
-non-negative counts, or a ValueError naming the file and the problem.
 """
 from __future__ import annotations
 
@@ -23,8 +20,8 @@ __all__ = ["load_trace"]
 
 
 def load_trace(path: str, last: Optional[int] = None, workload: Optional[str] = None) -> torch.Tensor:
-    """Expert load trace [steps, layers, experts] from a file (only its last `last` steps when given: a balance
-    log is then read holding no more than those).
+    """Expert load trace [steps, layers, experts], float64, finite and non-negative (`_checked`), from a file (only
+    its last `last` steps when given: a balance log is then read holding no more than those).
 
     * SGLang expert-distribution dump: `stat` mode (`torch.save` of a dict with `logical_count`
       [steps, layers, experts] or [layers, experts]), or one rank's `per_pass` file (`records`, each
@@ -35,8 +32,7 @@ def load_trace(path: str, last: Optional[int] = None, workload: Optional[str] = 
     * our own balance log (`balance.jsonl`, or its directory: the `expert_counts_LE` of each record);
     * the benchmarks' counts (`.npz`: an array [samples, layers, experts] per workload; all, or only `workload`).
     Read with `torch.load(..., weights_only=True)` or `np.load(..., allow_pickle=False)`, only from a regular file,
-    and only when its zip entries expand to at most min(MAX_TRACE_BYTES, max(EXPANSION_FLOOR, MAX_EXPANSION x the
-    file's size)); a trace holds at most MAX_TRACE_COUNTS counts. Malformed files raise ValueError naming the problem.
+    within `_load_bounded`'s bounds and MAX_TRACE_COUNTS counts. Malformed files raise ValueError naming the problem.
     """
     if workload is not None and not path.endswith(".npz"):
         raise ValueError(f"{path}: workload {workload!r} names an array of an .npz of counts; this is no .npz")

@@ -6,11 +6,9 @@ slot p lives on device p // S).
     x_LP = steer_flows(np.ones((L, P)), phy2log_LP, load_LE, S, iters=100)   # tokens per slot
     steered_load(plan, load_LE)    # [L, G] tokens per device after steering
 
-This is the continuous relaxation of what steering can reach: every token may go to any replica
-of its expert, from any source. Its fixed point minimises the sum of squared device loads, and
-with it the slowest device (tested against the exact optimum, `benchmarks/exact.py`). The runtime's
-`steering.steer` works per source rank in whole tokens with communication costs, so it reaches
-this bound only approximately; the planner uses this model to score placements.
+The continuous relaxation of what steering can reach (any token to any replica of its expert, from any
+source), which the planner scores placements by; tested against the exact optimum (`benchmarks/exact.py`).
+The runtime's `steering.steer` splits whole routes per source rank, so it reaches this bound only approximately.
 """
 from __future__ import annotations
 
@@ -35,8 +33,6 @@ def steer_flows(x_LP: np.ndarray, phy_LP: np.ndarray, load_LE: np.ndarray, S: in
     convex combination of single-expert moves, so the sum of squared device loads never rises
     (a plain 1/2 step oscillates when five or more experts share two devices); the fixed point
     minimises it, and with it the slowest device: the best steering can do for this placement.
-    Only the slots of experts with two or more replicas move, so the loop runs on those alone, as
-    flat arrays.
     """
     L, P = phy_LP.shape
     E = load_LE.shape[1]

@@ -11,18 +11,13 @@ P physical slots per layer (G * S; slot p lives on device p // S), R max replica
     plan.steered_load_LG   # [L, G] expected tokens per device once steering splits them over replicas (steered)
     plan = plan_placement(load_LE, 8, 5, num_nodes=2, dispatch="uniform")   # for an even split (SGLang, vLLM)
 
-`plan_placement` is the one entry point; its steps are functions of their own. `dispatch` says how
-the serving runtime splits an expert's tokens over its replicas, one of three models: "uniform" (evenly:
-vLLM, SGLang, DeepSeek's EPLB, AutoEP's dropless layer with our `view` split), "padded" (evenly, and
-every slot padded to the largest: DeepSpeed's MOELayer; the replica counts stay fixed) or "steered"
-(freely, by `steering.steer`; the default).
+`plan_placement` is the one entry point (its `dispatch`: how the serving runtime splits an expert's tokens
+over its replicas); its steps, each a function of its own, numbered as in EPLB:
 
 1u. `uniform.uniform_counts` / `uniform.count_variants`: replica counts that minimise the largest
     share (D'Hondt), and a few neighbours on small inputs; with `slot_budget`, `replica_counts`.
-2.  `assign_replicas`: replicas in descending share, one replica rank at a time for all layers (a
-    Python loop over the P slot ranks, vectorised over layers), each to the least loaded device with
-    a free slot that does not hold its expert yet, spreading replicas over nodes when asked and
-    preferring the device that held the expert in `previous`.
+2.  `assign_replicas`: replicas in descending share, each to the least loaded device with a free slot
+    that does not hold its expert yet (spread over nodes when asked, `previous`'s device preferred).
 3u. `uniform.refine_uniform`: swaps and replica-count moves off each layer's slowest device, scored
     exactly under the even split.
 3.  `refine.refine_for_steering` (steered only): a bounded local search that scores placements by
@@ -74,8 +69,7 @@ SPREAD_WEIGHT = 0.1
 # Below this many layer-slots (layers x devices x slots) the steered planner also searches from the greedy
 # start and weighs a no-spread plan; above it, time goes to the one search from the uniform plan.
 EXTRA_WORK = 1 << 14
-# Replica counts under an even split go by load + HEDGE x swing (`swing_LE`): on replays of real routing it
-# raised balance on both models and both dispatch models (docs/benchmarks.md, "Replicas for the swing").
+# An even split's replica counts go by load + HEDGE x swing (docs/benchmarks.md, "Replicas for the swing").
 HEDGE = 2.0
 
 __all__ = ["Placement", "plan_placement", "static_placement", "expected_padded_cost", "expected_device_load"]
@@ -230,8 +224,7 @@ def assign_replicas(load_LE: torch.Tensor, cnt_LE: torch.Tensor, G: int, S: int,
     rep_expert_LP = torch.where(live_LP, order_LE.gather(1, pos_LE.clamp_max(E - 1)), -1)
     rep_w_LP = torch.where(live_LP, weight_LE.gather(1, rep_expert_LP.clamp_min(0)), 0.0)
 
-    # The assignment loop runs in NumPy: one step per replica rank (P steps, each over all layers),
-    # where NumPy's per-call overhead is several times smaller than torch's.
+    # In NumPy (less per-call overhead than torch): one step per replica rank, over all layers.
     dev_load_LG = np.zeros((L, G))
     used_LG = np.zeros((L, G), dtype=np.int64)
     # pen_LG: each layer's penalties for its current expert, reset where a layer's next expert starts:
@@ -289,11 +282,9 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     steering-aware search clamp(2**16 // (L * P), 1, 64), the uniform one clamp(2**18 // (rows * P), 4, 8G)
     (as the start of a steered plan, clamp(2**16 // (rows * P), 0, 8G)), rows = layers x variants.
     dispatch: how the runtime splits an expert's tokens over its replicas. "steered" (ours: freely,
-    by `steering.steer`): plans for the slowest device after steering. "uniform" (vLLM, SGLang,
-    EPLB: evenly): replica counts that minimise the largest share, then balanced packing and a local
-    search that may change counts (`uniform.py`). "padded" (DeepSpeed's MOELayer: evenly, and every
-    slot padded to the largest): the counts that minimise the largest share are kept, swaps balance
-    the devices.
+    by `steering.steer`): plans for the slowest device after steering. "uniform" (vLLM, SGLang, EPLB,
+    AutoEP's dropless layer with our `view` split: evenly): the counts may change in the search. "padded"
+    (DeepSpeed's MOELayer: evenly, every slot padded to the largest): the counts stay, swaps balance.
     node_spread: how much replicas spread over nodes matter. True: a rule (each expert's replicas on
     as many nodes as they can be; every candidate keeps it); False: not at all; a float w >= 0: a cost,
     w x the layer's mean device load per unit of `cross_node_fraction` (the expected share of routes
@@ -304,8 +295,7 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     load_LE's units: the view's `swing_LE`), or None. With "uniform" or "padded", replica counts go by
     load + HEDGE x swing (an expert whose load swings gets the replicas its swings need: what the
     next batches, not the mean, put on a device) and the search keeps them, balancing the mean load
-    by swaps. Planned on one workload and serving another, this is what transfers (docs/benchmarks.md,
-    held out); "steered" splits each batch as it comes and ignores it.
+    by swaps; "steered" splits each batch as it comes and ignores it.
     Raises TypeError / ValueError naming the argument on bad types, shapes or values (`_checked_inputs`);
     never returns a placement that leaves an expert out or puts two replicas of one expert on one device.
     """
@@ -330,7 +320,6 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     keep_LP = _kept_previous(task, cands)
     if keep_LP is not None:
         cands.append(keep_LP)
-    # Each layer keeps its best candidate under the runtime's dispatch, weighing node spread and weight moves.
     weight = 0.0 if isinstance(node_spread, bool) else float(node_spread)
     phy, x_LP = _choose(np.stack(cands), task.load, G, S, task.node_G, weight, task.was, STICKINESS, dispatch, x_LP,
                         REFINE_ITERS, REFINE_WORK)
@@ -457,7 +446,6 @@ def _uniform_phy(load_LE, G, S, nodes_list, was, slot_budget, stickiness, refine
     phy = phy.reshape(n, V, L, P)
     if V == 1:
         return list(phy[:, 0])
-    # each layer keeps its best variant under the even split (weight moves priced)
     return [_choose(phy[i], load, G, S, nodes_list[i], 0.0, was, stickiness, "uniform", None, 1, 1)[0]
             for i in range(n)]
 

@@ -1,18 +1,13 @@
-"""Step 3 of the planner: a steering-aware local search on the greedy placement.
+"""Step 3 of the planner (numbered in `placement`'s module doc): a steering-aware local search on the greedy
+placement, `refine_for_steering`.
 
 Shape legend: L layers, E logical experts, G devices, S slots per device, P physical slots (G * S),
 A layers still improving, K candidate moves per layer, M partner devices, Q partner slots (M * S),
 N rows of any of these (layers or candidates).
 
-Steps 1-2 of `placement.plan_placement` balance the *even* split of each expert over its replicas;
-at run time steering splits them freely, so what counts is the slowest device after steering. A
-cold expert with a copy on two hot devices can act as a bridge that steering uses to level them,
-and a load-ordered greedy never builds it. This search does, within a bounded number of rounds:
-
-    3a  steer the greedy placement            (flows.steer_flows)
-    3b  screen every legal move of each layer's slowest device by a cheap estimate   (_screen)
-    3c  apply the best K, steer them beside the current placement, keep the best     (_candidates, _confirm)
-    3d  settle both splits; a layer whose moves did not pay returns to the greedy plan (_settle)
+Steps 1-2 balance the *even* split of each expert over its replicas; at run time steering splits them
+freely, so what counts is the slowest device after steering. A cold expert with a copy on two hot devices
+can act as a bridge that steering uses to level them, and a load-ordered greedy never builds it; this does.
 """
 from __future__ import annotations
 
@@ -28,7 +23,6 @@ __all__ = []
 
 @dataclass
 class _Search:
-    """What every sub-step of the search reads."""
     load_LE: np.ndarray
     G: int
     S: int
@@ -72,16 +66,12 @@ def refine_for_steering(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int,
       swap     a and the expert b in q (or the empty slot q) trade places;
       replace  q's expert b, which keeps another replica, becomes a second copy of a (the replica
                counts change, the number of slots used does not).
-    Moves are screened by a cheap estimate (tokens move with their experts, a's new copy takes up
-    to half the gap), and the best K of each layer are confirmed by steering them; K is sized so
-    a round steers about `work` slots, whatever the size (every move on tiny inputs, the best
-    estimate on large ones). The best confirmed move is kept when it lowers the slowest device
-    (ties: the sum of squared device loads), else the layer stops. With `previous` (was, the
-    replicas it held per layer, device and expert) each weight move adds `stickiness` x the mean
-    device load / P to the score (moving every slot must gain `stickiness` x the mean load). No
-    move puts two replicas of an expert on one device or takes an expert off a node it alone
-    covered. At the end both splits are settled further and a layer whose moves did not pay
-    returns to the greedy plan.
+    The best K moves of each layer by a cheap estimate (`_screen`; K sized so a round steers about `work`
+    slots) are confirmed by steering them (`_confirm`): the best is kept when it lowers the slowest device
+    (ties: the sum of squared device loads), else the layer stops. With `previous` (was, the replicas it
+    held per layer, device and expert) each weight move adds `stickiness` x the mean device load / P to the
+    score. No move puts two replicas of an expert on one device or takes an expert off a node it alone
+    covered. At the end a layer whose moves did not pay returns to the greedy plan (`_settle`).
     """
     L, P = phy_LP.shape
     search = _Search(load_LE, G, S, node_G, was, iters, work)

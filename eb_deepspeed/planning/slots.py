@@ -4,11 +4,9 @@ the slots a local search pairs, and the checks that turn a caller's tensors into
 Shape legend: N rows (layers, or candidate placements), P physical slots (G * S; slot p lives on
 device p // S), G devices, S slots per device, E logical experts, H groups of slots (devices or nodes).
 
-The planner asks "how many replicas of expert e does device (or node) g of row n hold?" at scattered
-points. A dense [N, H, E] table answers that fastest, but holds N x H x E entries where the slots hold
-N x P: `SlotCounts` keeps the dense table only while it is at most DENSE_PER_SLOT entries per slot
-(or small in all) and the sorted keys of the occupied (row, group, expert) triples otherwise, so its
-memory stays linear in the slots either way.
+`SlotCounts` answers "how many replicas of expert e does device (or node) g of row n hold?" from a dense
+[N, H, E] table while it holds at most DENSE_PER_SLOT entries per slot (or few in all), else from the sorted
+keys of the occupied (row, group, expert) triples: its memory stays linear in the slots either way.
 """
 from __future__ import annotations
 

@@ -10,10 +10,8 @@ Shape legend: G EP ranks (devices), E logical experts, R copies of one expert, F
 
 An expert with one copy sends its routes there. The F others are split to minimise the sum of squared device loads
 (whose minimum is also the smallest busiest rank: the loads of a flow problem's least-squares solution are its
-min-max ones): from the even split, every round each expert computes the split that levels its copies' devices
-given the others' current loads (water filling), and all move together by the step that lowers the sum of squares
-most (an exact line search: the moves are linear in the step). Every rank computes the same split from the same
-counts: dense reductions, no atomics. The routes are whole numbers: each expert's split is rounded cumulatively.
+min-max ones), by water filling from the even split (`Copies.split`, steps 1-3). Every rank computes the same split
+from the same counts: dense reductions, no atomics.
 """
 from __future__ import annotations
 
@@ -77,7 +75,8 @@ class Copies:
             wet_F1 = (b_FR * self.k_R < filled_FR + c_F1).sum(1, keepdim=True).clamp_min(1)   # copies below it
             level_F1 = (filled_FR.gather(1, wet_F1 - 1) + c_F1) / wet_F1
             move_FR = (level_F1 - base_FR).clamp_min_(0.0) - x_FR
-            # Step 2: every expert towards its target by the one step that lowers the sum of squares most
+            # Step 2: every expert towards its target by the one step that lowers the sum of squares most (an exact
+            # line search: the moves are linear in the step)
             move_G = (move_FR.reshape(1, -1) @ self.onehot_XG)[0]
             step = (load_G @ move_G).neg_().div_((move_G @ move_G).clamp_min_(1e-30)).clamp_(0.0, 1.0)
             x_FR.addcmul_(move_FR, step)

@@ -1,21 +1,11 @@
-"""The planner's steps for runtimes that split each expert's tokens evenly over its replicas (vLLM,
-SGLang, DeepSeek's EPLB): `plan_placement(..., dispatch="uniform")`.
+"""Steps 1u and 3u of the planner (numbered in `placement`'s module doc) for runtimes that split each expert's
+tokens evenly over its replicas (vLLM, SGLang, DeepSeek's EPLB): `plan_placement(..., dispatch="uniform")`.
 
 Shape legend: L layers, E logical experts, G devices, S slots per device, P physical slots (G * S;
 slot p lives on device p // S), A layers still improving, Q candidate partner slots.
 
 Under an even split every replica of expert e carries load_e / count_e, so a device's load is the
-sum of its replicas' shares and the objective is plain bin balancing:
-
-    1u  `uniform_counts`: replica counts that minimise the largest share (one extra replica at a time
-        to the expert with the largest share, at most G each: the D'Hondt apportionment);
-        `count_variants`: that and a few neighbours (one replica of a most-replicated expert moved to
-        the next-largest share), planned side by side on small inputs, the best kept per layer
-        (`placement._choose`; the smallest share is not always the best packing: with no two replicas of an
-        expert on one device, fewer and larger shares of a hot expert can pack tighter)
-    2   `placement.assign_replicas`: largest share first, each to the least loaded device with room
-        that does not hold the expert yet (node spread only when asked)
-    3u  `refine_uniform`: pairwise swaps off each layer's slowest device while they lower it
+sum of its replicas' shares and the objective is plain bin balancing.
 """
 from __future__ import annotations
 
@@ -73,7 +63,9 @@ def _quotients_at_least(load_LE: np.ndarray, bits_L: np.ndarray, m: int) -> np.n
 
 def count_variants(load_LE: np.ndarray, slots: int, max_replicas: int, n: int) -> list[np.ndarray]:
     """`n` replica-count vectors [L, E]: `uniform_counts`, then for j = 0 .. n - 2 the same with one
-    replica of the layer's j-th most-replicated expert given to the expert with the next-largest share."""
+    replica of the layer's j-th most-replicated expert given to the expert with the next-largest share.
+    The smallest share is not always the best packing: with no two replicas of an expert on one device,
+    fewer and larger shares of a hot expert can pack tighter (`placement._choose` keeps each layer's best)."""
     base = uniform_counts(load_LE, slots, max_replicas)
     L, E = load_LE.shape
     rows = np.arange(L)
@@ -103,14 +95,12 @@ def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, roun
              g* does not hold (a's other replicas take more, c's less);
       add    a replica of b elsewhere, whose expert has others, becomes a new replica of an expert a
              on g* (every replica of a takes less).
-    No move puts two replicas of an expert on one device or leaves an expert without one. Every move
-    is screened by an estimate (the largest new load among the devices it touches); the best K of
-    each layer (K sized so a round looks at about `work` slots) get their exact device loads (from the
-    changes each move makes, not by recounting), and the best is applied when it
-    lowers the slowest device, or keeps it and lowers the sum of squared device loads. Both only
-    ever fall, so the search ends; `rounds` bounds it.
-    node_G [G] or [L, G] (spread replicas over nodes; all zeros = no spread): no move takes an expert off a node it alone covers to a
-    node that already holds it, or off a node it alone covers at all (drop, add).
+    No move puts two replicas of an expert on one device or leaves an expert without one. The best K
+    moves of each layer by estimate (`_moves`; K sized so a round looks at about `work` slots) get their
+    exact device loads, and the best is applied when it lowers the slowest device, or keeps it and lowers
+    the sum of squared device loads. Both only ever fall, so the search ends; `rounds` bounds it.
+    node_G [G] or [L, G] (spread replicas over nodes; all zeros = no spread): no move takes an expert off a
+    node it alone covers to a node that already holds it, or off a node it alone covers at all (drop, add).
     was (the replicas `previous` held per row, device and expert, `SlotCounts`): every replica a move puts
     where `previous` did not hold it costs `stickiness` x the mean device load / P, every one it puts
     back earns as much. swaps_only: keep every expert's replica count (drops and adds are not tried).

@@ -163,7 +163,6 @@ def _plan_parser(sub) -> None:
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The options that only go together."""
     if args.command == "report" and not args.compare and len(args.run_dir) != 1:
         parser.error("eb report takes one RUN_DIR (or --compare RUN_A RUN_B ...)")
     if args.command == "report" and args.compare and len(args.run_dir) < 2:

@@ -9,15 +9,12 @@ sampling) and both return forms behave exactly as DeepSpeed's (the sparse 7-tupl
 `gate(x, used_token, True, use_tutel)` that `MOELayer` uses since 0.19.4, and the dense 4-tuple
 `gate(x)` of the legacy path). On top of that the gate
 
-  * adds its routes to a per-layer tally (`core.tally.LayerTally`: routed and kept per expert,
-    tokens, non-finite tokens) without any host sync or collective; the balancer drains it once
-    per step. A forward that activation checkpointing re-runs during backward is not counted
-    again (`core.tally.in_backward`);
-  * reads its layer's `controls` (`core.controls.LayerControls`, written by the balancer at step boundaries):
-    the selection bias (`bias` policies) chooses the top-k on logits + bias, DeepSpeed's gating does the rest
-    and the gate values and l_aux are recomputed unbiased (`unbias_gate_output`); a device-loss weight > 0
-    adds that times DeepSeek-V2's device-level balance loss to l_aux (no collective). User code that sums
-    `l_aux` keeps working;
+  * adds its routes to its tally without any host sync or collective; a forward that activation
+    checkpointing re-runs during backward is not counted again (`core.tally.in_backward`);
+  * reads its layer's `controls`: the selection bias (`bias` policies) chooses the top-k on logits + bias,
+    DeepSpeed's gating does the rest and the gate values and l_aux are recomputed unbiased
+    (`unbias_gate_output`); a device-loss weight > 0 adds that times DeepSeek-V2's device-level balance loss
+    to l_aux (no collective). User code that sums `l_aux` keeps working;
   * returns a well-formed empty result for an empty batch (DeepSpeed's gate asserts).
 
     gate = CrossLayerGate.from_topk_gate(moe.deepspeed_moe.gate, layer_index=3)
@@ -115,7 +112,6 @@ class CrossLayerGate(TopKGate):
         self.tally = LayerTally(self.num_experts, num_devices)
         self.route_device_E = torch.as_tensor(route_device_E, dtype=torch.long).to(self.wg.weight.device)
 
-    # ------------------------------------------------------------------ forward
     def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
                 use_tutel: bool = False):  # type: ignore[override]
         if self.wall_clock_breakdown:
@@ -132,14 +128,12 @@ class CrossLayerGate(TopKGate):
         if T == 0:
             gate_output = self._empty_output(logits_TE, sparse_routes)   # its l_aux is 0 under any weight
         else:
-            # Counted before gating: top2gating adds Gumbel noise to the logits in place.
             recording = self.training and not in_backward()
-            # a count: no autograd node (checkpointing compares saved tensors with the re-run)
+            # Counted before gating (top2gating adds Gumbel noise to the logits in place), with no autograd node
+            # (checkpointing compares saved tensors with the re-run).
             nonfinite = nonfinite_tokens(logits_TE) if recording else None
             capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
-            # The bias policy selects on logits + bias; DeepSpeed's gating does the rest, unbias_gate_output
-            # restores the unbiased gate values and l_aux. (Softmax is monotone: top-k of logits + b is
-            # top-k of softmax(logits + b).)
+            # Softmax is monotone: top-k of logits + b is top-k of softmax(logits + b).
             biased = ctl.bias_E is not None
             selection_TE = logits_TE + ctl.bias_on(logits_TE.device) if biased else logits_TE
             device_loss = ctl.device_loss_weight > 0 and self.training

@@ -15,10 +15,8 @@ the per-step hook, the per-step reduce, and the balancer state in DeepSpeed's ch
   counted once and every lane gets the same view and bias; over every rank for a pipeline,
   where each stage fills the rows of its own layers (one rank per tensor-parallel slice), so every
   rank holds the whole model's view;
-* the balancer state rides in DeepSpeed's checkpoint `client_state` under `STATE_KEY`
-  (`wrap_checkpointing`: `save_checkpoint` and `load_checkpoint` are wrapped on the instance; DeepSpeed
-  has no checkpoint hook). The wrapped save marks a tag incomplete while it is written and moves
-  `latest` atomically once it is whole; the wrapped load refuses an incomplete tag (`_save_guarded`).
+* the balancer state rides in DeepSpeed's checkpoint `client_state` under `STATE_KEY` (`wrap_checkpointing`,
+  wrapped on the instance: DeepSpeed has no checkpoint hook); a tag whose save was killed is refused (`_save_guarded`).
 With world size 1 there is no communication at all.
 """
 from __future__ import annotations

@@ -12,9 +12,7 @@ per rank, some of them copies of hot experts); only the gate changes. The gate
      planned with (`split="view"`, no collective), or by steering this batch's counts from every
      rank (`split="exact"`, one all-gather of [E] counts per layer), and gives each route its slot
      and its position there (the route's logical position, minus its replica's start);
-  3. agrees on one capacity across the EP group (the most any rank sends to any slot; with
-     `drop_tokens`, at most DeepSpeed's ceil(T_max * k * capacity_factor / P), T_max the most tokens
-     on any rank), so unequal batches never abort the All-to-All;
+  3. agrees on one capacity across the EP group (`_capacity`), so unequal batches never abort the All-to-All;
   4. returns DeepSpeed's sparse 7-tuple over the P slots, with the logical routed counts as
      `exp_counts`, and tallies *logical* counts (plus kept routes per EP rank) for the view.
 
@@ -85,7 +83,6 @@ class ReplicaGate(CrossLayerGate):
         new.eval()
         return new
 
-    # ------------------------------------------------------------------ forward
     def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
                 use_tutel: bool = False):  # type: ignore[override]
         if self.training:
@@ -177,8 +174,8 @@ class ReplicaGate(CrossLayerGate):
 
     def _capacity(self, slot_load_GP, n_ER, T: int) -> int:
         """The EP group's capacity. Without drops: the most routes any rank sends to any slot. With drops:
-        DeepSpeed's rule on the most tokens on any rank (never below what it keeps: the kept routes are the
-        same as with the smaller of the two)."""
+        DeepSpeed's ceil(T_max * k * capacity_factor / P), T_max the most tokens on any rank (never below what
+        it keeps: the kept routes are the same as with the smaller of the two)."""
         if slot_load_GP is not None:          # exact split: every rank's routes are known here
             most, tokens = int(slot_load_GP.max()), int(slot_load_GP.sum(1).max()) // self.k
         elif self.drop_tokens:                # one all-reduce and host read per forward, not per layer

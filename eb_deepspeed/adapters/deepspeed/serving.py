@@ -247,9 +247,7 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     its own (DeepSpeed would cast to fp16). Returns DeepSpeed's `InferenceEngine` with
     `engine.serving` (placement, checkpoints) and, with an enabled block, `engine.easybalance` (the
     Balancer). Every EP rank must call forward together, as DeepSpeed's All-to-All requires.
-
-    `eb_deepspeed.init_inference` (`adapters.serving`) sends AutoEP-converted models to
-    `adapters.autoep.serving` instead, and others here.
+    (`eb_deepspeed.init_inference`, in `adapters.serving`, sends AutoEP-converted models elsewhere, the rest here.)
     """
     import deepspeed
 
@@ -267,8 +265,7 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     check_world_size(model)
     if not dist_ready():
         deepspeed.init_distributed()
-    if "dtype" not in ds_config and "dtype" not in kwargs:
-        # deepspeed.init_inference would cast to fp16 by default; serving keeps the weights as they are
+    if "dtype" not in ds_config and "dtype" not in kwargs:      # DeepSpeed would cast to fp16
         kwargs["dtype"] = next(model.parameters()).dtype
     engine = deepspeed.init_inference(model, config=ds_config, **kwargs)
     module = engine.module

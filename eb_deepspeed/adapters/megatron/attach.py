@@ -13,14 +13,12 @@ The loop is `core.Balancer`; this file connects it to Megatron-Core:
   `eb_router_spec(spec)` (Megatron's spec door); a plain `TopKRouter` of an already-built model is converted
   in place (its class becomes the subclass `EBRouter`, which adds no parameter or buffer: the optimizer's
   parameters, DDP's hooks and the state-dict keys stay the same objects);
-* the **reduce** is one all-reduce per step of the stacked [L, W] tally over Megatron's
-  tensor x data x context-parallel group, the group Megatron itself reduces its expert-bias counts
-  over (routers are replicated there; each rank routed its own tokens); the expert-parallel ranks are
-  inside it, so no second reduce;
-* the **step hook** is a torch optimizer step post-hook on the torch optimizer inside Megatron's
-  (`optimizer.optimizer`, the first of a `ChainedOptimizer`): it fires after `finalize_model_grads`
-  and the optimizer step, once per global batch. A step Megatron skips (inf gradients) never steps
-  that optimizer: call `balancer.discard_tally()` then. Without an optimizer, call
+* the **reduce** is one all-reduce per step of the stacked [L, W] tally over Megatron's tensor x data x
+  context-parallel group, where Megatron reduces its own expert-bias counts (the expert-parallel ranks are
+  inside it, so no second reduce);
+* the **step hook** is a step post-hook on the torch optimizer inside Megatron's (`optimizer.optimizer`, the
+  first of a `ChainedOptimizer`), after `finalize_model_grads`, once per global batch. A step Megatron skips
+  (inf gradients) never steps it: call `balancer.discard_tally()` then. Without an optimizer, call
   `balancer.step()` after each optimizer step on every rank;
 * one all-gather at start-up checks that every rank agrees on the config and the MoE shape.
 Pipeline parallelism is not handled yet (a clear error): the view would need every stage's layers.

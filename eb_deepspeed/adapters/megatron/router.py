@@ -4,25 +4,16 @@ Shape legend: T tokens (sequence x batch, flattened), E experts, K top-k, G EP r
 
 Routing, capacity dropping and the aux losses are Megatron's own (`TopKRouter.routing`). On top:
 
-  * each training forward adds its routes (`routing_map`, padding excluded) to a per-layer tally
-    (`core.tally.LayerTally`), no sync, no collective; a forward that activation recompute
-    re-runs inside backward is not counted again (`core.tally.in_backward`);
-  * the layer's `controls` (`core.controls.LayerControls`, written by the balancer) hold the rest:
-  * the selection bias (the `bias` policies) selects the top-k on logits + bias (logit units, as on
-    DeepSpeed, for softmax and sigmoid score functions alike); the probabilities that combine expert
-    outputs and every aux loss come from the unbiased logits. The routing stays Megatron's
-    (`TopKRouter.routing`); only the top-k choice goes through its own door, the `router_replay` object
-    `topk_routing_with_score_function` asks for the top-k (`_LogitBiasTopK`, for the call only). It is this project's bias: Megatron's own `expert_bias`
-    (`moe_router_enable_expert_bias`) must be off with it (`attach` refuses both);
-  * a device-loss weight adds DeepSeek-V2's device-level balance loss (as the DeepSpeed gate does),
-    with coefficient `device_loss_weight x moe_aux_loss_coeff`, through Megatron's own
-    `attach_and_log_load_balancing_loss` (its gradient flows like the aux losses'); Megatron's own aux losses
-    keep their coefficient.
+  * each training forward adds its routes (`routing_map`, padding excluded) to its tally, no sync, no
+    collective; a forward that activation recompute re-runs inside backward is not counted again
+    (`core.tally.in_backward`);
+  * the selection bias of its `controls` (the `bias` policies) chooses the top-k on logits + bias through
+    Megatron's top-k door (`_LogitBiasTopK`); Megatron's own `expert_bias` (`moe_router_enable_expert_bias`)
+    must be off with it (`attach` refuses both);
+  * a device-loss weight adds DeepSeek-V2's device-level balance loss, with coefficient `device_loss_weight x
+    moe_aux_loss_coeff`, through Megatron's `attach_and_log_load_balancing_loss`; its own aux losses keep theirs.
 
-Build it with the model: `eb_router_spec(spec)` is any Megatron layer/block/MoE spec with `EBRouter` as every
-`MoESubmodules.router` (Megatron's own door for a router class). A model built with plain `TopKRouter`s is
-converted by `adapters.megatron.attach` (each router's class becomes its subclass `EBRouter`, which adds no
-parameter or buffer: the optimizer's parameters, DDP's hooks and the state-dict keys are the same objects).
+Build it with the model (`eb_router_spec(spec)`); a model of plain `TopKRouter`s is converted in place by `attach`.
 """
 from __future__ import annotations
 
@@ -83,7 +74,6 @@ class EBRouter(TopKRouter):
         self.tally = LayerTally(self.num_experts)
         self.controls = LayerControls(self.num_experts)
 
-    # ------------------------------------------------------------------ Megatron's router
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         if self.controls.bias_E is None:
             probs, routing_map = super().routing(logits, padding_mask)
