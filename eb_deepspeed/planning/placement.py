@@ -631,8 +631,7 @@ def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Ten
     log2phy[li[valid], sorted_exp[valid], rank[valid]] = order[valid]
     plan = Placement(phy2log=phy2log, log2phy=log2phy, logcnt=logcnt, num_devices=G, slots_per_device=S)
     if load_LE is not None:
-        per_rep = torch.where(phy2log >= 0, (load_LE / logcnt.clamp_min(1)).gather(1, phy2log.clamp_min(0)), 0.0)
-        plan.device_load_LG = per_rep.view(L, G, S).sum(2)
+        plan.device_load_LG = _slot_loads(load_LE, plan).view(L, G, S).sum(2)
     if previous is not None:
         plan.moves = int(_replicas(plan).new_pairs(_replicas(previous)).sum())
     return plan
@@ -700,7 +699,7 @@ def expected_slot_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
     heat_LE = _checked_heat(heat_LE, plan)
     L, P = plan.phy2log.shape
     mean_L = heat_LE.sum(1) / P
-    return torch.where(mean_L > 0, _padded_cost(heat_LE, plan) / P / mean_L.clamp_min(1e-300),
+    return torch.where(mean_L > 0, _slot_loads(heat_LE, plan).amax(1) / mean_L.clamp_min(1e-300),
                        torch.ones(L, dtype=torch.float64))
 
 
@@ -708,25 +707,21 @@ def expected_padded_cost(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor
     """[L] slots x the expected largest slot load: what a padded dispatch (DeepSpeed's MOELayer pads every
     slot to the capacity) computes and sends per layer, in routes, with each expert's routes split
     evenly over its replicas. heat_LE: [L, E] expected routes."""
-    return _padded_cost(_checked_heat(heat_LE, plan), plan)
+    return plan.phy2log.shape[1] * _slot_loads(_checked_heat(heat_LE, plan), plan).amax(1)
 
 
 def expected_device_load(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
     """[L, G] expected routes per device with each expert's routes split evenly over its replicas: in a
     dropless layer (AutoEP's grouped GEMMs over exactly the routes a rank received) the busiest device's
     load is the layer's time. heat_LE: [L, E] expected routes."""
-    heat_LE = _checked_heat(heat_LE, plan)
-    L, P = plan.phy2log.shape
-    per_replica_LE = heat_LE / plan.logcnt.clamp_min(1)
-    slot_LP = torch.where(plan.phy2log >= 0, per_replica_LE.gather(1, plan.phy2log.clamp_min(0)), 0.0)
-    return slot_LP.view(L, plan.num_devices, plan.slots_per_device).sum(2)
+    slot_LP = _slot_loads(_checked_heat(heat_LE, plan), plan)
+    return slot_LP.view(slot_LP.shape[0], plan.num_devices, plan.slots_per_device).sum(2)
 
 
-def _padded_cost(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
-    P = plan.phy2log.shape[1]
+def _slot_loads(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
+    """[L, P] each slot's expected routes when every expert's routes split evenly over its replicas (0: empty)."""
     per_replica_LE = heat_LE / plan.logcnt.clamp_min(1)
-    slot_LP = torch.where(plan.phy2log >= 0, per_replica_LE.gather(1, plan.phy2log.clamp_min(0)), 0.0)
-    return P * slot_LP.amax(1)
+    return torch.where(plan.phy2log >= 0, per_replica_LE.gather(1, plan.phy2log.clamp_min(0)), 0.0)
 
 
 def _checked_heat(heat_LE, plan) -> torch.Tensor:
