@@ -14,7 +14,7 @@ interleaved, after the view has warmed up and the first placement is serving. Me
     `bound` is the least any placement can reach (at most G replicas of an expert, whole slots);
   * drop rate at eval capacity factor 1.0 (drop_tokens=True, equal batches so plain DeepSpeed runs);
   * MoE-layer forward time (gate, All-to-All, experts; forward hooks) of plain / ours (`speedup`), and
-    the whole forward (view update and layout trials included; `tokens_per_s_ratio`);
+    the whole forward (view update included; `tokens_per_s_ratio`);
   * the gate's extra work (ours - plain gate time: replica split, capacity) and re-planning
     (plan + weight moves, amortised over `replan_interval`) against our MoE-layer forward.
 Worker processes are started here with RANK / WORLD_SIZE set (no launcher needed).
@@ -141,10 +141,10 @@ def run_rank(args: dict) -> dict:
     block = {"mode": "balance", "warmup_batches": args["warmup"], "log": {"dir": args["log_dir"], "interval": 10},
              "inference": {"replica_slots": args["replica_slots"], "split": args["split"],
                            "view_interval": args["view_interval"], "replan_interval": args["replan_interval"],
-                           "replan_threshold": args["replan_threshold"], "trial_batches": args["trial_batches"]}}
+                           "replan_threshold": args["replan_threshold"]}}
     build = functools.partial(_build_model, args, G)
     plain, engine = _plain_and_ours(args, build, block)
-    n = args["warmup_batches"] + args["trial_batches"] + args["batches"]
+    n = args["warmup_batches"] + args["batches"]
     rank = torch.distributed.get_rank()
     batches = _example_batches(args, n, rank) if args["router"] == "example" else \
         zipf_batches(plain.classes, n, args["tokens"], args["zipf"], rank, args.get("drift", 0))
@@ -176,7 +176,7 @@ def _plain_and_ours(args: dict, build, block: dict):
     engine = init_inference(build(False), config={"easybalance": block})
     if args["router"] == "example" and args.get("ckpt"):
         engine.serving.load_checkpoint(args["ckpt"])
-        _load_plain(plain, engine)
+        _load_plain(plain, args["ckpt"])
     return plain, engine
 
 
@@ -203,7 +203,7 @@ class _ServingTimer:
 
 
 def _interleaved(args: dict, plain, engine, batches, timer: _ServingTimer) -> dict:
-    """Warm the view up and let the first placement's trial end, then run plain and ours on each batch in
+    """Warm the view up and let the first placement in, then run plain and ours on each batch in
     alternating order: outputs compared, forwards timed, padded capacities against the ideal recorded."""
     serving = engine.serving
     times = {"plain": [0.0, 0.0], "ours": [0.0, 0.0]}
@@ -214,9 +214,8 @@ def _interleaved(args: dict, plain, engine, batches, timer: _ServingTimer) -> di
     measuring = False
     with torch.no_grad():
         for b, x in enumerate(batches):
-            # the view warms up, the first placement goes in and its layout trial ends
-            if b < args["warmup_batches"] or (serving.on_trial and not measuring and
-                                              b < args["warmup_batches"] + args["trial_batches"]):
+            # the view warms up and the first placement goes in
+            if b < args["warmup_batches"]:
                 engine(x)
                 continue
             if not measuring:
@@ -268,7 +267,7 @@ def _result(args: dict, engine, run: dict, timer: _ServingTimer, drops: dict, la
         "forward_ms_ours": round(1e3 * forward_s["ours"] / measured, 3),
         # tokens/s end to end against plain (the same tokens): the whole forward, view update and trials included
         "tokens_per_s_ratio": round(forward_s["plain"] / max(forward_s["ours"], 1e-12), 4),
-        "layout_trials": serving.trials, "slots_serving": serving.P,
+        "slots_serving": serving.P,
         "steering_ms": _steering_ms(serving, last_batch) if rank == 0 else 0.0,
         "view_ms": round(1e3 * (timer.view_s - (sum(replan_s) - run["replan_warmup"])) / measured, 3),
         "replans": serving.replans, "weight_moves": serving.weight_moves,
@@ -329,18 +328,10 @@ def gate_medians_ms(plain, ours, h: torch.Tensor, repeats: int, skip: int, take_
     return {name: 1e3 * statistics.median(values) if values else 0.0 for name, values in times.items()}
 
 
-def _load_plain(plain, engine) -> None:
-    """The plain model gets the checkpoint's weights: the logical state dict of the served engine."""
-    state = engine.serving.logical_state_dict()
-    local = dict(state.pop("module"))
-    H = engine.serving.H
-    rank = engine.serving.rank
-    for tensors in state.values():
-        for key, value in tensors.items():
-            head, tail = key.split(".deepspeed_moe.experts.deepspeed_experts.")
-            e, rest = tail.split(".", 1)
-            local[f"{head}.deepspeed_moe.experts.deepspeed_experts.{int(e) - rank * H}.{rest}"] = value
-    plain.load_state_dict(local)
+def _load_plain(plain, ckpt: str) -> None:
+    """The plain model gets the checkpoint's weights, in DeepSpeed's layout."""
+    from eb_deepspeed import load_moe_checkpoint
+    load_moe_checkpoint(plain, ckpt)
 
 
 def _drop_rates(args, build, plain_of, block, batches, rank) -> dict:
@@ -353,7 +344,7 @@ def _drop_rates(args, build, plain_of, block, batches, rank) -> dict:
         "dir": block["log"]["dir"] + "_drops", "interval": 1000}}})
     if args["router"] == "example" and args.get("ckpt"):
         engine.serving.load_checkpoint(args["ckpt"])
-        _load_plain(plain, engine)
+        _load_plain(plain, args["ckpt"])
     counted = {"plain": [0, 0], "ours": [0, 0]}
     live = {"on": False}
 
@@ -369,7 +360,7 @@ def _drop_rates(args, build, plain_of, block, batches, rank) -> dict:
     warm = min(len(batches) - 1, args["warmup"] + 1)      # our first placement is planned after the warm-up
     with torch.no_grad():
         for b, x in enumerate(batches):
-            live["on"] = b >= warm and (live["on"] or not engine.serving.on_trial)   # after the first trial
+            live["on"] = b >= warm
             torch.manual_seed(b)
             engine(x)
             torch.manual_seed(b)
@@ -390,7 +381,7 @@ ROWS = (
 )
 
 
-def bench_infer(ranks=(2, 4), splits=("view", "exact"), batches: int = 40, warmup_batches: int = 6,
+def bench_infer(ranks=(2, 4), splits=("view", ), batches: int = 40, warmup_batches: int = 6,
                 replica_slots: int = 1, ckpt: str = "runs/ds/ckpt", progress: bool = True) -> dict:
     from .bench import _repo_root, free_port
     from .ranks import launch_ranks
@@ -400,8 +391,7 @@ def bench_infer(ranks=(2, 4), splits=("view", "exact"), batches: int = 40, warmu
         for row in ROWS:
             for split in (splits if row["name"] == "zipf" else splits[:1]):
                 # the example row serves as the example's config does (the view every 8 batches); the Zipf rows
-                # step it more often; every row re-plans at the slightest skew (threshold 1.05), so that its
-                # layout trial must turn down a plan that does not pay
+                # step it more often; every row re-plans at the slightest skew (threshold 1.05)
                 view_interval = 8 if row["router"] == "example" else 1 if row.get("drift") else 2
                 args = {"root": root, "router": row["router"], "split": split, "replica_slots": replica_slots,
                         "warmup": 2, "view_interval": view_interval,
@@ -409,7 +399,7 @@ def bench_infer(ranks=(2, 4), splits=("view", "exact"), batches: int = 40, warmu
                         # the example row's margin is a few %: twice the batches to measure it
                         "batches": 2 * batches if row["router"] == "example" else batches,
                         "warmup_batches": max(warmup_batches, 3 * view_interval),
-                        "trial_batches": 8, "tokens": 2048, "zipf": 1.0,
+                        "tokens": 2048, "zipf": 1.0,
                         "experts": 8, "hidden": 256, "drift": row.get("drift", 0), "layers": 4, "model_hidden": 64, "seq_len": 128,
                         "batch": 4, "ckpt": os.path.abspath(ckpt) if row["router"] == "example" and os.path.isdir(ckpt) else None,
                         "log_dir": os.path.join("runs", "bench_infer", f"{row['name']}_{G}_{split}")}

@@ -27,8 +27,7 @@ steering (route -> slot map, its all-gather included) and planning time (amortis
 replan_interval) against the MoE forward, and the weight moves apart (`move_ratio`, amortised the same way:
 they run between batches, once per re-plan); whether every logit equals plain AutoEP's; and the
 simulator's prediction for the same loads (the `view` row's balance log as its trace), as the article's model
-has it (steering free) and with the steering cost this run measured (`_simulated`). Layout trials
-are off (`trial_batches: 0`): the rows measure the mechanisms, not the trial's choice among them. Worker
+has it (steering free) and with the steering cost this run measured (`_simulated`). Worker
 processes are started here with RANK / WORLD_SIZE set (no launcher needed).
 """
 from __future__ import annotations
@@ -110,7 +109,7 @@ def _build_row(name: str, inference: dict | None, args: dict):
     block = {"mode": "balance", "warmup_batches": 2, "log": {"dir": os.path.join(args["log_dir"], f"{name}_{G}"),
                                                             "interval": 1},
              "inference": {"replica_slots": args["replica_slots"], "view_interval": 1, "replan_threshold": 1.05,
-                           "replan_interval": 1000, "trial_batches": 0, **inference}}
+                           "replan_interval": 1000, **inference}}
     served = init_inference(engine, config={"easybalance": block})
     if name == "per_token":
         for gate in served.serving.gates:

@@ -133,7 +133,7 @@ def main(argv=None):
         "drop_rate_cf1": {"plain": 1 - float(totals[3] / totals[4]), "eb": 1 - float(totals[5] / totals[6])},
         "placement_slots": engine.serving.P, "experts": engine.serving.E, "replica_slots": engine.serving.R,
         "replans": engine.serving.replans, "failed_moves": engine.serving.failed_moves,
-        "weight_moves": engine.serving.weight_moves, "layout_trials": engine.serving.trials,
+        "weight_moves": engine.serving.weight_moves,
         "expected_slot_max_over_mean": [round(float(v), 4) for v in expected_slot_ratio(view.heat_LE,
                                                                                         engine.serving.placement)],
         "device_max_over_mean": M.max_over_mean(view.pressure_LG).tolist(),
@@ -161,18 +161,10 @@ def serving_verdict(summary: dict) -> str:
     changed = (f"capacity {cap['plain']:.0f} -> {cap['eb']:.0f}, drop rate (capacity factor 1) "
                f"{drops['plain']:.3f} -> {drops['eb']:.3f}")
     if summary["placement_slots"] > summary["experts"]:
-        trial = summary.get("layout_trials") or [{}]
-        won = (f", {trial[-1]['us_per_token_replicas']:.2f} against {trial[-1]['us_per_token_deepspeed_cost']:.2f} us per "
-               "token in their layout trial" if trial[-1] else "")
         why = (f"replicas serve ({summary['placement_slots']} slots for {summary['experts']} experts after "
-               f"{summary['replans']} re-plan(s), {summary['weight_moves']} expert weights moved{won})")
+               f"{summary['replans']} re-plan(s), {summary['weight_moves']} expert weights moved)")
     elif summary["replica_slots"] == 0:
         why = "no replicas: easybalance.inference.replica_slots is 0 (or mode observe)"
-    elif any(not t["replicas_kept"] for t in summary.get("layout_trials", [])):
-        t = [t for t in summary["layout_trials"] if not t["replicas_kept"]][-1]
-        why = (f"DeepSpeed's cost serves (one slot per expert): replicas lost their layout trial at batch {t['batch']} "
-               f"({t['us_per_token_replicas']:.2f} against {t['us_per_token_deepspeed_cost']:.2f} us per token, "
-               "measured in turns); the difference is the cost of watching")
     elif summary["failed_moves"]:
         why = f"DeepSpeed's layout serves: {summary['failed_moves']} weight move(s) failed (see the warnings)"
     else:

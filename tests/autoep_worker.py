@@ -468,7 +468,7 @@ def _served_model(family: str, ep: int, experts: int, skew: float, seed: int = 0
 def _serve_block(p, **inference):
     return {"mode": "balance", "warmup_batches": 1, "log": {"dir": os.path.join(p["out"], "serve_log"), "interval": 1},
             "inference": {"replica_slots": 1, "replan_interval": 1, "replan_threshold": 1.0, "view_interval": 1,
-                          "trial_batches": 0, **inference}}
+                          **inference}}
 
 
 def _serve_batch(b: int, rows: int | None = None) -> torch.Tensor:

@@ -595,7 +595,7 @@ def _skewed(model):
 def _serve_block(p, **inference):
     return {"mode": "balance", "warmup_batches": 1, "log": {"dir": os.path.join(p["out"], "serve_log"), "interval": 1},
             "inference": {"replica_slots": 1, "replan_interval": 1, "replan_threshold": 1.0, "view_interval": 1,
-                          "trial_batches": 0, **inference}}
+                          **inference}}
 
 
 def _skewed_batch(b: int, rank: int, vocab: int = 24, equal: bool = False):
@@ -695,29 +695,6 @@ def scenario_serve_equivalence(p):
     return {"rows": rows, "S_max": engine.serving.S_max, "moves": engine.serving.weight_moves, "returned": returned,
             "metrics": engine.easybalance.metrics(), "log": os.path.join(p["out"], "serve_log"),
             "received": received, "price": price}
-
-
-def scenario_serve_trial(p):
-    """A layout trial on real ranks: the re-planned replicas and their one-slot-per-expert prefix serve in turns
-    (outputs DeepSpeed's in every batch, every rank on the same tables), then every rank keeps the same layout.
-    p["slow"]: "replicas" or "prefix" - that layout's forwards get 30 ms of extra work on one rank (a stand-in
-    for a layout that is slower in fact), so the trial must keep the other one."""
-    import time as _time
-    rank = torch.distributed.get_rank()
-    block = _serve_block(p, trial_batches=4, replan_interval=1000)
-    engine = eb_deepspeed.init_inference(_skewed(make_model(drop_tokens=False, ep_size=2)), config={"easybalance": block})
-    plain = _skewed(_plain_eval_model(drop_tokens=False, ep_size=2))
-    serving = engine.serving
-
-    def slow_down(module, args):
-        replicas = serving.placement.slots_per_device > serving.H
-        if rank == 0 and replicas == (p["slow"] == "replicas"):
-            _time.sleep(0.03)
-    serving.store.moes[0].register_forward_pre_hook(slow_down)
-    rows = _serve_and_compare(engine, plain, 10, rank)
-    return {"rows": rows, "trials": serving.trials, "S": serving.S, "H": serving.H, "replans": serving.replans,
-            "resident_slots": serving.resident.slots_per_device, "one_each": serving.gates[0].one_each,
-            "home_layout": serving.gates[0].home_layout}
 
 
 def scenario_serve_drops(p):

@@ -53,7 +53,7 @@ def test_the_users_dict_is_never_changed_whether_it_parses_or_fails(block):
 @pytest.mark.parametrize("block, message", [
     ({"ema_alfa": 0.3}, r"easybalance\.ema_alfa: unknown key; valid keys: aux, checkpoint, ema_alpha, enabled, inference, log"),
     ({"inference": {"replicas": 1}}, r"easybalance\.inference\.replicas: unknown key; valid keys: "
-                                     r"replan_interval, replan_threshold, replica_slots, split, topology, trial_batches, view_interval$"),
+                                     r"replan_interval, replan_threshold, replica_slots, split, topology, view_interval$"),
     ({"aux": {"smoothing": 0.5}}, r"easybalance\.aux\.smoothing: unknown key; valid keys: "
                                   r"bias_rate, gain, loss_coeff, policy, weight_range$"),
     ({"inference": {"split": "fast"}}, r"easybalance\.inference\.split \('fast'\) must be one of: view, exact"),
@@ -169,7 +169,7 @@ VALID = {"enabled": True, "mode": "balance", "ema_alpha": 0.3, "window": "auto",
          "aux": {"policy": "bias", "weight_range": [0.5, 2.0], "gain": 0.02, "bias_rate": 0.001,
                  "loss_coeff": 0.01},
          "inference": {"replica_slots": 1, "split": "view", "topology": "pcie",
-                       "replan_threshold": 1.5, "replan_interval": 24, "view_interval": 4, "trial_batches": 8},
+                       "replan_threshold": 1.5, "replan_interval": 24, "view_interval": 4},
          "train_placement": {"enabled": False, "interval": 50}}
 EDGES = st.sampled_from([10 ** 400, -10 ** 400, 2 ** 63, 2 ** 31, -1, 0, float("nan"), float("inf"), "", "\x00", [], {}])
 JSONISH = st.recursive(
@@ -191,7 +191,7 @@ def test_the_valid_block_has_every_key_and_it_parses_back_from_its_dict():
     def leaves(d):
         return sum(leaves(v) if isinstance(v, dict) else 1 for v in d.values())
     cfg = EasyBalanceConfig.from_ds_config({"easybalance": VALID})
-    assert leaves(VALID) == leaves(cfg.to_dict()) == 23          # every key, each with its reason in docs/config.md
+    assert leaves(VALID) == leaves(cfg.to_dict()) == 22          # every key, each with its reason in docs/config.md
     assert EasyBalanceConfig.from_block(cfg.to_dict()) == cfg
 
 

@@ -66,7 +66,6 @@ class InferenceConfig:
     replan_threshold: float = 1.5   # consider a re-plan when a layer's expected slot max/mean passes this
     replan_interval: int = 24       # batches between two re-plans, at least (measured: docs/benchmarks.md, replay)
     view_interval: int = 4          # batches between two view updates (one all-reduce each)
-    trial_batches: int = 8          # batches of a layout trial (replicas vs DeepSpeed's cost, in turns); 0 = none
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
 
 
@@ -360,7 +359,6 @@ def _inference(block: Any, path: str) -> InferenceConfig:
         replan_threshold=threshold,
         replan_interval=_int(block.get("replan_interval", d.replan_interval), f"{path}.replan_interval", minimum=1),
         view_interval=_int(block.get("view_interval", d.view_interval), f"{path}.view_interval", minimum=1),
-        trial_batches=_trial_batches(block.get("trial_batches", d.trial_batches), f"{path}.trial_batches"),
         explicit=frozenset(block))
 
 
@@ -372,10 +370,3 @@ def _train_placement(block: Any, path: str) -> TrainPlacementConfig:
     d = TrainPlacementConfig()
     return TrainPlacementConfig(enabled=_bool(block.get("enabled", True), f"{path}.enabled"),
                                 interval=_int(block.get("interval", d.interval), f"{path}.interval", minimum=1))
-
-
-def _trial_batches(value: Any, path: str) -> int:
-    n = _int(value, path, minimum=0, maximum=1 << 20)
-    if n == 1:
-        raise ConfigError(f"{path} (1) must be 0 (no layout trial) or >= 2 (batches served in turns by each layout)")
-    return n

@@ -707,7 +707,8 @@ def expected_padded_cost(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor
     """[L] slots x the expected largest slot load: what a padded dispatch (DeepSpeed's MOELayer pads every
     slot to the capacity) computes and sends per layer, in routes, with each expert's routes split
     evenly over its replicas. heat_LE: [L, E] expected routes."""
-    return plan.phy2log.shape[1] * _slot_loads(_checked_heat(heat_LE, plan), plan).amax(1)
+    slot_LP = _slot_loads(_checked_heat(heat_LE, plan), plan)
+    return slot_LP.shape[1] * slot_LP.amax(1)
 
 
 def expected_device_load(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:

@@ -23,7 +23,7 @@ served layer is AutoEP's own `AutoEPMoELayer`, with two changes:
 
 Every route meets its expert's weights with its own gate value, so the outputs are those of plain AutoEP up to
 the rounding of GEMMs over differently grouped rows. The tally is of logical experts, with the EP rank each
-route went to as the device columns. Re-planning, the two-phase weight moves and the layout trial are the
+route went to as the device columns. Re-planning and the weight moves are the
 serving engine's (`adapters.serving.engine`); `AutoEPStore` is its slot store of these layers (dropless: the
 planner's model is the busiest rank's routes).
 """
@@ -135,7 +135,7 @@ class AutoEPRoutes:
         """This rank's routes per replica [E, R]."""
         if self.routing.split == "view":
             return split_by_fraction(counts_E, self._maps(counts_E.device)[2])
-        n_ER, _ = exact_split(counts_E, self.table, self.S, self.G, self.layer.ep_group, self.routing.rank)
+        n_ER = exact_split(counts_E, self.table, self.S, self.G, self.layer.ep_group, self.routing.rank)
         return n_ER
 
     def _maps(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,9 +8,8 @@ per rank, some of them copies of hot experts); only the gate changes. The gate
 
   1. routes exactly as DeepSpeed's `TopKGate` does on the E logical logits (same logits, same
      gating function, same random draws, same gate values), with no capacity limit;
-  2. splits each logical expert's routes over its replicas: by the split table the placement was
-     planned with (`split="view"`, no collective), or by steering this batch's counts from every
-     rank (`split="exact"`, one all-gather of [E] counts per layer), and gives each route its slot
+  2. splits each logical expert's routes over its replicas by the split table the placement was
+     planned with (`view`, no collective), and gives each route its slot
      and its position there (the route's logical position, minus its replica's start);
   3. agrees on one capacity across the EP group (`_capacity`), so unequal batches never abort the All-to-All;
   4. returns DeepSpeed's sparse 7-tuple over the P slots, with the logical routed counts as
@@ -28,9 +27,8 @@ import torch
 import torch.nn.functional as F
 from deepspeed.moe import sharded_moe as dsm
 
-from ...core.config import SPLITS
 from ...core.tally import LayerTally, logit_sums
-from ..serving.store import Routing, SlotTable, exact_split, split_by_fraction
+from ..serving.store import Routing, SlotTable, split_by_fraction
 from .gate import CrossLayerGate
 
 __all__ = ["ReplicaGate"]
@@ -43,8 +41,6 @@ class ReplicaGate(CrossLayerGate):
                  table: SlotTable, routing: Optional[Routing] = None, **gate_kwargs):
         super().__init__(model_dim, num_experts, k, **gate_kwargs)
         self.routing = routing or Routing()
-        if self.routing.split not in SPLITS:
-            raise ValueError(f"split ({self.routing.split!r}) must be one of: {', '.join(SPLITS)}")
         self.G = int(num_devices)
         self.set_table(table, slots_per_device)
         self.tally = LayerTally(num_experts, self.G)
@@ -106,10 +102,11 @@ class ReplicaGate(CrossLayerGate):
             # 1. DeepSpeed's routing on the logical experts, no capacity limit (same draws as TopKGate)
             l_aux, _, _, expert_KT, position_KT, gates_KT, counts_E = self._logical_routes(logits_TE, used_token)
             expert_KT, position_KT = expert_KT.long(), position_KT.long()
-        # 2. replicas: routes per replica on this rank, and (exact split) on every rank
-        n_ER, slot_load_GP = self._split(counts_E.long())
+        # 2. replicas: this rank's routes per replica, by the table's shares (`view`: measured faster here than
+        # the exact split, docs/benchmarks.md)
+        n_ER = split_by_fraction(counts_E.long(), self._table_on(counts_E.device).fraction_ER)
         # 3. one capacity for the EP group
-        capacity = self._capacity(slot_load_GP, n_ER, T)
+        capacity = self._capacity(n_ER, T)
         slot_KT, location_KT, gates_KT = self._place(expert_KT, position_KT, gates_KT, n_ER, capacity)
         if self.routing.recording and T > 0:     # slot -1 (dropped) is device -1 (floor division)
             self._add_routes(torch.where(slot_KT >= 0, expert_KT, -1), slot_KT // self.S, counts_E, T, used_token,
@@ -165,22 +162,13 @@ class ReplicaGate(CrossLayerGate):
         """The capacity the EP group agreed on for the last batch (read lazily: a host sync)."""
         return int(self._capacity_value)
 
-    def _split(self, counts_E: torch.Tensor):
-        """n_ER [E, R]: this rank's routes per replica; slot_load_GP [G, P]: every rank's routes per slot
-        (exact split), or None (view split: each rank knows only its own)."""
-        if self.routing.split == "view":
-            return split_by_fraction(counts_E, self._table_on(counts_E.device).fraction_ER), None
-        return exact_split(counts_E, self.table, self.S, self.G, self.ep_group, self.routing.rank, slot_loads=True)
-
-    def _capacity(self, slot_load_GP, n_ER, T: int) -> int:
+    def _capacity(self, n_ER, T: int) -> int:
         """The EP group's capacity. Without drops: the most routes any rank sends to any slot. With drops:
         DeepSpeed's ceil(T_max * k * capacity_factor / P), T_max the most tokens on any rank (never below what
         it keeps: the kept routes are the same as with the smaller of the two)."""
-        if slot_load_GP is not None:          # exact split: every rank's routes are known here
-            most, tokens = int(slot_load_GP.max()), int(slot_load_GP.sum(1).max()) // self.k
-        elif self.drop_tokens:                # one all-reduce and host read per forward, not per layer
+        if self.drop_tokens:                # one all-reduce and host read per forward, not per layer
             most, tokens = None, self._agreed_tokens(T, n_ER.device)
-        else:                                 # view split: one all-reduce, as DeepSpeed's own capacity
+        else:                                 # one all-reduce, as DeepSpeed's own capacity
             log2phy_ER = self._table_on(n_ER.device).log2phy_ER
             mine = torch.zeros(self.P + 1, dtype=torch.long, device=n_ER.device)
             mine.index_add_(0, torch.where(log2phy_ER >= 0, log2phy_ER, self.P).reshape(-1), n_ER.reshape(-1))

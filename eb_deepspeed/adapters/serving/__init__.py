@@ -1,4 +1,4 @@
-"""Serving: one framework-neutral engine (`engine.ServingEngine`: the view, re-planning, layout trials, weight
+"""Serving: one framework-neutral engine (`engine.ServingEngine`: the view, re-planning, weight
 moves, logical checkpoints) over a runtime's slot store (`store.SlotStore`), and `init_inference`, the one door:
 models DeepSpeed's AutoEP converted are served in AutoEP's own layers (`adapters.autoep.serving.AutoEPStore`),
 models built from `deepspeed.moe.layer.MoE` in DeepSpeed's MOELayer after `deepspeed.init_inference`

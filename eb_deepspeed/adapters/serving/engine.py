@@ -1,4 +1,4 @@
-"""The serving engine, framework-neutral: the view, re-planning, layout trials and weight moves, over a slot store.
+"""The serving engine, framework-neutral: the view, re-planning and weight moves, over a slot store.
 
 Shape legend: L MoE layers, E logical experts, G EP ranks, S slots per rank, P physical slots (G * S; slot p
 lives on EP rank p // S), H home experts per rank (E / G).
@@ -14,8 +14,8 @@ once the view is warm, at most every `replan_interval` batches, when a layer's e
 `replan_threshold`, plans replicas for every slot and serves the cheaper of that plan and the home layout if it
 beats the current one. What "cheaper" means is the runtime's dispatch model (`DISPATCH`): DeepSpeed's MOELayer
 pads every slot to the largest (extra slots pay only where they cut the largest slot load by more than they add
-slots); a dropless layer takes as long as its busiest rank. Replicas that replace a one-slot-per-expert layout
-first serve on trial against it, in turns, and stay only if they served faster (then the next loss backs off).
+slots); a dropless layer takes as long as its busiest rank. (A layout trial, replicas and one slot per expert
+serving in turns, reversed no `view` decision on either runtime and left: docs/benchmarks.md.)
 
 A re-plan moves weights with `adapters.moves.RowMover` (agreed in phases: a failure anywhere keeps the old placement
 on every rank, no peer is left waiting), then every rank flips its tables before the next forward.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from ...core.config import EasyBalanceConfig
 from ...core.record import NullLogger
 from ...core.topology import resolve_topology
 from ...observe.monitor import JsonlLogger
-from ...planning.placement import (MAX_SLOTS, SPREAD_WEIGHT, Placement, check_plan_size, expected_device_load,
+from ...planning.placement import (MAX_SLOTS, Placement, check_plan_size, expected_device_load,
                                    expected_padded_cost, expected_slot_ratio, plan_placement, prefix_placement,
                                    static_placement, with_prefix)
 from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node
@@ -51,11 +50,6 @@ __all__ = ["ServingEngine", "choose_placement"]
 # batch's load is its own (noise on every slot), and moving weights and the replica split cost time too.
 # Measured on the example model: a 3 % expected gain was a loss.
 MIN_GAIN = 0.10
-# A layout trial keeps replicas when they served this much faster per token than the one-slot-per-expert
-# prefix, measured in the same batches interleaved: below it, the noise of a short trial.
-TRIAL_GAIN = 0.02
-# After a lost trial the next re-plan waits replan_interval x 2^(lost trials in a row), at most this power.
-MAX_BACKOFF = 6
 EXIT_WAIT_S = 30     # at exit, how long a view step in flight may wait for its reduce (its peers may be gone)
 
 
@@ -82,10 +76,8 @@ class DispatchModel:
 
 # (runtime pads every slot, inference.split) -> the model: the one place where runtime and split meet
 DISPATCH = {
-    # DeepSpeed's MOELayer: evenly, every slot padded to the largest ("padded": the largest share as small as it
-    # gets, under either split); node spread only pays where routes can stay on their node: `exact` steers them
+    # DeepSpeed's MOELayer: evenly, every slot padded to the largest ("padded": the largest share as small as it gets)
     (True, "view"): DispatchModel("padded", False, False, expected_padded_cost, expected_slot_ratio),
-    (True, "exact"): DispatchModel("padded", SPREAD_WEIGHT, True, expected_padded_cost, expected_slot_ratio),
     # a dropless layer: its busiest rank's routes; `exact` steers each batch, `view` splits evenly
     (False, "view"): DispatchModel("uniform", None, True, lambda h, p: expected_device_load(h, p).amax(1),
                                    _device_ratio),
@@ -153,9 +145,6 @@ class ServingEngine:
         self.home = static_placement(self.L, self.E, self.G)       # the runtime's layout: S = H, no replicas
         self.placement = self.home      # what the gates' tables serve
         self.resident = self.home       # what the slots hold (`placement`, or a plan whose prefix serves)
-        self.trials: list[dict] = []    # the layout trials run (`_end_trial`)
-        self._trial: Optional[dict] = None
-        self._lost_trials = 0
         self._in_flight: Optional[torch.Tensor] = None      # a view step's tally whose reduce was posted
         self._posted: list = []                              # its work object
         self.node_G = torch.zeros(self.G, dtype=torch.long)
@@ -165,8 +154,12 @@ class ServingEngine:
         else:
             join_startup_off()          # a rank whose block is on waits for this rank in the start-up all-gather
         inf = config.inference if enabled else None
-        self.model = DISPATCH[(store.padded, "view" if inf is None else inf.split)]
-        self.routing = Routing(split="view" if inf is None else inf.split, rank=self.rank, recording=enabled)
+        split = "view" if inf is None or store.padded else inf.split      # a padded layer: `view` (measured)
+        if inf is not None and store.padded and inf.split != "view" and dist_rank() == 0:
+            warnings.warn('easybalance.inference.split "exact" has no effect on DeepSpeed-MoE\'s padded layer, which '
+                          'serves "view" (measured faster there: docs/benchmarks.md)')
+        self.model = DISPATCH[(store.padded, split)]
+        self.routing = Routing(split=split, rank=self.rank, recording=enabled)
         store.replicate(self.S_max, self.placement, self.routing)
         self.balancer: Optional[Balancer] = None
         if enabled:
@@ -192,11 +185,6 @@ class ServingEngine:
     def gates(self) -> list:
         return self.store.gates
 
-    @property
-    def on_trial(self) -> bool:
-        """A layout trial is running: replicas and their prefix serve in turns (`_start_trial`)."""
-        return self._trial is not None
-
     def _agree_at_start_up(self):
         log = self.config.log
         gathered, rank, logger = gather_startup(
@@ -215,24 +203,15 @@ class ServingEngine:
 
     # ------------------------------------------------------------------ per batch
     def before_batch(self, inputs: tuple) -> None:
-        """A new forward: the gates agree on its tokens again. During a layout trial: start the clock of this
-        forward (after the accelerator's queued work)."""
+        """A new forward: the gates agree on its tokens again."""
         self.routing.tokens = []
-        if self._trial is not None:
-            _synchronize(self.store.device)
-            x = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
-            tokens = 1 if x is None else (x.numel() // x.shape[-1] if x.is_floating_point() and x.dim() else x.numel())
-            self._trial["started"] = (time.perf_counter(), max(tokens, 1))
 
     def after_batch(self) -> None:
         """Every `view_interval` batches: drain the gates' tallies and post their all-reduce in the background;
-        one batch later the view takes that step and serving re-plans if it says so. During a layout trial,
-        time the forward."""
+        one batch later the view takes that step and serving re-plans if it says so."""
         if self.balancer is None:
             return
         self.batches += 1
-        if self._trial is not None:
-            self._time_trial_batch()
         if self._in_flight is not None:        # posted after an earlier forward: done by now, or nearly
             self.settle()
             self._after_view_step()
@@ -252,19 +231,16 @@ class ServingEngine:
 
     def _after_view_step(self) -> None:
         """The view took a step: re-plan if the view says so."""
-        if self.R and self._trial is None:
+        if self.R:
             self.maybe_replan()
 
     def maybe_replan(self) -> bool:
-        """Once the view is warm, at most every `replan_interval` batches (longer after lost layout trials),
-        choose a placement (`choose_placement`) and move to it if it differs from the serving one; replicas that
-        replace a one-slot-per-expert layout serve on trial (`_start_trial`; a re-plan of replicas that won
-        their trial does not). Returns whether a new placement serves."""
+        """Once the view is warm, at most every `replan_interval` batches, choose a placement (`choose_placement`)
+        and move to it if it differs from the serving one. Returns whether a new placement serves."""
         inf, view = self.config.inference, self.balancer.view
         if not view.ready:
             return False
-        wait = inf.replan_interval * 2 ** min(self._lost_trials, MAX_BACKOFF)
-        if self.last_plan_batch is not None and self.batches - self.last_plan_batch < wait:
+        if self.last_plan_batch is not None and self.batches - self.last_plan_batch < inf.replan_interval:
             return False
         # the new placement is expected to serve as long as the one serving has (at least until the next re-plan)
         horizon = max(inf.replan_interval, self.batches - self.placed_batch) / inf.view_interval
@@ -280,13 +256,7 @@ class ServingEngine:
             self._serve(_prefix(self.resident))        # the home layout's cost without moving a weight
             self.placed_batch = self.batches
             return True
-        switching = self.placement.slots_per_device == self.H     # from one slot per expert to replicas
-        if not self.apply(choice):
-            return False
-        # with drops, replicas change which tokens are kept (fewer drops): not a matter of time alone
-        if switching and not self.store.drops_tokens and _prefix(choice) is not None and inf.trial_batches:
-            self._start_trial(choice)
-        return True
+        return self.apply(choice)
 
     def move_cost(self, plan: Placement) -> float:
         """The time moving to `plan` stalls the busiest receiving rank, in routes it could have computed meanwhile
@@ -297,7 +267,8 @@ class ServingEngine:
 
     def _plan(self, heat_LE: torch.Tensor) -> Placement:
         """Replicas for every slot (S_max per rank) from the view's heat in the runtime's dispatch model; its
-        counts laid over a one-slot-per-expert prefix (the layout trial's other layout) when that costs no more."""
+        counts laid over a one-slot-per-expert prefix (the home layout's cost, served without a move when the home
+        layout is chosen) when that costs no more."""
         model = self.model
         kwargs = {} if model.node_spread is None else {"node_spread": model.node_spread}
         if model.planner != "steered":        # an even split: replicas for the swings too
@@ -310,53 +281,6 @@ class ServingEngine:
             return prefixed
         return planned
 
-    # ------------------------------------------------------------------ layout trial
-    def _start_trial(self, plan: Placement) -> None:
-        """Serve `plan` and its prefix (the home layout's cost) in turns, ABBA, for `trial_batches` batches; then
-        keep the one that served faster per token on every rank together (`_end_trial`). The cost model chose the
-        plan from the view; the trial checks it against the forward time it actually gives."""
-        self._trial = {"plan": plan, "base": _prefix(plan), "times": {"plan": [0.0, 0], "base": [0.0, 0]},
-                       "batch": 0, "started": None}
-
-    @staticmethod
-    def _trial_layout(i: int) -> str:
-        return "plan" if i % 4 in (0, 3) else "base"
-
-    def _time_trial_batch(self) -> None:
-        trial = self._trial
-        if trial["started"] is not None:
-            _synchronize(self.store.device)
-            t0, tokens = trial["started"]
-            spent = trial["times"][self._trial_layout(trial["batch"])]
-            spent[0] += time.perf_counter() - t0
-            spent[1] += tokens
-            trial["started"] = None
-        trial["batch"] += 1
-        if trial["batch"] >= self.config.inference.trial_batches:
-            self._end_trial()
-        else:
-            self._serve(trial[self._trial_layout(trial["batch"])])
-
-    def _end_trial(self) -> None:
-        trial, self._trial = self._trial, None
-        times = torch.tensor([*trial["times"]["plan"], *trial["times"]["base"]], dtype=torch.float64,
-                             device=self.store.device)
-        if dist_ready() and dist.get_world_size() > 1:
-            dist.all_reduce(times)           # every rank decides on the same sums
-        plan_s, plan_tokens, base_s, base_tokens = times.tolist()
-        per_plan, per_base = plan_s / max(plan_tokens, 1), base_s / max(base_tokens, 1)
-        kept = per_plan > 0 and per_base > 0 and per_plan < (1 - TRIAL_GAIN) * per_base
-        self._lost_trials = 0 if kept else self._lost_trials + 1
-        self.trials.append({"batch": self.batches, "us_per_token_replicas": round(1e6 * per_plan, 3),
-                            "us_per_token_deepspeed_cost": round(1e6 * per_base, 3), "replicas_kept": kept})
-        self._serve(trial["plan"] if kept else trial["base"])
-
-    def _serve(self, placement: Placement) -> None:
-        """Flip every layer's tables to `placement`, whose weights the slots hold (`resident` or its prefix)."""
-        self.placement = placement
-        for layer in range(self.L):
-            self.store.serve(layer, placement)
-
     # ------------------------------------------------------------------ weight moves
     def apply(self, plan: Placement) -> bool:
         """Move weights for `plan` and flip every rank to it, or keep the old placement everywhere."""
@@ -364,7 +288,6 @@ class ServingEngine:
                 or plan.slots_per_device > self.S_max:
             raise ValueError(f"a placement of {tuple(plan.phy2log.shape)} slots ({plan.slots_per_device} per rank) "
                              f"does not fit {self.L} layers x {self.G} ranks x at most {self.S_max} slots")
-        self._trial = None              # a placement set from outside ends the trial: the tables are its
         moves = slot_moves(self.resident, plan)
         if not self.mover.move(moves, placement_key(plan.phy2log), _SlotRows(self.store)):
             self.failed_moves += 1
@@ -428,12 +351,6 @@ def _prefix(plan: Placement) -> Optional[Placement]:
         return None
     prefix = prefix_placement(plan)
     return prefix if bool((prefix.logcnt == 1).all()) else None
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait for the accelerator's queued work (a layout trial times forwards)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _wait_posted(posted: list) -> None:

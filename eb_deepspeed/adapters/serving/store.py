@@ -97,21 +97,13 @@ def split_by_fraction(counts_E: torch.Tensor, fraction_ER: torch.Tensor) -> torc
     return torch.diff(ends_ER, dim=1, prepend=torch.zeros_like(ends_ER[:, :1]))
 
 
-def exact_split(counts_E: torch.Tensor, table: SlotTable, S: int, G: int, ep_group, rank: int,
-                slot_loads: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def exact_split(counts_E: torch.Tensor, table: SlotTable, S: int, G: int, ep_group, rank: int) -> torch.Tensor:
     """The `exact` split of one batch: every rank's routes per expert [E] from one all-gather over the EP group,
-    split over the copies on the device (`planning.steering`). Returns this rank's routes per replica n_ER [E, R]
-    and, with `slot_loads`, every rank's routes per slot [G, P] (else None)."""
+    split over the copies on the device (`planning.steering`). Returns this rank's routes per replica n_ER [E, R]."""
     counts_GE = torch.empty(G, *counts_E.shape, dtype=counts_E.dtype, device=counts_E.device)
     if G > 1:
         dist.all_gather(list(counts_GE.unbind(0)), counts_E.contiguous(), group=ep_group)
     else:
         counts_GE[0] = counts_E
     n_ER = table.copies_on(S, G, counts_E.device).split(counts_GE.sum(0))
-    if not slot_loads:
-        return rank_share(counts_GE, n_ER, rank), None
-    split_GER = rank_share(counts_GE, n_ER)
-    slots_ER = table.log2phy_ER.to(counts_E.device)
-    slot_load_GP = torch.zeros(G, G * S + 1, dtype=torch.long, device=counts_E.device)
-    slot_load_GP.index_add_(1, torch.where(slots_ER >= 0, slots_ER, G * S).reshape(-1), split_GER.reshape(G, -1))
-    return split_GER[rank], slot_load_GP[:, :G * S]
+    return rank_share(counts_GE, n_ER, rank)
