@@ -281,6 +281,12 @@ class ServingEngine:
             return prefixed
         return planned
 
+    def _serve(self, placement: Placement) -> None:
+        """Flip every layer's tables to `placement`, whose weights the slots hold (`resident` or its prefix)."""
+        self.placement = placement
+        for layer in range(self.L):
+            self.store.serve(layer, placement)
+
     # ------------------------------------------------------------------ weight moves
     def apply(self, plan: Placement) -> bool:
         """Move weights for `plan` and flip every rank to it, or keep the old placement everywhere."""
