@@ -153,7 +153,6 @@ class AutoEPStore:
     """
 
     padded = False          # dropless: a layer takes as long as its busiest rank
-    drops_tokens = False
 
     def __init__(self, module: torch.nn.Module, engine=None):
         self.module, self.engine = module, engine

@@ -77,10 +77,6 @@ class MoEStore:
         self.device = torch.device(get_accelerator().current_device_name())   # collectives (NCCL takes no host tensors)
         self.gates: list[ReplicaGate] = []
 
-    @property
-    def drops_tokens(self) -> bool:
-        return any(gate.drop_tokens for gate in self.gates)
-
     def expert_module(self, layer: int, j: int) -> torch.nn.Module:
         """This rank's j-th expert module of a layer (the module behind local slot j)."""
         return self.moes[layer].deepspeed_moe.experts.deepspeed_experts[j]

@@ -63,7 +63,7 @@ class Routing:
 class SlotStore(Protocol):
     """A runtime's MoE layers as slots. Set at construction: `num_layers`, `num_experts`, `num_devices` (E, G of
     every layer), `top_k` (per layer), `ep_group`, `device` (where collectives run), `padded` (every slot is
-    padded to the largest: DeepSpeed's MOELayer; else dropless), `drops_tokens`; after `replicate`: `gates`
+    padded to the largest: DeepSpeed's MOELayer; else dropless); after `replicate`: `gates`
     (one per layer, each with a `tally`)."""
     gates: list
 
