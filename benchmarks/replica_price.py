@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from eb_deepspeed.adapters.moves import DEVICE_FLOPS
@@ -26,7 +27,9 @@ PARAMS = 3 * HIDDEN * FFN                      # one expert: gate, up, down
 WEIGHT_BYTES, GRAD_BYTES = 2, 4                # bf16 weights out, fp32 gradient back (DeepSpeed's bf16 default)
 FLOPS_PER_ROUTE = 6 * PARAMS                   # forward 2, backward 4 per parameter and route
 TOKENS_PER_RANK = 4096                         # one micro-batch of one sequence of 4096 tokens a rank
-BALANCEDNESS = {"permutation": 0.460, "1 replica slot": 0.947}     # results/permutation_esft.json, EP 32
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "permutation_esft.json")) as _f:
+    _EP32 = json.load(_f)[str(EP)]          # benchmarks.replay --counts ...esft... --permutation (docs/benchmarks.md)
+BALANCEDNESS = {"permutation": _EP32["same_task"], "1 replica slot": _EP32["same_task_r1"]}
 LINKS = {"NVLink (one node)": TOPOLOGIES["nvlink"].intra_bw,
          "InfiniBand 400 Gb/s": 50e9,
          "between nodes, the engine's multi_node": TOPOLOGIES["multi_node"].inter_bw}
