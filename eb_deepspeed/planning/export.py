@@ -1,18 +1,16 @@
 """Placements in and out of files, and the before/after balance table `eb plan` prints.
 
-Shape legend: L layers, E logical experts, G devices, S slots per device, P physical slots (G * S;
-slot p lives on device p // S).
+Shape legend: L layers, E logical experts, G devices, S slots per device, P slots (G * S; slot p on device p // S).
 
     doc = placement_json(plan, dispatch="uniform", num_nodes=2, source="runs/main/balance")
     plan = read_placement_json("plan.json")
     sglang = sglang_mapping(plan)          # {"physical_to_logical_map": [L][P]}: --init-expert-location
     table = balance_table(load_LE, {"trivial": trivial_placement(L, E, G, S), "planned": plan})
 
-SGLang reads `--init-expert-location FILE.json` with `json.loads` and passes the dict as keyword
-arguments to `ExpertLocationMetadata.init_by_mapping(physical_to_logical_map=...)`, so the file must
-hold that one key and nothing else; physical slot p serves EP rank p // (P / ep_size), as here; P is
-num_logical + `--ep-num-redundant-experts`, and every slot must hold an expert (checked in
-tests/test_plan_export.py against a re-implementation of SGLang's parsing).
+SGLang reads `--init-expert-location FILE.json` with `json.loads` and passes the dict as keyword arguments to
+`ExpertLocationMetadata.init_by_mapping(physical_to_logical_map=...)`, so the file must hold that one key and nothing
+else; physical slot p serves EP rank p // (P / ep_size), as here; P is num_logical + `--ep-num-redundant-experts`,
+and every slot must hold an expert (tests/test_plan_export.py checks it against SGLang's parsing, re-implemented).
 """
 from __future__ import annotations
 
@@ -24,22 +22,12 @@ import torch
 from ..core.files import load_json
 from ..core.metrics import aggregate_balancedness, balancedness
 from .flows import steered_load
-from .placement import Placement, index_maps
+from .placement import Placement, index_maps, is_legal, trivial_placement  # noqa: F401 - eb plan's trivial_placement
 from .uniform import even_split_loads
 
 __all__ = ["placement_json", "read_placement_json", "sglang_mapping"]
 
 PLAN_FORMAT = "eb_deepspeed.placement/1"
-
-
-def trivial_placement(num_layers: int, num_experts: int, num_devices: int, slots_per_device: int) -> Placement:
-    """The layout without a planner: slot p holds expert p % E (DeepSpeed's contiguous layout when P == E;
-    SGLang's `trivial` and vLLM's `linear` layouts with redundant slots)."""
-    P = num_devices * slots_per_device
-    if P < num_experts:
-        raise ValueError(f"{num_devices} devices x {slots_per_device} slots ({P}) cannot hold {num_experts} experts")
-    phy = (torch.arange(P) % num_experts).expand(num_layers, P).clone()
-    return index_maps(phy, num_experts, num_devices, slots_per_device)
 
 
 def placement_json(plan: Placement, **meta) -> dict:
@@ -67,7 +55,7 @@ def read_placement_json(path: str) -> Placement:
     if "num_layers" in doc and _count(doc, "num_layers", path) != phy.shape[0]:
         raise ValueError(f"{path}: num_layers ({doc['num_layers']}) must match the {phy.shape[0]} rows of phy2log")
     plan = index_maps(phy, E, G, S)
-    if not bool((plan.logcnt >= 1).all()) or not bool((plan.holds_mask().sum(1) == plan.logcnt).all()):
+    if not is_legal(plan):
         raise ValueError(f"{path}: phy2log leaves an expert without a replica or puts two on one device")
     for key, derived in (("logcnt", plan.logcnt), ("log2phy", plan.log2phy)):   # compared as JSON: 1 is not true
         if key in doc and json.dumps(doc[key]) != json.dumps(derived.tolist()):
@@ -114,23 +102,18 @@ def sglang_mapping(plan: Placement) -> dict:
     return {"physical_to_logical_map": plan.phy2log.tolist()}
 
 
-def _loads(load_LE: torch.Tensor, plan: Placement) -> dict[str, torch.Tensor]:
-    """[L, G] device loads under both dispatch models."""
-    uniform = even_split_loads(plan.phy2log.numpy(), load_LE.numpy(), plan.num_devices, plan.slots_per_device)
-    return {"uniform": torch.from_numpy(uniform), "steered": steered_load(plan, load_LE, iters=100)}
-
-
 def balance_table(load_LE, plans: dict[str, Placement]) -> dict[str, dict[str, dict[str, float]]]:
     """{layout: {dispatch: {"aggregate": ..., "worst_layer": ...}}}: balancedness (mean / max device load;
     aggregate = sum of means / sum of maxima, core/metrics.py) of each plan under an even split of each
     expert over its replicas ("uniform") and under free steering ("steered": `flows.steered_load`)."""
     load_LE = torch.as_tensor(np.asarray(load_LE), dtype=torch.float64)
     out = {}
-    for name, plan in plans.items():
-        out[name] = {}
-        for dispatch, y_LG in _loads(load_LE, plan).items():
-            out[name][dispatch] = {"aggregate": round(aggregate_balancedness(y_LG), 4),
-                                   "worst_layer": round(float(balancedness(y_LG).min()), 4)}
+    for name, plan in plans.items():   # [L, G] device loads under both dispatch models
+        uniform = even_split_loads(plan.phy2log.numpy(), load_LE.numpy(), plan.num_devices, plan.slots_per_device)
+        loads = {"uniform": torch.from_numpy(uniform), "steered": steered_load(plan, load_LE, iters=100)}
+        out[name] = {dispatch: {"aggregate": round(aggregate_balancedness(y_LG), 4),
+                                "worst_layer": round(float(balancedness(y_LG).min()), 4)}
+                     for dispatch, y_LG in loads.items()}
     return out
 
 

@@ -1,21 +1,20 @@
 """The planner's model of steering: per-expert water filling of each expert's tokens over its replicas.
 
-Shape legend: L layers, E logical experts, G devices, S slots per device, P physical slots (G * S;
-slot p lives on device p // S).
+Shape legend: L layers, E logical experts, G devices, S slots per device, P slots (G * S; slot p on device p // S).
 
     x_LP = steer_flows(np.ones((L, P)), phy2log_LP, load_LE, S, iters=100)   # tokens per slot
     steered_load(plan, load_LE)    # [L, G] tokens per device after steering
 
-The continuous relaxation of what steering can reach (any token to any replica of its expert, from any
-source), which the planner scores placements by; tested against the exact optimum (`benchmarks/exact.py`).
-The runtime's `steering.steer` splits whole routes per source rank, so it reaches this bound only approximately.
+The continuous relaxation of what steering can reach (any token to any replica of its expert, from any source),
+which the planner scores placements by; tested against the exact optimum (`benchmarks/exact.py`). The runtime's
+`steering.steer` splits whole routes per source rank: it reaches this bound only approximately.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .slots import real_tensor
+from .slots import checked_load
 
 __all__ = ["steered_load"]
 
@@ -23,17 +22,14 @@ __all__ = ["steered_load"]
 def steer_flows(x_LP: np.ndarray, phy_LP: np.ndarray, load_LE: np.ndarray, S: int, iters: int) -> np.ndarray:
     """Tokens per slot x_LP [L, P] after `iters` rounds of per-expert water filling from x_LP.
 
-    phy_LP [L, P]: expert per slot (-1 empty); load_LE [L, E]: tokens per expert. x_LP may be any
-    non-negative start; it is first rescaled so each expert's slots carry exactly its load. Each round
-    every expert computes the split of its load over its replicas that levels their devices as far
-    as the other experts' current shares allow (exact water filling: start with every replica
-    active, level = (load + sum of active bases) / active count, drop the replicas whose base is at
-    or above it, until none drops), and all experts step towards theirs at once, expert e by
-    1 / (most moving experts on one of its devices). With those steps each device's new load is a
-    convex combination of single-expert moves, so the sum of squared device loads never rises
-    (a plain 1/2 step oscillates when five or more experts share two devices); the fixed point
-    minimises it, and with it the slowest device: the best steering can do for this placement.
-    """
+    phy_LP [L, P]: expert per slot (-1 empty); load_LE [L, E]: tokens per expert; x_LP: any non-negative
+    start, first rescaled so each expert's slots carry its load. Each round every expert computes the split of
+    its load that levels its replicas' devices as far as the others' current shares allow (exact water filling:
+    level = (load + sum of active bases) / active count, drop the replicas whose base is at or above it, until
+    none drops), and all step towards theirs at once, expert e by 1 / (most moving experts on one of its
+    devices): each device's new load is a convex combination of single-expert moves, so the sum of squared
+    device loads never rises (a plain 1/2 step oscillates); the fixed point minimises it, and with it the
+    slowest device: the best steering can do for this placement."""
     L, P = phy_LP.shape
     E = load_LE.shape[1]
     G = P // S
@@ -91,12 +87,7 @@ def steered_load(plan, load_LE: torch.Tensor, iters: int = 100) -> torch.Tensor:
 
     plan: a `placement.Placement`; load_LE: [L, E] tokens per layer and expert.
     """
-    if not hasattr(plan, "phy2log") or not hasattr(plan, "logcnt"):
-        raise TypeError(f"plan must be a Placement, got {type(plan).__name__}")
-    load_LE = real_tensor("load_LE", load_LE, "[layers, experts]")
-    if load_LE.shape != plan.logcnt.shape:
-        raise ValueError(f"load_LE must be [layers, experts] = {tuple(plan.logcnt.shape)} for this plan, got "
-                         f"{tuple(load_LE.shape)}")
+    load_LE = checked_load("load_LE", load_LE, plan)
     L, P = plan.phy2log.shape
     S = plan.slots_per_device
     x_LP = steer_flows(np.ones((L, P)), plan.phy2log.numpy(), load_LE.numpy(), S, iters)

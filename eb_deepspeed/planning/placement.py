@@ -9,25 +9,16 @@ P physical slots per layer (G * S; slot p lives on device p // S), R max replica
     plan.logcnt    # [L, E] replica count per expert
     plan.moves     # replicas placed where `previous` did not hold that expert (weight copies)
     plan.steered_load_LG   # [L, G] expected tokens per device once steering splits them over replicas (steered)
-    plan = plan_placement(load_LE, 8, 5, num_nodes=2, dispatch="uniform")   # for an even split (SGLang, vLLM)
 
-`plan_placement` is the one entry point (its `dispatch`: how the serving runtime splits an expert's tokens
-over its replicas); its steps, each a function of its own, numbered as in EPLB:
-
-1u. `uniform.uniform_counts` / `uniform.count_variants`: replica counts that minimise the largest
-    share (D'Hondt), and a few neighbours on small inputs; with `slot_budget`, `replica_counts`.
-2.  `assign_replicas`: replicas in descending share, each to the least loaded device with a free slot
-    that does not hold its expert yet (spread over nodes when asked, `previous`'s device preferred).
-3u. `uniform.refine_uniform`: swaps and replica-count moves off each layer's slowest device, scored
-    exactly under the even split.
-3.  `refine.refine_for_steering` (steered only): a bounded local search that scores placements by
-    the slowest device after steering (`flows.steer_flows`), from the uniform plan; on small inputs
-    also from the load-proportional greedy plan (`replica_counts`, `assign_replicas`).
-4.  `_choose`: each layer keeps its best candidate under its dispatch, node spread weighed
-    (`node_spread`: a weight on `cross_node_fraction`, or a rule) and weight moves priced against
-    `previous` (which is itself a candidate); `index_maps`: phy2log, log2phy, logcnt, moves, loads.
-
-Costs are measured by `python -m benchmarks plan`.
+`plan_placement` is the one entry point; its steps, each a function, numbered as in EPLB (u: `uniform.py`):
+1u. `uniform.count_variants`: replica counts that minimise the largest share (D'Hondt), and a few neighbours
+    on small inputs; with `slot_budget`, `replica_counts`.
+2.  `assign_replicas`: replicas in descending share, each to the least loaded device that may take it.
+3u. `uniform.refine_uniform`: local moves off each layer's slowest device, scored under the even split.
+3.  `refine.refine_for_steering` (steered only): local moves scored after steering (`flows.steer_flows`),
+    from the uniform plan; on small inputs also from the load-proportional greedy plan (`replica_counts`).
+4.  `_choose`: each layer's best candidate under its dispatch (`previous` is one), node spread and weight
+    moves priced; `index_maps`: phy2log, log2phy, logcnt, moves, loads.
 """
 from __future__ import annotations
 
@@ -39,16 +30,24 @@ import torch
 
 from .flows import steer_flows
 from .refine import refine_for_steering
-from .slots import SlotCounts, holds_mask, integer_tensor, is_integer, is_real, real_tensor
-from .uniform import count_variants, refine_uniform, slot_shares
-from .uniform import even_split_loads as _uniform_loads
+from .slots import SlotCounts, checked_load, holds_mask, integer_tensor, is_integer, is_real, real_tensor
+from .uniform import count_variants, even_split_loads, refine_uniform, slot_shares
 
-# Sizes the planner takes. Its memory is linear in layers x (slots + experts) (a few hundred bytes a slot);
-# its time grows with layers x slots (each refinement round) and with layers x slots x devices (step 2 looks
-# at every device of every layer for each replica rank), which MAX_SCAN bounds.
+# Sizes the planner takes: its memory is linear in layers x slots, step 2's time in layers x slots x devices.
 MAX_SLOTS = 1 << 16
 MAX_LAYER_SLOTS = 1 << 24
 MAX_SCAN = 1 << 34
+# Weight moves against `previous`: each costs STICKINESS x the layer's mean device load / P (in step 2 an
+# expert's old device is preferred within STICKINESS x the mean device load).
+STICKINESS = 0.1
+REFINE_ITERS = 2            # water-filling iterations per confirmation of the steering-aware search
+REFINE_WORK = 1 << 14       # slots steered per round to confirm moves (more candidates per layer on smaller inputs)
+DISPATCH = ("steered", "uniform", "padded")   # how a runtime splits (and pads) an expert's tokens over its replicas
+SPREAD_WEIGHT = 0.1         # steered default: 1 % of the mean device load per 0.1 of `cross_node_fraction`
+EXTRA_WORK = 1 << 14        # up to this many layers x slots, more candidates (greedy start, no spread)
+HEDGE = 2.0                 # an even split's replica counts go by load + HEDGE x swing (docs/benchmarks.md)
+
+__all__ = ["Placement", "plan_placement", "static_placement", "expected_padded_cost", "expected_device_load"]
 
 
 def check_plan_size(num_layers: int, num_slots: int, num_devices: int) -> None:
@@ -57,22 +56,6 @@ def check_plan_size(num_layers: int, num_slots: int, num_devices: int) -> None:
     if P > MAX_SLOTS or L * P > MAX_LAYER_SLOTS or L * P * G > MAX_SCAN:
         raise ValueError(f"{L} layers x {P} slots over {G} devices is more than the planner takes ({MAX_SLOTS} slots "
                          f"per layer, {MAX_LAYER_SLOTS} in all, layers x slots x devices <= {MAX_SCAN})")
-# With `previous`, an expert stays on its old device when that device's load is within this fraction of the layer's
-# mean device load of the best choice (step 2); in the refinements moving all P slots of a layer must gain it.
-STICKINESS = 0.1
-REFINE_ITERS = 2            # water-filling iterations per confirmation of the steering-aware search
-REFINE_WORK = 1 << 14       # slots steered per round to confirm moves (more candidates per layer on smaller inputs)
-DISPATCH = ("steered", "uniform", "padded")   # how a runtime splits (and pads) an expert's tokens over its replicas
-# The default weight of node spread under steered dispatch: a layer gives up at most 1 % of its mean device
-# load to lower the expected cross-node route fraction by 0.1 (see `cross_node_fraction`).
-SPREAD_WEIGHT = 0.1
-# Below this many layer-slots (layers x devices x slots) the steered planner also searches from the greedy
-# start and weighs a no-spread plan; above it, time goes to the one search from the uniform plan.
-EXTRA_WORK = 1 << 14
-# An even split's replica counts go by load + HEDGE x swing (docs/benchmarks.md, "Replicas for the swing").
-HEDGE = 2.0
-
-__all__ = ["Placement", "plan_placement", "static_placement", "expected_padded_cost", "expected_device_load"]
 
 
 @dataclass
@@ -94,8 +77,7 @@ class Placement:
         return self.logcnt.shape[1]
 
     def holds_mask(self) -> torch.Tensor:
-        """holds_LGE [L, G, E] bool: device g holds a replica of expert e. Dense, L x G x E: for small plans
-        and tests (the planner counts replicas with `slots.SlotCounts`)."""
+        """holds_LGE [L, G, E] bool: device g holds a replica of expert e (dense: for small plans and tests)."""
         return torch.from_numpy(holds_mask(self.phy2log.numpy(), self.slots_per_device, self.num_experts))
 
     def expert_devices(self) -> torch.Tensor:
@@ -113,21 +95,26 @@ def static_placement(num_layers: int, num_experts: int, num_devices: int) -> Pla
     if num_experts > MAX_SLOTS or num_layers * num_experts > MAX_LAYER_SLOTS:
         raise ValueError(f"{num_layers} layers x {num_experts} slots is more than the planner takes ({MAX_SLOTS} slots "
                          f"per layer, {MAX_LAYER_SLOTS} in all)")
-    S = num_experts // num_devices
-    phy2log = torch.arange(num_experts).expand(num_layers, num_experts).clone()
-    return index_maps(phy2log, num_experts, num_devices, S)
+    return trivial_placement(num_layers, num_experts, num_devices, num_experts // num_devices)
+
+
+def trivial_placement(num_layers: int, num_experts: int, num_devices: int, slots_per_device: int) -> Placement:
+    """The layout without a planner: slot p holds expert p % E (DeepSpeed's contiguous layout when P == E;
+    SGLang's `trivial` and vLLM's `linear` layouts with redundant slots)."""
+    P = num_devices * slots_per_device
+    if P < num_experts:
+        raise ValueError(f"{num_devices} devices x {slots_per_device} slots ({P}) cannot hold {num_experts} experts")
+    phy = (torch.arange(P) % num_experts).expand(num_layers, P).clone()
+    return index_maps(phy, num_experts, num_devices, slots_per_device)
 
 
 def replica_counts(load_LE: torch.Tensor, slots_L: torch.Tensor | int, max_replicas: int,
                    slot_budget: int | None = None, iters: int = 40) -> torch.Tensor:
-    """Step 1: replica count per expert [L, E]. slots_L: slots each layer may fill.
+    """Step 1: replica count per expert [L, E] (each in [1, max_replicas]); slots_L: slots each layer may fill.
 
-    Without a budget: each layer's slots are apportioned to its experts in proportion to load
-    (largest remainder; at least 1, at most `max_replicas` = G each), vectorised over layers: every
-    replica then carries about the same share, which is what steering can balance best.
-    With a budget: one global threshold tau on load relative to the layer mean (bisection), then
-    the few slots the ceil cannot hit exactly go to the highest relative load per replica.
-    """
+    Without a budget: each layer's slots apportioned to its experts by load (largest remainder). With a budget:
+    one global threshold tau on load relative to the layer mean (bisection), then the few slots the ceil cannot
+    hit exactly to the highest relative load per replica."""
     load_LE = real_tensor("load_LE", load_LE, "[layers, experts]")
     L, E = load_LE.shape
     slots_L = torch.as_tensor(slots_L, dtype=torch.long).expand(L)
@@ -200,23 +187,18 @@ def assign_replicas(load_LE: torch.Tensor, cnt_LE: torch.Tensor, G: int, S: int,
                     was: SlotCounts | None, stickiness: float) -> np.ndarray:
     """Step 2: put every replica on a device. Returns phy_LP [L, G * S] (expert per slot, -1 empty).
 
-    load_LE: [L, E] loads; cnt_LE: [L, E] replica counts (step 1); node_G: [G] node of each device
-    (or [L, G], per layer; all zeros = no spread);
-    was: the replicas `previous` held per (layer, device, expert) (`SlotCounts`, None without one).
-    Replicas go in descending load per replica, one replica rank per step for all layers at once,
-    each to the least loaded device with a free slot that does not hold its expert yet, preferring
-    nodes that do not hold it yet and, within `stickiness` x the layer's mean device load, the
-    device that held it before. Work: P steps of O(L x G) each; memory O(L x (E + P)).
-    """
+    load_LE: [L, E] loads; cnt_LE: [L, E] replica counts (step 1); node_G: [G] or [L, G] node of each device
+    (all zeros = no spread); was: `previous`'s replicas per (layer, device, expert) (`SlotCounts`, or None).
+    Replicas go in descending load per replica, one replica rank per step for all layers at once, each to the
+    least loaded device with a free slot that does not hold its expert yet, preferring nodes that do not hold
+    it yet and, within `stickiness` x the layer's mean device load, the device that held it before."""
     L, E = load_LE.shape
     P = G * S
     node_LG = np.broadcast_to(np.asarray(node_G), (L, G))
     num_nodes = int(node_LG.max()) + 1
     weight_LE = load_LE / cnt_LE
 
-    # Replicas sorted by load per replica, padded to P per layer (expert -1 = empty): sort the experts,
-    # then position p of a layer belongs to the expert whose cumulative replica count first exceeds p.
-    # An expert's replicas are consecutive.
+    # Replicas sorted by load per replica, padded to P per layer (expert -1 = empty); an expert's are consecutive.
     order_LE = torch.argsort(weight_LE, dim=1, descending=True, stable=True)
     ends_LE = cnt_LE.gather(1, order_LE).cumsum(1)
     pos_LE = torch.searchsorted(ends_LE, torch.arange(P).expand(L, P).contiguous(), right=True)
@@ -227,9 +209,8 @@ def assign_replicas(load_LE: torch.Tensor, cnt_LE: torch.Tensor, G: int, S: int,
     # In NumPy (less per-call overhead than torch): one step per replica rank, over all layers.
     dev_load_LG = np.zeros((L, G))
     used_LG = np.zeros((L, G), dtype=np.int64)
-    # pen_LG: each layer's penalties for its current expert, reset where a layer's next expert starts:
-    # HUGE on devices that already hold it (forbidden), `big` on the other devices of their nodes
-    # (spread replicas across nodes first), minus the stickiness bonus where `previous` held it.
+    # pen_LG: penalties for each layer's current expert, reset where its next expert starts: HUGE where it is
+    # (forbidden), `big` on the other devices of those nodes (spread), minus the bonus where `previous` held it.
     HUGE, big = 1e30, float(load_LE.sum()) * 4 + 1.0
     pen_LG = np.zeros((L, G))
     rep_expert = np.ascontiguousarray(rep_expert_LP.numpy().T)             # [P, L]: one contiguous row per step
@@ -275,29 +256,23 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     """Plan replicas and their devices for every layer at once (see the module doc).
 
     load_LE: [L, E] expected tokens per layer and logical expert (e.g. the view's heat).
-    num_nodes must divide num_devices (devices d of node d // (G / num_nodes)).
+    num_nodes must divide num_devices (device d on node d // (G / num_nodes)).
     previous: the placement serving now; weight moves away from it are priced (`STICKINESS`).
     slot_budget: total physical slots over all layers (L*E <= budget <= L*G*S); None fills every slot.
-    refine_rounds: rounds of every local search (0 = greedy only); None = sized by the input: the
-    steering-aware search clamp(2**16 // (L * P), 1, 64), the uniform one clamp(2**18 // (rows * P), 4, 8G)
-    (as the start of a steered plan, clamp(2**16 // (rows * P), 0, 8G)), rows = layers x variants.
-    dispatch: how the runtime splits an expert's tokens over its replicas. "steered" (ours: freely,
-    by `steering.steer`): plans for the slowest device after steering. "uniform" (vLLM, SGLang, EPLB,
-    AutoEP's dropless layer with our `view` split: evenly): the counts may change in the search. "padded"
-    (DeepSpeed's MOELayer: evenly, every slot padded to the largest): the counts stay, swaps balance.
-    node_spread: how much replicas spread over nodes matter. True: a rule (each expert's replicas on
-    as many nodes as they can be; every candidate keeps it); False: not at all; a float w >= 0: a cost,
-    w x the layer's mean device load per unit of `cross_node_fraction` (the expected share of routes
-    that leave their node), weighed against the slowest device when each layer picks its candidate,
-    so spread gives way where it costs more balance than that. None = SPREAD_WEIGHT (0.1) for
-    "steered" (steering keeps tokens node-local), False for "uniform" (balance only).
-    swing_LE: [L, E] how far each expert's load swings from batch to batch (a standard deviation in
-    load_LE's units: the view's `swing_LE`), or None. With "uniform" or "padded", replica counts go by
-    load + HEDGE x swing (an expert whose load swings gets the replicas its swings need: what the
-    next batches, not the mean, put on a device) and the search keeps them, balancing the mean load
-    by swaps; "steered" splits each batch as it comes and ignores it.
-    Raises TypeError / ValueError naming the argument on bad types, shapes or values (`_checked_inputs`);
-    never returns a placement that leaves an expert out or puts two replicas of one expert on one device.
+    refine_rounds: rounds of every local search (0 = greedy only); None: fewer on larger inputs.
+    dispatch: how the runtime splits an expert's tokens over its replicas. "steered" (ours, `steering.steer`):
+    plans for the slowest device after steering. "uniform" (vLLM, SGLang, EPLB, AutoEP's dropless layer with our
+    `view` split: evenly): the counts may change in the search. "padded" (DeepSpeed's MOELayer: evenly, every
+    slot padded to the largest): the counts stay, swaps balance.
+    node_spread: True: a rule (each expert's replicas on as many nodes as they can be); False: ignored; a float
+    w >= 0: w x the layer's mean device load per unit of `cross_node_fraction` (the expected share of routes
+    that leave their node), weighed against the slowest device when each layer picks its candidate.
+    None = SPREAD_WEIGHT for "steered" (steering keeps tokens node-local), False otherwise.
+    swing_LE: [L, E] how far each expert's load swings from batch to batch (a standard deviation, the view's
+    `swing_LE`), or None: "uniform" and "padded" then give replica counts by load + HEDGE x swing and keep
+    them in the search; "steered" splits each batch as it comes and ignores it.
+    Raises TypeError / ValueError naming the argument; never returns a placement that leaves an expert out or
+    puts two replicas of one expert on one device.
     """
     load_LE, G, S, previous = _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
                                               slot_budget, refine_rounds, dispatch, node_spread)
@@ -311,26 +286,18 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     # largest load is 1 when loads are far from that, and report the loads in the caller's units.
     peak = float(load_LE.max())
     scale = 2.0 ** math.frexp(peak)[1] if peak > 0 and not 1e-6 <= peak <= 1e12 else 1.0   # exact division
-    task = _Task(load_LE / scale if scale != 1.0 else load_LE, G, S, num_nodes, previous, slot_budget,
-                 refine_rounds, dispatch, node_spread, None if swing_LE is None else swing_LE / scale)
-    if dispatch == "steered":
-        cands, x_LP = _steered_candidates(task)
-    else:
-        cands, x_LP = _uniform_candidates(task), None
-    keep_LP = _kept_previous(task, cands)
-    if keep_LP is not None:
-        cands.append(keep_LP)
+    task = _Task(load_LE / scale, G, S, num_nodes, previous, slot_budget, refine_rounds, dispatch, node_spread,
+                 None if swing_LE is None else swing_LE / scale)
+    # Steps 1-3: each layer's candidates; `previous` is one where it can be.
+    cands, x_LP = _steered_candidates(task) if dispatch == "steered" else (_uniform_candidates(task), None)
+    # Step 4: each layer's best candidate, and its index maps.
     weight = 0.0 if isinstance(node_spread, bool) else float(node_spread)
-    phy, x_LP = _choose(np.stack(cands), task.load, G, S, task.node_G, weight, task.was, STICKINESS, dispatch, x_LP,
-                        REFINE_ITERS, REFINE_WORK)
+    phy, x_LP = _choose(task, np.stack(cands + _kept_previous(task, cands)), dispatch, weight, x_LP)
     plan = index_maps(torch.from_numpy(np.ascontiguousarray(phy)), task.E, G, S, task.load_LE, previous)
+    plan.device_load_LG = plan.device_load_LG * scale
     if x_LP is not None:
-        plan.steered_load_LG = torch.from_numpy(x_LP.reshape(task.L, G, S).sum(2))
-    if scale != 1.0:
-        for name in ("device_load_LG", "steered_load_LG"):
-            if getattr(plan, name) is not None:
-                setattr(plan, name, getattr(plan, name) * scale)
-    _assert_legal(plan)
+        plan.steered_load_LG = torch.from_numpy(x_LP.reshape(task.L, G, S).sum(2)) * scale
+    assert is_legal(plan), "an expert was left without a replica, or a device holds two replicas of one expert"
     return plan
 
 
@@ -357,157 +324,121 @@ class _Task:
         # where spread is weighed (not a rule), plans without spread are candidates too
         self.weighed = not isinstance(self.node_spread, bool) and self.num_nodes > 1
         self.spread_G = self.none_G if self.node_spread is False else self.node_G
-        self.was = None if self.previous is None else SlotCounts.devices(self.previous.phy2log.numpy(),
-                                                                         self.previous.slots_per_device, self.E)
+        self.was = None if self.previous is None else _replicas(self.previous)
         self.small = self.L * self.P <= EXTRA_WORK
 
 
-def _uniform_candidates(task: _Task) -> list[np.ndarray]:
-    """Steps 1u-3u for "uniform" and "padded" (balance without steering; padded: the counts that minimise
-    the largest share stay, only swaps balance the devices), spread over nodes, and not where spread is weighed."""
-    nodes_list = [task.spread_G, task.none_G] if task.weighed else [task.spread_G]
-    hedged = None if task.swing_LE is None else task.load_LE + HEDGE * task.swing_LE
-    return _uniform_phy(task.load_LE, task.G, task.S, nodes_list, task.was, task.slot_budget, STICKINESS,
-                        task.refine_rounds, fixed_counts=task.dispatch == "padded" or hedged is not None,
-                        count_load=hedged)
+def _uniform_candidates(t: _Task) -> list[np.ndarray]:
+    """Steps 1u, 2, 3u (see `uniform.py`): one phy_LP spread over nodes and, where spread is weighed, one without
+    (steered: only on small inputs), planned side by side. On small inputs several replica-count variants are
+    placed and refined too (about 2**15 slots of work in all), and each layer keeps its best. Steered: a start
+    for the steering-aware search, refined a quarter as long. Padded, or with swing_LE: the counts (by load +
+    HEDGE x swing) stay, only swaps balance."""
+    steered, hedged = t.dispatch == "steered", t.swing_LE is not None and t.dispatch != "steered"
+    nodes_list = [t.spread_G, t.none_G] if t.weighed and (t.small or not steered) else [t.spread_G]
+    fixed_counts = t.dispatch == "padded" or hedged
+    L, P, n = t.L, t.P, len(nodes_list)
+    by = t.load_LE + HEDGE * t.swing_LE if hedged else t.load_LE
+    tries = 1 if fixed_counts else int(np.clip((1 << 15) // (n * L * P), 1, 4))
+    variants = ([replica_counts(by, P, t.G, t.slot_budget).numpy()] if t.slot_budget is not None
+                else count_variants(by.numpy(), P, t.G, tries))
+    V = len(variants)
+    load_N = np.tile(t.load, (n * V, 1))
+    node_NG = np.repeat(np.stack(nodes_list), V * L, 0)
+    was_N = None if t.was is None else t.was.select(np.tile(np.arange(L), n * V))
+    phy = assign_replicas(torch.from_numpy(load_N), torch.from_numpy(np.tile(np.concatenate(variants), (n, 1))), t.G,
+                          t.S, node_NG, was_N, STICKINESS)
+    # about the same search time at every size: fewer rounds on larger inputs (a steered start, fewer still)
+    work, least = ((1 << 16), 0) if steered else ((1 << 18), 4)
+    rounds = int(np.clip(work // (n * V * L * P), least, 8 * t.G)) if t.refine_rounds is None else t.refine_rounds
+    if rounds > 0:
+        phy = refine_uniform(phy, load_N, t.G, t.S, rounds, node_NG if node_NG.max() > 0 else None, was_N, STICKINESS,
+                             swaps_only=fixed_counts)
+    phy = phy.reshape(n, V, L, P)
+    return list(phy[:, 0]) if V == 1 else [_choose(t, phy[i], "uniform")[0] for i in range(n)]
 
 
-def _steered_candidates(task: _Task) -> tuple[list[np.ndarray], np.ndarray | None]:
+def _steered_candidates(t: _Task) -> tuple[list[np.ndarray], np.ndarray | None]:
     """Steps 1u-3u, then 3: the plan that balances without steering, improved for steering; on small inputs also
     from the load-proportional greedy start (steps 1-3), and the no-spread plan. -> (candidates, the first
     candidate's steered slot loads x_LP or None)"""
-    t = task
-    nodes_list = [t.spread_G, t.none_G] if t.weighed and t.small else [t.spread_G]
-    uni = _uniform_phy(t.load_LE, t.G, t.S, nodes_list, t.was, t.slot_budget, STICKINESS, t.refine_rounds,
-                       steered=True)
+    uni = _uniform_candidates(t)
     # about the same refinement time at every size: fewer rounds on larger inputs
     rounds = int(np.clip((1 << 16) // (t.L * t.P), 1, 64)) if t.refine_rounds is None else t.refine_rounds
     refine = lambda phy: refine_for_steering(phy, t.load, t.G, t.S, t.spread_G, t.was, STICKINESS, rounds,
                                              REFINE_ITERS, REFINE_WORK)
-    cands, x_LP = [uni[0]], None
-    if rounds > 0:
-        phy, x_LP = refine(uni[0].copy())
-        cands = [phy]
-    if t.small:
-        phy = assign_replicas(t.load_LE, replica_counts(t.load_LE, t.P, t.G, t.slot_budget), t.G, t.S, t.spread_G,
-                              t.was, STICKINESS)
-        if rounds > 0:
-            phy, _ = refine(phy)
-        cands += [phy] + uni[1:]
-    return cands, x_LP
+    first, x_LP = refine(uni[0].copy()) if rounds > 0 else (uni[0], None)
+    if not t.small:
+        return [first], x_LP
+    phy = assign_replicas(t.load_LE, replica_counts(t.load_LE, t.P, t.G, t.slot_budget), t.G, t.S, t.spread_G,
+                          t.was, STICKINESS)
+    return [first, refine(phy)[0] if rounds > 0 else phy] + uni[1:], x_LP
 
 
-def _kept_previous(task: _Task, cands: list[np.ndarray]) -> np.ndarray | None:
-    """Keeping a layer as it is moves nothing: `previous` as a candidate where it obeys this call's rules (not
+def _kept_previous(task: _Task, cands: list[np.ndarray]) -> list[np.ndarray]:
+    """Keeping a layer as it is moves nothing: [`previous`] as a candidate where it obeys this call's rules (not
     under a slot budget, which counts slots over all layers; with the spread rule, only on layers where it covers
-    as many nodes as the plan's own candidate; elsewhere the first candidate). None where it cannot be one."""
+    as many nodes as the plan's own candidate; elsewhere the first candidate), [] where it cannot be one."""
     previous = task.previous
-    if previous is None or previous.slots_per_device != task.S or not _is_legal(previous) \
+    if previous is None or previous.slots_per_device != task.S or not is_legal(previous) \
             or task.slot_budget is not None:
-        return None
+        return []
     keep_LP = previous.phy2log.numpy().astype(np.int64)
     if task.node_spread is True and task.num_nodes > 1:
         own = np.stack(cands)
         covered = _node_coverage(np.concatenate([own, keep_LP[None]]), task.node_G, task.S, task.E)
         ok_L = covered[-1] >= covered[:-1].max(0)
         keep_LP = np.where(ok_L[:, None], keep_LP, own[0])
-    return keep_LP
-
-
-def _uniform_phy(load_LE, G, S, nodes_list, was, slot_budget, stickiness, refine_rounds,
-                 steered: bool = False, fixed_counts: bool = False, count_load=None) -> list[np.ndarray]:
-    """One phy_LP of steps 1u, 2, 3u (see `uniform.py`) per node map in nodes_list ([G] each; zeros = no
-    spread), planned side by side. On small inputs several replica-count variants are placed and refined
-    too (about 2**15 slots of work in all), and each layer keeps its best. `steered`: a start for the
-    steering-aware search, refined a quarter as long. count_load: [L, E] the loads replica counts go by
-    (default load_LE)."""
-    L, E = load_LE.shape
-    P = G * S
-    load = load_LE.numpy()
-    n = len(nodes_list)
-    by = load_LE if count_load is None else count_load
-    if slot_budget is None:
-        variants = count_variants(by.numpy(), P, G, 1 if fixed_counts else int(np.clip((1 << 15) // (n * L * P), 1, 4)))
-    else:
-        variants = [replica_counts(by, P, G, slot_budget).numpy()]
-    V = len(variants)
-    rows = n * V * L
-    load_N = np.tile(load, (n * V, 1))
-    node_NG = np.repeat(np.stack(nodes_list), V * L, 0)
-    was_N = None if was is None else was.select(np.tile(np.arange(L), n * V))
-    phy = assign_replicas(torch.from_numpy(load_N), torch.from_numpy(np.tile(np.concatenate(variants), (n, 1))), G, S,
-                          node_NG, was_N, stickiness)
-    # about the same search time at every size: fewer rounds on larger inputs (a steered start, fewer still)
-    work, least = ((1 << 16), 0) if steered else ((1 << 18), 4)
-    rounds = int(np.clip(work // (rows * P), least, 8 * G)) if refine_rounds is None else refine_rounds
-    if rounds > 0:
-        phy = refine_uniform(phy, load_N, G, S, rounds, node_NG if node_NG.max() > 0 else None, was_N, stickiness,
-                             swaps_only=fixed_counts)
-    phy = phy.reshape(n, V, L, P)
-    if V == 1:
-        return list(phy[:, 0])
-    return [_choose(phy[i], load, G, S, nodes_list[i], 0.0, was, stickiness, "uniform", None, 1, 1)[0]
-            for i in range(n)]
-
-
-def _move_cost(phy_NP, was_N: SlotCounts, load_NE, G: int, S: int, stickiness: float) -> np.ndarray:
-    """[N] weight copies against `previous` (was_N: its replicas for each row), priced: stickiness x the
-    mean device load / P each."""
-    P = phy_NP.shape[1]
-    moves = SlotCounts.devices(phy_NP, S, load_NE.shape[1]).new_pairs(was_N)
-    return moves * stickiness * load_NE.sum(1) / G / P
+    return [keep_LP]
 
 
 def _node_coverage(phy_CLP: np.ndarray, node_G: np.ndarray, S: int, E: int) -> np.ndarray:
     """[C, L] the (expert, node) pairs each candidate layer covers."""
     C, L, P = phy_CLP.shape
-    return _per_node(phy_CLP.reshape(C * L, P), node_G, S, E).groups_holding().sum(1).reshape(C, L)
+    return SlotCounts.nodes(phy_CLP.reshape(C * L, P), node_G, S, E).groups_holding().sum(1).reshape(C, L)
 
 
 def cross_node_fraction(phy_NP: np.ndarray, load_NE: np.ndarray, node_G: np.ndarray, S: int) -> np.ndarray:
     """[N] expected fraction of routes that leave their node when tokens start evenly over the nodes and
     go to a replica on their own node whenever their expert has one there."""
-    N, P = phy_NP.shape
     nodes = int(node_G.max()) + 1
-    covered_NE = _per_node(phy_NP, node_G, S, load_NE.shape[1]).groups_holding() / nodes
+    covered_NE = SlotCounts.nodes(phy_NP, node_G, S, load_NE.shape[1]).groups_holding() / nodes
     total = load_NE.sum(1)
     return np.where(total > 0, (load_NE * (1 - covered_NE)).sum(1) / np.where(total > 0, total, 1), 0.0)
 
 
-def _choose(phy_CLP, load_LE, G, S, node_G, spread_weight, was, stickiness, dispatch, x0_LP, iters, work):
-    """Per layer the best of C candidate placements: the slowest device under `dispatch` (steered: after
-    `flows.steer_flows`), plus spread_weight x the mean device load x the cross-node route fraction,
-    plus priced weight moves. Returns (phy_LP, x_LP: tokens per slot after steering, or None)."""
+def _choose(t: _Task, phy_CLP: np.ndarray, dispatch: str, spread_weight: float = 0.0, x0_LP=None):
+    """Per layer the best of C candidate placements phy_CLP [C, L, P]: the slowest device under `dispatch` (steered:
+    after `flows.steer_flows`), plus spread_weight x the mean device load x the cross-node route fraction, plus
+    priced weight moves. x0_LP: the first candidate's steered split, or None. -> (phy_LP, x_LP: tokens per slot
+    after steering, or None)."""
     C, L, P = phy_CLP.shape
+    G, S = t.G, t.S
     if C == 1 and (dispatch != "steered" or x0_LP is not None):
         return phy_CLP[0], x0_LP
     phy_NP = phy_CLP.reshape(C * L, P)
-    load_NE = np.tile(load_LE, (C, 1))
+    load_NE = np.tile(t.load, (C, 1))
     if dispatch == "steered":
         start = np.ones((C * L, P))
-        if x0_LP is not None:           # the first candidate comes with its steered split
+        if x0_LP is not None:
             start[:L] = x0_LP
-        n_iter = int(np.clip((8 * work) // (C * L * P), 4 * iters, 100))
-        x_NP = steer_flows(start, phy_NP, load_NE, S, n_iter)
+        x_NP = steer_flows(start, phy_NP, load_NE, S,
+                           int(np.clip((8 * REFINE_WORK) // (C * L * P), 4 * REFINE_ITERS, 100)))
         y_NG = x_NP.reshape(C * L, G, S).sum(2)
     else:
-        x_NP, y_NG = None, _uniform_loads(phy_NP, load_NE, G, S)
-    mean = load_LE.sum(1) / G
+        x_NP, y_NG = None, even_split_loads(phy_NP, load_NE, G, S)
+    mean = t.load.sum(1) / G
     score = y_NG.max(1).reshape(C, L)
     if dispatch == "padded":   # every slot is padded to the largest: slots x the largest share, per device
-        score = (slot_shares(phy_NP, load_NE).max(1) * S).reshape(C, L)
-    if spread_weight > 0 and node_G.max() > 0:
-        score = score + spread_weight * mean * cross_node_fraction(phy_NP, load_NE, node_G, S).reshape(C, L)
-    if was is not None:
-        score = score + _move_cost(phy_NP, was.select(np.tile(np.arange(L), C)), load_NE, G, S,
-                                   stickiness).reshape(C, L)
-    tol = 1e-9 * mean + 1e-12
-    sq = np.where(score <= score.min(0) + tol, (y_NG ** 2).sum(1).reshape(C, L), np.inf)
-    pick = sq.argmin(0)
-    rows = np.arange(L)
-    phy = phy_CLP[pick, rows]
-    x = None if x_NP is None else x_NP.reshape(C, L, P)[pick, rows]
-    return phy, x
+        score = (slot_shares(phy_NP, load_NE)[2].max(1) * S).reshape(C, L)
+    if spread_weight > 0 and t.node_G.max() > 0:
+        score = score + spread_weight * mean * cross_node_fraction(phy_NP, load_NE, t.node_G, S).reshape(C, L)
+    if t.was is not None:   # weight copies against `previous`: stickiness x the mean device load / P each
+        moves = SlotCounts.devices(phy_NP, S, t.E).new_pairs(t.was.select(np.tile(np.arange(L), C)))
+        score = score + (moves * STICKINESS * load_NE.sum(1) / G / P).reshape(C, L)
+    sq = np.where(score <= score.min(0) + (1e-9 * mean + 1e-12), (y_NG ** 2).sum(1).reshape(C, L), np.inf)
+    pick, rows = sq.argmin(0), np.arange(L)
+    return phy_CLP[pick, rows], None if x_NP is None else x_NP.reshape(C, L, P)[pick, rows]
 
 
 def _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous, slot_budget, refine_rounds, dispatch,
@@ -582,29 +513,14 @@ def _check_maps(plan: Placement, who: str) -> None:
                          f"{tuple(plan.log2phy.shape)} ([L, E, R]), logcnt {tuple(plan.logcnt.shape)} ([L, E])")
 
 
-def _per_node(phy_NP: np.ndarray, node_G: np.ndarray, S: int, E: int) -> SlotCounts:
-    """Replicas per (row, node, expert)."""
-    return SlotCounts(phy_NP, node_G[np.arange(phy_NP.shape[1]) // S], int(node_G.max()) + 1, E)
-
-
 def _replicas(plan: Placement) -> SlotCounts:
     """Replicas per (layer, device, expert)."""
     return SlotCounts.devices(plan.phy2log.numpy(), plan.slots_per_device, plan.num_experts)
 
 
-def _one_per_device(plan: Placement) -> bool:
-    return int(_replicas(plan).triples()[3].max(initial=0)) <= 1
-
-
-def _is_legal(plan: Placement) -> bool:
+def is_legal(plan: Placement) -> bool:
     """Every expert has a replica and no device holds two of one expert."""
-    return bool((plan.logcnt >= 1).all()) and _one_per_device(plan)
-
-
-def _assert_legal(plan: Placement) -> None:
-    """The placement's own invariants (internal: a failure here is a planner bug, not a user error)."""
-    assert bool((plan.logcnt >= 1).all()), "an expert was left without a replica"
-    assert _one_per_device(plan), "a device holds two replicas of one expert"
+    return bool((plan.logcnt >= 1).all()) and int(_replicas(plan).triples()[3].max(initial=0)) <= 1
 
 
 def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Tensor | None = None,
@@ -638,17 +554,13 @@ def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Ten
 
 
 def with_prefix(plan: Placement, previous: Placement | None = None, node_G: np.ndarray | None = None) -> Placement | None:
-    """`plan`'s replica counts laid out so that the first H = E / G slots of the devices hold every expert
-    exactly once (the prefix) and the other replicas fill the slots after them, each expert on distinct
-    devices; None when the counts do not fit that way.
-
-    Under a padded or even split the expected cost depends on the counts alone, so the layout costs what
-    `plan` costs, and its prefix (`prefix_placement`) costs what DeepSpeed's layout costs: both stay
-    resident, and serving flips between them by its tables alone, with no weight move. Prefix: experts in
-    descending count dealt over the devices (the hot ones on distinct devices); extra replicas, in the same
-    order, to the devices with the most free slots that do not hold the expert, preferring one where
-    `previous` held it, then a node without a replica of it (node_G: [G] node of each device; None: one).
-    """
+    """`plan`'s replica counts laid out so that the first H = E / G slots of the devices hold every expert once
+    (the prefix, `prefix_placement`) and the other replicas the slots after them; None where they do not fit.
+    Under a padded or even split the cost depends on the counts alone: the layout costs what `plan` costs, its
+    prefix what DeepSpeed's layout costs, and serving flips between them by its tables, with no weight move.
+    Prefix: experts in descending count dealt over the devices; extra replicas, in that order, to the devices
+    with the most free slots without the expert, preferring `previous`'s, then a node without a replica of it
+    (node_G: [G] node of each device; None: one node)."""
     if not isinstance(plan, Placement):
         raise TypeError(f"plan must be a Placement, got {type(plan).__name__}")
     L, E, G, S = plan.logcnt.shape[0], plan.num_experts, plan.num_devices, plan.slots_per_device
@@ -693,9 +605,8 @@ def prefix_placement(plan: Placement) -> Placement:
 
 
 def expected_slot_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
-    """[L] max / mean of the expected load per physical slot when each expert's routes split evenly
-    over its replicas (with padded dispatch, DeepSpeed's, every slot is padded to the largest: this is
-    capacity over ideal). heat_LE: [L, E] expected routes."""
+    """[L] max / mean of the expected load per physical slot, each expert's routes heat_LE [L, E] split evenly
+    over its replicas (under padded dispatch, DeepSpeed's: capacity over ideal)."""
     heat_LE = _checked_heat(heat_LE, plan)
     L, P = plan.phy2log.shape
     mean_L = heat_LE.sum(1) / P
@@ -704,33 +615,26 @@ def expected_slot_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
 
 
 def expected_padded_cost(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
-    """[L] slots x the expected largest slot load: what a padded dispatch (DeepSpeed's MOELayer pads every
-    slot to the capacity) computes and sends per layer, in routes, with each expert's routes split
-    evenly over its replicas. heat_LE: [L, E] expected routes."""
+    """[L] slots x the expected largest slot load, each expert's routes heat_LE [L, E] split evenly over its
+    replicas: what a padded dispatch (DeepSpeed's MOELayer) computes and sends per layer."""
     slot_LP = _slot_loads(_checked_heat(heat_LE, plan), plan)
     return slot_LP.shape[1] * slot_LP.amax(1)
 
 
 def expected_device_load(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
-    """[L, G] expected routes per device with each expert's routes split evenly over its replicas: in a
-    dropless layer (AutoEP's grouped GEMMs over exactly the routes a rank received) the busiest device's
-    load is the layer's time. heat_LE: [L, E] expected routes."""
+    """[L, G] expected routes per device, each expert's routes heat_LE [L, E] split evenly over its replicas (in
+    a dropless layer, AutoEP's, the busiest device's load is the layer's time)."""
     slot_LP = _slot_loads(_checked_heat(heat_LE, plan), plan)
     return slot_LP.view(slot_LP.shape[0], plan.num_devices, plan.slots_per_device).sum(2)
 
 
 def _slot_loads(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
     """[L, P] each slot's expected routes when every expert's routes split evenly over its replicas (0: empty)."""
-    per_replica_LE = heat_LE / plan.logcnt.clamp_min(1)
-    return torch.where(plan.phy2log >= 0, per_replica_LE.gather(1, plan.phy2log.clamp_min(0)), 0.0)
+    return torch.from_numpy(slot_shares(plan.phy2log.numpy(), heat_LE.detach().double().numpy())[2]).to(heat_LE.dtype)
 
 
 def _checked_heat(heat_LE, plan) -> torch.Tensor:
     """heat_LE as float64 [L, E] for `plan`'s layers and experts (finite, non-negative)."""
     if not isinstance(plan, Placement):
         raise TypeError(f"plan must be a Placement, got {type(plan).__name__}")
-    heat_LE = real_tensor("heat_LE", heat_LE, "[layers, experts]")
-    if heat_LE.shape != plan.logcnt.shape:
-        raise ValueError(f"heat_LE must be [layers, experts] = {tuple(plan.logcnt.shape)} for this plan, got "
-                         f"{tuple(heat_LE.shape)}")
-    return heat_LE
+    return checked_load("heat_LE", heat_LE, plan)

@@ -1,13 +1,10 @@
-"""Step 3 of the planner (numbered in `placement`'s module doc): a steering-aware local search on the greedy
-placement, `refine_for_steering`.
+"""Step 3 of the planner (numbered in `placement`'s module doc): `refine_for_steering`, a local search scored by
+the slowest device after steering. A cold expert with a copy on two hot devices is a bridge that steering uses to
+level them; a load-ordered greedy, which balances the even split, never builds it; this does.
 
 Shape legend: L layers, E logical experts, G devices, S slots per device, P physical slots (G * S),
 A layers still improving, K candidate moves per layer, M partner devices, Q partner slots (M * S),
 N rows of any of these (layers or candidates).
-
-Steps 1-2 balance the *even* split of each expert over its replicas; at run time steering splits them
-freely, so what counts is the slowest device after steering. A cold expert with a copy on two hot devices
-can act as a bridge that steering uses to level them, and a load-ordered greedy never builds it; this does.
 """
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .flows import steer_flows
-from .slots import SlotCounts, move_slots, row_chunks
+from .slots import MoveFrame, SlotCounts, best_moves, node_checks, row_chunks
 
 __all__ = []
 
@@ -32,10 +29,8 @@ class _Search:
     work: int
 
     def __post_init__(self):
-        L, E = self.load_LE.shape
-        self.E, self.P = E, self.G * self.S
+        self.E, self.P = self.load_LE.shape[1], self.G * self.S
         self.nodes = int(self.node_G.max()) + 1
-        self.node_P = self.node_G[np.arange(self.P) // self.S]
         self.mean_L = self.load_LE.sum(1) / self.G
         self.tol_L = 1e-6 * self.mean_L + 1e-12
 
@@ -49,30 +44,27 @@ class _Search:
     def score(self, x_NP: np.ndarray, phy_NP: np.ndarray, rows_N: np.ndarray, move_cost_L: np.ndarray):
         """(slowest device + priced weight moves, sum of squared device loads), each [N]."""
         y_NG = x_NP.reshape(len(x_NP), self.G, self.S).sum(2)
-        cost_N = np.zeros(len(x_NP))
-        if self.was is not None:
-            cost_N = SlotCounts.devices(phy_NP, self.S, self.E).new_pairs(self.was.select(rows_N)) * move_cost_L[rows_N]
+        cost_N = 0.0 if self.was is None else \
+            SlotCounts.devices(phy_NP, self.S, self.E).new_pairs(self.was.select(rows_N)) * move_cost_L[rows_N]
         return y_NG.max(1) + cost_N, (y_NG ** 2).sum(1)
 
 
 def refine_for_steering(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, node_G: np.ndarray,
                         was: SlotCounts | None, stickiness: float, rounds: int, iters: int,
                         work: int, partners: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """Steering-aware local search (step 3): improve each layer's slowest device after steering.
+    """Improve each layer's slowest device after steering: phy_LP [L, P], changed in place, and the steered
+    tokens per slot x_LP [L, P].
 
-    phy_LP [L, P] is changed in place and returned with the steered tokens per slot x_LP [L, P].
-    A round, for every layer still improving: take the slowest device g* after steering, and list
-    every legal move of one replica a on g* to a slot q of one of its `partners` least loaded devices h:
+    A round, for every layer still improving, lists every legal move of one replica a on the slowest device g*
+    to a slot q of one of its `partners` least loaded devices:
       swap     a and the expert b in q (or the empty slot q) trade places;
-      replace  q's expert b, which keeps another replica, becomes a second copy of a (the replica
-               counts change, the number of slots used does not).
-    The best K moves of each layer by a cheap estimate (`_screen`; K sized so a round steers about `work`
-    slots) are confirmed by steering them (`_confirm`): the best is kept when it lowers the slowest device
-    (ties: the sum of squared device loads), else the layer stops. With `previous` (was, the replicas it
-    held per layer, device and expert) each weight move adds `stickiness` x the mean device load / P to the
-    score. No move puts two replicas of an expert on one device or takes an expert off a node it alone
-    covered. At the end a layer whose moves did not pay returns to the greedy plan (`_settle`).
-    """
+      replace  q's expert b, which keeps another replica, becomes a second copy of a.
+    The best K moves of each layer by a cheap estimate (`_screen`; a round steers about `work` slots) are
+    confirmed by steering them (`_confirm`); the best is kept when it lowers the slowest device (ties: the sum
+    of squared device loads), else the layer stops. With `previous` (was: its replicas, `SlotCounts`) each
+    weight move adds `stickiness` x the mean device load / P. No move puts two replicas of an expert on one
+    device or takes an expert off a node it alone covered; a layer whose moves did not pay after all returns
+    to the greedy plan (`_settle`)."""
     L, P = phy_LP.shape
     search = _Search(load_LE, G, S, node_G, was, iters, work)
     move_cost_L = stickiness * search.mean_L / P              # moving every slot: stickiness x the mean load
@@ -101,51 +93,35 @@ def refine_for_steering(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int,
 
 
 def _screen(search: _Search, phy_AP: np.ndarray, x_AP: np.ndarray, M: int, K: int):
-    """Every legal move of each layer's slowest device, screened by a cheap estimate of its slowest device.
-
-    Returns the best K moves of each layer: pick_AK [A, K] (index kind * S' * Q + s * Q + q: kind 0
-    swap / 1 replace, s the slot on g*, q the partner slot), legal_AK [A, K]; p_AS' [A, S'] the slots of
-    g* (all S of them but on few devices with many slots: `slots.move_slots`), q_AQ [A, Q] the
-    partner slots.
-    """
+    """Every legal move of each layer's slowest device g*, screened by a cheap estimate of its slowest device.
+    -> the best K moves of each layer, pick_AK [A, K] (index kind * S' * Q + s * Q + q: kind 0 swap / 1 replace,
+    s the slot on g*, q the partner slot), legal_AK [A, K], and the slots p_AS' of g* and q_AQ of its partners
+    (`slots.MoveFrame`)."""
     G, S, E = search.G, search.S, search.E
-    A = phy_AP.shape[0]
-    rows_A1 = np.arange(A)[:, None]
-    holds = SlotCounts.devices(phy_AP, S, E)
-    y_AG = x_AP.reshape(A, G, S).sum(2)
-    rank_AG = np.argsort(y_AG, 1, kind="stable")
-    g_A = rank_AG[:, -1]                                        # the slowest device
-    h_AM = rank_AG[:, :M]                                       # its partners: the M least loaded
+    f = MoveFrame(phy_AP, x_AP, G, S, M, E)    # g*: the slowest device; a on g*, b in the partner slots (-1: empty)
+    A, rows_A1, y_AG, rank_AG, g_A, h_AQ = f.A, f.rows, f.y_AG, f.rank_AG, f.g, f.h_AQ
+    p_AS, q_AQ, a_AS, b_AQ = f.p_AS, f.q_AQ, f.a_AS, f.b_AQ
     y_g = y_AG[rows_A1[:, 0], g_A][:, None, None]
     # what the layer's slowest device is at least after a move: the slowest device it does not touch
     second_A = y_AG[rows_A1[:, 0], rank_AG[:, -2]] if G > 1 else np.zeros(A)
-    p_AS, q_AQ = move_slots(x_AP, g_A, h_AM, S)                 # slots of g*, of the partners
-    h_AQ = q_AQ // S
     if M < G - 1:                                               # every partner is below the second slowest
         untouched = second_A[:, None, None]
     else:                                                       # all other devices are partners
         third_A = y_AG[rows_A1[:, 0], rank_AG[:, -3]] if G > 2 else np.zeros(A)
         untouched = np.where(h_AQ == rank_AG[:, -2:-1], third_A[:, None], second_A[:, None])[:, None, :]
-    a_AS = phy_AP[rows_A1, p_AS]                                # experts on g* (-1: empty slot)
-    b_AQ = phy_AP[rows_A1, q_AQ]                                # experts in the partner slots
     x_a = x_AP[rows_A1, p_AS][:, :, None]                       # their tokens, [A, S', 1] and [A, 1, Q]
     x_b = x_AP[rows_A1, q_AQ][:, None, :]
     a_id, b_id = a_AS.clip(0)[:, :, None], b_AQ.clip(0)         # indexable ids (empty slots masked below)
     count_AE = np.bincount((rows_A1 * (E + 1) + phy_AP + 1).ravel(), minlength=A * (E + 1)).reshape(A, E + 1)[:, 1:]
     # legality: a may go to h (h does not hold a yet); b may come to g* (swap), or b keeps another replica (replace)
-    base = (a_AS[:, :, None] >= 0) & (holds.counts(rows_A1[:, :, None], h_AQ[:, None, :], a_id) == 0)
-    b_may_come = ((b_AQ < 0) | (holds.counts(rows_A1, g_A[:, None], b_id) == 0))[:, None, :]
+    base = (a_AS[:, :, None] >= 0) & (f.holds.counts(rows_A1[:, :, None], h_AQ[:, None, :], a_id) == 0)
+    b_may_come = ((b_AQ < 0) | (f.holds.counts(rows_A1, g_A[:, None], b_id) == 0))[:, None, :]
     b_spare = ((b_AQ >= 0) & (count_AE[rows_A1, b_id] >= 2))[:, None, :]
     if search.nodes > 1:                                        # never take an expert off a node it alone covers
-        per_node = SlotCounts(phy_AP, search.node_P, search.nodes, E)
-        node_g = search.node_G[g_A][:, None]
-        node_q = search.node_G[h_AQ]
-        cross = (node_q != node_g)[:, None, :]
-        a_alone = (per_node.counts(rows_A1, node_g, a_AS.clip(0)) == 1)[:, :, None]
-        a_there = per_node.counts(rows_A1[:, :, None], node_q[:, None, :], a_id) > 0
-        b_alone = ((b_AQ >= 0) & (per_node.counts(rows_A1, node_q, b_id) == 1))[:, None, :]
-        b_there = (per_node.counts(rows_A1, node_g, b_id) > 0)[:, None, :]
-        swap_ok = base & b_may_come & ~(cross & ((a_alone & a_there) | (b_alone & b_there)))
+        per_node = SlotCounts.nodes(phy_AP, search.node_G, S, E)
+        keeps, _, a_there, b_alone = node_checks(per_node.counts, a_AS, b_AQ, search.node_G[g_A][:, None],
+                                                 search.node_G[h_AQ])
+        swap_ok = base & b_may_come & keeps
         a_everywhere = (per_node.groups_holding()[rows_A1, a_AS.clip(0)] == search.nodes)[:, :, None]
         replace_ok = base & b_spare & ~b_alone & (~a_there | a_everywhere)
     else:
@@ -169,8 +145,7 @@ def _screen(search: _Search, phy_AP: np.ndarray, x_AP: np.ndarray, M: int, K: in
 def _candidates(pick_AK, phy_AP, x_AP, p_AS, q_AQ):
     """The moves pick_AK [A, K] (see `_screen`) applied to copies: cphy_AKP, cx_AKP (tokens follow their
     experts, a new copy starts empty)."""
-    A, P = phy_AP.shape
-    K = pick_AK.shape[1]
+    A, K = len(phy_AP), pick_AK.shape[1]
     rows_A1 = np.arange(A)[:, None]
     Sp, Q = p_AS.shape[1], q_AQ.shape[1]
     kind, s, qi = pick_AK // (Sp * Q), pick_AK // Q % Sp, pick_AK % Q
@@ -194,22 +169,16 @@ def _confirm(search: _Search, active, phy_LP, x_LP, cphy_AKP, cx_AKP, legal_AK, 
     wins by extra iterations alone); keep each layer's best move when it lowers the slowest device
     (ties: the sum of squares). Updates phy_LP and x_LP in place; returns the layers still improving."""
     A, K, P = cphy_AKP.shape
-    rows_A1 = np.arange(A)[:, None]
     phy_AP = phy_LP[active]
     rows = np.concatenate([np.repeat(active, K), active])
     both = search.steer(np.concatenate([cx_AKP.reshape(A * K, P), x_LP[active]]),
                         np.concatenate([cphy_AKP.reshape(A * K, P), phy_AP]), rows, search.iters)
     cx, x_AP = both[:A * K], both[A * K:]
     x_LP[active] = x_AP
-    cmax, csq = search.score(cx, cphy_AKP.reshape(A * K, P), rows[:A * K], move_cost_L)
-    cmax = np.where(legal_AK.ravel(), cmax, np.inf).reshape(A, K)
-    csq = np.where(legal_AK.ravel(), csq, np.inf).reshape(A, K)
-    best = cmax.min(1)
-    tol = search.tol_L[active]
-    pick = np.where(cmax <= best[:, None] + tol[:, None], csq, np.inf).argmin(1)
-    cur_max, cur_sq = search.score(x_AP, phy_AP, active, move_cost_L)
-    tied = (best <= cur_max + tol) & (csq[rows_A1[:, 0], pick] < cur_sq - tol * search.mean_L[active])
-    keep = np.flatnonzero((best < cur_max - tol) | tied)
+    cmax, csq = (np.where(legal_AK.ravel(), v, np.inf).reshape(A, K)
+                 for v in search.score(cx, cphy_AKP.reshape(A * K, P), rows[:A * K], move_cost_L))
+    pick, keep = best_moves(cmax, csq, *search.score(x_AP, phy_AP, active, move_cost_L), search.tol_L[active],
+                            search.mean_L[active])
     phy_LP[active[keep]] = cphy_AKP[keep, pick[keep]]
     x_LP[active[keep]] = cx.reshape(A, K, P)[keep, pick[keep]]
     return active[keep]
@@ -218,12 +187,11 @@ def _confirm(search: _Search, active, phy_LP, x_LP, cphy_AKP, cx_AKP, legal_AK, 
 def _settle(search: _Search, phy_LP, x_LP, phy0_LP, x0_LP):
     """Settle both splits and return a layer to the greedy plan where its moves did not pay after all:
     moves are confirmed on splits a few rounds from settled, which can mislead on slow layers."""
-    L = phy_LP.shape[0]
-    x_LP = steer_flows(x_LP, phy_LP, search.load_LE, search.S, search.n_iter(L, 4 * search.iters))
+    n_iter = search.n_iter(len(phy_LP), 4 * search.iters)
+    x_LP = steer_flows(x_LP, phy_LP, search.load_LE, search.S, n_iter)
     changed = np.flatnonzero((phy_LP != phy0_LP).any(1))
     if changed.size:
-        x0 = steer_flows(x0_LP[changed], phy0_LP[changed], search.load_LE[changed], search.S,
-                         search.n_iter(L, 4 * search.iters))
+        x0 = steer_flows(x0_LP[changed], phy0_LP[changed], search.load_LE[changed], search.S, n_iter)
         shape = (len(changed), search.G, search.S)
         back = x_LP[changed].reshape(shape).sum(2).max(1) > x0.reshape(shape).sum(2).max(1) + search.tol_L[changed]
         phy_LP[changed[back]], x_LP[changed[back]] = phy0_LP[changed[back]], x0[back]

@@ -1,12 +1,9 @@
-"""Helpers shared by the planner's steps and steering: tables of the replicas in the physical slots,
-the slots a local search pairs, and the checks that turn a caller's tensors into typed ones.
+"""Helpers shared by the planner's steps and steering: tables of the replicas in the physical slots (`SlotCounts`),
+what a round of local search looks at and keeps, and the checks that turn a caller's tensors into typed ones.
 
 Shape legend: N rows (layers, or candidate placements), P physical slots (G * S; slot p lives on
-device p // S), G devices, S slots per device, E logical experts, H groups of slots (devices or nodes).
-
-`SlotCounts` answers "how many replicas of expert e does device (or node) g of row n hold?" from a dense
-[N, H, E] table while it holds at most DENSE_PER_SLOT entries per slot (or few in all), else from the sorted
-keys of the occupied (row, group, expert) triples: its memory stays linear in the slots either way.
+device p // S), G devices, S slots per device, E logical experts, H groups of slots (devices or nodes),
+A rows still improving, M partner devices, Q partner slots, K candidates per row.
 """
 from __future__ import annotations
 
@@ -26,9 +23,8 @@ CHUNK_PAIRS = 1 << 21       # ... and screen at most this many pairs at once (mo
 
 
 def holds_mask(phy_NP: np.ndarray, S: int, E: int) -> np.ndarray:
-    """holds_NGE [N, G, E] bool from phy_NP [N, P] (-1 = empty): device g holds a replica of expert e.
-
-    Dense (N x G x E): for small inputs and tests; the planner uses `SlotCounts`."""
+    """holds_NGE [N, G, E] bool from phy_NP [N, P] (-1 = empty): device g holds a replica of expert e (dense:
+    for small inputs and tests; the planner uses `SlotCounts`)."""
     N, P = phy_NP.shape
     h = np.zeros((N, P // S, E + 1), dtype=bool)
     h[np.arange(N)[:, None], np.arange(P)[None, :] // S, phy_NP + 1] = True
@@ -52,6 +48,23 @@ def move_slots(w_AP: np.ndarray, g_A: np.ndarray, h_AM: np.ndarray, S: int) -> t
     return _lightest(p_AS, -w_AP[rows, p_AS], n), _lightest(q_AQ, w_AP[rows, q_AQ], min(M * S, pairs // n))
 
 
+class MoveFrame:
+    """What a round of local search looks at in rows phy_AP [A, P] with slot loads w_AP [A, P]: device loads y_AG,
+    the slowest device g [A], its slots p_AS' and those q_AQ of its M least loaded partners (`move_slots`, on
+    devices h_AQ), their experts a_AS and b_AQ (-1 = empty), and the replicas per device (`holds`)."""
+
+    def __init__(self, phy_AP: np.ndarray, w_AP: np.ndarray, G: int, S: int, M: int, E: int):
+        (A, P), rows = phy_AP.shape, np.arange(len(phy_AP))[:, None]
+        self.phy_AP, self.w_AP, self.A, self.P, self.E, self.G, self.S, self.rows = phy_AP, w_AP, A, P, E, G, S, rows
+        self.y_AG = w_AP.reshape(A, G, S).sum(2)
+        self.rank_AG = np.argsort(self.y_AG, 1, kind="stable")
+        self.g = self.rank_AG[:, -1]
+        self.p_AS, self.q_AQ = move_slots(w_AP, self.g, self.rank_AG[:, :M], S)
+        self.h_AQ = self.q_AQ // S
+        self.a_AS, self.b_AQ = phy_AP[rows, self.p_AS], phy_AP[rows, self.q_AQ]
+        self.holds = SlotCounts.devices(phy_AP, S, E)
+
+
 def row_chunks(A: int, S: int, M: int, P: int) -> list[slice]:
     """Slices of A rows that screen at most CHUNK_PAIRS (slot, partner slot) pairs each (one row at least)."""
     step = max(1, CHUNK_PAIRS // max(1, min(S * M * S, PAIRS_PER_SLOT * P)))
@@ -67,12 +80,11 @@ def _lightest(slots_AX: np.ndarray, w_AX: np.ndarray, n: int) -> np.ndarray:
 
 
 class SlotCounts:
-    """Replicas of each expert per (row, group) of phy_NP [N, P] (-1 = empty).
-
-    group_NP: [P] or [N, P] group of each slot in [0, H) (its device p // S, or its node).
-    counts(rows, groups, experts) -> int64 counts, the three broadcast together (expert -1: 0).
-    `select(rows_A)` re-indexes the rows (row a of the result is row rows_A[a]) without copying.
-    """
+    """Replicas of each expert per (row, group) of phy_NP [N, P] (-1 = empty); group_NP: [P] or [N, P] group of
+    each slot in [0, H) (its device p // S, or its node). counts(rows, groups, experts) -> int64 counts, the
+    three broadcast together (expert -1: 0); `select(rows_A)` re-indexes the rows without copying. A dense
+    [N, H, E] table while it holds at most DENSE_PER_SLOT entries per slot (or few in all), else the sorted keys
+    of the occupied (row, group, expert) triples: memory linear in the slots either way."""
 
     def __init__(self, phy_NP: np.ndarray, group_NP: np.ndarray, H: int, E: int):
         N, P = phy_NP.shape
@@ -90,6 +102,11 @@ class SlotCounts:
     def devices(cls, phy_NP: np.ndarray, S: int, E: int) -> SlotCounts:
         """Replicas per (row, device, expert)."""
         return cls(phy_NP, np.arange(phy_NP.shape[1]) // S, phy_NP.shape[1] // S, E)
+
+    @classmethod
+    def nodes(cls, phy_NP: np.ndarray, node_G: np.ndarray, S: int, E: int) -> SlotCounts:
+        """Replicas per (row, node, expert); node_G: [G] or [N, G] node of each device."""
+        return cls(phy_NP, node_G[..., np.arange(phy_NP.shape[1]) // S], int(node_G.max()) + 1, E)
 
     def select(self, rows_A: np.ndarray) -> SlotCounts:
         view = copy.copy(self)
@@ -137,6 +154,43 @@ class SlotCounts:
         assert self.row_map is None, "new_pairs counts the rows of the table it is called on"
         row, group, expert, _ = self.triples()
         return np.bincount(row, weights=was.counts(row, group, expert) == 0, minlength=self.N)
+
+
+def node_checks(per_node, a_AS: np.ndarray, b_AQ: np.ndarray, ng_A1: np.ndarray, nq_AQ: np.ndarray):
+    """What node spread allows when expert a_AS [A, S] (on the slowest device, node ng_A1 [A, 1]) and b_AQ [A, Q]
+    (in partner slots on nodes nq_AQ) trade places (-1 = empty); per_node(rows, nodes, experts): replicas per node.
+    -> (swap_ASQ: neither leaves a node it alone covers for a node that holds it; a_alone [A, S, 1], b_alone
+    [A, 1, Q]: the expert's only replica on its node; a_there [A, S, Q]: q's node holds a)."""
+    rows = np.arange(len(a_AS))[:, None]
+    a_id, b_id = a_AS.clip(0), b_AQ.clip(0)
+    a_alone = ((a_AS >= 0) & (per_node(rows, ng_A1, a_id) == 1))[:, :, None]
+    a_there = per_node(rows[:, :, None], nq_AQ[:, None, :], a_id[:, :, None]) > 0
+    b_alone = ((b_AQ >= 0) & (per_node(rows, nq_AQ, b_id) == 1))[:, None, :]
+    b_there = (per_node(rows, ng_A1, b_id) > 0)[:, None, :]
+    cross = (nq_AQ != ng_A1)[:, None, :]
+    return ~(cross & ((a_alone & a_there) | (b_alone & b_there))), a_alone, a_there, b_alone
+
+
+def best_moves(score_AK: np.ndarray, sq_AK: np.ndarray, cur_A: np.ndarray, cur_sq_A: np.ndarray, tol_A: np.ndarray,
+               mean_A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's best candidate: the lowest score_AK [A, K] (within tol_A of it, the lowest sum of squared device
+    loads sq_AK). -> (pick_A, keep: the rows whose pick lowers cur_A by more than tol_A, or keeps it and lowers
+    cur_sq_A by more than tol_A x mean_A)."""
+    best = score_AK.min(1)
+    pick = np.where(score_AK <= best[:, None] + tol_A[:, None], sq_AK, np.inf).argmin(1)
+    tied = (best <= cur_A + tol_A) & (sq_AK[np.arange(len(pick)), pick] < cur_sq_A - tol_A * mean_A)
+    return pick, np.flatnonzero(((best < cur_A - tol_A) | tied) & np.isfinite(best))
+
+
+def checked_load(name: str, load_LE, plan) -> torch.Tensor:
+    """load_LE as float64 [L, E] for `plan`'s layers and experts (finite, non-negative)."""
+    if not hasattr(plan, "phy2log") or not hasattr(plan, "logcnt"):
+        raise TypeError(f"plan must be a Placement, got {type(plan).__name__}")
+    load_LE = real_tensor(name, load_LE, "[layers, experts]")
+    if load_LE.shape != plan.logcnt.shape:
+        raise ValueError(f"{name} must be [layers, experts] = {tuple(plan.logcnt.shape)} for this plan, got "
+                         f"{tuple(load_LE.shape)}")
+    return load_LE
 
 
 def real_tensor(name: str, value, shape: str) -> torch.Tensor:

@@ -8,10 +8,9 @@ Shape legend: G EP ranks (devices), E logical experts, R copies of one expert, F
     mine_ER = rank_share(counts_GE, n_ER, rank)        # the part of it this rank sends
     split_GER = steer(counts_GE, devices_ER)           # both at once, for every source rank
 
-An expert with one copy sends its routes there. The F others are split to minimise the sum of squared device loads
-(whose minimum is also the smallest busiest rank: the loads of a flow problem's least-squares solution are its
-min-max ones), by water filling from the even split (`Copies.split`, steps 1-3). Every rank computes the same split
-from the same counts: dense reductions, no atomics.
+An expert with one copy sends its routes there; the F others are split to minimise the sum of squared device loads
+(a flow problem's least-squares loads are also its min-max ones), by water filling from the even split (`Copies.split`,
+steps 1-3). Every rank computes the same split from the same counts: dense reductions, no atomics.
 """
 from __future__ import annotations
 

@@ -1,17 +1,15 @@
 """Steps 1u and 3u of the planner (numbered in `placement`'s module doc) for runtimes that split each expert's
-tokens evenly over its replicas (vLLM, SGLang, DeepSeek's EPLB): `plan_placement(..., dispatch="uniform")`.
+tokens evenly over its replicas (vLLM, SGLang, DeepSeek's EPLB): every replica of expert e carries load_e / count_e,
+and a device's load is the sum of its replicas' shares.
 
 Shape legend: L layers, E logical experts, G devices, S slots per device, P physical slots (G * S;
-slot p lives on device p // S), A layers still improving, Q candidate partner slots.
-
-Under an even split every replica of expert e carries load_e / count_e, so a device's load is the
-sum of its replicas' shares and the objective is plain bin balancing.
+slot p lives on device p // S), A layers still improving, Q candidate partner slots, K moves per layer.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .slots import SlotCounts, move_slots, row_chunks
+from .slots import MoveFrame, SlotCounts, best_moves, node_checks, row_chunks
 
 __all__ = []
 
@@ -20,15 +18,11 @@ ONE_AT_A_TIME = 256   # `uniform_counts` hands out up to this many extra replica
 
 
 def uniform_counts(load_LE: np.ndarray, slots: int, max_replicas: int) -> np.ndarray:
-    """cnt_LE [L, E] int64: every expert once, then `slots - E` extra replicas per layer, each to the
-    expert whose share (load / count) is largest (ties: the lowest expert), at most `max_replicas` each:
-    the D'Hondt apportionment. load_LE >= 0.
-
-    Handing them out one at a time (the loop, for up to ONE_AT_A_TIME of them) takes the `slots - E`
-    largest quotients load_e / c (c = 1 .. max_replicas - 1) in the order (value descending, expert,
-    c). For more, the value of the last one taken is found by bisection on its bits (exact; at most
-    63 steps of O(L x E)) and the ties at it go to the lowest experts: the same counts.
-    """
+    """cnt_LE [L, E] int64: every expert once, then `slots - E` extra replicas per layer, each to the expert
+    whose share (load / count) is largest (ties: the lowest expert), at most `max_replicas` each: the D'Hondt
+    apportionment of load_LE >= 0. One at a time for up to ONE_AT_A_TIME of them; for more, the value of the
+    last quotient load_e / c taken is found by bisection on its bits (exact) and the ties at it go to the
+    lowest experts: the same counts."""
     L, E = load_LE.shape
     extra = min(slots, E * max_replicas) - E
     cnt = np.ones((L, E), dtype=np.int64)
@@ -62,10 +56,9 @@ def _quotients_at_least(load_LE: np.ndarray, bits_L: np.ndarray, m: int) -> np.n
 
 
 def count_variants(load_LE: np.ndarray, slots: int, max_replicas: int, n: int) -> list[np.ndarray]:
-    """`n` replica-count vectors [L, E]: `uniform_counts`, then for j = 0 .. n - 2 the same with one
-    replica of the layer's j-th most-replicated expert given to the expert with the next-largest share.
-    The smallest share is not always the best packing: with no two replicas of an expert on one device,
-    fewer and larger shares of a hot expert can pack tighter (`placement._choose` keeps each layer's best)."""
+    """`n` replica-count vectors [L, E]: `uniform_counts`, then for j = 0 .. n - 2 the same with one replica of
+    the layer's j-th most-replicated expert given to the expert with the next-largest share (fewer, larger
+    shares of a hot expert can pack tighter; `placement._choose` keeps each layer's best)."""
     base = uniform_counts(load_LE, slots, max_replicas)
     L, E = load_LE.shape
     rows = np.arange(L)
@@ -86,25 +79,19 @@ def count_variants(load_LE: np.ndarray, slots: int, max_replicas: int, n: int) -
 def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, rounds: int,
                    node_G: np.ndarray | None = None, was: SlotCounts | None = None,
                    stickiness: float = 0.0, work: int = 1 << 16, swaps_only: bool = False) -> np.ndarray:
-    """Lower each layer's slowest device under an even split by local moves. phy_LP [L, P] changes in
-    place and is returned.
+    """Lower each layer's slowest device under an even split by local moves; phy_LP [L, P] changes in place.
 
     A round takes, for every layer still improving, the slowest device g* and three kinds of move:
       swap   a replica a on g* trades places with a replica b (or an empty slot) on another device;
-      drop   a replica of a on g* whose expert has others becomes a new replica of an expert c that
-             g* does not hold (a's other replicas take more, c's less);
-      add    a replica of b elsewhere, whose expert has others, becomes a new replica of an expert a
-             on g* (every replica of a takes less).
-    No move puts two replicas of an expert on one device or leaves an expert without one. The best K
-    moves of each layer by estimate (`_moves`; K sized so a round looks at about `work` slots) get their
-    exact device loads, and the best is applied when it lowers the slowest device, or keeps it and lowers
-    the sum of squared device loads. Both only ever fall, so the search ends; `rounds` bounds it.
-    node_G [G] or [L, G] (spread replicas over nodes; all zeros = no spread): no move takes an expert off a
-    node it alone covers to a node that already holds it, or off a node it alone covers at all (drop, add).
-    was (the replicas `previous` held per row, device and expert, `SlotCounts`): every replica a move puts
-    where `previous` did not hold it costs `stickiness` x the mean device load / P, every one it puts
-    back earns as much. swaps_only: keep every expert's replica count (drops and adds are not tried).
-    """
+      drop   a replica of a on g* whose expert has others becomes a new replica of an expert c not on g*;
+      add    a replica of b elsewhere, whose expert has others, becomes a new replica of an expert a on g*.
+    No move puts two replicas of an expert on one device or leaves an expert without one. The best K moves of
+    each layer by estimate (`_moves`; a round looks at about `work` slots) get their exact device loads, and the
+    best is applied when it lowers the slowest device, or keeps it and lowers the sum of squared device loads
+    (`slots.best_moves`); `rounds` bounds the search. node_G [G] or [L, G] (all zeros = no spread): no expert
+    leaves a node it alone covers (for one that holds it, in a swap). was (`previous`'s replicas, `SlotCounts`):
+    every replica a move puts where `previous` did not hold it costs `stickiness` x the mean device load / P,
+    every one it puts back earns as much. swaps_only: keep every expert's replica count."""
     L, P = phy_LP.shape
     if G < 2:                                  # one device: nothing to move between
         return phy_LP
@@ -122,15 +109,9 @@ def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, roun
                         None if was is None else was.select(ac), move_cost_L[ac], K, swaps_only=swaps_only)
                  for ac in (active[c] for c in row_chunks(len(active), S, min(G - 1, PARTNERS), P))]
         cand_AKP, score_AK, y_AKG, y_AG = (np.concatenate(part) for part in zip(*parts))
-        rows = np.arange(len(active))
-        cur = y_AG.max(1)        # scores are relative to the current weight moves (a move's own are added)
-        tol = tol_L[active]
-        best = score_AK.min(1)
-        sq_AK = np.where(score_AK <= best[:, None] + tol[:, None], (y_AKG ** 2).sum(2), np.inf)
-        pick = sq_AK.argmin(1)
-        better = (best < cur - tol) | ((best <= cur + tol)
-                                       & (sq_AK[rows, pick] < (y_AG ** 2).sum(1) - tol * mean_L[active]))
-        keep = np.flatnonzero(better & np.isfinite(best))
+        # scores are relative to the current weight moves (a move's own are added)
+        pick, keep = best_moves(score_AK, (y_AKG ** 2).sum(2), y_AG.max(1), (y_AG ** 2).sum(1), tol_L[active],
+                                mean_L[active])
         phy_LP[active[keep]] = cand_AKP[keep, pick[keep]]
         active = active[keep]
     return phy_LP
@@ -138,16 +119,12 @@ def refine_uniform(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int, roun
 
 def even_split_loads(phy_NP: np.ndarray, load_NE: np.ndarray, G: int, S: int) -> np.ndarray:
     """y_NG [N, G]: each device's load when every expert splits evenly over its replicas in phy_NP."""
-    return slot_shares(phy_NP, load_NE).reshape(len(phy_NP), G, S).sum(2)
+    return slot_shares(phy_NP, load_NE)[2].reshape(len(phy_NP), G, S).sum(2)
 
 
-def slot_shares(phy_NP: np.ndarray, load_NE: np.ndarray) -> np.ndarray:
-    """w_NP [N, P]: the load each slot takes when every expert splits evenly over its replicas (0: empty)."""
-    return _shares(phy_NP, load_NE)[2]
-
-
-def _shares(phy_NP: np.ndarray, load_NE: np.ndarray):
-    """(cnt_NE replica counts, share_NE = load / count, w_NP the share in each slot, 0 where empty)."""
+def slot_shares(phy_NP: np.ndarray, load_NE: np.ndarray):
+    """The even split of every expert over its replicas in phy_NP [N, P]: (cnt_NE replica counts, share_NE =
+    load / count, w_NP [N, P] the share each slot takes, 0 where empty)."""
     N, P = phy_NP.shape
     E = load_NE.shape[1]
     rows = np.arange(N)[:, None]
@@ -158,15 +135,14 @@ def _shares(phy_NP: np.ndarray, load_NE: np.ndarray):
 
 def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_A, move_cost_A, K: int, partners: int = PARTNERS,
            takers: int = 16, swaps_only: bool = False):
-    """The best K moves of each layer by estimate: (candidate placements cand_AKP, their exact slowest
-    device plus priced weight moves score_AK (inf where a layer has fewer than K legal moves), their
-    device loads y_AKG, the current device loads y_AG). Move kinds as in `refine_uniform`; swaps and
-    adds look at the slots of the `partners` least loaded devices, drops at the `takers` experts
-    whose new replica would be lightest."""
+    """The best K moves of each layer by estimate (kinds as in `refine_uniform`; swaps and adds with the slots of
+    the `partners` least loaded devices, drops to the `takers` experts whose new replica would be lightest):
+    (the placements cand_AKP, their exact slowest device plus priced weight moves score_AK (inf where a layer
+    has fewer than K legal moves), their device loads y_AKG, the current device loads y_AG)."""
     f = _Frame(phy_AP, load_AE, G, S, partners)
     est, c_AC = _estimates(f, node_AG, takers, swaps_only)
     if was_A is not None:   # the weight copies a move makes or undoes, priced
-        moves_AX = _move_count(was_A.counts, f.a_AS, f.g, f.b_AQ, f.h_AQ, c_AC)
+        moves_AX = _move_count(was_A.counts, f, c_AC)
         est = est + moves_AX * move_cost_A[:, None]
     K = min(K, est.shape[1])
     pick = np.argpartition(est, K - 1, 1)[:, :K] if K < est.shape[1] else np.tile(np.arange(K), (f.A, 1))
@@ -179,25 +155,16 @@ def _moves(phy_AP, load_AE, G: int, S: int, node_AG, was_A, move_cost_A, K: int,
     return cand, np.where(np.isfinite(est_AK), score, np.inf), y_AKG, f.y_AG
 
 
-class _Frame:
-    """What every move of a round looks at: each layer's slowest device g*, its slots p_AS and the partners'
-    q_AQ (on devices h_AQ), the shares, and how an expert's other holders change when it gains or loses one."""
+class _Frame(MoveFrame):
+    """`slots.MoveFrame` under the even split: the shares, and how an expert's other holders change when it gains
+    or loses one."""
 
     def __init__(self, phy_AP, load_AE, G: int, S: int, partners: int):
-        A, P = phy_AP.shape
-        E = load_AE.shape[1]
-        self.phy_AP, self.A, self.P, self.E, self.G, self.S = phy_AP, A, P, E, G, S
-        self.rows = rows = np.arange(A)[:, None]
-        self.cnt, self.share, self.w_AP = cnt, share, w_AP = _shares(phy_AP, load_AE)
-        self.y_AG = y_AG = w_AP.reshape(A, G, S).sum(2)
-        rank_AG = np.argsort(y_AG, 1, kind="stable")
-        self.g = g = rank_AG[:, -1]                                        # the slowest device
-        self.p_AS, self.q_AQ = move_slots(w_AP, g, rank_AG[:, :min(G - 1, partners)], S)   # slots of g*, partners'
-        self.h_AQ = self.q_AQ // S
+        cnt, share, w_AP = slot_shares(phy_AP, load_AE)
+        self.cnt, self.share = cnt, share
+        super().__init__(phy_AP, w_AP, G, S, min(G - 1, partners), load_AE.shape[1])
+        A, P, E, rows, g, y_AG = self.A, self.P, self.E, self.rows, self.g, self.y_AG
         self.yg = y_AG[rows[:, 0], g][:, None]
-        self.holds = SlotCounts.devices(phy_AP, S, E).counts               # (rows, devices, experts) -> replicas
-        self.a_AS = phy_AP[rows, self.p_AS]
-        self.b_AQ = phy_AP[rows, self.q_AQ]
         # the slowest holder of x other than g* after x loses a replica: loads rise by la / (c - 1) - la / c
         y_slot = np.where(phy_AP >= 0, y_AG[rows, np.arange(P) // S], -np.inf)
         y_slot[rows, g[:, None] * S + np.arange(S)] = -np.inf
@@ -206,13 +173,13 @@ class _Frame:
         self.top_AE = top_AE.reshape(A, E + 1)[:, 1:]
         self.rise_AE = np.where(cnt >= 2, load_AE / (cnt - 1).clip(1) - share, 0.0)   # (count 1: illegal moves)
         self.c_new = load_AE / (cnt + 1)                                   # a new replica's share
-        self.g_holds_AE = self.holds(rows, g[:, None], np.arange(E)) > 0
+        self.g_holds_AE = self.holds.counts(rows, g[:, None], np.arange(E)) > 0
 
 
 def _estimates(f: _Frame, node_AG, takers: int, swaps_only: bool):
     """Every move's estimate, the largest new load among the devices it touches (inf: illegal), in the order
     swaps [S x Q], drops [S x C], adds [S x Q]. -> (est [A, X], the takers c_AC)"""
-    rows, holds, cnt, share, c_new = f.rows, f.holds, f.cnt, f.share, f.c_new
+    rows, holds, cnt, share, c_new = f.rows, f.holds.counts, f.cnt, f.share, f.c_new
     a_AS, b_AQ, h_AQ, g, yg = f.a_AS, f.b_AQ, f.h_AQ, f.g, f.yg
     a_id, b_id = a_AS.clip(0), b_AQ.clip(0)
     real_a = a_AS >= 0
@@ -239,17 +206,14 @@ def _estimates(f: _Frame, node_AG, takers: int, swaps_only: bool):
     est_add = np.maximum(np.maximum((yg - gain_a)[:, :, None] + g_rise, yh_new), b_top)
     ok_add = (real_a[:, :, None] & a_free_h & ((b_AQ >= 0) & (cnt[rows, b_id] >= 2))[:, None, :]
               & (b_AQ[:, None, :] != a_AS[:, :, None]))
-    if node_AG is not None:
-        per_node = SlotCounts(f.phy_AP, node_AG[:, np.arange(f.P) // f.S], int(node_AG.max()) + 1, f.E).counts
-        ok_swap &= _keeps_nodes(per_node, a_AS, b_AQ, g, h_AQ, node_AG)
-        ok_drop &= (per_node(rows, node_AG[rows[:, 0], g][:, None], a_id) >= 2)[:, :, None]
-        ok_add &= (per_node(rows, node_AG[rows, h_AQ], b_id) >= 2)[:, None, :]
+    if node_AG is not None:   # no expert leaves a node it alone covers (drop, add), or for one that holds it (swap)
+        keeps, a_alone, _, b_alone = node_checks(SlotCounts.nodes(f.phy_AP, node_AG, f.S, f.E).counts, a_AS, b_AQ,
+                                                 node_AG[rows[:, 0], g][:, None], node_AG[rows, h_AQ])
+        ok_swap, ok_drop, ok_add = ok_swap & keeps, ok_drop & ~a_alone, ok_add & ~b_alone
     if swaps_only:
         ok_drop, ok_add = np.zeros_like(ok_drop), np.zeros_like(ok_add)
-    est = np.concatenate([np.where(ok_swap, est_swap, np.inf).reshape(f.A, -1),
-                          np.where(ok_drop, est_drop, np.inf).reshape(f.A, -1),
-                          np.where(ok_add, est_add, np.inf).reshape(f.A, -1)], 1)
-    return est, c_AC
+    moves = ((ok_swap, est_swap), (ok_drop, est_drop), (ok_add, est_add))
+    return np.concatenate([np.where(ok, est, np.inf).reshape(f.A, -1) for ok, est in moves], 1), c_AC
 
 
 def _decoded(f: _Frame, pick, c_AC):
@@ -271,7 +235,7 @@ def _applied(f: _Frame, kind, p, q, c):
     """The moves made: (cand_AKP the placements, y_AKG their exact device loads, from the changes each move
     makes rather than by recounting)."""
     A, K = kind.shape
-    rows, holds, share, c_new, rise_AE, yg = f.rows, f.holds, f.share, f.c_new, f.rise_AE, f.yg
+    rows, holds, share, c_new, rise_AE, yg = f.rows, f.holds.counts, f.share, f.c_new, f.rise_AE, f.yg
     ra, kk = np.broadcast_to(rows, (A, K)), np.broadcast_to(np.arange(K), (A, K))
     a, b = f.phy_AP[ra, p], f.phy_AP[ra, q]
     swap, drop, add = kind == 0, kind == 1, kind == 2
@@ -282,9 +246,7 @@ def _applied(f: _Frame, kind, p, q, c):
     cand[ra[add], kk[add], q[add]] = a[add]
     h = q // f.S
     a0, b0, c0 = a.clip(0), b.clip(0), c.clip(0)
-    hold_a = holds(ra[..., None], np.arange(f.G), a0[..., None]) > 0      # [A, K, G]
-    hold_b = holds(ra[..., None], np.arange(f.G), b0[..., None]) > 0
-    hold_c = holds(ra[..., None], np.arange(f.G), c0[..., None]) > 0
+    hold_a, hold_b, hold_c = (holds(ra[..., None], np.arange(f.G), x[..., None]) > 0 for x in (a0, b0, c0))  # [A, K, G]
     sa_k, sb_k = f.w_AP[ra, p], f.w_AP[ra, q]
     dy = np.zeros((A, K, f.G))
     dy += (drop * rise_AE[ra, a0])[..., None] * hold_a                  # drop: a's other holders take more
@@ -301,11 +263,10 @@ def _applied(f: _Frame, kind, p, q, c):
     return cand, y_AKG
 
 
-def _move_count(was, a_AS, g_A, b_AQ, h_AQ, c_AC) -> np.ndarray:
+def _move_count(was, f: _Frame, c_AC) -> np.ndarray:
     """[A, X] change in the number of replicas held where `previous` did not hold them, per move in the
     order of `_moves`' estimates (swap, drop, add). was(rows, devices, experts): `previous`'s replicas."""
-    A, S = a_AS.shape
-    rows = np.arange(A)[:, None]
+    rows, a_AS, g_A, b_AQ, h_AQ = f.rows, f.a_AS, f.g, f.b_AQ, f.h_AQ
     a_id, b_id = a_AS.clip(0), b_AQ.clip(0)
     real_a, real_b = (a_AS >= 0), (b_AQ >= 0)
     new_a_h = was(rows[:, :, None], h_AQ[:, None, :], a_id[:, :, None]) == 0      # a placed on h: [A, S, Q]
@@ -317,20 +278,5 @@ def _move_count(was, a_AS, g_A, b_AQ, h_AQ, c_AC) -> np.ndarray:
     new_c_g = was(rows, g_A[:, None], c_AC) == 0                                 # c placed on g*: [A, C]
     drop = new_c_g[:, None, :].astype(np.int64) - new_a_g[:, :, None]
     add = new_a_h.astype(np.int64) - (real_b * new_b_h)[:, None, :]
-    return np.concatenate([swap.reshape(A, -1), drop.reshape(A, -1), add.reshape(A, -1)], 1)
+    return np.concatenate([swap.reshape(f.A, -1), drop.reshape(f.A, -1), add.reshape(f.A, -1)], 1)
 
-
-def _keeps_nodes(per_node, a_AS, b_AQ, g_A, h_AQ, node_AG) -> np.ndarray:
-    """[A, S, Q] bool: swapping slot s of g* with partner slot q keeps every expert on as many nodes as
-    before (a swap within a node always does; across nodes, neither expert may leave a node it alone
-    covers for a node that already holds it). per_node(rows, nodes, experts): replicas per node."""
-    rows = np.arange(len(a_AS))[:, None]
-    ng = node_AG[rows[:, 0], g_A][:, None]                         # [A, 1]
-    nq = node_AG[rows, h_AQ]                                       # [A, Q]
-    a_id, b_id = a_AS.clip(0), b_AQ.clip(0)
-    a_alone = ((a_AS >= 0) & (per_node(rows, ng, a_id) == 1))[:, :, None]
-    a_there = per_node(rows[:, :, None], nq[:, None, :], a_id[:, :, None]) > 0
-    b_alone = ((b_AQ >= 0) & (per_node(rows, nq, b_id) == 1))[:, None, :]
-    b_there = (per_node(rows, ng, b_id) > 0)[:, None, :]
-    cross = (nq != ng)[:, None, :]
-    return ~(cross & ((a_alone & a_there) | (b_alone & b_there)))
