@@ -3,6 +3,8 @@
 `launch(scenario, world_size, tmp_path, **params)` starts `world_size` processes of
 `tests/dist_worker.py` (RANK / WORLD_SIZE / MASTER_PORT set as `torch.distributed.run` would),
 each running the named scenario with a real DeepSpeed engine, and returns every rank's result.
+Each rank is a fork of a server that imported torch, DeepSpeed and transformers once (tests/forked_rank.py):
+a fresh interpreter per rank spent more of the suite importing them than running the scenarios.
 A distinct free port per launch; a hard timeout kills the whole job instead of hanging CI.
 Every test carries exactly one of the markers `unit`, `distributed`, `slow` (pytest.ini).
 """
@@ -11,14 +13,15 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import multiprocessing
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
 
+import forked_rank
 from benchmarks.bench import free_port, unlink_shm_buffers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,34 +84,51 @@ def dist_env(world_size: int, rank: int, port: int) -> dict[str, str]:
     return env
 
 
+def _fork_server():
+    """multiprocessing's fork server, started once with tests/forked_rank.py (and so torch, DeepSpeed,
+    transformers) imported, in the environment every rank shares; each rank is a fork of it."""
+    from multiprocessing import forkserver
+    if forkserver._forkserver._forkserver_pid is None:
+        forkserver.set_forkserver_preload(["forked_rank"])
+        saved = dict(os.environ)
+        env = dist_env(1, 0, 0)
+        os.environ.update({k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "MASTER_PORT")},
+                          PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), env["PYTHONPATH"]]))
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return multiprocessing.get_context("forkserver")
+
+
 def _start(scenario, world_size, out_dir, timeout, worker, params):
     port = free_port()
     procs = []
     for rank in range(world_size):
-        log = open(out_dir / f"rank{rank}.log", "w")
         # a rank still running shortly before the timeout writes every thread's stack to its log
         stacks = {**params, "stacks_after": max(10, int(timeout) - 20)}
-        procs.append((subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", worker), scenario,
-                                        str(out_dir), json.dumps(stacks)], env=dist_env(world_size, rank, port),
-                                       stdout=log, stderr=subprocess.STDOUT, cwd=str(out_dir.parent)), log))
+        proc = _fork_server().Process(target=forked_rank.run, args=(
+            os.path.join(ROOT, "tests", worker), [scenario, str(out_dir), json.dumps(stacks)],
+            dist_env(world_size, rank, port), str(out_dir.parent), str(out_dir / f"rank{rank}.log")))
+        proc.start()
+        procs.append(proc)
     return procs, port
 
 
 def _wait(procs, out_dir, scenario: str, world_size: int, timeout: float) -> bool:
     """Wait for every rank; True when rank 0 could not bind the master port (the others are killed)."""
     deadline = time.monotonic() + timeout
-    while any(proc.poll() is None for proc, _ in procs):
-        first = procs[0][0]
-        if first.poll() not in (None, 0) and "EADDRINUSE" in (out_dir / "rank0.log").read_text(errors="replace"):
-            for proc, _ in procs:
+    while any(proc.exitcode is None for proc in procs):
+        if procs[0].exitcode not in (None, 0) and "EADDRINUSE" in (out_dir / "rank0.log").read_text(errors="replace"):
+            for proc in procs:
                 proc.kill()
-                proc.wait()
+                proc.join()
             return True
         if time.monotonic() > deadline:
-            for proc, _ in procs:
+            for proc in procs:
                 proc.kill()
-            for _, log in procs:
-                log.flush()
+                proc.join()
             tails = "\n".join(f"--- rank {rank}, last lines:\n" + "\n".join(
                 (out_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()[-15:])
                 for rank in range(world_size))
@@ -130,16 +150,14 @@ def launch(scenario: str, world_size: int, tmp_path, timeout: float = LAUNCH_TIM
         try:
             port_taken = _wait(procs, out_dir, scenario, world_size, timeout)
         finally:
-            for _, log in procs:
-                log.close()
             unlink_shm_buffers(port)
         if not port_taken:
             break
     results = []
-    for rank, (proc, _) in enumerate(procs):
+    for rank, proc in enumerate(procs):
         text = (out_dir / f"rank{rank}.log").read_text()
         expected = exit_codes.get(rank, 0)
-        assert proc.returncode == expected, f"rank {rank} of {scenario} exited {proc.returncode}:\n{text[-4000:]}"
+        assert proc.exitcode == expected, f"rank {rank} of {scenario} exited {proc.exitcode}:\n{text[-4000:]}"
         if expected != 0:
             results.append(None)
             continue
