@@ -27,8 +27,7 @@ __all__ = ["BalanceLogger", "NullLogger", "BalanceLog"]
 # batches; no aux controls), so a reader draws each against its own axis.
 META = ("step", "samples", "mode", "policy", "phase", "run_start", "nonfinite_layer_ids")
 
-# Per-layer curves: key -> plot title (one PNG each in `eb report`, one W&B key per layer).
-PER_LAYER: dict[str, str] = {
+PER_LAYER: dict[str, str] = {      # key -> plot title (a PNG each in `eb report`, a W&B key per layer)
     "device_max_over_mean": "device max/mean per layer (1 = balanced)",
     "expert_max_over_mean": "expert max/mean per layer",
     "max_vio": "MaxVio per layer (expert granularity)",
@@ -41,8 +40,7 @@ PER_LAYER: dict[str, str] = {
     "heat_drift": "expert mix moved from the EMA heat per layer (total variation: 0 same, 1 disjoint)",
 }
 
-# Scalars: key -> plot title.
-SCALARS: dict[str, str] = {
+SCALARS: dict[str, str] = {        # scalars: key -> plot title
     "device_util_std": "device utilisation std (mean over layers)",
     "ema_device_util_std": "device utilisation std (EMA view)",
     "token_drop_rate": "token drop rate (all layers)",
@@ -59,8 +57,7 @@ SCALARS: dict[str, str] = {
     "moved_bytes": "bytes of expert state moved so far (training placement: weights, fp32 masters, moments)",
     "lm_loss": "LM loss (the training loop's, `Balancer.note`)",
 }
-# Scalars the training loop hands over with `Balancer.note(...)`.
-NOTES = ("lm_loss", )
+NOTES = ("lm_loss", )       # scalars the training loop hands over with `Balancer.note(...)`
 
 PRESSURE = "pressure_LG"        # [L, G] EMA device pressure: the heatmap
 EXPERT_COUNTS = "expert_counts_LE"   # [L, E] the step's routed counts: a trace `eb plan` and the simulator read
@@ -131,30 +128,27 @@ class BalanceLog:
         self._run_start = self._logged_step = step
 
     def note(self, step: int, **scalars: float) -> None:
-        """Scalars of the training loop for the next records (JSONL, W&B, `eb report`'s summary) until noted
-        again. Keys must be in `NOTES`; values must be real numbers. A NaN or infinite value (a diverging step
-        on one rank) is recorded as null with one warning per key, never raised: the loop goes on, as it does
-        for non-finite router logits."""
+        """Scalars of the training loop for the next records (JSONL, W&B, `eb report`'s summary) until noted again.
+        Keys must be in `NOTES`; values must be real numbers. A NaN or infinite value (a diverging step on one rank)
+        is recorded as null with one warning per key, never raised: the loop goes on, as for non-finite logits."""
         for key, value in scalars.items():
             if key not in NOTES:
                 raise ValueError(f"note({key}=...): the balance record takes {', '.join(NOTES)}")
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"note({key}={value!r}): a finite number is needed")
-            if not math.isfinite(float(value)):
-                if key not in self._nonfinite_notes:
-                    self._nonfinite_notes.add(key)
-                    warnings.warn(f"easybalance: note({key}={float(value)}) at step {step}: recorded as null "
-                                  "(warned once per key)")
-                self._notes[key] = None
-                continue
-            self._notes[key] = float(value)
+            finite = math.isfinite(float(value))
+            if not finite and key not in self._nonfinite_notes:
+                self._nonfinite_notes.add(key)
+                warnings.warn(f"easybalance: note({key}={float(value)}) at step {step}: recorded as null "
+                              "(warned once per key)")
+            self._notes[key] = float(value) if finite else None
 
     def record(self, balancer) -> dict[str, object]:
         """One balance record of `balancer` (keys: the tables above)."""
         view = balancer.view
         out = {"step": view.steps, "samples": balancer.samples, "mode": balancer.config.mode,
-               "policy": balancer.config.aux.policy, "phase": "train" if balancer.train else "serve"}
-        out.update(balancer.metrics())
+               "policy": balancer.config.aux.policy, "phase": "train" if balancer.train else "serve",
+               **balancer.metrics()}
         if self.extra is not None:
             out.update(self.extra())
         out.update(self._notes)

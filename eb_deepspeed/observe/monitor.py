@@ -3,12 +3,12 @@
 Shape legend: L layers, G EP ranks.
 
 A record is a dict of Python numbers and per-layer lists (`BalanceLog.record`; keys in `core/record.py`).
-  * `JsonlLogger` appends it to `DIR/balance.jsonl` — always on, rank 0 only; `eb report DIR`
-    renders it to PNGs (see `report.py`), so nothing needs a W&B account.
-  * `DeepSpeedMonitorLogger` sends it through DeepSpeed's own monitor (`engine.monitor`), so it lands in
-    W&B (and TensorBoard/CSV) whenever the user's ds_config enables them, keys as `flatten_record` names
-    them; the layers x devices pressure heatmap goes to W&B as an image at every logged step.
-  * `NullLogger` is the no-op twin, so the step hook never asks "is logging on?".
+  * `JsonlLogger` appends it to `DIR/balance.jsonl` — always on, rank 0 only; `eb report DIR` renders it to PNGs
+    (see `report.py`), so nothing needs a W&B account.
+  * `DeepSpeedMonitorLogger` sends it through DeepSpeed's own monitor (`engine.monitor`), so it lands in W&B (and
+    TensorBoard/CSV) whenever the user's ds_config enables them, keys as `flatten_record` names them, with the
+    layers x devices pressure heatmap as a W&B image; `WandbRunLogger` into an open `wandb.run`.
+  * `NullLogger` (`core/record.py`) is the no-op twin, so the step hook never asks "is logging on?".
 """
 from __future__ import annotations
 
@@ -95,25 +95,19 @@ def _open_append(path: str):
 
 def _cut_partial_line(f) -> None:
     """Truncate the open log `f` after its last newline (a record cut short by a killed writer)."""
-    size = f.seek(0, os.SEEK_END)
-    if size == 0:
-        return
-    f.seek(size - 1)
-    if f.read(1) == b"\n":
-        return
-    end = size
+    size = end = f.seek(0, os.SEEK_END)
     while end > 0:                       # back to the last newline, a block at a time
         start = max(0, end - 65536)
         f.seek(start)
-        block = f.read(end - start)
-        cut = block.rfind(b"\n")
+        cut = f.read(end - start).rfind(b"\n")
+        end = start + cut + 1 if cut >= 0 else start
         if cut >= 0:
-            end = start + cut + 1
             break
-        end = start
-    f.truncate(end)
-    f.seek(end)
-    warnings.warn(f"easybalance: {f.name} ended in a partial record (a killed run); cut it off ({size - end} bytes)")
+    if end < size:
+        f.truncate(end)
+        f.seek(end)
+        warnings.warn(f"easybalance: {f.name} ended in a partial record (a killed run); cut it off "
+                      f"({size - end} bytes)")
 
 
 def flatten_record(record: dict[str, Any]) -> dict[str, float]:

@@ -15,6 +15,7 @@ import torch
 
 from ..core.files import open_regular
 from ..core.record import EXPERT_COUNTS
+from .report import read_log
 
 __all__ = ["load_trace"]
 
@@ -63,10 +64,7 @@ def _from_torch_file(path: str) -> torch.Tensor:
         return tensor("global_expert_load")
     for key in ("expert_load_window", "expert_load_pass"):        # vLLM, physical
         if key in data:
-            t_NLP = tensor(key)
-            if "physical_to_logical_map" not in data:
-                raise ValueError(f"{path}: '{key}' counts physical experts; 'physical_to_logical_map' is missing")
-            return _to_logical(t_NLP, data["physical_to_logical_map"], f"{path}: physical_to_logical_map", path)
+            return _to_logical(tensor(key), data, "physical_to_logical_map", f"'{key}' counts", path)
     raise ValueError(f"{path}: no expert load found; expected one of logical_count (SGLang), global_expert_load, "
                      f"expert_load_window / expert_load_pass (vLLM); keys present: {sorted(data)}")
 
@@ -77,6 +75,7 @@ def _from_torch_file(path: str) -> torch.Tensor:
 MAX_TRACE_BYTES = 2 * 2 ** 30
 MAX_TRACE_COUNTS = MAX_TRACE_BYTES // 8
 MAX_EXPANSION, EXPANSION_FLOOR = 8, 64 * 2 ** 20
+MAX_COUNT = 2.0 ** 53     # tokens an expert gets in one step: exact in float64, and far beyond any real batch
 
 
 def _load_bounded(path: str, read=None, what: str = "a torch.save file readable with weights_only=True"):
@@ -121,9 +120,8 @@ def _from_npz(path: str, workload: Optional[str]) -> torch.Tensor:
 
 
 def _zip_payload(f, path: str) -> int:
-    """The bytes the zip archive f declares its entries expand to (its central directory: torch's reader
-    allocates that much and inflates no further), or 0 for a file that is not a zip (an older torch.save,
-    read as it lies on disk)."""
+    """The bytes the zip archive f declares its entries expand to (its central directory: torch's reader allocates
+    that much and inflates no further), or 0 for a file that is not a zip (an older torch.save, read as it lies)."""
     if not zipfile.is_zipfile(f):
         return 0
     f.seek(0)
@@ -151,14 +149,14 @@ def _from_sglang_records(data: dict, path: str) -> torch.Tensor:
         raise ValueError(f"{path}: {len(counts)} records of {tuple(counts[0].shape)} hold more than the "
                          f"{MAX_TRACE_COUNTS} counts a trace may take")
     t_NLP = torch.stack([_checked(t, f"{path}: record {i}") for i, t in enumerate(counts)])
-    if "last_physical_to_logical_map" not in data:
-        raise ValueError(f"{path}: per_pass records count physical experts; 'last_physical_to_logical_map' is missing")
-    return _to_logical(t_NLP, data["last_physical_to_logical_map"], f"{path}: last_physical_to_logical_map", path)
+    return _to_logical(t_NLP, data, "last_physical_to_logical_map", "per_pass records count", path)
 
 
-def _to_logical(t_NLP: torch.Tensor, p2l, what: str, path: str) -> torch.Tensor:
-    """[N, L, E] logical counts from physical counts t_NLP [N, L, P] through the map p2l [L, P] (checked)."""
-    p2l_LP = _expert_map(p2l, tuple(t_NLP.shape[1:]), what)
+def _to_logical(t_NLP: torch.Tensor, data: dict, key: str, counted: str, path: str) -> torch.Tensor:
+    """[N, L, E] logical counts from physical counts t_NLP [N, L, P] (`counted`) by the map data[key] [L, P]."""
+    if key not in data:
+        raise ValueError(f"{path}: {counted} physical experts; '{key}' is missing")
+    p2l_LP = _expert_map(data[key], tuple(t_NLP.shape[1:]), f"{path}: {key}")
     E = int(p2l_LP.max()) + 1
     out = torch.zeros(t_NLP.shape[0], t_NLP.shape[1], E + 1, dtype=torch.float64)
     out.scatter_add_(2, (p2l_LP + 1).clamp_min(0).expand_as(t_NLP), t_NLP)
@@ -187,8 +185,6 @@ def _expert_map(p2l, shape: tuple, what: str) -> torch.Tensor:
 
 def _from_balance_log(path: str, last: Optional[int] = None) -> list[torch.Tensor]:
     """The [layers, experts] counts of each record of a balance log (its last `last`), as they are read."""
-    from ..observe.report import read_log
-
     def counts(record: dict) -> dict:
         """A record's expert counts as a [layers, experts] float64 tensor (None when it holds none), checked."""
         if EXPERT_COUNTS not in record:
@@ -229,9 +225,6 @@ def load_total(path: str, last: Optional[int] = None, workload: Optional[str] = 
     for i, row_LE in enumerate(rows):
         total_LE += _checked(row_LE, f"{path}: {EXPERT_COUNTS} of record {i}")
     return total_LE, len(rows)
-
-
-MAX_COUNT = 2.0 ** 53     # tokens an expert gets in one step: exact in float64, and far beyond any real batch
 
 
 def _checked(t: torch.Tensor, what: str) -> torch.Tensor:
