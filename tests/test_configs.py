@@ -9,7 +9,7 @@ from conftest import ROOT
 pytestmark = pytest.mark.distributed
 
 # every DeepSpeed-MoE config in configs/ (megatron_cpu.json is the Megatron-Core example's, run by
-# tests/test_megatron_job.py; train_hf_cpu_2rank.json the HF AutoEP example's, run by tests/test_hf_job.py)
+# tests/test_quickstart.py; train_hf_cpu_2rank.json the HF AutoEP example's, run by tests/test_hf_job.py)
 CONFIGS = sorted(c for c in os.listdir(os.path.join(ROOT, "configs")) if c not in ("megatron_cpu.json",
                                                                                   "train_hf_cpu_2rank.json"))
 TRAIN = [c for c in CONFIGS if c.startswith("train_")]

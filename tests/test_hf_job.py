@@ -17,9 +17,11 @@ def hf_launch(run_dir, *extra):
                     "--run-dir", str(run_dir), "--max-bytes", "300000", *extra)
 
 
-def test_the_hf_job_balances_an_autoep_mixtral_logs_plots_checkpoints_and_resumes(tmp_path):
-    run = tmp_path / "run"
-    proc = hf_launch(run, "--steps", "8")
+def test_the_hf_job_balances_an_autoep_mixtral_against_plain_autoep_logs_plots_checkpoints_and_resumes(tmp_path):
+    # launch/train_cpu.sh in small: plain AutoEP watched (observe), then the default block against it, then a resume
+    run, baseline = tmp_path / "run", tmp_path / "baseline"
+    hf_launch(baseline, "--steps", "6", "--mode", "observe", "--eval-batches", "1", "--no-report")
+    proc = hf_launch(run, "--steps", "8", "--eval-batches", "1", "--baseline", str(baseline))
     assert "router_aux_loss_coef" not in proc.stderr      # HF's own loss is off: no double-push warning
     records = [json.loads(line) for line in (run / "balance" / "balance.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 6, 8]   # "interval": 2 in the config
@@ -39,6 +41,21 @@ def test_the_hf_job_balances_an_autoep_mixtral_logs_plots_checkpoints_and_resume
     assert len(wandb_runs) == 1
     history = wandb_history(next(wandb_runs[0].glob("run-*.wandb")))
     assert any("easybalance_layer_03/expert_max_over_mean" in row for row in history.values())
+
+    base = json.loads((baseline / "summary.json").read_text())
+    assert summary["framework"] == base["framework"] == "autoep"
+    versus = summary["vs_baseline"]
+    assert set(versus["metrics"]) == {"device_max_over_mean_p90", "expert_max_over_mean_p90", "lm_loss", "val_loss"}
+    for key, row in versus["metrics"].items():
+        where = "final" if key == "val_loss" else "train_second_half"
+        assert row["baseline"] == round(base[where][key], 4) and row["this_run"] == round(summary[where][key], 4)
+        assert row["change_pct"] == round(100 * (summary[where][key] - base[where][key]) / base[where][key], 1)
+    assert summary["train_second_half"]["expert_max_over_mean_p90"] >= 1.0
+    assert "busiest EP rank's routed tokens / mean" in versus["verdict"] and versus["verdict"] in proc.stdout
+    assert "speed" not in versus["verdict"]               # no CPU steps/s passed off as a speed verdict
+    assert (run / "compare.png").read_bytes()[:8] == PNG_MAGIC
+    images = [key for row in history.values() for key in row if key.startswith("easybalance/compare.")]
+    assert "easybalance/compare._type" in images          # the picture in W&B too (an image-file entry)
 
     hf_launch(run, "--steps", "10", "--resume", "--no-report")
     records = [json.loads(line) for line in (run / "balance" / "balance.jsonl").read_text().splitlines()]
@@ -63,26 +80,3 @@ def test_the_autoep_serving_bench_runs_the_articles_rows_side_by_side_with_equal
                                       "outputs_within_1e-5"}
     table = format_autoep_infer_table(result)
     assert all(f" {name} " in table for name, _ in ROWS)
-
-
-def test_the_main_job_compares_plain_autoep_with_the_balanced_run(tmp_path):
-    # launch/train_cpu.sh in small: plain AutoEP watched (observe), then the default block against it
-    hf_launch(tmp_path / "baseline", "--steps", "6", "--mode", "observe", "--eval-batches", "1", "--no-report")
-    proc = hf_launch(tmp_path / "main", "--steps", "6", "--eval-batches", "1", "--baseline", str(tmp_path / "baseline"))
-    base = json.loads((tmp_path / "baseline" / "summary.json").read_text())
-    summary = json.loads((tmp_path / "main" / "summary.json").read_text())
-    assert summary["framework"] == base["framework"] == "autoep"
-    versus = summary["vs_baseline"]
-    assert set(versus["metrics"]) == {"device_max_over_mean_p90", "expert_max_over_mean_p90", "lm_loss", "val_loss"}
-    for key, row in versus["metrics"].items():
-        where = "final" if key == "val_loss" else "train_second_half"
-        assert row["baseline"] == round(base[where][key], 4) and row["this_run"] == round(summary[where][key], 4)
-        assert row["change_pct"] == round(100 * (summary[where][key] - base[where][key]) / base[where][key], 1)
-    assert summary["train_second_half"]["expert_max_over_mean_p90"] >= 1.0
-    assert "busiest EP rank's routed tokens / mean" in versus["verdict"] and versus["verdict"] in proc.stdout
-    assert "speed" not in versus["verdict"]               # no CPU steps/s passed off as a speed verdict
-    assert (tmp_path / "main" / "compare.png").read_bytes()[:8] == PNG_MAGIC
-    wandb_run, = (tmp_path / "main" / "wandb").glob("offline-run-*")
-    history = wandb_history(next(wandb_run.glob("run-*.wandb")))
-    images = [key for row in history.values() for key in row if key.startswith("easybalance/compare.")]
-    assert "easybalance/compare._type" in images          # the picture in W&B too (an image-file entry)

@@ -49,9 +49,12 @@ def deepspeed_launch(run_dir, *extra):
                     "--eval-batches", "1", *extra)
 
 
-def test_the_main_job_trains_logs_plots_checkpoints_and_resumes(tmp_path):
-    run = tmp_path / "run"
-    deepspeed_launch(run, "--steps", "10")
+def test_the_main_job_trains_logs_plots_checkpoints_resumes_and_serves_against_its_baseline(tmp_path):
+    """One job, as the README runs it: plain DeepSpeed watched (observe), the balanced run against it, a resume,
+    then examples/infer_moe_lm.py serving the checkpoint (plain DeepSpeed and replicated serving side by side)."""
+    run, baseline = tmp_path / "run", tmp_path / "baseline"
+    deepspeed_launch(baseline, "--steps", "4", "--mode", "observe", "--no-report")
+    proc = deepspeed_launch(run, "--steps", "10", "--baseline", str(baseline))
     records = [json.loads(line) for line in (run / "balance" / "balance.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 6, 8, 10]  # "interval": 2 in configs/train_cpu_2rank.json
     last = records[-1]
@@ -86,17 +89,22 @@ def test_the_main_job_trains_logs_plots_checkpoints_and_resumes(tmp_path):
         assert {key: row.get(key) for key in flat} == flat
     assert (run / "ckpt" / "latest").read_text().strip()
 
+    # whether balancing helped, against the baseline (the summary of the run before its resume)
+    base = json.loads((baseline / "summary.json").read_text())
+    versus = summary["vs_baseline"]
+    for key in ("device_max_over_mean_p90", "lm_loss"):
+        row = versus["metrics"][key]
+        assert row["baseline"] == round(base["train_second_half"][key], 4)
+        assert row["this_run"] == round(summary["train_second_half"][key], 4)
+    assert "p90 device max/mean (the straggler)" in versus["verdict"] and versus["verdict"] in proc.stdout
+    with open(run / "compare.png", "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+
     deepspeed_launch(run, "--steps", "15", "--resume", "--no-report")
     records = [json.loads(line) for line in (run / "balance" / "balance.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 6, 8, 10, 12, 14, 15]  # resumed: the step count continues (15: the last)
     assert json.loads((run / "summary.json").read_text())["steps"] == 15
 
-
-def test_the_served_model_gives_the_trained_models_outputs_and_logs_its_balance(tmp_path):
-    """examples/infer_moe_lm.py on a checkpoint the main job wrote: plain DeepSpeed and eb_deepspeed's
-    replicated serving side by side."""
-    run = tmp_path / "run"
-    deepspeed_launch(run, "--steps", "6", "--no-report")
     infer = tmp_path / "infer"
     launcher("infer_moe_lm.py", "--config", os.path.join(ROOT, "configs", "infer_cpu_2rank.json"), "--ckpt",
              str(run / "ckpt"), "--run-dir", str(infer), "--layers", "2", "--batches", "12", "--batch", "4")
@@ -134,19 +142,3 @@ def test_the_pr_moe_variant_of_the_example_trains_and_its_curves_render_with_eb_
     plots = run / "balance" / "plots"
     for name in ("summary.png", "expert_max_over_mean.png", "pressure_heatmap.png", "bias_spread.png"):
         assert (plots / name).read_bytes()[:8] == PNG_MAGIC, name
-
-
-def test_the_main_job_says_whether_balancing_helped_against_its_baseline(tmp_path):
-    # before: the main job ran `balance` only; whether it helped needed a second run the user had to know of
-    deepspeed_launch(tmp_path / "baseline", "--steps", "4", "--mode", "observe")
-    proc = deepspeed_launch(tmp_path / "main", "--steps", "4", "--baseline", str(tmp_path / "baseline"))
-    base = json.loads((tmp_path / "baseline" / "summary.json").read_text())
-    summary = json.loads((tmp_path / "main" / "summary.json").read_text())
-    versus = summary["vs_baseline"]
-    for key in ("device_max_over_mean_p90", "lm_loss"):
-        row = versus["metrics"][key]
-        assert row["baseline"] == round(base["train_second_half"][key], 4)
-        assert row["this_run"] == round(summary["train_second_half"][key], 4)
-    assert "p90 device max/mean (the straggler)" in versus["verdict"] and versus["verdict"] in proc.stdout
-    with open(tmp_path / "main" / "compare.png", "rb") as f:
-        assert f.read(8) == PNG_MAGIC

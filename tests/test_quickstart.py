@@ -8,6 +8,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 from conftest import EXT_DIR, ROOT
 from test_main_job import PNG_MAGIC
@@ -85,7 +86,21 @@ def test_the_deepspeed_moe_block_trains_both_runs_and_compares_them(checkout):
 
 
 def test_the_megatron_block_trains_a_gpt_with_moe_layers_balanced(checkout):
+    """examples/megatron_train_moe.py under the real launcher: 2 CPU ranks, EP 2, balance log, plots, W&B offline
+    run, the balancer state file."""
     run_block(quickstart_blocks()[2], checkout)
-    last = records(checkout / "runs" / "megatron" / "balance" / "balance.jsonl")[-1]
-    assert last["step"] == 20 and last["mode"] == "balance" and last["ready"]
-    assert (checkout / "runs" / "megatron" / "balance" / "plots" / "summary.png").read_bytes()[:8] == PNG_MAGIC
+    run = checkout / "runs" / "megatron"
+    rs = records(run / "balance" / "balance.jsonl")
+    assert [r["step"] for r in rs] == [5, 10, 15, 20] and rs[0]["run_start"] == 0   # "interval": 5
+    assert all(isinstance(r.get("lm_loss"), float) for r in rs)      # the loop's loss beside the balance numbers
+    last = rs[-1]
+    assert last["mode"] == "balance" and last["ready"] and last["policy"] == "bias_cross_layer"
+    assert len(last["pressure_LG"]) == 4 and len(last["pressure_LG"][0]) == 2          # 4 MoE layers x EP 2
+    assert 0.0 < last["token_drop_rate"] < 1.0                 # capacity factor 1.0: the demand exceeds it
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["framework"] == "megatron-core" and summary["world_size"] == 2 and summary["final"]["val_loss"] < 6.0
+    for png in summary["plots"] + ["runs/megatron/balance/plots/summary.png"]:     # paths from the checkout
+        assert (checkout / png).read_bytes()[:8] == PNG_MAGIC, png
+    state = torch.load(run / "ckpt" / "easybalance.pt", weights_only=True)
+    assert state["view"]["steps"] == 20 and state["aux"]["bias_LE"].abs().sum() > 0
+    assert list((run / "wandb").glob("offline-run-*/run-*.wandb"))
