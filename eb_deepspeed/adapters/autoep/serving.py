@@ -8,24 +8,22 @@ P physical slots (G * S; slot p lives on EP rank p // S), R replicas of one expe
     logits = model(input_ids=ids).logits          # or model.generate(...): every EP rank together, as AutoEP needs
     model.serving.placement, model.serving.replans, model.easybalance.metrics()
 
-AutoEP's layer is dropless: the all-to-all sends exactly the routes each rank owes each other rank, and the
-grouped GEMMs run over exactly the routes a rank received, so a layer takes as long as its busiest rank. A
-served layer is AutoEP's own `AutoEPMoELayer`, with two changes:
+AutoEP's layer is dropless (its all-to-all and grouped GEMMs run over exactly the routes each rank sends and
+receives), so a layer takes as long as its busiest rank. A served layer is AutoEP's own `AutoEPMoELayer`, with two
+changes:
 
-  * its grouped experts (`GroupedExperts`: w1, w2, w3 [S, ...]) hold S_max = H + R slots per rank, the home
-    experts in the first H (as AutoEP placed them) and replicas after them; the parameters are views of the
-    first S rows of a [S_max, ...] store, S = H (AutoEP's own layout) or S_max (replicas);
-  * a forward hook on its router (`AutoEPRoutes`) keeps the router's logical top-k and gate values and puts
-    each route on a physical slot: an expert's routes on this rank split over its replicas by the plan's
-    table (`split="view"`, no collective) or by steering this batch's counts of every rank (`split="exact"`,
-    one all-gather of [E] counts per layer). The layer's `num_local_experts` is S, so its all-to-all splits
+  * its grouped experts (`GroupedExperts`: w1, w2, w3 [S, ...]) are views of the first S rows of a [S_max, ...]
+    store, S_max = H + R: the home experts in the first H rows (as AutoEP placed them), replicas after them; S = H
+    (AutoEP's own layout) or S_max (replicas);
+  * a forward hook on its router (`AutoEPRoutes`) keeps the router's logical top-k and gate values and puts each
+    route on a physical slot: an expert's routes on this rank split over its replicas by the plan's table
+    (`split="view"`, no collective) or by steering this batch's counts of every rank (`split="exact"`, one
+    all-gather of [E] counts per layer). The layer's `num_local_experts` is S, so its all-to-all splits
     (`counts.view(ep_size, num_local_experts)`), grouped GEMMs and combine run over the P slots unchanged.
 
-Every route meets its expert's weights with its own gate value, so the outputs are those of plain AutoEP up to
-the rounding of GEMMs over differently grouped rows. The tally is of logical experts, with the EP rank each
-route went to as the device columns. Re-planning and the weight moves are the
-serving engine's (`adapters.serving.engine`); `AutoEPStore` is its slot store of these layers (dropless: the
-planner's model is the busiest rank's routes).
+Every route meets its expert's weights with its own gate value: the outputs are plain AutoEP's up to the rounding
+of GEMMs over differently grouped rows. The tally is of logical experts, with each route's EP rank as the device
+columns. `AutoEPStore` is the serving engine's (`adapters.serving.engine`) slot store of these layers.
 """
 from __future__ import annotations
 
@@ -41,7 +39,7 @@ from ...core.config import EasyBalanceConfig
 from ...core.tally import LayerTally
 from ...planning.placement import Placement
 from ..common import dist_ready
-from ..serving.engine import ServingEngine
+from ..serving.engine import ServedTable, ServingEngine, flat_state, unflatten_into
 from ..serving.store import Routing, SlotTable, exact_split, split_by_fraction
 from .layer import choice_sums, find_autoep_layers
 
@@ -56,12 +54,11 @@ def has_autoep_layers(model: torch.nn.Module) -> bool:
         return False
 
 
-class AutoEPRoutes:
+class AutoEPRoutes(ServedTable):
     """One served AutoEP layer's route -> slot map and tally (`core.balancer.BalancedGate`; no controls).
 
     layer: the `AutoEPMoELayer`; G EP ranks; table/S: the placement serving now (`set_table`); routing: the split
-    and this rank's place (`adapters.serving.store.Routing`).
-    """
+    and this rank's place (`adapters.serving.store.Routing`)."""
 
     controls = None       # serving takes no training controls
 
@@ -76,17 +73,10 @@ class AutoEPRoutes:
         layer.router.gate.register_forward_hook(self._keep_logits)
         layer.router.register_forward_hook(self._route)
 
-    def set_table(self, table: SlotTable, slots_per_device: int) -> None:
-        """Serve a placement from the next forward on (slots per rank may change with it)."""
-        self.table, self.S = table, int(slots_per_device)
-        self.P = self.G * self.S
-        E, R = table.log2phy_ER.shape
-        self.one_each = self.P == E and R == 1          # one slot per expert: AutoEP's layout or a permutation
-        self.home_layout = self.one_each and bool((table.log2phy_ER[:, 0] == torch.arange(E)).all())
-        self._on_device = None
-        self._maps(self.layer.router.gate.weight.device)   # copied now, at the batch boundary, not in a forward
+    @property
+    def router_device(self) -> torch.device:
+        return self.layer.router.gate.weight.device
 
-    # ------------------------------------------------------------------ hooks
     def _keep_logits(self, gate, args, logits_TE) -> None:
         if self.routing.recording and logits_TE.shape[0] > 0:
             self._logit_sums_T = choice_sums(self.layer.router, logits_TE)
@@ -95,22 +85,18 @@ class AutoEPRoutes:
         """The router's (top_scores_TK, selected_TK, counts_E) -> (top_scores_TK, slot_TK, counts_P)."""
         top_scores_TK, selected_TK, counts_E = output
         logit_sums_T, self._logit_sums_T = self._logit_sums_T, None
-        T = selected_TK.shape[0]
-        if self.home_layout:
-            if self.routing.recording and T > 0:
-                self.tally.add_routes(selected_TK, routed_E=counts_E, kept_E=counts_E, device_E=self._maps(
-                    counts_E.device)[1], logit_sums_T=logit_sums_T, tokens=T, layer=self.layer_index)
-            return None                                  # AutoEP's own layout: its routes as they are
-        slot_TK, counts_P = self.slots(selected_TK, counts_E)
+        T, home = selected_TK.shape[0], self.home_layout      # home: AutoEP's own layout, its routes as they are
+        slot_TK, counts_P = (None, None) if home else self.slots(selected_TK, counts_E)
         if self.routing.recording and T > 0:
-            self.tally.add_routes(selected_TK, routed_E=counts_E, kept_E=counts_E, device_TK=slot_TK // self.S,
-                                  logit_sums_T=logit_sums_T, tokens=T, layer=self.layer_index)
-        return top_scores_TK, slot_TK.to(selected_TK.dtype), counts_P.to(counts_E.dtype)
+            ranks = {"device_E": self.on_device(counts_E.device)[2]} if home else {"device_TK": slot_TK // self.S}
+            self.tally.add_routes(selected_TK, routed_E=counts_E, kept_E=counts_E, logit_sums_T=logit_sums_T,
+                                  tokens=T, layer=self.layer_index, **ranks)
+        return None if home else (top_scores_TK, slot_TK.to(selected_TK.dtype), counts_P.to(counts_E.dtype))
 
     def slots(self, selected_TK: torch.Tensor, counts_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each route's physical slot [T, K] and the routes per slot [P]: an expert's routes on this rank,
         in token order, fill its replicas one after another in the split's numbers."""
-        log2phy_ER = self._maps(selected_TK.device)[0]
+        log2phy_ER = self.on_device(selected_TK.device)[0]
         expert_N = selected_TK.reshape(-1).long()
         counts_E = counts_E.long()
         if self.one_each:
@@ -134,23 +120,14 @@ class AutoEPRoutes:
     def _split(self, counts_E: torch.Tensor) -> torch.Tensor:
         """This rank's routes per replica [E, R]."""
         if self.routing.split == "view":
-            return split_by_fraction(counts_E, self._maps(counts_E.device)[2])
-        n_ER = exact_split(counts_E, self.table, self.S, self.G, self.layer.ep_group, self.routing.rank)
-        return n_ER
-
-    def _maps(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(log2phy_ER, [E] EP rank of each expert's first slot, fraction_ER) on `device`, copied once per table."""
-        if self._on_device is None or self._on_device[0] != device:
-            log2phy_ER = self.table.log2phy_ER.to(device)
-            self._on_device = (device, log2phy_ER, log2phy_ER[:, 0] // self.S, self.table.fraction_ER.to(device))
-        return self._on_device[1:]
+            return split_by_fraction(counts_E, self.on_device(counts_E.device)[1])
+        return exact_split(counts_E, self.table, self.S, self.G, self.layer.ep_group, self.routing.rank)
 
 
 class AutoEPStore:
     """The slot store (`adapters.serving.store.SlotStore`) of a model's AutoEP layers.
 
-    engine: the DeepSpeed engine whose checkpoint code reads and writes AutoEP's files (None: no checkpoints).
-    """
+    engine: the DeepSpeed engine whose checkpoint code reads and writes AutoEP's files (None: no checkpoints)."""
 
     padded = False          # dropless: a layer takes as long as its busiest rank
 
@@ -200,22 +177,21 @@ class AutoEPStore:
                                            table=SlotTable.even(placement.log2phy[layer]), routing=routing))
             self._point(layer, S)
 
-    def _point(self, layer: int, S: int) -> None:
-        """The layer's expert parameters: the first S rows of its store."""
+    def _point(self, layer: int, S: int, weights: Optional[dict] = None) -> None:
+        """The layer's expert parameters: `weights` ({name: [S, ...]}), by default the first S rows of its store."""
         moe = self.moes[layer]
         for name, param in moe.experts.named_parameters(recurse=False):
-            param.data = self._stores[layer][name][:S]
-        moe.num_local_experts = S
-        moe.experts.num_experts = S
+            param.data = self._stores[layer][name][:S] if weights is None else weights[name]
+        moe.num_local_experts = moe.experts.num_experts = S
         # AutoEP adds every forward's routes per slot to this buffer (never reset, never saved): its shape follows
         moe.tokens_per_expert = torch.zeros(self.num_devices * S, dtype=torch.float32,
                                             device=moe.tokens_per_expert.device)
 
     def read_slot(self, layer: int, j: int) -> torch.Tensor:
-        return torch.cat([w[j].reshape(-1) for w in self._stores[layer].values()])
+        return flat_state(w[j] for w in self._stores[layer].values())
 
     def write_slot(self, layer: int, j: int, flat: torch.Tensor) -> None:
-        unflatten_row(list(self._stores[layer].values()), j, flat)
+        unflatten_into([w[j] for w in self._stores[layer].values()], flat)
 
     def serve(self, layer: int, placement: Placement) -> None:
         self._point(layer, placement.slots_per_device)
@@ -273,26 +249,22 @@ class AutoEPStore:
         """Every layer's expert parameters: fresh [H, ...] tensors in AutoEP's own layout, filled with this
         rank's home experts (`ServingEngine.home_states`) or left for a load to fill (None)."""
         rank = dist.get_rank(self.ep_group) if dist_ready() and self.num_devices > 1 else 0
-        for layer, moe in enumerate(self.moes):
-            store = self._stores[layer]
+        for layer, store in enumerate(self._stores):
             fresh = {name: torch.empty((self.H, ) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
                      for name, w in store.items()}
             if homes is not None:
                 for j in range(self.H):
-                    unflatten_row(list(fresh.values()), j, homes[(layer, rank * self.H + j)])
-            for name, param in moe.experts.named_parameters(recurse=False):
-                param.data = fresh[name]
-            moe.num_local_experts = moe.experts.num_experts = self.H
+                    unflatten_into([w[j] for w in fresh.values()], homes[(layer, rank * self.H + j)])
+            self._point(layer, self.H, fresh)
 
 
 def init_autoep_inference(model: torch.nn.Module, config=None) -> torch.nn.Module:
     """Serve an AutoEP-converted model (a DeepSpeed engine from `deepspeed.initialize`, or its module) with the
-    `easybalance` block of `config`; returns the module in eval mode, with `module.serving` and, with an
-    enabled block, `module.easybalance` (the Balancer). Every EP rank must call forward together (AutoEP's
-    all-to-all): the module's `generate` passes HF's `synced_gpus=True` unless told otherwise, so a rank whose
-    sequences end first keeps joining the forwards of the others (without it, ranks that generate different
-    numbers of tokens wait for each other forever). The engine must not train afterwards: its expert parameters
-    are views of the serving store."""
+    `easybalance` block of `config`; returns the module in eval mode, with `module.serving` and, with an enabled block,
+    `module.easybalance` (the Balancer). Every EP rank must call forward together (AutoEP's all-to-all): the module's
+    `generate` passes HF's `synced_gpus=True` unless told otherwise, so a rank whose sequences end first keeps joining
+    the forwards of the others (without it, ranks that generate different numbers of tokens wait for each other
+    forever). The engine must not train afterwards: its expert parameters are views of the serving store."""
     eb_config = EasyBalanceConfig.from_ds_config(config)
     if eb_config.enabled:
         for path in eb_config.ignored_options("serve"):
@@ -303,8 +275,7 @@ def init_autoep_inference(model: torch.nn.Module, config=None) -> torch.nn.Modul
                            "the process group; call it first")
     module.eval()
     engine = model if hasattr(model, "save_checkpoint") and hasattr(model, "load_checkpoint") else None
-    serving = ServingEngine(AutoEPStore(module, engine=engine), eb_config if eb_config.enabled else None)
-    module.serving = serving
+    ServingEngine(AutoEPStore(module, engine=engine), eb_config if eb_config.enabled else None).attach(module, module)
     if hasattr(module, "generate") and dist.get_world_size() > 1:
         generate = module.generate
 
@@ -313,19 +284,4 @@ def init_autoep_inference(model: torch.nn.Module, config=None) -> torch.nn.Modul
             kwargs.setdefault("synced_gpus", True)
             return generate(*args, **kwargs)
         module.generate = synced_generate
-    if serving.balancer is not None:
-        module.easybalance = serving.balancer
-        module.register_forward_pre_hook(
-            lambda mod, args, kwargs: serving.before_batch(tuple(args) + tuple(kwargs.values())), with_kwargs=True)
-        module.register_forward_hook(lambda mod, args, output: serving.after_batch())
     return module
-
-
-def unflatten_row(weights: list, j: int, flat: torch.Tensor) -> None:
-    """Row j of each grouped weight [S, ...] from one vector (`AutoEPStore.read_slot`'s order)."""
-    at = 0
-    with torch.no_grad():
-        for w in weights:
-            n = w[j].numel()
-            w[j].copy_(flat[at:at + n].view_as(w[j]))
-            at += n

@@ -1,22 +1,22 @@
 """`ReplicaGate`: DeepSpeed's routing on the E logical experts, each route put on a physical slot.
 
-Shape legend: T tokens, M model dim, E logical experts, K top-k, G EP ranks, S slots per rank,
-P physical slots (G * S; slot p lives on rank p // S), R replicas of one expert, C capacity.
+Shape legend: T tokens, M model dim, E logical experts, K top-k, G EP ranks, S slots per rank, P physical slots
+(G * S; slot p lives on rank p // S), R replicas of one expert, C capacity.
 
-A replicated MoE layer is DeepSpeed's own `MOELayer` over P "experts" (its `Experts` holds S slots
-per rank, some of them copies of hot experts); only the gate changes. The gate
+A replicated MoE layer is DeepSpeed's own `MOELayer` over P "experts" (its `Experts` holds S slots per rank, some
+of them copies of hot experts); only the gate changes. The gate
 
-  1. routes exactly as DeepSpeed's `TopKGate` does on the E logical logits (same logits, same
-     gating function, same random draws, same gate values), with no capacity limit;
-  2. splits each logical expert's routes over its replicas by the split table the placement was
-     planned with (`view`, no collective), and gives each route its slot
-     and its position there (the route's logical position, minus its replica's start);
+  1. routes exactly as DeepSpeed's `TopKGate` does on the E logical logits (same logits, same gating function,
+     same random draws, same gate values), with no capacity limit;
+  2. splits each logical expert's routes over its replicas by the split table the placement was planned with
+     (`view`, no collective), and gives each route its slot and its position there (the route's logical
+     position, minus its replica's start);
   3. agrees on one capacity across the EP group (`_capacity`), so unequal batches never abort the All-to-All;
-  4. returns DeepSpeed's sparse 7-tuple over the P slots, with the logical routed counts as
-     `exp_counts`, and tallies *logical* counts (plus kept routes per EP rank) for the view.
+  4. returns DeepSpeed's sparse 7-tuple over the P slots, with the logical routed counts as `exp_counts`, and
+     tallies *logical* counts (plus kept routes per EP rank) for the view.
 
-Without drops every token meets the same experts with the same gate values as in the E-expert
-model, so the outputs are the same.
+Without drops every token meets the same experts with the same gate values as in the E-expert model: the same
+outputs.
 """
 from __future__ import annotations
 
@@ -28,13 +28,14 @@ import torch.nn.functional as F
 from deepspeed.moe import sharded_moe as dsm
 
 from ...core.tally import LayerTally, logit_sums
+from ..serving.engine import ServedTable
 from ..serving.store import Routing, SlotTable, split_by_fraction
 from .gate import CrossLayerGate
 
 __all__ = ["ReplicaGate"]
 
 
-class ReplicaGate(CrossLayerGate):
+class ReplicaGate(CrossLayerGate, ServedTable):
     """CrossLayerGate over physical slots: logical routing, replica split, one agreed capacity."""
 
     def __init__(self, model_dim: int, num_experts: int, k: int, num_devices: int, slots_per_device: int, *,
@@ -47,19 +48,9 @@ class ReplicaGate(CrossLayerGate):
         self.controls = None        # serving takes no training controls
         self._capacity_value = 0    # the capacity the EP group agreed on for the last batch (`last_capacity`)
 
-    def set_table(self, table: SlotTable, slots_per_device: int) -> None:
-        """Serve a new placement from the next forward on (slots per rank may change with it)."""
-        self.table, self.S = table, int(slots_per_device)
-        self.P = self.G * self.S
-        self._table_device = None
-        wg = getattr(self, "wg", None)
-        if wg is not None:        # copied to the router's device now, at the batch boundary, not in a forward
-            self._table_on(wg.weight.device)
-        E, R = table.log2phy_ER.shape
-        # one slot per expert (DeepSpeed's own layout, expert e in slot e, or a re-plan's prefix, a permutation):
-        # without drops DeepSpeed's gate is exact there, its routes mapped to their slots
-        self.one_each = self.P == E and R == 1
-        self.home_layout = self.one_each and bool((table.log2phy_ER[:, 0] == torch.arange(E)).all())
+    @property
+    def router_device(self) -> torch.device:
+        return self.wg.weight.device
 
     @classmethod
     def from_gate(cls, gate, num_devices: int, slots_per_device: int, *, table: SlotTable,
@@ -74,7 +65,7 @@ class ReplicaGate(CrossLayerGate):
                       top2_2nd_expert_sampling=getattr(gate, "top2_2nd_expert_sampling", True),
                       layer_index=getattr(gate, "layer_index", 0))
         new.wg = gate.wg
-        new._table_on(new.wg.weight.device)
+        new.on_device(new.wg.weight.device)
         new.wall_clock_breakdown = gate.wall_clock_breakdown
         new.eval()
         return new
@@ -90,7 +81,7 @@ class ReplicaGate(CrossLayerGate):
         T, E, K = logits_TE.shape[0], self.num_experts, self.k
         # taken before gating: top-2 gating adds its Gumbel noise to the logits in place
         logit_sums_T = logit_sums(logits_TE) if self.routing.recording and T > 0 else None
-        if self.one_each and not self.drop_tokens and self.k == 2:
+        if self.one_each and not self.drop_tokens and self.k == 2:     # without drops DeepSpeed's gate is exact there
             return self._home_forward(logits_TE, used_token, logit_sums_T)
         if T == 0:
             l_aux = logits_TE.sum() * 0.0
@@ -104,23 +95,21 @@ class ReplicaGate(CrossLayerGate):
             expert_KT, position_KT = expert_KT.long(), position_KT.long()
         # 2. replicas: this rank's routes per replica, by the table's shares (`view`: measured faster here than
         # the exact split, docs/benchmarks.md)
-        n_ER = split_by_fraction(counts_E.long(), self._table_on(counts_E.device).fraction_ER)
+        n_ER = split_by_fraction(counts_E.long(), self.on_device(counts_E.device)[1])
         # 3. one capacity for the EP group
         capacity = self._capacity(n_ER, T)
         slot_KT, location_KT, gates_KT = self._place(expert_KT, position_KT, gates_KT, n_ER, capacity)
-        if self.routing.recording and T > 0:     # slot -1 (dropped) is device -1 (floor division)
-            self._add_routes(torch.where(slot_KT >= 0, expert_KT, -1), slot_KT // self.S, counts_E, T, used_token,
-                                l_aux, logit_sums_T)
+        if self.routing.recording and T > 0:     # the kept routes' experts and EP ranks (slot -1: dropped, rank -1)
+            self.tally.add_routes(torch.where(slot_KT >= 0, expert_KT, -1).t(), routed_E=counts_E,
+                                  logit_sums_T=logit_sums_T, l_aux=l_aux, device_TK=(slot_KT // self.S).t(),
+                                  tokens=used_token.sum() if used_token is not None else T, layer=self.layer_index)
         return (l_aux, capacity, self.P, slot_KT.int(), location_KT.int(), gates_KT, counts_E)
 
-    _home_device = None    # (table, S, device index, [E] EP rank of each expert's one slot): `_home_forward`
-
     def _home_forward(self, logits_TE, used_token, logit_sums_T):
-        """One slot per expert without drops, top-2: DeepSpeed's own gating, which agrees on the capacity
-        across the EP group itself (one all-reduce; an empty batch joins the same one), each route mapped to
-        its expert's slot (outside DeepSpeed's own layout), plus the tally.
-        (Not for top-1: DeepSpeed's top1gating clips the agreed capacity to the rank's own token count,
-        which breaks the All-to-All on unequal batches.)"""
+        """One slot per expert without drops, top-2: DeepSpeed's own gating, which agrees on the capacity across
+        the EP group itself (one all-reduce; an empty batch joins the same one), each route mapped to its expert's
+        slot (outside DeepSpeed's own layout), plus the tally. (Not for top-1: DeepSpeed's top1gating clips the
+        agreed capacity to the rank's own token count, which breaks the All-to-All on unequal batches.)"""
         if logits_TE.shape[0] == 0:
             out = self._empty_output(logits_TE, sparse_routes=True)
             self._capacity_value = out[1]
@@ -129,24 +118,20 @@ class ReplicaGate(CrossLayerGate):
         l_aux, capacity, _, expert_KT, _, _, counts_E = out
         self._capacity_value = capacity
         if not self.home_layout:     # a prefix: expert e's routes go to its one slot
-            slot_E = self._table_on(expert_KT.device).log2phy_ER[:, 0]
+            slot_E = self.on_device(expert_KT.device)[0][:, 0]
             slot_KT = torch.where(expert_KT >= 0, slot_E[expert_KT.clamp_min(0).long()], -1).to(expert_KT.dtype)
             out = out[:3] + (slot_KT, ) + out[4:]
         if self.routing.recording:     # one slot each and no drops: kept = routed, every route of expert e on its slot's rank
-            home = self._home_device
-            if home is None or home[0] is not self.table or home[1] != self.S or home[2] != counts_E.get_device():
-                self._home_device = home = (self.table, self.S, counts_E.get_device(),
-                                            self.table.log2phy_ER[:, 0].to(counts_E.device) // self.S)
-            self.tally.add_routes(expert_KT.t(), routed_E=counts_E, kept_E=counts_E, device_E=home[3],
-                                  logit_sums_T=logit_sums_T, l_aux=l_aux,
+            self.tally.add_routes(expert_KT.t(), routed_E=counts_E, kept_E=counts_E,
+                                  device_E=self.on_device(counts_E.device)[2], logit_sums_T=logit_sums_T, l_aux=l_aux,
                                   tokens=used_token.sum() if used_token is not None else logits_TE.shape[0],
                                   layer=self.layer_index)
         return out
 
     def _logical_routes(self, logits_TE, used_token, ep_group=None):
-        """DeepSpeed's gating on the logical experts without a capacity limit (with `ep_group`, the capacity
-        is agreed across it as DeepSpeed does; without, its capacity is not used, so min_capacity 0: a
-        rank with fewer tokens than min_capacity must not assert while its peers wait in a collective)."""
+        """DeepSpeed's gating on the logical experts without a capacity limit (with `ep_group`, the capacity is
+        agreed across it as DeepSpeed does; without, its capacity is not used, so min_capacity 0: a rank with
+        fewer tokens than min_capacity must not assert while its peers wait in a collective)."""
         min_capacity = self.min_capacity if ep_group is not None else 0
         if self.k == 1:
             return dsm.top1gating(logits_TE, self.eval_capacity_factor, min_capacity, used_token, None, False,
@@ -164,23 +149,18 @@ class ReplicaGate(CrossLayerGate):
 
     def _capacity(self, n_ER, T: int) -> int:
         """The EP group's capacity. Without drops: the most routes any rank sends to any slot. With drops:
-        DeepSpeed's ceil(T_max * k * capacity_factor / P), T_max the most tokens on any rank (never below what
-        it keeps: the kept routes are the same as with the smaller of the two)."""
+        DeepSpeed's ceil(T_max * k * capacity_factor / P), T_max the most tokens on any rank."""
         if self.drop_tokens:                # one all-reduce and host read per forward, not per layer
-            most, tokens = None, self._agreed_tokens(T, n_ER.device)
+            tokens = self._agreed_tokens(T, n_ER.device)
+            capacity = max(math.ceil(tokens * self.k * self.eval_capacity_factor / self.P), self.min_capacity, 1)
         else:                                 # one all-reduce, as DeepSpeed's own capacity
-            log2phy_ER = self._table_on(n_ER.device).log2phy_ER
+            log2phy_ER = self.on_device(n_ER.device)[0]
             mine = torch.zeros(self.P + 1, dtype=torch.long, device=n_ER.device)
             mine.index_add_(0, torch.where(log2phy_ER >= 0, log2phy_ER, self.P).reshape(-1), n_ER.reshape(-1))
             most = mine[:self.P].max().reshape(1)
             if self.G > 1:
                 dsm.dist.all_reduce(most, op=dsm.dist.ReduceOp.MAX, group=self.ep_group)
-            most, tokens = int(most.item()), T     # the host read replaces DeepSpeed's own int(C) when dropless
-        if not self.drop_tokens:
-            capacity = max(most, 1)
-        else:
-            limit = max(math.ceil(tokens * self.k * self.eval_capacity_factor / self.P), self.min_capacity)
-            capacity = max(limit if most is None else min(most, limit), 1)
+            capacity = max(int(most.item()), 1)     # the host read replaces DeepSpeed's own int(C) when dropless
         self._capacity_value = capacity
         return capacity
 
@@ -193,10 +173,10 @@ class ReplicaGate(CrossLayerGate):
         agreed = torch.full((1, ), T, dtype=torch.long, device=device)
         if self.G > 1:
             dsm.dist.all_reduce(agreed, op=dsm.dist.ReduceOp.MAX, group=self.ep_group)
+        most = int(agreed.item())
         if kept is not None:
-            kept.append(int(agreed.item()))
-            return kept[0]
-        return int(agreed.item())
+            kept.append(most)
+        return most
 
     def _place(self, expert_KT, position_KT, gates_KT, n_ER, capacity: int):
         """Each route's slot and location there (-1: dropped by the capacity), gates renormalised over
@@ -205,7 +185,7 @@ class ReplicaGate(CrossLayerGate):
         e_KT = expert_KT.clamp_min(0)
         replica_KT = (position_KT[..., None] >= ends_ER[e_KT]).sum(-1).clamp_max(ends_ER.shape[1] - 1)
         start_KT = (ends_ER - n_ER.to(ends_ER.device))[e_KT, replica_KT]
-        slot_KT = self._table_on(expert_KT.device).log2phy_ER[e_KT, replica_KT]
+        slot_KT = self.on_device(expert_KT.device)[0][e_KT, replica_KT]
         location_KT = position_KT - start_KT
         kept_KT = (expert_KT >= 0) & (slot_KT >= 0) & (location_KT < capacity)
         slot_KT = torch.where(kept_KT, slot_KT, -1)
@@ -218,15 +198,3 @@ class ReplicaGate(CrossLayerGate):
             # tokens whose routes were all kept keep DeepSpeed's values bit for bit (no sync to ask)
             gates_KT = torch.where(kept_KT.all(0, keepdim=True), gates_KT, kept_gates_KT)
         return slot_KT, location_KT, gates_KT
-
-    def _table_on(self, device) -> SlotTable:
-        """The table's tensors on `device`, copied once per table (no host-to-device copy per forward)."""
-        if self._table_device is None or self._table_device[0] != device:
-            self._table_device = (device, SlotTable(self.table.log2phy_ER.to(device), self.table.fraction_ER.to(device)))
-        return self._table_device[1]
-
-    def _add_routes(self, expert_KT, device_KT, counts_E, T, used_token, l_aux, logit_sums_T) -> None:
-        """Tally the kept routes [K, T] for the view: the logical expert and the EP rank of each (-1 where dropped)."""
-        self.tally.add_routes(expert_KT.t(), routed_E=counts_E, logit_sums_T=logit_sums_T, l_aux=l_aux,
-                              tokens=used_token.sum() if used_token is not None else T, device_TK=device_KT.t(),
-                              layer=self.layer_index)

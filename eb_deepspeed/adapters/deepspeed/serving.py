@@ -10,10 +10,10 @@ slot p lives on EP rank p // S), H home experts per rank (E / G).
     engine.serving.placement, engine.serving.replans       # where the replicas are (`adapters.serving.engine`)
     engine.serving.save_checkpoint("out", tag="served")    # DeepSpeed's layout, logical experts only
 
-`deepspeed.init_inference` builds expert-parallel groups but never hands them to the MoE layers and
-leaves the model in training mode; with unequal batches per rank that aborts the All-to-All. This
-adapter calls it, then hands every layer its group, sets eval mode, and makes the EP ranks agree on
-one capacity (drop_tokens=True: DeepSpeed never agrees; the `ReplicaGate` does, from the most tokens on any rank).
+`deepspeed.init_inference` builds expert-parallel groups but never hands them to the MoE layers and leaves the
+model in training mode; with unequal batches per rank that aborts the All-to-All. This adapter calls it, then hands
+every layer its group, sets eval mode, and makes the EP ranks agree on one capacity (drop_tokens=True: DeepSpeed
+never agrees; the `ReplicaGate` does, from the most tokens on any rank).
 
 `MoEStore` is the serving engine's slot store of these layers: each layer's `Experts` holds S_max expert modules
 per rank (the home experts first, replicas after them) and its gate is a `ReplicaGate`; DeepSpeed's `MOELayer`
@@ -33,7 +33,7 @@ from deepspeed.accelerator import get_accelerator
 from ...core.config import EasyBalanceConfig, strip_block
 from ...planning.placement import Placement
 from ..common import dist_rank, dist_ready
-from ..serving.engine import ServingEngine
+from ..serving.engine import ServingEngine, flat_state, unflatten_into
 from ..serving.store import Routing, SlotTable
 from .engine import check_world_size, find_moe_layers
 from .hooks import incomplete_problem, latest_tag, mark_complete, mark_incomplete, on_rank0_for_all, refuse
@@ -42,19 +42,6 @@ from .replicas import ReplicaGate
 __all__ = ["init_inference", "MoEStore", "load_moe_checkpoint"]
 
 EXPERTS_PREFIX = ".deepspeed_moe.experts.deepspeed_experts."
-
-
-def _flat(module: torch.nn.Module) -> torch.Tensor:
-    """An expert's whole state (parameters and persistent buffers, state_dict order) as one vector."""
-    return torch.cat([t.detach().reshape(-1) for t in module.state_dict().values()])
-
-
-def _unflatten_into(module: torch.nn.Module, flat: torch.Tensor) -> None:
-    at = 0
-    with torch.no_grad():
-        for t in module.state_dict().values():     # views of the module's own tensors
-            t.copy_(flat[at:at + t.numel()].view_as(t))
-            at += t.numel()
 
 
 class MoEStore:
@@ -98,27 +85,26 @@ class MoEStore:
             self.gates.append(gate)
 
     def read_slot(self, layer: int, j: int) -> torch.Tensor:
-        return _flat(self.expert_module(layer, j))
+        """The expert's whole state: parameters and persistent buffers, state_dict order."""
+        return flat_state(self.expert_module(layer, j).state_dict().values())
 
     def write_slot(self, layer: int, j: int, flat: torch.Tensor) -> None:
-        _unflatten_into(self.expert_module(layer, j), flat)
+        unflatten_into(self.expert_module(layer, j).state_dict().values(), flat)    # views of the module's tensors
 
     def serve(self, layer: int, placement: Placement) -> None:
-        moe = self.moes[layer]
-        moe.deepspeed_moe.experts.num_local_experts = placement.slots_per_device
-        moe.deepspeed_moe.num_local_experts = placement.slots_per_device
-        self.gates[layer].set_table(SlotTable.even(placement.log2phy[layer]), placement.slots_per_device)
+        S, moe = placement.slots_per_device, self.moes[layer].deepspeed_moe
+        moe.experts.num_local_experts = moe.num_local_experts = S
+        self.gates[layer].set_table(SlotTable.even(placement.log2phy[layer]), S)
 
     def load_home(self, ckpt_dir: str, tag: Optional[str]) -> str:
         return load_moe_checkpoint(self.module, ckpt_dir, tag)
 
     def save_home(self, ckpt_dir: str, tag: str, homes: dict) -> str:
         """DeepSpeed's MoE checkpoint layout with the logical experts: every rank of the first EP group its home
-        experts, global rank 0 the non-expert weights and `latest`. A DeepSpeed engine of the same model loads
-        it with `load_checkpoint(dir, load_module_only=True)`, or with `load_optimizer_states=False,
-        load_lr_scheduler_states=False` (then its step count starts at 0): serving holds no optimizer or
-        scheduler state, so a default `load_checkpoint` (optimizer states on) fails on the missing optimizer
-        file. Collective."""
+        experts, global rank 0 the non-expert weights and `latest`. A DeepSpeed engine of the same model loads it
+        with `load_checkpoint(dir, load_module_only=True)` or `load_optimizer_states=False,
+        load_lr_scheduler_states=False` (its step count then starts at 0); a default `load_checkpoint` fails on the
+        missing optimizer file (serving holds no optimizer or scheduler state). Collective."""
         folder = os.path.join(ckpt_dir, tag)
         # as the training save does: a kill never passes for a checkpoint (the all-gather is the barrier)
         on_rank0_for_all(lambda: mark_incomplete(folder), "marking the checkpoint incomplete")
@@ -147,31 +133,27 @@ class MoEStore:
 
 def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[str] = None) -> str:
     """Load DeepSpeed's MoE checkpoint layout into `module` on this rank: the non-expert weights from
-    `mp_rank_00_model_states.pt`, and each local expert module j of MoE layer l from the file of the
-    expert it holds, `layer_{l}_expert_{e}_mp_rank_00_model_states.pt` (read with weights_only=True): DeepSpeed's
-    layout, expert EP-rank * local experts + j. Works for a plain DeepSpeed model whose layers have their EP groups.
-    """
+    `mp_rank_00_model_states.pt`, and each local expert module j of MoE layer l from the file of the expert it holds,
+    `layer_{l}_expert_{e}_mp_rank_00_model_states.pt` (read with weights_only=True): DeepSpeed's layout, expert
+    EP-rank * local experts + j. Works for a plain DeepSpeed model whose layers have their EP groups."""
     problem = incomplete_problem(ckpt_dir, tag)
     if problem:
         raise refuse(ckpt_dir, problem)
-    tag = _tag(ckpt_dir, tag)
+    tag = str(tag) if tag is not None else latest_tag(ckpt_dir)
+    if tag is None:
+        raise FileNotFoundError(f"{ckpt_dir}: no `latest` file; pass tag=")
     folder = os.path.join(ckpt_dir, tag)
-    moes = find_moe_layers(module)
-
-    def expert_in_slot(layer, j):
-        moe = moes[layer][1]
-        ep_rank = dist.get_rank(moe.deepspeed_moe.ep_group) if dist_ready() and moe.ep_size > 1 else 0
-        return ep_rank * moe.num_local_experts + j if j < moe.num_local_experts else -1
     state = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"), map_location="cpu",
                        weights_only=True)["module"]
     empty = set()
-    for layer, (name, moe) in enumerate(moes):
+    for layer, (name, moe) in enumerate(find_moe_layers(module)):
         prefix = f"{name}{EXPERTS_PREFIX}"
+        ep_rank = dist.get_rank(moe.deepspeed_moe.ep_group) if dist_ready() and moe.ep_size > 1 else 0
         for j in range(len(moe.deepspeed_moe.experts.deepspeed_experts)):
-            e = expert_in_slot(layer, j)
-            if e < 0:
+            if j >= moe.num_local_experts:          # a replica slot: in no file
                 empty.add(f"{prefix}{j}.")
                 continue
+            e = ep_rank * moe.num_local_experts + j
             expert = torch.load(os.path.join(folder, f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"),
                                 map_location="cpu", weights_only=True)
             for key, value in expert.items():
@@ -186,15 +168,6 @@ def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[st
                          f"unexpected {unexpected[:4]}, of another size {resized[:4]}); nothing was loaded")
     module.load_state_dict(state, strict=False)
     return folder
-
-
-def _tag(ckpt_dir: str, tag: Optional[str]) -> str:
-    if tag is not None:
-        return str(tag)
-    latest = latest_tag(ckpt_dir)
-    if latest is None:
-        raise FileNotFoundError(f"{ckpt_dir}: no `latest` file; pass tag=")
-    return latest
 
 
 def check_one_serving_shape(model: torch.nn.Module) -> None:
@@ -234,16 +207,15 @@ def _inference_keys(ds_config: dict) -> dict:
 
 
 def init_inference(model: torch.nn.Module, config=None, **kwargs):
-    """`deepspeed.init_inference` for models built from `deepspeed.moe.layer.MoE`, made correct for
-    expert parallelism, with the `easybalance` block of the same config.
+    """`deepspeed.init_inference` for models built from `deepspeed.moe.layer.MoE`, made correct for expert
+    parallelism, with the `easybalance` block of the same config.
 
-    config: DeepSpeed's inference config (dict or JSON path) that may hold an `"easybalance"` block; the
-    ds_config one trains with works too (its training-only keys are left out, with one warning);
-    kwargs go to `deepspeed.init_inference` as they are, except that without a `dtype` the model keeps
-    its own (DeepSpeed would cast to fp16). Returns DeepSpeed's `InferenceEngine` with
-    `engine.serving` (placement, checkpoints) and, with an enabled block, `engine.easybalance` (the
-    Balancer). Every EP rank must call forward together, as DeepSpeed's All-to-All requires.
-    (`eb_deepspeed.init_inference`, in `adapters.serving`, sends AutoEP-converted models elsewhere, the rest here.)
+    config: DeepSpeed's inference config (dict or JSON path) that may hold an `"easybalance"` block; the ds_config
+    one trains with works too (its training-only keys are left out, with one warning); kwargs go to
+    `deepspeed.init_inference` as they are, except that without a `dtype` the model keeps its own (DeepSpeed would
+    cast to fp16). Returns DeepSpeed's `InferenceEngine` with `engine.serving` (placement, checkpoints) and, with an
+    enabled block, `engine.easybalance` (the Balancer). Every EP rank must call forward together, as DeepSpeed's
+    All-to-All requires. (`eb_deepspeed.init_inference` sends AutoEP-converted models elsewhere, the rest here.)
     """
     import deepspeed
 
@@ -254,9 +226,8 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     eb_config = EasyBalanceConfig.from_ds_config(config)
     ds_config = _inference_keys(strip_block(config) or {})
     if eb_config.enabled:
-        where = f'mode "{eb_config.mode}"'
         for path in eb_config.ignored_options("serve"):
-            warnings.warn(f"{path} has no effect in serving ({where})")
+            warnings.warn(f'{path} has no effect in serving (mode "{eb_config.mode}")')
     check_one_serving_shape(model)      # before DeepSpeed (and its process group) is touched
     check_world_size(model)
     if not dist_ready():
@@ -269,10 +240,5 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
         if moe.deepspeed_moe.ep_group is None:
             moe.set_deepspeed_parallelism()   # the groups deepspeed.init_inference never hands over
     module.eval()
-    serving = ServingEngine(MoEStore(module), eb_config if eb_config.enabled else None)
-    engine.serving = serving
-    module.register_forward_pre_hook(lambda mod, args: serving.before_batch(args))
-    if serving.balancer is not None:
-        engine.easybalance = serving.balancer
-        module.register_forward_hook(lambda mod, args, output: serving.after_batch())
+    ServingEngine(MoEStore(module), eb_config if eb_config.enabled else None).attach(module, engine)
     return engine

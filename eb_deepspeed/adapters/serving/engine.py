@@ -12,13 +12,9 @@ R = `inference.replica_slots` extra slots per rank; every `view_interval` batche
 all-reduce of the [L, W] tally, posted in the background: no rank waits for the others after its forward) and,
 once the view is warm, at most every `replan_interval` batches, when a layer's expected skew passes
 `replan_threshold`, plans replicas for every slot and serves the cheaper of that plan and the home layout if it
-beats the current one. What "cheaper" means is the runtime's dispatch model (`DISPATCH`): DeepSpeed's MOELayer
-pads every slot to the largest (extra slots pay only where they cut the largest slot load by more than they add
-slots); a dropless layer takes as long as its busiest rank. (A layout trial, replicas and one slot per expert
-serving in turns, reversed no `view` decision on either runtime and left: docs/benchmarks.md.)
-
-A re-plan moves weights with `adapters.moves.RowMover` (agreed in phases: a failure anywhere keeps the old placement
-on every rank, no peer is left waiting), then every rank flips its tables before the next forward.
+beats the current one, by the runtime's dispatch model (`DISPATCH`). A re-plan moves weights with
+`adapters.moves.RowMover` (agreed in phases: a failure anywhere keeps the old placement on every rank, no peer is
+left waiting), then every rank's gates flip their tables (`ServedTable`) before the next forward.
 """
 from __future__ import annotations
 
@@ -42,7 +38,7 @@ from ...planning.placement import (MAX_SLOTS, Placement, check_plan_size, expect
                                    static_placement, with_prefix)
 from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node
 from ..moves import RowMover, copy_stall, placement_key, slot_moves, transfer
-from .store import Routing, SlotStore
+from .store import Routing, SlotStore, SlotTable
 
 __all__ = ["ServingEngine", "choose_placement"]
 
@@ -51,6 +47,11 @@ __all__ = ["ServingEngine", "choose_placement"]
 # Measured on the example model: a 3 % expected gain was a loss.
 MIN_GAIN = 0.10
 EXIT_WAIT_S = 30     # at exit, how long a view step in flight may wait for its reduce (its peers may be gone)
+
+
+def _busiest(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
+    """[L] the expected busiest rank's routes (what a dropless layer takes)."""
+    return expected_device_load(heat_LE, plan).amax(1)
 
 
 def _device_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
@@ -64,26 +65,20 @@ def _device_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
 class DispatchModel:
     """How a runtime splits an expert's routes over its replicas, as the planner and the re-plan rule see it.
 
-    planner: `plan_placement(dispatch=)`; node_spread: its `node_spread` (None: its default); prefix_nodes: lay
-    the plan's counts over a one-slot-per-expert prefix with node awareness; cost / ratio: [L] what a layer
-    costs under a plan, and the skew `replan_threshold` is compared with."""
+    planner: `plan_placement(dispatch=)` (its default `node_spread`; "padded" knows no nodes); cost / ratio: [L]
+    what a layer costs under a plan, and the skew `replan_threshold` is compared with."""
     planner: str
-    node_spread: object
-    prefix_nodes: bool
     cost: Callable[[torch.Tensor, Placement], torch.Tensor]
     ratio: Callable[[torch.Tensor, Placement], torch.Tensor]
 
 
-# (runtime pads every slot, inference.split) -> the model: the one place where runtime and split meet
-DISPATCH = {
-    # DeepSpeed's MOELayer: evenly, every slot padded to the largest ("padded": the largest share as small as it gets)
-    (True, "view"): DispatchModel("padded", False, False, expected_padded_cost, expected_slot_ratio),
-    # a dropless layer: its busiest rank's routes; `exact` steers each batch, `view` splits evenly
-    (False, "view"): DispatchModel("uniform", None, True, lambda h, p: expected_device_load(h, p).amax(1),
-                                   _device_ratio),
-    (False, "exact"): DispatchModel("steered", None, True, lambda h, p: expected_device_load(h, p).amax(1),
-                                    _device_ratio),
-}
+# (runtime pads every slot, inference.split) -> the model: the one place where runtime and split meet. DeepSpeed's
+# MOELayer splits evenly, every slot padded to the largest ("padded": extra slots pay only where they cut the
+# largest slot load by more than they add); a dropless layer takes its busiest rank's routes: `exact` steers each
+# batch, `view` splits evenly
+DISPATCH = {(True, "view"): DispatchModel("padded", expected_padded_cost, expected_slot_ratio),
+            (False, "view"): DispatchModel("uniform", _busiest, _device_ratio),
+            (False, "exact"): DispatchModel("steered", _busiest, _device_ratio)}
 
 
 def choose_placement(heat_LE: torch.Tensor, current: Placement, home: Placement, threshold: float,
@@ -92,13 +87,11 @@ def choose_placement(heat_LE: torch.Tensor, current: Placement, home: Placement,
     """The placement to serve next, or None when the view gives no reason to plan (pure).
 
     Plan (`plan(heat_LE)`: replicas for every slot) when a layer's skew under the current placement
-    (`ratio(heat_LE, plan)` [L]) passes `threshold`, or when the home layout would cost `min_gain` less than
-    the current one (replicas traffic no longer needs). `cost(heat_LE, plan)` [L]: what each layer computes and
-    sends per view step. Of the plan and the home layout the cheaper is chosen; it replaces the current placement
-    when it costs `min_gain` (serving: MIN_GAIN) less and, with `move_cost(plan)` (its weight copies, in the same
-    units), when what it saves over `horizon` view steps pays for its moves; else the current one is returned
-    (planned, nothing moves).
-    """
+    (`ratio(heat_LE, plan)` [L]) passes `threshold`, or when the home layout would cost `min_gain` less than the
+    current one (replicas traffic no longer needs). `cost(heat_LE, plan)` [L]: what each layer computes and sends
+    per view step. The cheaper of the plan and the home layout replaces the current placement when it costs
+    `min_gain` less and, with `move_cost(plan)` (its weight copies, in the same units), what it saves over `horizon`
+    view steps pays for its moves; else the current one is returned (planned, nothing moves)."""
     def total(p: Placement) -> float:
         return float(cost(heat_LE, p).sum())
 
@@ -118,8 +111,7 @@ class ServingEngine:
 
     Every rank's layer has S_max = H + R slots; a placement uses the first S of them (S = H: the runtime's own
     layout, no replicas; S = S_max: replicas in every slot), so a layer never pays for slots it does not use.
-    config: the `easybalance` block (None or disabled: the runtime's layout, no view, no replicas).
-    """
+    config: the `easybalance` block (None or disabled: the runtime's layout, no view, no replicas)."""
 
     def __init__(self, store: SlotStore, config: Optional[EasyBalanceConfig]):
         self.store, self.config = store, config
@@ -185,12 +177,20 @@ class ServingEngine:
     def gates(self) -> list:
         return self.store.gates
 
+    def attach(self, module: torch.nn.Module, holder) -> None:
+        """Run `before_batch` / `after_batch` (an enabled block) around every forward of `module`; `holder.serving`
+        is this engine and, with an enabled block, `holder.easybalance` its Balancer."""
+        holder.serving = self
+        module.register_forward_pre_hook(lambda mod, args: self.before_batch(args))
+        if self.balancer is not None:
+            holder.easybalance = self.balancer
+            module.register_forward_hook(lambda mod, args, output: self.after_batch())
+
     def _agree_at_start_up(self):
-        log = self.config.log
         gathered, rank, logger = gather_startup(
             {"config": self.config.to_dict(), "experts": self.E, "devices": self.G, "layers": self.L,
              "top_k": list(self.store.top_k)},
-            prepare=lambda: JsonlLogger(log.dir) if dist_rank() == 0 else NullLogger())
+            prepare=lambda: JsonlLogger(self.config.log.dir) if dist_rank() == 0 else NullLogger())
         check_agreement([{k: v for k, v in g.items() if k != "host"} for g in gathered], rank)
         self.rank_to_node = rank_to_node(gathered)
         self.node_G = torch.tensor([self.rank_to_node[r] for r in self.ep_ranks])
@@ -214,7 +214,8 @@ class ServingEngine:
         self.batches += 1
         if self._in_flight is not None:        # posted after an earlier forward: done by now, or nearly
             self.settle()
-            self._after_view_step()
+            if self.R:
+                self.maybe_replan()
         if self.batches % self.config.inference.view_interval == 0:
             packed_LW = self.balancer.gather()
             if dist_ready() and dist.get_world_size() > 1:
@@ -228,11 +229,6 @@ class ServingEngine:
             while self._posted:
                 self._posted.pop().wait()
             self.balancer.take(packed_LW)
-
-    def _after_view_step(self) -> None:
-        """The view took a step: re-plan if the view says so."""
-        if self.R:
-            self.maybe_replan()
 
     def maybe_replan(self) -> bool:
         """Once the view is warm, at most every `replan_interval` batches, choose a placement (`choose_placement`)
@@ -252,8 +248,8 @@ class ServingEngine:
         self.last_plan_batch = self.batches
         if choice is self.placement:
             return False
-        if choice is self.home and _prefix(self.resident) is not None:
-            self._serve(_prefix(self.resident))        # the home layout's cost without moving a weight
+        if choice is self.home and (prefix := _prefix(self.resident)) is not None:
+            self._serve(prefix)        # the home layout's cost without moving a weight
             self.placed_batch = self.batches
             return True
         return self.apply(choice)
@@ -266,17 +262,15 @@ class ServingEngine:
                           self.node_G, self.topology, self.store.device.type)
 
     def _plan(self, heat_LE: torch.Tensor) -> Placement:
-        """Replicas for every slot (S_max per rank) from the view's heat in the runtime's dispatch model; its
-        counts laid over a one-slot-per-expert prefix (the home layout's cost, served without a move when the home
-        layout is chosen) when that costs no more."""
+        """Replicas for every slot (S_max per rank) from the view's heat (an even split: and its swings) in the
+        runtime's dispatch model; its counts laid over a one-slot-per-expert prefix (the home layout's cost, served
+        without a move when the home layout is chosen) when that costs no more."""
         model = self.model
-        kwargs = {} if model.node_spread is None else {"node_spread": model.node_spread}
-        if model.planner != "steered":        # an even split: replicas for the swings too
-            kwargs["swing_LE"] = self.balancer.view.swing_LE
         planned = plan_placement(heat_LE, self.G, self.S_max, num_nodes=int(self.node_G.max()) + 1,
-                                 previous=self.resident, dispatch=model.planner, **kwargs)
+                                 previous=self.resident, dispatch=model.planner,
+                                 swing_LE=None if model.planner == "steered" else self.balancer.view.swing_LE)
         prefixed = with_prefix(planned, previous=self.resident,
-                               node_G=self.node_G.numpy() if model.prefix_nodes else None)
+                               node_G=None if model.planner == "padded" else self.node_G.numpy())
         if prefixed is not None and float(model.cost(heat_LE, prefixed).sum()) <= float(model.cost(heat_LE, planned).sum()):
             return prefixed
         return planned
@@ -307,10 +301,9 @@ class ServingEngine:
 
     # ------------------------------------------------------------------ checkpoints (DeepSpeed's file layout)
     def home_states(self) -> dict[tuple[int, int], torch.Tensor]:
-        """{(layer, expert): its state as one vector} for the home experts of this rank (expert e's home is
-        EP rank e // H, as DeepSpeed lays them out). A home expert that moved is fetched from a slot that
-        holds it, on its home rank when there is one (one batch of transfers); a replica is never sent twice.
-        Collective over the EP group."""
+        """{(layer, expert): its state as one vector} for the home experts of this rank (expert e's home is EP rank
+        e // H, as DeepSpeed lays them out). A home expert that moved is fetched from a slot that holds it, on its
+        home rank when there is one (one batch of transfers, none twice). Collective over the EP group."""
         S = self.S
         flats: dict[tuple[int, int], torch.Tensor] = {}
         ops = []
@@ -351,6 +344,43 @@ class ServingEngine:
         return path
 
 
+class ServedTable:
+    """A served layer's gate: the table it serves (`set_table`) and its tensors on the router's device
+    (`on_device`), copied at the batch boundary, not in a forward. The gate sets `G` and `router_device`."""
+
+    def set_table(self, table: SlotTable, slots_per_device: int) -> None:
+        """Serve a placement from the next forward on (slots per rank may change with it)."""
+        self.table, self.S = table, int(slots_per_device)
+        self.P = self.G * self.S
+        E, R = table.log2phy_ER.shape
+        # one slot per expert: the runtime's own layout (expert e in slot e) or a permutation (a re-plan's prefix)
+        self.one_each = self.P == E and R == 1
+        self.home_layout = self.one_each and bool((table.log2phy_ER[:, 0] == torch.arange(E)).all())
+        self._on_device = None
+        self.on_device(self.router_device)
+
+    def on_device(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log2phy_ER, fraction_ER, [E] EP rank of each expert's first slot) on `device`, copied once per table."""
+        if self._on_device is None or self._on_device[0] != device:
+            log2phy_ER = self.table.log2phy_ER.to(device)
+            self._on_device = (device, log2phy_ER, self.table.fraction_ER.to(device), log2phy_ER[:, 0] // self.S)
+        return self._on_device[1:]
+
+
+def flat_state(tensors) -> torch.Tensor:
+    """A slot's tensors as one vector (what `read_slot` returns and a weight move sends)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def unflatten_into(tensors, flat: torch.Tensor) -> None:
+    """`flat_state`'s vector back into `tensors`, in place."""
+    at = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[at:at + t.numel()].view_as(t))
+            at += t.numel()
+
+
 def _prefix(plan: Placement) -> Optional[Placement]:
     """The one-slot-per-expert layout resident in `plan`'s first slots, or None (see `with_prefix`)."""
     if plan.slots_per_device * plan.num_devices == plan.num_experts:
@@ -377,8 +407,7 @@ def _settle_at_exit(ref: "weakref.ref[ServingEngine]") -> None:
         return
     _wait_posted(engine._posted)
     try:
-        packed_LW, engine._in_flight = engine._in_flight, None
-        engine.balancer.take(packed_LW)
+        engine.settle()
     except Exception as e:   # noqa: BLE001 - the process is ending: a warning, not a traceback
         warnings.warn(f"easybalance: the last view step could not be taken at exit ({e})")
 
