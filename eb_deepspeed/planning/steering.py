@@ -67,12 +67,10 @@ class Copies:
         x_FR = c_F1 * self.even_FR
         load_G += (x_FR.reshape(1, -1) @ self.onehot_XG)[0]
         for _ in range(rounds if F else 0):
-            # Step 1: each expert's water level over its copies' devices, the others' loads as they are
+            # Step 1: each expert's water level over its copies' devices, the others' loads as they are: the lowest
+            # (routes + the k lowest bases) / k over k (no k copies hold routes beyond it)
             base_FR = load_G[self.dev_FR] - x_FR + self.pad_FR
-            b_FR = base_FR.sort(1).values
-            filled_FR = b_FR.cumsum(1)
-            wet_F1 = (b_FR * self.k_R < filled_FR + c_F1).sum(1, keepdim=True).clamp_min(1)   # copies below it
-            level_F1 = (filled_FR.gather(1, wet_F1 - 1) + c_F1) / wet_F1
+            level_F1 = base_FR.sort(1).values.cumsum_(1).add_(c_F1).div_(self.k_R).amin(1, keepdim=True)
             move_FR = (level_F1 - base_FR).clamp_min_(0.0) - x_FR
             # Step 2: every expert towards its target by the one step that lowers the sum of squares most (an exact
             # line search: the moves are linear in the step)
