@@ -17,6 +17,7 @@ from deepspeed.moe.utils import configure_moe_param_groups
 
 import eb_deepspeed
 from eb_deepspeed.adapters.autoep import find_autoep_layers
+from eb_deepspeed.planning.placement import static_placement
 from hf_moe import autoep_section, hf_moe_model, zipf_tokens
 
 MICRO, SEQ = 2, 16
@@ -203,7 +204,6 @@ def scenario_placement(p):
     reading the state it sends ("read": its sends go as NaNs)."""
     import eb_deepspeed.adapters.autoep.placement as placement_module
     import eb_deepspeed.adapters.moves as moves_module
-    from eb_deepspeed.planning.placement import static_placement
     family, zero, accum, ep = "mixtral", p["zero"], p["accum"], p["ep"]
     out = {}
     for name in ("plain", "placed"):
@@ -233,6 +233,51 @@ def scenario_placement(p):
                      "params": {n: t.detach().clone() for n, t in engine.module.state_dict().items()},
                      "moves": None if placer is None else (placer.replans, placer.weight_moves, placer.moved_bytes,
                                                            placer.failed_moves)}
+    return out
+
+
+def _with_replicas(L: int, E: int, G: int, shift: int):
+    """`_rolled`'s homes, and on each rank one replica: of the first home expert of the next rank."""
+    from eb_deepspeed.planning.placement import index_maps
+    H = E // G
+    homes = _rolled(L, E, G, shift).phy2log.view(L, G, H)
+    phy2log = torch.cat([homes, torch.roll(homes[:, :, :1], -1, dims=1)], 2).reshape(L, -1)
+    return index_maps(phy2log, E, G, H + 1)
+
+
+def scenario_replicas(p):
+    """Plain AutoEP against `observe` with one replica slot a rank, 5 optimizer steps, replicas placed before steps
+    1, 2 and 3 (each with other homes) and home at the end: losses, logical home gradients (ZeRO 0), final weights,
+    and the rows each rank's grouped GEMM computed."""
+    family, zero, accum, ep = "mixtral", p["zero"], p["accum"], p["ep"]
+    out = {}
+    for name in ("plain", "placed"):
+        block = _placement_block() if name == "placed" else None
+        if block is not None:
+            block["train_placement"]["replica_slots"] = 1
+        engine = engine_for(family, config(family, zero, accum, block, p["out"], ep=ep, bf16=p.get("bf16", False)),
+                            use_eb=name == "placed")
+        placer = getattr(getattr(engine, "easybalance", None), "placement", None)
+        rows = []
+        for _, layer in find_autoep_layers(engine.module):
+            layer.experts.register_forward_hook(lambda m, args, o: rows.append(args[1].tolist()))
+        home = static_placement(2, 4, ep)
+        losses, grads, applied = [], [], []
+        for step in range(5):
+            if placer is not None and 1 <= step <= 3:
+                applied.append(placer.apply(_with_replicas(2, 4, ep, step)))
+            for micro in range(accum):
+                ids, mask, labels = batch(step, micro)
+                loss = engine(input_ids=ids, attention_mask=mask, labels=labels).loss
+                engine.backward(loss)
+                losses.append(loss.detach().float().clone())
+                if zero == 0:
+                    grads.append(_logical_expert_grads(engine, placer.placement if placer else home))
+                engine.step()
+        if placer is not None:
+            applied.append(placer.apply(home))
+        out[name] = {"losses": losses, "grads": grads, "applied": applied, "rows": rows,
+                     "params": {n: t.detach().clone() for n, t in engine.module.state_dict().items()}}
     return out
 
 

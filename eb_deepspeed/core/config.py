@@ -76,6 +76,7 @@ class TrainPlacementConfig:
     the sub-block; on when it is there, as the block itself is."""
     enabled: bool = False
     interval: int = 50              # optimizer steps between two re-plans (each only when it pays for its move)
+    replica_slots: int = 0          # extra expert slots per EP rank for replicas of hot experts (0: a permutation)
 
 
 @dataclass(frozen=True)
@@ -366,7 +367,9 @@ def _train_placement(block: Any, path: str) -> TrainPlacementConfig:
     if block is None:
         return TrainPlacementConfig()
     block = dict(_mapping(block, path))
-    _reject_unknown(block, path, ["enabled", "interval"])
+    _reject_unknown(block, path, ["enabled", "interval", "replica_slots"])
     d = TrainPlacementConfig()
     return TrainPlacementConfig(enabled=_bool(block.get("enabled", True), f"{path}.enabled"),
-                                interval=_int(block.get("interval", d.interval), f"{path}.interval", minimum=1))
+                                interval=_int(block.get("interval", d.interval), f"{path}.interval", minimum=1),
+                                replica_slots=_int(block.get("replica_slots", d.replica_slots),
+                                                   f"{path}.replica_slots", minimum=0))

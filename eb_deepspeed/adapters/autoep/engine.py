@@ -137,7 +137,7 @@ def attach(engine, config: EasyBalanceConfig) -> Balancer:
         wrap_checkpointing(engine, balancer, StepHook(engine, balancer))
         if placing:
             balancer.placement = TrainPlacement(engine, layers, balancer, config.train_placement.interval,
-                                                config.inference.topology)
+                                                config.inference.topology, config.train_placement.replica_slots)
 
     return common.attach(config, gates, {"shapes": shapes, "maps": maps}, shape_of=shape_of,
                          reduce=reduce_for(engine), device=get_accelerator().current_device_name(), hook=hook,

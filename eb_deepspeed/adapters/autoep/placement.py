@@ -16,6 +16,16 @@ raising. The route map is serving's (`AutoEPRoutes`, counting nothing): each rou
 goes to its expert's slot; gate values and the tally stay logical, so AutoEP's all-to-all, grouped GEMMs and
 combine run as its own over the permuted rows.
 
+With `replica_slots` R, each rank has S = H + R slots: its H home experts (rows of AutoEP's own parameters,
+which hold the optimizer state, ZeRO partitions and checkpoints as before) and R replicas of hot experts homed
+elsewhere (`plan_placement` with S slots; each expert's home is one of its copies, `owners`). A replica computes with
+its home expert's current weights: a forward pre-hook on the layer's `GroupedExperts` gives it [S, ...] weights,
+the home rows and the replica rows fetched from their homes (`Fetch`: one all-to-all per layer and forward), in
+AutoEP's one grouped GEMM; in backward the replica rows' gradients go home the same way and are added into the home
+gradients before anything of DeepSpeed's reduces them. An expert's routes on a rank split evenly over its copies
+(serving's `view` split). A replica is placed only when the routes it takes off the busiest rank beat its bytes per
+step (`replica_cost`).
+
 Checkpoints (`save_checkpoint`, `save_16bit_model`) are written in the logical layout: the experts go home for the
 save, then back; `load_checkpoint` goes home first. `module.state_dict()` of a placed layer is refused (it would
 give permuted rows under AutoEP's keys): `with engine.easybalance.placement.at_home(): ...` on every rank.
@@ -23,15 +33,17 @@ give permuted rows under AutoEP's keys): `with engine.easybalance.placement.at_h
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ...planning.placement import Placement, plan_placement, static_placement
+from ...core.topology import TOPOLOGIES
+from ...planning.placement import Placement, index_maps, plan_placement, static_placement
 from ..common import dist_ready, torch_optimizer
 from ..deepspeed.hooks import is_decoupled, shared_problem
-from ..moves import RowMover, copy_stall, placement_key, slot_moves, warn_failed
+from ..moves import DEVICE_FLOPS, RowMover, copy_stall, placement_key, slot_moves, warn_failed
 from ..serving.engine import DISPATCH, choose_placement
 from ..serving.store import Routing, SlotTable
 from .serving import AutoEPRoutes
@@ -56,7 +68,7 @@ class TrainPlacement:
     """The experts of every AutoEP layer of `engine` placed over its EP ranks as `placement` says (AutoEP's own
     layout to start), re-planned from `balancer`'s view every `interval` optimizer steps."""
 
-    def __init__(self, engine, layers: list, balancer, interval: int, topology: str = "pcie"):
+    def __init__(self, engine, layers: list, balancer, interval: int, topology: str = "pcie", replica_slots: int = 0):
         assert engine.zero_optimization_stage() < 3, "refused by initialize: ZeRO 3 partitions each expert's weights"
         _check_engine(engine, layers)
         self.engine, self.layers, self.balancer = engine, layers, balancer
@@ -64,6 +76,7 @@ class TrainPlacement:
         self.L = len(layers)
         self.E, self.G = int(layers[0].num_experts), int(layers[0].ep_size)
         self.H = self.E // self.G
+        self.S = self.H + int(replica_slots)
         home_LE = torch.arange(self.E).div(self.H, rounding_mode="floor").expand(self.L, -1)
         if not torch.equal(balancer.view.expert_to_device_LE, home_LE):
             raise ValueError("easybalance.train_placement: AutoEP placed experts other than contiguously "
@@ -76,14 +89,18 @@ class TrainPlacement:
         self.node_G = [balancer.shape.rank_to_node[r] if r < len(balancer.shape.rank_to_node) else 0
                        for r in self.ep_ranks]
         self.home = self.placement = static_placement(self.L, self.E, self.G)
+        self.served = self.home          # what the routes use: `placement` (the homes), or it with replicas (S slots)
+        self._fetch: list = [None] * self.L
         self.replans, self.weight_moves, self.moved_bytes, self.failed_moves = 0, 0, 0, 0
         self._home_depth = 0           # inside `at_home` (a checkpoint or an export): the layers' state is logical
         self._checked_step = None
         routing = Routing(recording=False)          # the balancer's hooks count the logical routes
         self.routes = [AutoEPRoutes(m, i, self.G, self.H, table=SlotTable.even(self.home.log2phy[i]), routing=routing)
                        for i, m in enumerate(layers)]
-        for m in layers:
+        for layer, m in enumerate(layers):
             m.register_state_dict_pre_hook(self._refuse_placed_export)
+            m.experts.register_forward_pre_hook(functools.partial(self._with_replicas, layer))
+            m.experts.register_forward_hook(self._without_replicas)
         engine.module.register_forward_pre_hook(self._before_forward)
         balancer.log.extra = lambda: {"replans": self.replans, "weight_moves": self.weight_moves,
                                       "moved_bytes": self.moved_bytes}
@@ -105,31 +122,73 @@ class TrainPlacement:
         if not view.ready:
             return False
         model = DISPATCH[(False, "view")]          # a dropless layer: its busiest rank's routes
+
+        def cost(heat_LE, plan):                   # per layer and step: the busiest rank's routes, and replicas' bytes
+            return model.cost(heat_LE, plan) + self.replica_cost(plan)
         heat_LE = view.heat_LE / max(1, dist.get_world_size() // self.G if dist_ready() else 1)   # per EP group
-        choice = choose_placement(
-            heat_LE, self.placement, self.home, 1.0,
-            lambda h: plan_placement(h, self.G, self.H, previous=self.placement, dispatch="uniform"),
-            cost=model.cost, ratio=model.ratio, move_cost=self.move_cost, horizon=self.interval,
-            min_gain=TRAIN_MIN_GAIN)
-        if choice is None or choice is self.placement or torch.equal(choice.phy2log, self.placement.phy2log):
+        choice = choose_placement(heat_LE, self.served, self.home, 1.0, lambda h: self.plan(h, cost), cost=cost,
+                                  ratio=model.ratio, move_cost=self.move_cost, horizon=self.interval,
+                                  min_gain=TRAIN_MIN_GAIN)
+        if choice is None or choice is self.served or torch.equal(choice.phy2log, self.served.phy2log):
             return False
         return self.apply(choice)
 
+    def plan(self, heat_LE: torch.Tensor, cost) -> Placement:
+        """The cheaper (by `cost`) of a permutation and, with replica slots, a placement with replicas whose
+        first H rows on each rank are its home experts (`owners`)."""
+        best = plan_placement(heat_LE, self.G, self.H, previous=self.placement, dispatch="uniform")
+        if self.S > self.H:
+            previous = self.served if self.served.slots_per_device == self.S else None
+            replicated = owners(plan_placement(heat_LE, self.G, self.S, previous=previous, dispatch="uniform"),
+                                self.placement, best)
+            best = min((best, replicated), key=lambda p: float(cost(heat_LE, p).sum()))
+        return best
+
+    def replica_cost(self, plan: Placement) -> torch.Tensor:
+        """[L] what a placement's replicas cost per optimizer step, in routes the busiest rank could have trained
+        meanwhile: each micro-batch, the rank that sends or receives the most replica rows moves their weights
+        one way and their gradients back at the topology's bandwidth."""
+        if plan.slots_per_device == self.H:
+            return torch.zeros(self.L, dtype=torch.float64)
+        topo = TOPOLOGIES[self.topology]
+        bw = topo.intra_bw if len(set(self.node_G)) == 1 else topo.inter_bw
+        bytes_per_param = 2 * next(self.layers[0].experts.parameters()).element_size()
+        row = DEVICE_FLOPS["cuda" if self.device.type == "cuda" else "cpu"] * bytes_per_param / (FLOPS_PER_PARAM * bw)
+        rows_LG = torch.zeros(self.L, self.G, dtype=torch.float64)
+        for layer in range(self.L):
+            sends, receives = _replica_rows(plan, layer, self.H)
+            rows_LG[layer] = torch.maximum(torch.tensor(sends, dtype=torch.float64),
+                                           torch.tensor(receives, dtype=torch.float64))
+        return rows_LG.max(1).values * row * self.engine.gradient_accumulation_steps()
+
     def move_cost(self, plan: Placement) -> float:
-        """The stall of moving to `plan`, in routes the busiest receiving rank could have trained meanwhile
-        (`moves.copy_stall`: each received expert's whole state, `FLOPS_PER_PARAM` per parameter per route)."""
+        """The stall of moving the home experts to `plan`'s, in routes the busiest receiving rank could have
+        trained meanwhile (`moves.copy_stall`: each received expert's whole state, `FLOPS_PER_PARAM` per parameter
+        per route); replicas are fetched every step anyway (`replica_cost`)."""
         per_param = _state_bytes(self.layers[0], len(_state_keys(self.engine))) / _params(self.layers[0])
-        return copy_stall(slot_moves(self.placement, plan), per_param, FLOPS_PER_PARAM, self.node_G, self.topology,
-                          self.device.type)
+        return copy_stall(slot_moves(self.placement, self.homes_of(plan)), per_param, FLOPS_PER_PARAM, self.node_G,
+                          self.topology, self.device.type)
+
+    def homes_of(self, plan: Placement) -> Placement:
+        """The permutation of home experts in `plan`: each rank's first H rows."""
+        if plan.slots_per_device == self.H:
+            return plan
+        phy2log = plan.phy2log.view(self.L, self.G, plan.slots_per_device)[:, :, :self.H].reshape(self.L, -1)
+        return index_maps(phy2log, self.E, self.G, self.H)
 
     # ------------------------------------------------------------------ moves
-    def apply(self, plan: Placement, replan: bool = True) -> bool:
-        """Move every expert whose slot changes, with its optimizer state, and flip every rank's route map to
-        `plan`; or, when any rank fails, keep the old placement and state everywhere (`moves.RowMover`). `replan`:
-        count it as a re-plan (a checkpoint's trip home and back is not)."""
-        if plan.phy2log.shape != (self.L, self.E) or plan.slots_per_device != self.H:
-            raise ValueError(f"a training placement is a permutation of {self.E} experts over {self.G} ranks x "
-                             f"{self.H} slots in each of {self.L} layers, got {tuple(plan.phy2log.shape)}")
+    def apply(self, served: Placement, replan: bool = True) -> bool:
+        """Move every home expert whose slot changes, with its optimizer state, and flip every rank's route map to
+        `served` (a permutation, or with replicas: each rank's home experts in its first H rows); or, when any rank
+        fails, keep the old placement and state everywhere (`moves.RowMover`). `replan`: count it as a re-plan (a
+        checkpoint's trip home and back is not)."""
+        if served.phy2log.shape[0] != self.L or served.slots_per_device not in (self.H, self.S) or \
+                served.num_devices != self.G or bool((served.logcnt > 1).any()) and served.slots_per_device == self.H:
+            raise ValueError(f"a training placement has {self.L} layers of {self.G} ranks x {self.H} home slots "
+                             f"(+ {self.S - self.H} replica slots), got {tuple(served.phy2log.shape)}")
+        plan = self.homes_of(served)
+        if bool((plan.logcnt != 1).any()):
+            raise ValueError("a training placement's first rows on each rank must hold every expert once (its home)")
         moves = slot_moves(self.placement, plan)
         if moves:
             ok, rows = True, None
@@ -144,8 +203,14 @@ class TrainPlacement:
                 self.failed_moves += 1
                 return False
         self.placement = self.home if torch.equal(plan.phy2log, self.home.phy2log) else plan
-        for layer, routes in enumerate(self.routes):
-            routes.set_table(SlotTable.even(plan.log2phy[layer]), self.H)
+        self.served = self.placement if served.slots_per_device == self.H else served
+        S = self.served.slots_per_device
+        for layer, (m, routes) in enumerate(zip(self.layers, self.routes)):
+            routes.set_table(SlotTable.even(self.served.log2phy[layer]), S)
+            self._fetch[layer] = None if S == self.H else Fetch.plan(self.served, layer, self.H, self.mover.rank,
+                                                                     m.ep_group, self.device)
+            m.num_local_experts = m.experts.num_experts = S
+            m.tokens_per_expert = torch.zeros(self.G * S, dtype=torch.float32, device=m.tokens_per_expert.device)
         if moves:
             self.balancer.move_experts(plan.log2phy[:, :, 0] // self.H)
         self.replans += int(replan and bool(moves))
@@ -154,12 +219,27 @@ class TrainPlacement:
             _state_bytes(self.layers[0], len(_state_keys(self.engine)))
         return True
 
+    # ------------------------------------------------------------------ replicas in the grouped GEMM
+    def _with_replicas(self, layer: int, experts, args) -> None:
+        """The layer's grouped weights [H, ...] -> [S, ...] for this forward (home rows, then fetched replicas)."""
+        fetch = self._fetch[layer]
+        if fetch is not None:
+            names = [n for n, _ in experts.named_parameters(recurse=False)]
+            self._kept = {n: experts._parameters[n] for n in names}
+            for name, full in zip(names, Fetch.apply(fetch, *self._kept.values())):
+                experts._parameters[name] = full
+
+    def _without_replicas(self, experts, args, output) -> None:
+        kept, self._kept = getattr(self, "_kept", None), None
+        if kept:
+            experts._parameters.update(kept)
+
     # ------------------------------------------------------------------ checkpoints and exports
     @contextlib.contextmanager
     def at_home(self, when: str = "for an export"):
         """The experts in AutoEP's own layout inside the block (collective: every rank enters it), placed again
         after it."""
-        placed = self.placement
+        placed = self.served
         self._must_apply(self.home, f"home {when} (nothing was done)")
         self._home_depth += 1
         try:
@@ -195,6 +275,140 @@ class TrainPlacement:
             self._must_apply(self.home, "home before loading a checkpoint (nothing was loaded)")
             return load(*args, **kwargs)
         engine.load_checkpoint = load_checkpoint
+
+
+class Fetch(torch.autograd.Function):
+    """A layer's grouped weights with replicas. Forward: each weight [H, ...] -> [S, ...], the home rows, then the
+    rows of the replicas this rank holds, fetched from their homes (one all-to-all of all weights' rows). Backward:
+    the replica rows' gradients go home the same way and are added into the home rows' gradients, so the
+    optimizer, ZeRO and the expert-data-parallel reduction see the home parameters only."""
+
+    @staticmethod
+    def plan(served: Placement, layer: int, H: int, rank: int, group, device) -> dict:
+        """What this rank sends (home rows, per destination rank) and receives (replica rows, per source rank)
+        in `layer` of `served`: host-side splits, device-side indices."""
+        S, G = served.slots_per_device, served.num_devices
+        homes = served.phy2log[layer].view(G, S)[:, :H]
+        home_of = {int(e): (g, j) for g in range(G) for j, e in enumerate(homes[g].tolist())}
+        copies = [(g, j, home_of[int(e)]) for g in range(G) for j, e in enumerate(served.phy2log[layer].view(G, S)[g])
+                  if j >= H and int(e) >= 0]
+        send = [(g, r) for g, _, (o, r) in copies if o == rank]                      # by destination, then row
+        receive = sorted((o, j) for g, j, (o, _) in copies if g == rank)              # by source, then row
+        return {"send_rows": torch.tensor([r for _, r in send], dtype=torch.long, device=device),
+                "send_splits": [sum(g == d for g, _ in send) for d in range(G)],
+                "receive_rows": torch.tensor([j - H for _, j in receive], dtype=torch.long, device=device),
+                "receive_splits": [sum(o == d for o, _ in receive) for d in range(G)],
+                "H": H, "S": S, "group": group}
+
+    @staticmethod
+    def forward(ctx, fetch: dict, *weights):
+        ctx.fetch, ctx.like = fetch, [(w.shape, w.dtype, w.device) for w in weights]
+        rows = torch.cat([w[fetch["send_rows"]].reshape(len(fetch["send_rows"]), -1) for w in weights], 1)
+        arrived = _exchange(rows, fetch["receive_splits"], fetch["send_splits"], fetch["group"])
+        out, at = [], 0
+        for w in weights:
+            full = w.new_zeros((fetch["S"], ) + tuple(w.shape[1:]))
+            full[:fetch["H"]] = w
+            n = w[0].numel()
+            full[fetch["H"] + fetch["receive_rows"]] = arrived[:, at:at + n].view(-1, *w.shape[1:])
+            at += n
+            out.append(full)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        fetch, H = ctx.fetch, ctx.fetch["H"]
+        grads = [torch.zeros((fetch["S"], ) + tuple(shape[1:]), dtype=dtype, device=device) if g is None else g
+                 for g, (shape, dtype, device) in zip(grads, ctx.like)]
+        rows = torch.cat([g[H + fetch["receive_rows"]].reshape(len(fetch["receive_rows"]), -1) for g in grads], 1)
+        back = _exchange(rows, fetch["send_splits"], fetch["receive_splits"], fetch["group"])
+        out, at = [], 0
+        for g in grads:
+            n = g[0].numel()
+            out.append(g[:H].clone().index_add_(0, fetch["send_rows"], back[:, at:at + n].view(-1, *g.shape[1:])))
+            at += n
+        return (None, *out)
+
+
+def _exchange(rows: torch.Tensor, receive_splits: list, send_splits: list, group) -> torch.Tensor:
+    """One all-to-all of rows (every rank of the EP group together, each with the splits it sends and receives)."""
+    out = rows.new_empty((sum(receive_splits), rows.shape[1]))
+    dist.all_to_all_single(out, rows.contiguous(), receive_splits, send_splits, group=group)
+    return out
+
+
+def owners(replicated: Placement, previous: Placement, fallback: Placement) -> Placement:
+    """`replicated` (S slots a rank, every expert at least once) with each rank's first H rows its home experts:
+    every expert's home is one of its copies, H on each rank, where `previous` (a permutation) had it when it can
+    be (a home that stays is not moved), in the row it had there. A layer whose copies admit no such homes (Hall's
+    condition fails) takes `fallback`'s permutation, without replicas."""
+    L, G, S, H = replicated.phy2log.shape[0], replicated.num_devices, replicated.slots_per_device, \
+        previous.slots_per_device
+    rows = torch.full((L, G, S), -1, dtype=torch.long)
+    for layer in range(L):
+        slots = replicated.phy2log[layer].view(G, S)
+        ranks_of = {}
+        for g in range(G):
+            for e in slots[g].tolist():
+                if e >= 0:
+                    ranks_of.setdefault(e, []).append(g)
+        was = previous.phy2log[layer].view(G, H)
+        before = {int(e): (g, j) for g in range(G) for j, e in enumerate(was[g].tolist())}
+        home = _match(ranks_of, {e: before[e][0] for e in ranks_of}, G, H)
+        if home is None:
+            rows[layer, :, :H] = fallback.phy2log[layer].view(G, H)
+            continue
+        for g in range(G):
+            mine = [e for e, h in home.items() if h == g]
+            kept = {before[e][1]: e for e in mine if before[e][0] == g}
+            free = iter(sorted(set(range(H)) - set(kept)))
+            for e in sorted(e for e in mine if before[e][0] != g):
+                kept[next(free)] = e
+            rows[layer, g, :H] = torch.tensor([kept[j] for j in range(H)])
+            extra = [e for e in slots[g].tolist() if e >= 0 and home[e] != g]
+            rows[layer, g, H:H + len(extra)] = torch.tensor(extra, dtype=torch.long)
+    return index_maps(rows.view(L, G * S), replicated.num_experts, G, S)
+
+
+def _match(ranks_of: dict, preferred: dict, G: int, H: int) -> Optional[dict]:
+    """A home rank for every expert among the ranks of its copies, H experts a rank (augmenting paths, each expert
+    trying its `preferred` rank first), or None when there is none."""
+    home, held = {}, {g: [] for g in range(G)}
+
+    def place(e, seen) -> bool:
+        for g in sorted(ranks_of[e], key=lambda g: g != preferred[e]):
+            if g in seen:
+                continue
+            seen.add(g)
+            if len(held[g]) < H:
+                held[g].append(e)
+                home[e] = g
+                return True
+            for other in list(held[g]):
+                if place(other, seen):
+                    held[g].remove(other)
+                    held[g].append(e)
+                    home[e] = g
+                    return True
+        return False
+    for e in sorted(ranks_of, key=lambda e: len(ranks_of[e])):
+        if not place(e, set()):
+            return None
+    return home
+
+
+def _replica_rows(plan: Placement, layer: int, H: int) -> tuple[list[int], list[int]]:
+    """Per rank, the replica rows it sends (copies of its home experts elsewhere) and receives, in `layer`."""
+    G, S = plan.num_devices, plan.slots_per_device
+    slots = plan.phy2log[layer].view(G, S)
+    home_rank = {int(e): g for g in range(G) for e in slots[g, :H].tolist()}
+    sends, receives = [0] * G, [0] * G
+    for g in range(G):
+        for e in slots[g, H:].tolist():
+            if e >= 0:
+                receives[g] += 1
+                sends[home_rank[e]] += 1
+    return sends, receives
 
 
 class ExpertState:
