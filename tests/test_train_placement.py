@@ -25,7 +25,7 @@ def assert_close(a, b, what, rtol=1e-5, atol=1e-6):
 
 def assert_same_training(plain: dict, placed: dict, atol: float = 1e-6, rtol: float = 1e-6):
     losses = torch.stack(plain["losses"]), torch.stack(placed["losses"])
-    assert torch.allclose(*losses, rtol=rtol, atol=0), (losses[0] - losses[1]).tolist()
+    assert torch.allclose(*losses, rtol=rtol, atol=0), ((losses[0] - losses[1]) / losses[0]).abs().max()
     assert len(plain["grads"]) == len(placed["grads"])
     for step, (a, b) in enumerate(zip(plain["grads"], placed["grads"])):
         assert_close(a, b, f"gradient of micro-batch {step}", atol=1e-7)
@@ -103,8 +103,8 @@ def test_replicas_keep_plain_autoeps_losses_gradients_and_weights(tmp_path, worl
         plain, placed = rank["plain"], rank["placed"]
         assert placed["applied"] == [True] * 4
         # bf16: a replica's gradient is rounded to bf16 before it is added to its home's (plain: one GEMM's sum), so
-        # a weight may end one bf16 ulp apart (2^-6 at magnitudes 2-4)
-        assert_same_training(plain, placed, atol=2 ** -6 if bf16 else 1e-6, rtol=1e-4 if bf16 else 1e-6)
+        # a weight may end one bf16 ulp apart (2^-6 at magnitudes 2-4), and the losses drift by about 1e-4 relative
+        assert_same_training(plain, placed, atol=2 ** -6 if bf16 else 1e-6, rtol=5e-4 if bf16 else 1e-6)
         H = 4 // ep
         assert {len(r) for r in plain["rows"]} == {H} and {len(r) for r in placed["rows"]} == {H, H + 1}
         assert sum(r[-1] for r in placed["rows"] if len(r) == H + 1) > 0       # replicas computed routes
