@@ -655,11 +655,15 @@ def scenario_sync(p):
     from benchmarks.sync_audit import SyncAudit, audited_run
     from dist_worker import SYNC_BLOCK, in_region
     out = {}
-    for variant in ("plain", "balance"):
+    replicas = _placement_block()
+    replicas["train_placement"]["replica_slots"] = 1
+    for variant in ("plain", "balance", "replicas"):
         audit = SyncAudit()
         with audit, audit.region("init"):
-            engine = engine_for("mixtral", config("mixtral", 0, 1, None if variant == "plain" else SYNC_BLOCK, p["out"]),
-                                use_eb=variant != "plain")
+            block = {"plain": None, "balance": SYNC_BLOCK, "replicas": replicas}[variant]
+            engine = engine_for("mixtral", config("mixtral", 0, 1, block, p["out"]), use_eb=variant != "plain")
+            if variant == "replicas":         # a replica on each rank, fetched and sent home in every micro-batch
+                engine.easybalance.placement.apply(_with_replicas(2, 4, 2, 1))
         audit.on_device(engine.module)
 
         def micro_batch(i):

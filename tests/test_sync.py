@@ -62,6 +62,9 @@ def test_no_host_sync_of_ours_in_a_training_micro_batch_and_two_per_step_whateve
             assert region(result, "serve_plain_drops", "micro-batch")["theirs"] == 0
             assert calls(region(result, "serve_serve_drops", "micro-batch")) == {TOKENS: FORWARDS}
         if framework == "autoep":
+            assert calls(region(result, "train_replicas", "micro-batch")) == {}, "a host sync of ours with replicas"
+            assert region(result, "train_replicas", "micro-batch")["theirs"] == \
+                region(result, "train_plain", "micro-batch")["theirs"] > 0
             assert result["serve_replans"] >= 1
             assert calls(region(result, "serve_serve", "micro-batch")) == {}
             assert region(result, "serve_serve", "micro-batch")["theirs"] == \
