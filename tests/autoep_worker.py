@@ -348,17 +348,25 @@ def scenario_placement_refuses(p):
 def scenario_placement_auto(p):
     """Skewed routers (experts 0 and 1 hot, both on EP rank 0), `observe` with placement every 2 steps: the view
     re-places them by itself, routing untouched (losses equal plain AutoEP's), the busiest rank's share drops;
-    a checkpoint saved while placed loads into plain AutoEP and into a placed engine, both continuing alike."""
+    a checkpoint saved while placed loads into plain AutoEP and into a placed engine at another replica count
+    (0 <-> 1), both continuing alike. With replica slots the routes are fixed (each position's logits a constant: expert 0 first for every token,
+    the second spread over 1..3), which no permutation of 2 experts a rank balances and one replica of 0 does;
+    the learning router (lr 1e-2) would otherwise re-route faster than a re-plan every 2 steps follows."""
     family, ckpt = "mixtral", os.path.join(p["out"], "ckpt")
+    fixed_TE = torch.randn(MICRO * SEQ, 4, generator=torch.Generator().manual_seed(0))
+    fixed_TE[:, 0] = 6.0
 
     def skewed(engine):
         offset_E = torch.tensor([3.0, 1.5, 0.0, 0.0])
         for _, layer in find_autoep_layers(engine.module):
-            layer.router.gate.register_forward_hook(lambda m, a, logits: logits + offset_E)
+            layer.router.gate.register_forward_hook(
+                (lambda m, a, logits: logits * 0 + fixed_TE) if p.get("replicas") else
+                (lambda m, a, logits: logits + offset_E))
         return engine
 
     zero = p.get("zero", 0)
     block = _placement_block(2, log={"dir": os.path.join(p["out"], "log"), "interval": 1})
+    block["train_placement"]["replica_slots"] = p.get("replicas", 0)
     plain = skewed(engine_for(family, config(family, zero), use_eb=False))
     placed = skewed(engine_for(family, config(family, zero, block=block)))
     ratios = []
@@ -366,19 +374,22 @@ def scenario_placement_auto(p):
     placed_losses, _ = train(placed, 8, between=lambda step: ratios.append(
         placed.easybalance.metrics()["device_max_over_mean"]))
     placer = placed.easybalance.placement
+    slots_at_save = placer.served.slots_per_device
     placed.save_checkpoint(ckpt, tag="t")
-    moved_after_save = placer.placement.phy2log.clone()
+    moved_after_save = placer.served.phy2log.clone()       # with replicas: [L, G * (H + R)]
     # two steps after the save: the second's loss shows the optimizer state (moments) followed its expert
     next_placed, _ = train(placed, 2)
     fresh_plain = engine_for(family, config(family, zero), use_eb=False, seed=3)
-    fresh_placed = engine_for(family, config(family, zero, block=block), seed=3)
+    other = dict(block, train_placement=dict(block["train_placement"], replica_slots=1 - p.get("replicas", 0)))
+    fresh_placed = engine_for(family, config(family, zero, block=other), seed=3)      # at another replica count
     for engine in (fresh_plain, fresh_placed):
         skewed(engine)
         engine.load_checkpoint(ckpt, tag="t")
     next_plain, _ = train(fresh_plain, 2)
     next_fresh, _ = train(fresh_placed, 2)
     return {"plain": plain_losses, "placed": placed_losses, "ratios": ratios, "replans": placer.replans,
-            "phy2log": moved_after_save, "next": [[float(v) for v in x] for x in (next_placed, next_plain, next_fresh)],
+            "phy2log": moved_after_save, "slots": slots_at_save,
+            "next": [[float(v) for v in x] for x in (next_placed, next_plain, next_fresh)],
             "records": os.path.join(p["out"], "log")}
 
 

@@ -58,7 +58,8 @@ def test_the_users_dict_is_never_changed_whether_it_parses_or_fails(block):
                                   r"bias_rate, gain, loss_coeff, policy, weight_range$"),
     ({"inference": {"split": "fast"}}, r"easybalance\.inference\.split \('fast'\) must be one of: view, exact"),
     ({"log": {"every": 2}}, r"easybalance\.log\.every: unknown key; valid keys: dir, interval, wandb"),
-    ({"train_placement": {"every": 2}}, r"easybalance\.train_placement\.every: unknown key; valid keys: enabled, interval"),
+    ({"train_placement": {"every": 2}}, r"easybalance\.train_placement\.every: unknown key; valid keys: enabled, interval, replica_slots$"),
+    ({"train_placement": {"replica_slots": -1}}, r"easybalance\.train_placement\.replica_slots \(-1\) must be >= 0"),
     ({"train_placement": {"interval": 0}}, r"easybalance\.train_placement\.interval \(0\) must be >= 1"),
     ({"train_placement": {"enabled": "yes"}}, r"easybalance\.train_placement\.enabled \('yes'\) must be true or false"),
     ({"mode": "fast"}, r"easybalance\.mode \('fast'\) must be one of: observe, balance"),
@@ -170,7 +171,7 @@ VALID = {"enabled": True, "mode": "balance", "ema_alpha": 0.3, "window": "auto",
                  "loss_coeff": 0.01},
          "inference": {"replica_slots": 1, "split": "view", "topology": "pcie",
                        "replan_threshold": 1.5, "replan_interval": 24, "view_interval": 4},
-         "train_placement": {"enabled": False, "interval": 50}}
+         "train_placement": {"enabled": False, "interval": 50, "replica_slots": 1}}
 EDGES = st.sampled_from([10 ** 400, -10 ** 400, 2 ** 63, 2 ** 31, -1, 0, float("nan"), float("inf"), "", "\x00", [], {}])
 JSONISH = st.recursive(
     EDGES | st.none() | st.booleans() | st.integers(min_value=-10**400, max_value=10**400)
@@ -191,7 +192,7 @@ def test_the_valid_block_has_every_key_and_it_parses_back_from_its_dict():
     def leaves(d):
         return sum(leaves(v) if isinstance(v, dict) else 1 for v in d.values())
     cfg = EasyBalanceConfig.from_ds_config({"easybalance": VALID})
-    assert leaves(VALID) == leaves(cfg.to_dict()) == 22          # every key, each with its reason in docs/config.md
+    assert leaves(VALID) == leaves(cfg.to_dict()) == 23          # every key, each with its reason in docs/config.md
     assert EasyBalanceConfig.from_block(cfg.to_dict()) == cfg
 
 

@@ -54,18 +54,21 @@ def test_a_move_that_fails_on_one_rank_keeps_every_rank_on_the_old_placement_and
         assert_same_training(plain, placed)
 
 
-@pytest.mark.parametrize("zero", [0, 2])
-def test_the_view_re_places_hot_experts_by_itself_and_checkpoints_stay_in_autoeps_layout(tmp_path, zero):
-    for rank in run(tmp_path, "placement_auto", 2, zero=zero):
-        assert rank["replans"] >= 1
+@pytest.mark.parametrize("zero, replicas", [(0, 0), (2, 1)])
+def test_the_view_re_places_hot_experts_by_itself_and_checkpoints_stay_in_autoeps_layout(tmp_path, zero, replicas):
+    for rank in run(tmp_path, "placement_auto", 2, zero=zero, replicas=replicas):
+        assert rank["replans"] >= 1 and rank["slots"] == 2 + replicas       # a replica slot, used
         assert torch.allclose(torch.stack(rank["plain"]), torch.stack(rank["placed"]), rtol=1e-6, atol=0)
         before, after = max(rank["ratios"][1]), max(rank["ratios"][-1])
         assert after < 0.8 * before, rank["ratios"]
         assert not torch.equal(rank["phy2log"], torch.arange(4).expand(2, 4))       # still placed after the save
+        # a checkpoint written with replicas (homes only, AutoEP's layout) resumes in plain AutoEP with equal
+        # losses, and in a placed engine at another replica count (1 <-> 0)
         placed, plain, fresh = rank["next"]      # two steps on from the checkpoint: weights, then moments
         assert plain == pytest.approx(placed, rel=1e-6) and fresh == pytest.approx(placed, rel=1e-6)
     records = [json.loads(line) for line in open(f"{rank['records']}/balance.jsonl")]
-    assert max(r.get("replans", 0) for r in records) >= 1 and max(r.get("moved_bytes", 0) for r in records) > 0
+    assert max(r.get("replans", 0) for r in records) >= 1
+    assert max(r.get("moved_bytes", 0) for r in records) > 0 or replicas    # replicas beside homes that stayed
     from eb_deepspeed.observe.monitor import flatten_record
     from eb_deepspeed.observe.report import summary_panels
     assert "replans" in summary_panels(records)                       # the moves beside the balance curves

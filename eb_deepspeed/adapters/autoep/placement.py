@@ -140,7 +140,7 @@ class TrainPlacement:
         if self.S > self.H:
             previous = self.served if self.served.slots_per_device == self.S else None
             replicated = owners(plan_placement(heat_LE, self.G, self.S, previous=previous, dispatch="uniform"),
-                                self.placement, best)
+                                self.placement, best, heat_LE)
             best = min((best, replicated), key=lambda p: float(cost(heat_LE, p).sum()))
         return best
 
@@ -202,6 +202,8 @@ class TrainPlacement:
             if not self.mover.move(moves, placement_key(plan.phy2log), rows, ok):
                 self.failed_moves += 1
                 return False
+        changed = bool(moves) or self.served.phy2log.shape != served.phy2log.shape or \
+            not torch.equal(self.served.phy2log, served.phy2log)
         self.placement = self.home if torch.equal(plan.phy2log, self.home.phy2log) else plan
         self.served = self.placement if served.slots_per_device == self.H else served
         S = self.served.slots_per_device
@@ -211,9 +213,9 @@ class TrainPlacement:
                                                                      m.ep_group, self.device)
             m.num_local_experts = m.experts.num_experts = S
             m.tokens_per_expert = torch.zeros(self.G * S, dtype=torch.float32, device=m.tokens_per_expert.device)
-        if moves:
-            self.balancer.move_experts(plan.log2phy[:, :, 0] // self.H)
-        self.replans += int(replan and bool(moves))
+        if changed:
+            self.balancer.move_experts(plan.log2phy[:, :, 0] // self.H, None if S == self.H else _shares(self.served))
+        self.replans += int(replan and changed)
         self.weight_moves += len(moves)
         self.moved_bytes += sum(src != dst for _, dst, _, src, _ in moves) * \
             _state_bytes(self.layers[0], len(_state_keys(self.engine)))
@@ -303,7 +305,7 @@ class Fetch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fetch: dict, *weights):
         ctx.fetch, ctx.like = fetch, [(w.shape, w.dtype, w.device) for w in weights]
-        rows = torch.cat([w[fetch["send_rows"]].reshape(len(fetch["send_rows"]), -1) for w in weights], 1)
+        rows = torch.cat([w[fetch["send_rows"]].reshape(len(fetch["send_rows"]), w[0].numel()) for w in weights], 1)
         arrived = _exchange(rows, fetch["receive_splits"], fetch["send_splits"], fetch["group"])
         out, at = [], 0
         for w in weights:
@@ -320,7 +322,8 @@ class Fetch(torch.autograd.Function):
         fetch, H = ctx.fetch, ctx.fetch["H"]
         grads = [torch.zeros((fetch["S"], ) + tuple(shape[1:]), dtype=dtype, device=device) if g is None else g
                  for g, (shape, dtype, device) in zip(grads, ctx.like)]
-        rows = torch.cat([g[H + fetch["receive_rows"]].reshape(len(fetch["receive_rows"]), -1) for g in grads], 1)
+        rows = torch.cat([g[H + fetch["receive_rows"]].reshape(len(fetch["receive_rows"]), g[0].numel())
+                          for g in grads], 1)
         back = _exchange(rows, fetch["send_splits"], fetch["receive_splits"], fetch["group"])
         out, at = [], 0
         for g in grads:
@@ -337,24 +340,29 @@ def _exchange(rows: torch.Tensor, receive_splits: list, send_splits: list, group
     return out
 
 
-def owners(replicated: Placement, previous: Placement, fallback: Placement) -> Placement:
+def owners(replicated: Placement, previous: Placement, fallback: Placement, load_LE: torch.Tensor) -> Placement:
     """`replicated` (S slots a rank, every expert at least once) with each rank's first H rows its home experts:
     every expert's home is one of its copies, H on each rank, where `previous` (a permutation) had it when it can
-    be (a home that stays is not moved), in the row it had there. A layer whose copies admit no such homes (Hall's
-    condition fails) takes `fallback`'s permutation, without replicas."""
+    be (a home that stays is not moved), in the row it had there. A rank whose single-copy experts are more than H
+    has no such homes: each of its coldest ones trades places with a replica elsewhere (`_trade`, by `load_LE`)
+    first. A layer still without homes takes `fallback`'s permutation, without replicas."""
     L, G, S, H = replicated.phy2log.shape[0], replicated.num_devices, replicated.slots_per_device, \
         previous.slots_per_device
     rows = torch.full((L, G, S), -1, dtype=torch.long)
     for layer in range(L):
-        slots = replicated.phy2log[layer].view(G, S)
-        ranks_of = {}
-        for g in range(G):
-            for e in slots[g].tolist():
-                if e >= 0:
-                    ranks_of.setdefault(e, []).append(g)
-        was = previous.phy2log[layer].view(G, H)
-        before = {int(e): (g, j) for g in range(G) for j, e in enumerate(was[g].tolist())}
-        home = _match(ranks_of, {e: before[e][0] for e in ranks_of}, G, H)
+        slots = replicated.phy2log[layer].view(G, S).clone()
+        home = None
+        for _ in range(G * S):
+            ranks_of = {}
+            for g in range(G):
+                for e in slots[g].tolist():
+                    if e >= 0:
+                        ranks_of.setdefault(e, []).append(g)
+            was = previous.phy2log[layer].view(G, H)
+            before = {int(e): (g, j) for g in range(G) for j, e in enumerate(was[g].tolist())}
+            home = _match(ranks_of, {e: before[e][0] for e in ranks_of}, G, H)
+            if home is not None or not _trade(slots, ranks_of, load_LE[layer], H):
+                break
         if home is None:
             rows[layer, :, :H] = fallback.phy2log[layer].view(G, H)
             continue
@@ -368,6 +376,38 @@ def owners(replicated: Placement, previous: Placement, fallback: Placement) -> P
             extra = [e for e in slots[g].tolist() if e >= 0 and home[e] != g]
             rows[layer, g, H:H + len(extra)] = torch.tensor(extra, dtype=torch.long)
     return index_maps(rows.view(L, G * S), replicated.num_experts, G, S)
+
+
+def _trade(slots_GS: torch.Tensor, ranks_of: dict, load_E: torch.Tensor, H: int) -> bool:
+    """One trade towards homes for every expert: the coldest single-copy expert of the rank with the most of them
+    (more than H) swaps slots with a copy of a replicated expert on a rank with fewer than H, the pair that leaves
+    the busiest rank least loaded (an even split over copies). False when no rank has too many or no trade fits."""
+    G = slots_GS.shape[0]
+    single = [[e for e in slots_GS[g].tolist() if e >= 0 and len(ranks_of[e]) == 1] for g in range(G)]
+    g0 = max(range(G), key=lambda g: len(single[g]))
+    if len(single[g0]) <= H:
+        return False
+    x = min(single[g0], key=lambda e: float(load_E[e]))
+    share = {e: float(load_E[e]) / len(r) for e, r in ranks_of.items()}
+    rank_load = [sum(share[e] for e in slots_GS[g].tolist() if e >= 0) for g in range(G)]
+    best = None
+    for g1 in range(G):
+        if len(single[g1]) >= H or x in slots_GS[g1].tolist():
+            continue
+        for j, y in enumerate(slots_GS[g1].tolist()):
+            if y < 0 or len(ranks_of[y]) < 2 or y in slots_GS[g0].tolist():
+                continue
+            delta = share[x] - share[y]
+            peak = max(max(rank_load[g] for g in range(G) if g not in (g0, g1)) if G > 2 else 0.0,
+                       rank_load[g0] - delta, rank_load[g1] + delta)
+            if best is None or peak < best[0]:
+                best = (peak, g1, j)
+    if best is None:
+        return False
+    _, g1, j = best
+    i = slots_GS[g0].tolist().index(x)
+    slots_GS[g0, i], slots_GS[g1, j] = slots_GS[g1, j].clone(), x
+    return True
 
 
 def _match(ranks_of: dict, preferred: dict, G: int, H: int) -> Optional[dict]:
@@ -395,6 +435,16 @@ def _match(ranks_of: dict, preferred: dict, G: int, H: int) -> Optional[dict]:
         if not place(e, set()):
             return None
     return home
+
+
+def _shares(plan: Placement) -> torch.Tensor:
+    """[L, E, G] the share of each expert's routes each EP rank computes under the even split over its copies."""
+    L, G, S = plan.phy2log.shape[0], plan.num_devices, plan.slots_per_device
+    rank_P = torch.arange(G * S).div(S, rounding_mode="floor").expand(L, -1)
+    valid = plan.phy2log >= 0
+    share = torch.zeros(L, plan.num_experts * G, dtype=torch.float64)
+    share.scatter_add_(1, torch.where(valid, plan.phy2log * G + rank_P, 0), valid.to(torch.float64))   # -1: adds 0
+    return share.view(L, plan.num_experts, G) / plan.logcnt.to(torch.float64)[:, :, None]
 
 
 def _replica_rows(plan: Placement, layer: int, H: int) -> tuple[list[int], list[int]]:
