@@ -20,7 +20,7 @@ import os
 __all__ = ["size", "modules", "imports_of", "import_graph", "circles"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGETS = {"lines": 8600, "names": 120, "keys": 25, "markdown_kb": 120, "readme_bytes": 8192}
+TARGETS = {"lines": 9000, "names": 120, "keys": 25, "markdown_kb": 120, "readme_bytes": 8192}
 
 
 def modules(top: str) -> dict[str, str]:

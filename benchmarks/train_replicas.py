@@ -1,15 +1,16 @@
 """Training-time replicas on AutoEP, side by side in one 4-rank launch (issue 50): plain AutoEP, the permutation
 alone (`train_placement` with no replica slots), one and two replica slots a rank; routing untouched (`observe`).
 
-    python -m benchmarks.train_replicas [--steps 60] [--interval 10] [--json]
+    python -m benchmarks.train_replicas [--steps 60] [--interval 3] [--json]     # ~2.5 min on 2 cores
 
 The model is the main job's tiny HF Mixtral (4 layers, 8 experts, top-2, hidden 64) under AutoEP with `autoep_size`
 4 (two experts a rank), trained on the stdlib sources from one seed, every variant on the same batches. Its routers
 concentrate as a pretrained model's do: router weights scaled to logits of about unit spread, and a fixed offset on
-three experts' logits (2, 1.5 and 1, other experts in each layer), so the hot experts share ranks in AutoEP's layout. Per variant: the busiest EP rank's received routes over the
-mean (counted from the router's output on AutoEP's own router, after the placement's route map: what each rank's
-grouped GEMM computes), mean over layers and the steps after the first re-plan; the losses of every step against
-plain AutoEP's (relative); re-plans. `targets` holds the issue's.
+three experts' logits (2.5, 2 and 1.5, other experts in each layer), so the hot experts share ranks in AutoEP's
+layout. Per variant: the busiest EP rank's received routes over the mean (counted from the router's output on
+AutoEP's own router, after the placement's route map: what each rank's grouped GEMM computes), mean over layers and
+the steps after the first re-plan; the losses of every step against plain AutoEP's (relative); re-plans. `targets`
+holds the issue's.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"plain": None, "permutation": 0, "replicas_1": 1, "replicas_2": 2}
-OFFSETS = (2.0, 1.5, 1.0)          # logit offsets of each layer's three hot experts
+OFFSETS = (2.5, 2.0, 1.5)          # logit offsets of each layer's three hot experts
 ROUTER_SCALE = 8.0                 # router weights x this: logits of about unit spread (random init: ~0.15)
 EP, MICRO, SEQ = 4, 16, 64
 
@@ -45,7 +46,8 @@ def rank_job(args) -> None:
         cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
                "zero_optimization": {"stage": 0}, "expert_parallel": autoep_section("mixtral", EP)}
         if slots is not None:
-            cfg["easybalance"] = {"mode": "observe", "warmup_batches": 1, "log": {"dir": os.path.join(os.path.dirname(args.out), name)},
+            log = {"dir": os.path.join(os.path.dirname(args.out), name)}
+            cfg["easybalance"] = {"mode": "observe", "warmup_batches": 1, "log": log,
                                   "train_placement": {"interval": args.interval, "replica_slots": slots}}
         torch.manual_seed(args.seed)
         model = hf_moe_model("mixtral", layers=4, hidden=64, experts=8, k=2, ffn=128, seq_len=SEQ)
@@ -103,7 +105,7 @@ def summarize(runs: dict, steps: int, interval: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--interval", type=int, default=5)
+    p.add_argument("--interval", type=int, default=3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW's (a fine-tuning rate: the routing drifts slowly)")
     p.add_argument("--json", action="store_true")
@@ -118,7 +120,8 @@ def main(argv=None) -> int:
         out = os.path.join(tmp, "runs.json")
         port = str(29400 + os.getpid() % 500)
         cmd = ["deepspeed", "--num_gpus", str(EP), "--master_port", port, os.path.abspath(__file__), "--rank-job",
-               "--out", out, "--steps", str(args.steps), "--interval", str(args.interval), "--seed", str(args.seed), "--lr", str(args.lr)]
+               "--out", out, "--steps", str(args.steps), "--interval", str(args.interval), "--seed", str(args.seed),
+               "--lr", str(args.lr)]
         try:
             subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), check=True,
                            stdout=subprocess.DEVNULL)

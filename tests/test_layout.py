@@ -108,7 +108,7 @@ def test_benchmarks_size_reports_the_readme_and_both_trees_circles_against_its_t
     readme = os.path.getsize(os.path.join(root, "README.md"))
     trees = {top: circles(size.import_graph(os.path.join(root, top))) for top in ("eb_deepspeed", "benchmarks")}
     assert found["readme_bytes"] == readme and found["circles"] == trees
-    assert found["targets"] == {"lines_le_8600": found["lines"] <= 8600, "names_le_120": found["names"] <= 120,
+    assert found["targets"] == {"lines_le_9000": found["lines"] <= 9000, "names_le_120": found["names"] <= 120,
                                 "keys_le_25": found["keys"] <= 25, "markdown_kb_le_120": found["markdown_kb"] <= 120,
                                 "readme_bytes_le_8192": readme <= 8192, "no_circles": not any(trees.values())}
     monkeypatch.setattr(size, "circles", lambda graph: ["a -> b -> a"] if "benchmarks.ranks" in graph else [])
