@@ -3,7 +3,7 @@
 (examples/train_hf_moe.py: a tiny HF Mixtral, 4 layers x 8 experts, top-2, on the stdlib sources).
 
     python -m benchmarks.train_placement [--steps 200] [--interval 20] [--seed 1234] [--json FILE]
-    python -m benchmarks.train_placement --bound runs/bench_train_placement/placement   # what a permutation can reach
+    python -m benchmarks.train_placement --bound runs/bench_train_placement/plain      # a permutation, replicas: held out
 
 Per variant, over the second half of the run: the busiest EP rank's routed tokens over the mean (p90 over layers;
 a dropless layer's time on a GPU), the busiest rank's time in the experts over the mean rank's (CPU, forward and
@@ -65,26 +65,32 @@ def run_variant(name: str, steps: int, interval: int, out: str, seed: int) -> di
             "moved_over_step_bytes": round(last.get("moved_bytes", 0) / steps / step_bytes, 4)}
 
 
-def permutation_bound(run_dir: str, devices: int = 2) -> dict:
-    """What a permutation can reach on a run's own traffic: per layer, the busiest rank over the mean of the
-    planner's best permutation of the second half's summed expert counts, against the per-step share the run had."""
+def placement_bound(run_dir: str, devices: int = 2, replica_slots=(0, 1, 2)) -> dict:
+    """What a permutation (0) and R replica slots a rank reach on a run's own traffic, held out: planned on the
+    first half's summed expert counts, judged on the second half's (the busiest rank over the mean per layer, an
+    expert's routes split evenly over its copies), against the per-step share the run had in the second half.
+    (On real counts, OLMoE at EP 8-64 and others: `python -m benchmarks.replay --permutation`.)"""
     import torch
     from eb_deepspeed.observe.report import read_log
     from eb_deepspeed.planning.placement import expected_device_load, plan_placement
     records = [r for r in read_log(os.path.join(run_dir, "balance"), keys=("expert_counts_LE", "device_max_over_mean"))
                if r.get("expert_counts_LE") and r.get("device_max_over_mean")]
-    if not records:
-        raise ValueError(f"{run_dir}: its balance log holds no record with expert counts (a run of "
-                         "examples/train_hf_moe.py logs them)")
-    half = records[len(records) // 2:]
-    counts_LE = torch.tensor([r["expert_counts_LE"] for r in half], dtype=torch.float64).sum(0)
-    load_LG = expected_device_load(counts_LE, plan_placement(counts_LE, devices, counts_LE.shape[1] // devices,
-                                                             dispatch="uniform"))
-    return {"best_permutation_share": [round(v, 3) for v in (load_LG.amax(1) / load_LG.mean(1)).tolist()],
-            "hottest_expert_over_rank_share": [round(v, 3) for v in
-                                              (counts_LE.amax(1) / (counts_LE.sum(1) / devices)).tolist()],
-            "run_share": [round(sum(r["device_max_over_mean"][layer] for r in half) / len(half), 3)
-                          for layer in range(counts_LE.shape[0])]}
+    if len(records) < 2:
+        raise ValueError(f"{run_dir}: its balance log holds {len(records)} records with expert counts, 2 at least "
+                         "(a run of examples/train_hf_moe.py logs them)")
+    first, half = records[:len(records) // 2], records[len(records) // 2:]
+    plan_LE, judge_LE = (torch.tensor([r["expert_counts_LE"] for r in part], dtype=torch.float64).sum(0)
+                         for part in (first, half))
+    out = {}
+    for r in replica_slots:
+        load_LG = expected_device_load(judge_LE, plan_placement(plan_LE, devices, judge_LE.shape[1] // devices + r,
+                                                                dispatch="uniform"))
+        out[f"replicas_{r}_share" if r else "permutation_share"] = \
+            [round(v, 3) for v in (load_LG.amax(1) / load_LG.mean(1)).tolist()]
+    return out | {"hottest_expert_over_rank_share": [round(v, 3) for v in
+                                                    (judge_LE.amax(1) / (judge_LE.sum(1) / devices)).tolist()],
+                  "run_share": [round(sum(r["device_max_over_mean"][layer] for r in half) / len(half), 3)
+                                for layer in range(judge_LE.shape[0])]}
 
 
 def main(argv=None) -> int:
@@ -95,11 +101,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_train_placement"))
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument("--bound", default=None, metavar="RUN_DIR",
-                   help="only print what a permutation can reach on a finished run's traffic (permutation_bound)")
+                   help="only print what a permutation and 1-2 replica slots reach on a finished run's traffic, "
+                        "held out (placement_bound)")
     args = p.parse_args(argv)
     if args.bound:
         try:
-            print(json.dumps(permutation_bound(args.bound)))
+            print(json.dumps(placement_bound(args.bound)))
         except (OSError, ValueError) as e:
             print(f"benchmarks.train_placement --bound: error: {e}", file=sys.stderr)
             return 2
@@ -109,7 +116,8 @@ def main(argv=None) -> int:
     result = {"steps": args.steps, "interval": args.interval, "seed": args.seed, "rows": rows, "targets": {
         "placement_cuts_busiest_share_ge_30pct": placed["busiest_rank_share_p90"] <= 0.7 * plain["busiest_rank_share_p90"],
         "moves_le_5pct_of_step_bytes": placed["moved_over_step_bytes"] <= 0.05,
-        "lm_loss_equal_to_plain": abs(placed["lm_loss"] - plain["lm_loss"]) <= 1e-3}}
+        "lm_loss_equal_to_plain": abs(placed["lm_loss"] - plain["lm_loss"]) <= 1e-3},
+        "bound": placement_bound(os.path.join(args.out, "plain"))}      # on plain AutoEP's traffic, held out
     print(f"{'variant':10} {'busiest/mean p90':>16} {'expert time max/mean':>20} {'LM loss':>8} {'held-out':>8} "
           f"{'re-plans':>8} {'moved/step bytes':>16}")
     for name, r in rows.items():

@@ -7,7 +7,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_cpu.sh"
 cd "$EB_ROOT"
 # The full run names each test as it starts (-v): a multi-process test can take minutes on 2 cores.
-mode=(-v); extra=()
+mode=(-v --durations=30); extra=()
 for a in "$@"; do
   if [ "$a" = "--fast" ]; then mode=(-q -m unit); else extra+=("$a"); fi
 done

@@ -34,9 +34,12 @@ def config(family: str, zero: int = 0, accum: int = 1, block: dict | None = None
     return cfg
 
 
-def engine_for(family: str, cfg: dict, use_eb: bool = True, seed: int = 0, checkpointing: str = "none"):
+def engine_for(family: str, cfg: dict, use_eb: bool = True, seed: int = 0, checkpointing: str = "none",
+               freeze: bool = False):
     torch.manual_seed(seed)                      # seeded once, as a user does; no reseeding between steps
     model = hf_moe_model(family, layers=2, hidden=32, experts=4, k=2, ffn=32, seq_len=SEQ)
+    if freeze:                                   # the first MoE layer's experts frozen, as a partial fine-tune does
+        next(m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")).experts.requires_grad_(False)
     if checkpointing != "none":
         model.gradient_checkpointing_enable({"use_reentrant": checkpointing == "reentrant"})
     init = eb_deepspeed.initialize if use_eb else deepspeed.initialize
@@ -176,6 +179,8 @@ def _logical_expert_grads(engine, placement) -> dict[str, torch.Tensor]:
     out = {}
     for index, (_, layer) in enumerate(find_autoep_layers(engine.module)):
         for name, param in layer.experts.named_parameters():
+            if not param.requires_grad:          # frozen
+                continue
             grad = param.grad.detach().contiguous()
             parts = [torch.zeros_like(grad) for _ in range(layer.ep_size)]
             dist.all_gather(parts, grad, group=layer.ep_group)
@@ -209,7 +214,7 @@ def scenario_placement(p):
     for name in ("plain", "placed"):
         block = _placement_block() if name == "placed" else None
         engine = engine_for(family, config(family, zero, accum, block, p["out"], ep=ep, bf16=p.get("bf16", False)),
-                            use_eb=name == "placed")
+                            use_eb=name == "placed", freeze=p.get("freeze", False))
         placer = getattr(getattr(engine, "easybalance", None), "placement", None)
         home = static_placement(2, 4, ep)
         losses, grads, applied = [], [], []
@@ -256,7 +261,7 @@ def scenario_replicas(p):
         if block is not None:
             block["train_placement"]["replica_slots"] = 1
         engine = engine_for(family, config(family, zero, accum, block, p["out"], ep=ep, bf16=p.get("bf16", False)),
-                            use_eb=name == "placed")
+                            use_eb=name == "placed", freeze=p.get("freeze", False))
         placer = getattr(getattr(engine, "easybalance", None), "placement", None)
         rows = []
         for _, layer in find_autoep_layers(engine.module):

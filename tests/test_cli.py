@@ -191,6 +191,25 @@ def test_the_benchmark_refuses_bad_counts_before_launching_anything(argv, messag
         bench.main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
+def test_the_bound_plans_on_the_first_half_and_judges_the_second_with_and_without_replicas(tmp_path, capsys):
+    from benchmarks.train_placement import main
+
+    def bound(name, halves):        # one layer, 4 experts on 2 ranks, two records a half
+        (tmp_path / name / "balance").mkdir(parents=True)
+        with open(tmp_path / name / "balance" / "balance.jsonl", "w") as f:
+            for step in range(4):
+                f.write(json.dumps({"step": step, "expert_counts_LE": halves[step // 2],
+                                    "device_max_over_mean": [1.0 + step / 10]}) + "\n")
+        assert main(["--bound", str(tmp_path / name)]) == 0
+        return json.loads(capsys.readouterr().out)
+    steady = bound("steady", ([[8, 4, 2, 2]], [[8, 4, 2, 2]]))
+    # the best permutation puts the hot expert beside a cold one: (8 + 2) / 8; a copy of it splits it: 1
+    assert steady["permutation_share"] == [1.25] and steady["replicas_1_share"] == [1.0]
+    assert steady["hottest_expert_over_rank_share"] == [1.0] and steady["run_share"] == [pytest.approx(1.25)]
+    moved = bound("moved", ([[8, 4, 2, 2]], [[2, 2, 4, 8]]))    # judged on traffic whose hot expert moved
+    assert moved["permutation_share"] == [1.25] and moved["replicas_1_share"] == [1.25]   # planned on the old one
+
+
 def test_the_bound_of_a_missing_or_empty_run_is_one_clear_line(tmp_path, capsys):
     from benchmarks.train_placement import main
     (tmp_path / "empty" / "balance").mkdir(parents=True)

@@ -99,10 +99,11 @@ def test_an_optimizer_whose_step_reads_a_whole_tensor_is_refused_at_initialize(t
         assert "Adafactor is not one eb_deepspeed knows to" in rank["error"] and "AdamW" in rank["error"]
 
 
-@pytest.mark.parametrize("world, ep, zero, accum, bf16", [(2, 2, 0, 2, False), (2, 2, 2, 2, False), (2, 2, 1, 1, True),
-                                                         (4, 4, 0, 1, False), (4, 2, 2, 2, True)])
-def test_replicas_keep_plain_autoeps_losses_gradients_and_weights(tmp_path, world, ep, zero, accum, bf16):
-    for rank in run(tmp_path, "replicas", world, zero=zero, accum=accum, ep=ep, bf16=bf16):
+@pytest.mark.parametrize("world, ep, zero, accum, bf16, freeze", [
+    (2, 2, 0, 2, False, False), (2, 2, 2, 2, False, False), (2, 2, 1, 1, True, False), (4, 4, 0, 1, False, False),
+    (4, 2, 2, 2, True, False), (2, 2, 0, 1, False, True)])
+def test_replicas_keep_plain_autoeps_losses_gradients_and_weights(tmp_path, world, ep, zero, accum, bf16, freeze):
+    for rank in run(tmp_path, "replicas", world, zero=zero, accum=accum, ep=ep, bf16=bf16, freeze=freeze):
         plain, placed = rank["plain"], rank["placed"]
         assert placed["applied"] == [True] * 4
         # bf16: a replica's gradient is rounded to bf16 before it is added to its home's (plain: one GEMM's sum), so
