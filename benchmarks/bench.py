@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .exact import brute_force_optimum, steered_max_load
+from .exact import brute_force_optimum, steered_max, steered_max_load
 
 __all__ = ["bench_gate", "bench_train", "bench_train_autoep", "bench_plan", "bench_optimum", "free_port",
            "AUTOEP_ROWS"]
@@ -344,6 +344,7 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
 
     steering = bench_steering(tokens=tokens, hidden=hidden, experts=steer_experts, devices=steer_devices, k=k,
                               repeats=repeats)
+    split = {f"{experts}x{devices}x{s}": bench_split(experts, devices, s, repeats=repeats) for s in (slots, 8)}
     return {"benchmark": "plan", "threads": torch.get_num_threads(),
             "planner": {"layers": layers, "experts": experts, "devices": devices, "slots_per_device": slots,
                         "nodes": nodes, "median_ms": round(plan_med, 2), "target_ms": 100,
@@ -354,7 +355,44 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
                         "greedy_only_balancedness_steered": round(_balancedness(greedy_steered_LG), 4)},
             "steering": steering,
             "targets": {"planner_ms_le_100": bool(plan_med <= 100), "uniform_ms_le_100": bool(uniform_med <= 100),
-                        "steering_ratio_le_0.02": bool(steering["ratio"] <= 0.02)}}
+                        "steering_ratio_le_0.02": bool(steering["ratio"] <= 0.02),
+                        f"split_ms_le_1_at_{experts}x{devices}x{slots}":
+                            bool(split[f"{experts}x{devices}x{slots}"]["median_ms"] <= 1.0),
+                        "split_within_2pct_of_lp": all(r["worst_over_lp"] <= 1.02 for r in split.values())},
+            "split": split}
+
+
+def bench_split(experts: int = 256, devices: int = 64, slots: int = 5, layers: int = 4, batches: int = 4,
+                tokens: int = 4096 * 8, repeats: int = 5) -> dict[str, object]:
+    """The exact split (`Copies.split`, one layer, every rank's counts) on a placement planned on a skewed heat,
+    for batches drawn from that heat shifted (traffic the plan has not seen): its time (per batch the fastest of
+    `repeats`, then the median) and the worst batch's busiest rank over the LP's (`exact.steered_max`)."""
+    from eb_deepspeed.planning.placement import plan_placement
+    from eb_deepspeed.planning.steering import Copies
+
+    g = torch.Generator().manual_seed(0)
+    heat_LE = torch.rand(layers, experts, generator=g).double().pow(-1 / 1.2)
+    plan = plan_placement(heat_LE, devices, slots, dispatch="uniform")
+    ms, worst = [], 0.0
+    for layer in range(layers):
+        devices_ER = plan.expert_devices()[layer]
+        copies = Copies(devices_ER, devices)
+        for _ in range(batches):
+            shifted_E = heat_LE[layer] * torch.rand(experts, generator=g).double().pow(-0.3)
+            counts_E = torch.multinomial(shifted_E, tokens, replacement=True, generator=g).bincount(minlength=experts)
+            copies.split(counts_E)                                        # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                n_ER = copies.split(counts_E)
+                times.append((time.perf_counter() - t0) * 1e3)
+            ms.append(min(times))
+            real = devices_ER >= 0
+            load_G = torch.zeros(devices, dtype=torch.long).index_add_(0, devices_ER[real], n_ER[real])
+            lp = float(steered_max(plan.phy2log[layer:layer + 1], counts_E[None].double(), slots)[0])
+            worst = max(worst, float(load_G.max()) / lp)
+    return {"experts": experts, "devices": devices, "slots_per_device": slots, "copies_max": int(plan.logcnt.max()),
+            "median_ms": round(statistics.median(ms), 3), "worst_over_lp": round(worst, 4), "batches": len(ms)}
 
 
 def bench_steering(tokens: int = 4096, hidden: int = 1024, experts: int = 64, devices: int = 8, k: int = 2,

@@ -50,9 +50,10 @@ class Copies:
         self.even_FR = (valid_FR / valid_FR.sum(1, keepdim=True)).double().to(device)
         self.pad_FR = ((~valid_FR) * _FAR).double().to(device)
         self.dev_FR = dev_FR.clamp_min(0).to(device)
-        # [F * R, G] 1 where a copy sits on a device: device sums as one matrix product (no atomics)
-        self.onehot_XG = (torch.nn.functional.one_hot(dev_FR.clamp_min(0), G) * valid_FR[..., None]) \
-            .reshape(-1, G).double().to(device)
+        # the X real copies among the F * R (an expert may have G copies, most experts two) and [X, G] 1 where each
+        # sits: device sums as one matrix product (no atomics) over the real copies only
+        self.real_X = torch.nonzero(valid_FR.reshape(-1)).flatten().to(device)
+        self.onehot_XG = torch.nn.functional.one_hot(dev_FR[valid_FR], G).double().to(device)
         self.k_R = torch.arange(1, dev_FR.shape[1] + 1, dtype=torch.float64, device=device)
 
     def split(self, counts_E: torch.Tensor, rounds: int = ROUNDS) -> torch.Tensor:
@@ -65,7 +66,7 @@ class Copies:
         c_F1 = c_F.double()[:, None]
         F, R = self.even_FR.shape
         x_FR = c_F1 * self.even_FR
-        load_G += (x_FR.reshape(1, -1) @ self.onehot_XG)[0]
+        load_G += x_FR.reshape(-1)[self.real_X] @ self.onehot_XG
         for _ in range(rounds if F else 0):
             # Step 1: each expert's water level over its copies' devices, the others' loads as they are: the lowest
             # (routes + the k lowest bases) / k over k (no k copies hold routes beyond it)
@@ -74,7 +75,7 @@ class Copies:
             move_FR = (level_F1 - base_FR).clamp_min_(0.0) - x_FR
             # Step 2: every expert towards its target by the one step that lowers the sum of squares most (an exact
             # line search: the moves are linear in the step)
-            move_G = (move_FR.reshape(1, -1) @ self.onehot_XG)[0]
+            move_G = move_FR.reshape(-1)[self.real_X] @ self.onehot_XG
             step = (load_G @ move_G).neg_().div_((move_G @ move_G).clamp_min_(1e-30)).clamp_(0.0, 1.0)
             x_FR.addcmul_(move_FR, step)
             load_G.addcmul_(move_G, step)
