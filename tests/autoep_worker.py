@@ -286,6 +286,35 @@ def scenario_replicas(p):
     return out
 
 
+def scenario_replica_fault(p):
+    """Replicas served; on rank 1 reading the rows for the replica all-to-all fails, in forward ("fetch") or
+    backward ("grad"): every rank raises before the optimizer step, nobody hangs, no weight changed."""
+    from eb_deepspeed.adapters.autoep import placement as placement_module
+    block = _placement_block()
+    block["train_placement"]["replica_slots"] = 1
+    engine = engine_for("mixtral", config("mixtral", p["zero"], 1, block, p["out"]))
+    placer = engine.easybalance.placement
+    assert placer.apply(_with_replicas(2, 4, 2, 1))
+    before = {n: t.detach().clone() for n, t in engine.module.named_parameters()}
+    if dist.get_rank() == 1:
+        rows = placement_module._rows
+
+        def failing(tensors, index):
+            if tensors[0].requires_grad == (p["fault"] == "fetch"):
+                raise RuntimeError("injected")
+            return rows(tensors, index)
+        placement_module._rows = failing
+    ids, mask, labels = batch(0, 0)
+    error = None
+    try:
+        engine.backward(engine(input_ids=ids, attention_mask=mask, labels=labels).loss)
+        engine.step()
+    except RuntimeError as e:
+        error = str(e)
+    after = {n: t.detach() for n, t in engine.module.named_parameters()}
+    return {"error": error, "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
+
+
 def _expert_state(engine) -> list[dict]:
     """Every layer's expert state, row by row, as a move reads it (collective under ZeRO: every rank calls it)."""
     from eb_deepspeed.adapters.autoep.placement import ExpertState
@@ -352,11 +381,12 @@ def scenario_placement_refuses(p):
 
 def scenario_placement_auto(p):
     """Skewed routers (experts 0 and 1 hot, both on EP rank 0), `observe` with placement every 2 steps: the view
-    re-places them by itself, routing untouched (losses equal plain AutoEP's), the busiest rank's share drops;
-    a checkpoint saved while placed loads into plain AutoEP and into a placed engine at another replica count
-    (0 <-> 1), both continuing alike. With replica slots the routes are fixed (each position's logits a constant: expert 0 first for every token,
-    the second spread over 1..3), which no permutation of 2 experts a rank balances and one replica of 0 does;
-    the learning router (lr 1e-2) would otherwise re-route faster than a re-plan every 2 steps follows."""
+    re-places them by itself, routing untouched (losses equal plain AutoEP's), the busiest rank's share drops; a
+    checkpoint saved while placed loads into plain AutoEP and into a placed engine at another replica count
+    (0 <-> 1), both continuing alike. With replica slots the routes are fixed (each position's logits a constant:
+    expert 0 first for every token, the second spread over 1..3), which no permutation of 2 experts a rank
+    balances and one replica of 0 does; the learning router (lr 1e-2) would otherwise re-route faster than a
+    re-plan every 2 steps follows."""
     family, ckpt = "mixtral", os.path.join(p["out"], "ckpt")
     fixed_TE = torch.randn(MICRO * SEQ, 4, generator=torch.Generator().manual_seed(0))
     fixed_TE[:, 0] = 6.0

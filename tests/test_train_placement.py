@@ -112,3 +112,12 @@ def test_replicas_keep_plain_autoeps_losses_gradients_and_weights(tmp_path, worl
         H = 4 // ep
         assert {len(r) for r in plain["rows"]} == {H} and {len(r) for r in placed["rows"]} == {H, H + 1}
         assert sum(r[-1] for r in placed["rows"] if len(r) == H + 1) > 0       # replicas computed routes
+
+
+@pytest.mark.parametrize("fault, zero", [("fetch", 0), ("grad", 2)])
+def test_a_replica_transfer_that_fails_on_one_rank_stops_every_rank_before_the_step(tmp_path, fault, zero):
+    what = "fetching replica weights" if fault == "fetch" else "sending replica gradients home"
+    for index, rank in enumerate(run(tmp_path, "replica_fault", 2, fault=fault, zero=zero)):
+        assert "a replica transfer failed" in rank["error"] and rank["unchanged"]       # raised, nothing stepped
+        says = f"{what} failed on rank 1: RuntimeError: injected" if index == 1 else "on another rank"
+        assert says in rank["error"]

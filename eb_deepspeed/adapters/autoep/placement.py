@@ -102,6 +102,10 @@ class TrainPlacement:
             m.experts.register_forward_pre_hook(functools.partial(self._with_replicas, layer))
             m.experts.register_forward_hook(self._without_replicas)
         engine.module.register_forward_pre_hook(self._before_forward)
+        optimizer = torch_optimizer(getattr(engine, "optimizer", None))
+        if self.S > self.H and optimizer is not None:
+            self._agreed_step = None
+            optimizer.register_step_pre_hook(self._agree_fetches)
         balancer.log.extra = lambda: {"replans": self.replans, "weight_moves": self.weight_moves,
                                       "moved_bytes": self.moved_bytes}
         self._wrap_exports(engine)
@@ -222,6 +226,22 @@ class TrainPlacement:
         return True
 
     # ------------------------------------------------------------------ replicas in the grouped GEMM
+    def _agree_fetches(self, optimizer, args, kwargs) -> None:
+        """Before each optimizer step with replicas served: every rank learns whether a replica transfer failed on
+        any rank this step (one all-reduce and one host read a step, none a micro-batch) and then all raise, so
+        that no rank steps on what a failed transfer computed."""
+        step = int(self.engine.global_steps)
+        if step == self._agreed_step or all(f is None for f in self._fetch):    # ZeRO: once per parameter group
+            return
+        self._agreed_step = step
+        failed = [f.pop("failed") for f in self._fetch if f is not None and "failed" in f]
+        flag = torch.tensor([float(bool(failed))], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if float(flag):
+            raise RuntimeError("easybalance.train_placement: a replica transfer failed "
+                               f"({failed[0] if failed else 'on another rank: see its error'}); every rank stops "
+                               "before this optimizer step, with the weights and state of the step before")
+
     def _with_replicas(self, layer: int, experts, args) -> None:
         """The layer's grouped weights [H, ...] -> [S, ...] for this forward (home rows, then fetched replicas)."""
         fetch = self._fetch[layer]
@@ -305,7 +325,7 @@ class Fetch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fetch: dict, *weights):
         ctx.fetch, ctx.like = fetch, [(w.shape, w.dtype, w.device) for w in weights]
-        rows = torch.cat([w[fetch["send_rows"]].reshape(len(fetch["send_rows"]), w[0].numel()) for w in weights], 1)
+        rows = _guarded_rows(fetch, weights, fetch["send_rows"], "fetching replica weights")
         arrived = _exchange(rows, fetch["receive_splits"], fetch["send_splits"], fetch["group"])
         out, at = [], 0
         for w in weights:
@@ -322,8 +342,7 @@ class Fetch(torch.autograd.Function):
         fetch, H = ctx.fetch, ctx.fetch["H"]
         grads = [torch.zeros((fetch["S"], ) + tuple(shape[1:]), dtype=dtype, device=device) if g is None else g
                  for g, (shape, dtype, device) in zip(grads, ctx.like)]
-        rows = torch.cat([g[H + fetch["receive_rows"]].reshape(len(fetch["receive_rows"]), g[0].numel())
-                          for g in grads], 1)
+        rows = _guarded_rows(fetch, grads, H + fetch["receive_rows"], "sending replica gradients home")
         back = _exchange(rows, fetch["send_splits"], fetch["receive_splits"], fetch["group"])
         out, at = [], 0
         for g in grads:
@@ -331,6 +350,23 @@ class Fetch(torch.autograd.Function):
             out.append(g[:H].clone().index_add_(0, fetch["send_rows"], back[:, at:at + n].view(-1, *g.shape[1:])))
             at += n
         return (None, *out)
+
+
+def _rows(tensors: list, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of every tensor [N, ...], side by side: [len(index), the tensors' row sizes summed]."""
+    return torch.cat([t[index].reshape(len(index), t[0].numel()) for t in tensors], 1)
+
+
+def _guarded_rows(fetch: dict, tensors: list, index: torch.Tensor, what: str) -> torch.Tensor:
+    """`_rows`, or, when reading them fails on this rank, zeros of the planned shape, so that every rank still
+    meets in the all-to-all (no hang); the failure is kept in `fetch` and every rank raises before the optimizer
+    step (`TrainPlacement._agree_fetches`), so no rank steps on what a failed transfer computed."""
+    try:
+        return _rows(tensors, index)
+    except Exception as e:   # noqa: BLE001 - any failure here, reported on every rank at the step
+        fetch["failed"] = f"{what} failed on rank {dist.get_rank()}: {type(e).__name__}: {e}"
+        width = sum(t[0].numel() for t in tensors)
+        return torch.zeros((len(index), width), dtype=tensors[0].dtype, device=tensors[0].device)
 
 
 def _exchange(rows: torch.Tensor, receive_splits: list, send_splits: list, group) -> torch.Tensor:
