@@ -206,8 +206,7 @@ class TrainPlacement:
             if not self.mover.move(moves, placement_key(plan.phy2log), rows, ok):
                 self.failed_moves += 1
                 return False
-        changed = bool(moves) or self.served.phy2log.shape != served.phy2log.shape or \
-            not torch.equal(self.served.phy2log, served.phy2log)
+        changed = bool(moves) or not torch.equal(self.served.phy2log, served.phy2log)     # other shape: not equal
         self.placement = self.home if torch.equal(plan.phy2log, self.home.phy2log) else plan
         self.served = self.placement if served.slots_per_device == self.H else served
         S = self.served.slots_per_device
@@ -387,6 +386,8 @@ def owners(replicated: Placement, previous: Placement, fallback: Placement, load
     rows = torch.full((L, G, S), -1, dtype=torch.long)
     for layer in range(L):
         slots = replicated.phy2log[layer].view(G, S).clone()
+        was = previous.phy2log[layer].view(G, H)
+        before = {int(e): (g, j) for g in range(G) for j, e in enumerate(was[g].tolist())}
         home = None
         for _ in range(G * S):
             ranks_of = {}
@@ -394,8 +395,6 @@ def owners(replicated: Placement, previous: Placement, fallback: Placement, load
                 for e in slots[g].tolist():
                     if e >= 0:
                         ranks_of.setdefault(e, []).append(g)
-            was = previous.phy2log[layer].view(G, H)
-            before = {int(e): (g, j) for g in range(G) for j, e in enumerate(was[g].tolist())}
             home = _match(ranks_of, {e: before[e][0] for e in ranks_of}, G, H)
             if home is not None or not _trade(slots, ranks_of, load_LE[layer], H):
                 break
@@ -418,20 +417,20 @@ def _trade(slots_GS: torch.Tensor, ranks_of: dict, load_E: torch.Tensor, H: int)
     """One trade towards homes for every expert: the coldest single-copy expert of the rank with the most of them
     (more than H) swaps slots with a copy of a replicated expert on a rank with fewer than H, the pair that leaves
     the busiest rank least loaded (an even split over copies). False when no rank has too many or no trade fits."""
-    G = slots_GS.shape[0]
-    single = [[e for e in slots_GS[g].tolist() if e >= 0 and len(ranks_of[e]) == 1] for g in range(G)]
+    G, rows = slots_GS.shape[0], slots_GS.tolist()
+    single = [[e for e in rows[g] if e >= 0 and len(ranks_of[e]) == 1] for g in range(G)]
     g0 = max(range(G), key=lambda g: len(single[g]))
     if len(single[g0]) <= H:
         return False
     x = min(single[g0], key=lambda e: float(load_E[e]))
     share = {e: float(load_E[e]) / len(r) for e, r in ranks_of.items()}
-    rank_load = [sum(share[e] for e in slots_GS[g].tolist() if e >= 0) for g in range(G)]
+    rank_load = [sum(share[e] for e in rows[g] if e >= 0) for g in range(G)]
     best = None
     for g1 in range(G):
-        if len(single[g1]) >= H or x in slots_GS[g1].tolist():
+        if len(single[g1]) >= H or x in rows[g1]:
             continue
-        for j, y in enumerate(slots_GS[g1].tolist()):
-            if y < 0 or len(ranks_of[y]) < 2 or y in slots_GS[g0].tolist():
+        for j, y in enumerate(rows[g1]):
+            if y < 0 or len(ranks_of[y]) < 2 or y in rows[g0]:
                 continue
             delta = share[x] - share[y]
             peak = max(max(rank_load[g] for g in range(G) if g not in (g0, g1)) if G > 2 else 0.0,
@@ -441,8 +440,7 @@ def _trade(slots_GS: torch.Tensor, ranks_of: dict, load_E: torch.Tensor, H: int)
     if best is None:
         return False
     _, g1, j = best
-    i = slots_GS[g0].tolist().index(x)
-    slots_GS[g0, i], slots_GS[g1, j] = slots_GS[g1, j].clone(), x
+    slots_GS[g0, rows[g0].index(x)], slots_GS[g1, j] = rows[g1][j], x
     return True
 
 
