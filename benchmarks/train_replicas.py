@@ -1,7 +1,7 @@
 """Training-time replicas on AutoEP, side by side in one 4-rank launch (issue 50): plain AutoEP, the permutation
 alone (`train_placement` with no replica slots), one and two replica slots a rank; routing untouched (`observe`).
 
-    python -m benchmarks.train_replicas [--steps 60] [--interval 3] [--json]     # ~2.5 min on 2 cores
+    python -m benchmarks.train_replicas [--steps 60] [--interval 3] [--offsets 2.5 2 1.5] [--json]     # ~2.5 min
 
 The model is the main job's tiny HF Mixtral (4 layers, 8 experts, top-2, hidden 64) under AutoEP with `autoep_size`
 4 (two experts a rank), trained on the stdlib sources from one seed, every variant on the same batches. Its routers
@@ -60,7 +60,7 @@ def rank_job(args) -> None:
             with torch.no_grad():
                 layer.router.gate.weight.mul_(ROUTER_SCALE)
             offset_E = torch.zeros(8)
-            offset_E[[(3 * index + j) % 8 for j in range(3)]] = torch.tensor(OFFSETS)
+            offset_E[[(3 * index + j) % 8 for j in range(3)]] = torch.tensor(args.offsets)
             layer.router.gate.register_forward_hook(lambda m, a, logits, o=offset_E: logits + o)
             layer.router.register_forward_hook(
                 lambda m, a, out, layer=layer: routes.append(out[2].detach().float().view(EP, -1).sum(1).clone()))
@@ -87,9 +87,10 @@ def rank_job(args) -> None:
             json.dump(result, f)
 
 
-def summarize(runs: dict, steps: int, interval: int) -> dict:
+def summarize(runs: dict, steps: int, interval: int, offsets: list) -> dict:
     plain = runs["plain"]["losses"]
     out = {"benchmark": "train_replicas", "steps": steps, "interval": interval, "ep_size": EP, "experts": 8,
+           "offsets": offsets,
            "variants": {}}
     for name, run in runs.items():
         rel = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], plain))
@@ -108,6 +109,8 @@ def main(argv=None) -> int:
     p.add_argument("--interval", type=int, default=3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW's (a fine-tuning rate: the routing drifts slowly)")
+    p.add_argument("--offsets", type=float, nargs=3, default=list(OFFSETS),
+                   help="logit offsets of each layer's three hot experts (the skew)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--rank-job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -121,7 +124,7 @@ def main(argv=None) -> int:
         port = str(29400 + os.getpid() % 500)
         cmd = ["deepspeed", "--num_gpus", str(EP), "--master_port", port, os.path.abspath(__file__), "--rank-job",
                "--out", out, "--steps", str(args.steps), "--interval", str(args.interval), "--seed", str(args.seed),
-               "--lr", str(args.lr)]
+               "--lr", str(args.lr), "--offsets", *map(str, args.offsets)]
         try:
             subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), check=True,
                            stdout=subprocess.DEVNULL)
@@ -129,7 +132,7 @@ def main(argv=None) -> int:
             for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
                 os.remove(path)
         with open(out) as f:
-            result = summarize(json.load(f), args.steps, args.interval)
+            result = summarize(json.load(f), args.steps, args.interval, args.offsets)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
