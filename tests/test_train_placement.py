@@ -108,7 +108,10 @@ def test_replicas_keep_plain_autoeps_losses_gradients_and_weights(tmp_path, worl
         assert placed["applied"] == [True] * 4
         # bf16: a replica's gradient is rounded to bf16 before it is added to its home's (plain: one GEMM's sum), so
         # a weight may end one bf16 ulp apart (2^-6 at magnitudes 2-4), and the losses drift by about 1e-4 relative
-        assert_same_training(plain, placed, atol=2 ** -6 if bf16 else 1e-6, rtol=5e-4 if bf16 else 1e-6)
+        # frozen experts leave the embeddings' gradients near zero, where Adam's step (m / sqrt(v)) turns the fp32
+        # rounding of the split's other grouping (gradients within 1e-7, checked) into ~1e-5 on the weights
+        assert_same_training(plain, placed, atol=2 ** -6 if bf16 else 1e-4 if freeze else 1e-6,
+                             rtol=5e-4 if bf16 else 1e-6)
         H = 4 // ep
         assert {len(r) for r in plain["rows"]} == {H} and {len(r) for r in placed["rows"]} == {H, H + 1}
         assert sum(r[-1] for r in placed["rows"] if len(r) == H + 1) > 0       # replicas computed routes

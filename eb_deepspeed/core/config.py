@@ -61,7 +61,8 @@ class AuxConfig:
 class InferenceConfig:
     """Serving (`easybalance.inference`): replicas, steering and re-planning."""
     replica_slots: int = 1          # extra physical expert slots per EP rank (0 = no replicas)
-    split: str = "view"             # "view": even over the copies, no collective; "exact": split each batch
+    split: str = "exact"            # "exact": split each batch (AutoEP; DeepSpeed-MoE's padded layer serves "view");
+                                    # "view": even over the copies
     topology: str = "pcie"          # the links a weight copy crosses (its price)
     replan_threshold: float = 1.5   # consider a re-plan when a layer's expected slot max/mean passes this
     replan_interval: int = 24       # batches between two re-plans, at least (measured: docs/benchmarks.md, replay)

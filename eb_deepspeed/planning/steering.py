@@ -10,9 +10,13 @@ Shape legend: G EP ranks (devices), E logical experts, R copies of one expert, F
 
 An expert with one copy sends its routes there; the F others are split to minimise the sum of squared device loads
 (a flow problem's least-squares loads are also its min-max ones), by water filling from the even split (`Copies.split`,
-steps 1-3). Every rank computes the same split from the same counts: dense reductions, no atomics.
+steps 1-3). Every rank computes the same split from the same counts: dense reductions, no atomics. The rounds a
+placement needs are found once, on the host, when its `Copies` are built (`_rounds_needed`): experts whose copies
+share no device settle in one round, an expert on every rank of two in a few, a wide coupled layer takes all 16.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -20,7 +24,8 @@ from .slots import integer_tensor
 
 __all__ = ["Copies", "steer", "rank_share", "even_split"]
 
-ROUNDS = 16       # water-filling rounds per batch (docs/benchmarks.md: the split against the LP's busiest rank)
+ROUNDS = 16       # water-filling rounds per batch at most (docs/benchmarks.md: the split against the LP's busiest rank)
+SETTLED = 1e-3    # a placement's rounds: the fewest whose device loads are within this share of ROUNDS' (test loads)
 _FAR = 1e30       # the base load of a padded copy: never below a water level
 
 
@@ -45,20 +50,46 @@ class Copies:
         self.E, self.G, self.R = devices_ER.shape[0], G, devices_ER.shape[1]
         dev_FR = devices_ER[flex_F, :int(n_E.max())]
         valid_FR = dev_FR >= 0
-        self.single_E = torch.where(n_E == 1, devices_ER[:, 0], G).to(device)        # G: a bucket past the ranks
-        self.flex_F = flex_F.to(device)
-        self.even_FR = (valid_FR / valid_FR.sum(1, keepdim=True)).double().to(device)
-        self.pad_FR = ((~valid_FR) * _FAR).double().to(device)
-        self.dev_FR = dev_FR.clamp_min(0).to(device)
+        # built on the host (the calibration of `rounds` reads its results there), then moved to `device`
+        self.single_E = torch.where(n_E == 1, devices_ER[:, 0], G)        # G: a bucket past the ranks
+        self.flex_F = flex_F
+        self.even_FR = (valid_FR / valid_FR.sum(1, keepdim=True)).double()
+        self.pad_FR = ((~valid_FR) * _FAR).double()
+        self.dev_FR = dev_FR.clamp_min(0)
         # the X real copies among the F * R (an expert may have G copies, most experts two) and [X, G] 1 where each
         # sits: device sums as one matrix product (no atomics) over the real copies only
-        self.real_X = torch.nonzero(valid_FR.reshape(-1)).flatten().to(device)
-        self.onehot_XG = torch.nn.functional.one_hot(dev_FR[valid_FR], G).double().to(device)
-        self.k_R = torch.arange(1, dev_FR.shape[1] + 1, dtype=torch.float64, device=device)
+        self.real_X = torch.nonzero(valid_FR.reshape(-1)).flatten()
+        self.onehot_XG = torch.nn.functional.one_hot(dev_FR[valid_FR], G).double()
+        self.k_R = torch.arange(1, dev_FR.shape[1] + 1, dtype=torch.float64)
+        self._real_Y = torch.nonzero(devices_ER.reshape(-1) >= 0).flatten()        # every real copy, for `_loads`
+        self._dev_Y = devices_ER.reshape(-1)[self._real_Y]
+        self.rounds = self._rounds_needed(n_E) if flex_F.numel() else 0
+        for name in ("single_E", "flex_F", "even_FR", "pad_FR", "dev_FR", "real_X", "onehot_XG", "k_R"):
+            setattr(self, name, getattr(self, name).to(device))
 
-    def split(self, counts_E: torch.Tensor, rounds: int = ROUNDS) -> torch.Tensor:
+    def _rounds_needed(self, n_E: torch.Tensor) -> int:
+        """The fewest rounds (1, 2, 4, ... ROUNDS) whose every device load is within SETTLED of the mean load of
+        ROUNDS' on eight test loads (each expert's copies x a log-normal factor, seeded: every rank finds the
+        same). On the host, once."""
+        g = torch.Generator().manual_seed(0)
+        loads = [(n_E * 1000 * torch.randn(self.E, generator=g).mul(0.5).exp()).long() for _ in range(8)]
+        best = [self._loads(c, ROUNDS) for c in loads]
+        rounds = 1
+        while rounds < ROUNDS and any(float((self._loads(c, rounds) - b).abs().max()) > SETTLED * float(b.mean())
+                                      for c, b in zip(loads, best)):
+            rounds *= 2
+        return rounds
+
+    def _loads(self, counts_E: torch.Tensor, rounds: int) -> torch.Tensor:
+        """[G] each device's routes under the split of `rounds` rounds."""
+        n_ER = self.split(counts_E, rounds)
+        return torch.zeros(self.G, dtype=torch.float64, device=n_ER.device).index_add_(
+            0, self._dev_Y, n_ER.reshape(-1)[self._real_Y].double())
+
+    def split(self, counts_E: torch.Tensor, rounds: Optional[int] = None) -> torch.Tensor:
         """Routes per copy [E, R] (long) of this batch's routes per expert counts_E [E] (every rank's): the rows
-        sum to counts_E, padding gets none."""
+        sum to counts_E, padding gets none. rounds: the placement's (`self.rounds`) unless given."""
+        rounds = self.rounds if rounds is None else rounds
         counts_E = counts_E.long()
         load_G = torch.zeros(self.G + 1, dtype=torch.long, device=counts_E.device).index_add_(
             0, self.single_E, counts_E)[:self.G].double()                    # integers: exact in any order

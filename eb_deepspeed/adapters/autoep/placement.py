@@ -22,9 +22,10 @@ elsewhere (`plan_placement` with S slots; each expert's home is one of its copie
 its home expert's current weights: a forward pre-hook on the layer's `GroupedExperts` gives it [S, ...] weights,
 the home rows and the replica rows fetched from their homes (`Fetch`: one all-to-all per layer and forward), in
 AutoEP's one grouped GEMM; in backward the replica rows' gradients go home the same way and are added into the home
-gradients before anything of DeepSpeed's reduces them. An expert's routes on a rank split evenly over its copies
-(serving's `view` split). A replica is placed only when the routes it takes off the busiest rank beat its bytes per
-step (`replica_cost`).
+gradients before anything of DeepSpeed's reduces them. Each micro-batch's routes to a replicated expert split over
+its copies by every rank's counts so that the busiest rank takes the fewest (serving's `exact` split: one exchange
+of counts per layer in place of AutoEP's own, no host read beyond its). A replica is placed only when the routes it
+takes off the busiest rank beat its bytes per step (`replica_cost`, planned for the even split: a bound).
 
 Checkpoints (`save_checkpoint`, `save_16bit_model`) are written in the logical layout: the experts go home for the
 save, then back; `load_checkpoint` goes home first. `module.state_dict()` of a placed layer is refused (it would
@@ -94,7 +95,9 @@ class TrainPlacement:
         self.replans, self.weight_moves, self.moved_bytes, self.failed_moves = 0, 0, 0, 0
         self._home_depth = 0           # inside `at_home` (a checkpoint or an export): the layers' state is logical
         self._checked_step = None
-        routing = Routing(recording=False)          # the balancer's hooks count the logical routes
+        # each micro-batch's routes split over the copies by every rank's counts (serving's `exact`, in place of
+        # AutoEP's own count exchange); the balancer's hooks count the logical routes
+        routing = Routing(split="exact", rank=rank, recording=False)
         self.routes = [AutoEPRoutes(m, i, self.G, self.H, table=SlotTable.even(self.home.log2phy[i]), routing=routing)
                        for i, m in enumerate(layers)]
         for layer, m in enumerate(layers):

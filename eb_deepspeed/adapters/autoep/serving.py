@@ -40,7 +40,7 @@ from ...core.tally import LayerTally
 from ...planning.placement import Placement
 from ..common import dist_ready
 from ..serving.engine import ServedTable, ServingEngine, flat_state, unflatten_into
-from ..serving.store import Routing, SlotTable, exact_split, split_by_fraction
+from ..serving.store import Routing, SlotTable, exact_routes, split_by_fraction
 from .layer import choice_sums, find_autoep_layers
 
 __all__ = ["AutoEPStore", "AutoEPRoutes", "init_autoep_inference"]
@@ -69,7 +69,10 @@ class AutoEPRoutes(ServedTable):
         self.G, self.routing = int(G), routing
         self.tally = LayerTally(self.num_experts, self.G)
         self._logit_sums_T: Optional[torch.Tensor] = None
+        self._splits = None
         self.set_table(table, S)
+        if routing.split == "exact":
+            take_over_count_exchange()
         layer.router.gate.register_forward_hook(self._keep_logits)
         layer.router.register_forward_hook(self._route)
 
@@ -86,12 +89,18 @@ class AutoEPRoutes(ServedTable):
         top_scores_TK, selected_TK, counts_E = output
         logit_sums_T, self._logit_sums_T = self._logit_sums_T, None
         T, home = selected_TK.shape[0], self.home_layout      # home: AutoEP's own layout, its routes as they are
+        self._splits = None
         slot_TK, counts_P = (None, None) if home else self.slots(selected_TK, counts_E)
         if self.routing.recording and T > 0:
             ranks = {"device_E": self.on_device(counts_E.device)[2]} if home else {"device_TK": slot_TK // self.S}
             self.tally.add_routes(selected_TK, routed_E=counts_E, kept_E=counts_E, logit_sums_T=logit_sums_T,
                                   tokens=T, layer=self.layer_index, **ranks)
-        return None if home else (top_scores_TK, slot_TK.to(selected_TK.dtype), counts_P.to(counts_E.dtype))
+        if home:
+            return None
+        counts_P = counts_P.to(counts_E.dtype)
+        if self._splits is not None:          # AutoEP's `compute_split_plan` takes these instead of its exchange
+            counts_P._easybalance_splits, self._splits = self._splits, None
+        return top_scores_TK, slot_TK.to(selected_TK.dtype), counts_P
 
     def slots(self, selected_TK: torch.Tensor, counts_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each route's physical slot [T, K] and the routes per slot [P]: an expert's routes on this rank,
@@ -104,7 +113,7 @@ class AutoEPRoutes(ServedTable):
             counts_P = torch.zeros(self.P, dtype=torch.long, device=counts_E.device)
             counts_P[log2phy_ER[:, 0]] = counts_E
             return slot_N.view_as(selected_TK), counts_P
-        n_ER = self._split(counts_E)
+        n_ER, counts_P = self._split(counts_E)
         N = expert_N.numel()
         order_N = torch.argsort(expert_N, stable=True)
         start_E = counts_E.cumsum(0) - counts_E
@@ -113,15 +122,45 @@ class AutoEPRoutes(ServedTable):
         ends_ER = n_ER.cumsum(1)
         replica_N = (position_N[:, None] >= ends_ER[expert_N]).sum(1).clamp_max(ends_ER.shape[1] - 1)
         slot_N = log2phy_ER[expert_N, replica_N]
-        counts_P = torch.zeros(self.P, dtype=torch.long, device=slot_N.device).index_add_(
-            0, slot_N, torch.ones_like(slot_N))          # bincount would read its max on the host
+        if counts_P is None:
+            counts_P = torch.zeros(self.P, dtype=torch.long, device=slot_N.device).index_add_(
+                0, slot_N, torch.ones_like(slot_N))          # bincount would read its max on the host
         return slot_N.view_as(selected_TK), counts_P
 
-    def _split(self, counts_E: torch.Tensor) -> torch.Tensor:
-        """This rank's routes per replica [E, R]."""
+    def _split(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """This rank's routes per replica [E, R] and, for `exact`, per physical slot [P] (else None). `exact` also
+        keeps what AutoEP's count exchange would have given (`_splits`: the routes this rank sends to and receives
+        from each rank [2, G], and receives per source rank and local slot [G, S]), from the same all-gather."""
         if self.routing.split == "view":
-            return split_by_fraction(counts_E, self.on_device(counts_E.device)[1])
-        return exact_split(counts_E, self.table, self.S, self.G, self.layer.ep_group, self.routing.rank)
+            return split_by_fraction(counts_E, self.on_device(counts_E.device)[1]), None
+        G, S, rank = self.G, self.S, self.routing.rank
+        n_ER, sends_GP = exact_routes(counts_E, self.table, S, G, self.layer.ep_group, rank)
+        received_GS = sends_GP[:, rank * S:(rank + 1) * S]
+        self._splits = (torch.stack((sends_GP[rank].view(G, S).sum(1), received_GS.sum(1))), received_GS)
+        return n_ER, sends_GP[rank]
+
+
+def take_over_count_exchange() -> None:
+    """AutoEP's layer calls its module's `compute_split_plan` for the all-to-all sizes (one all-to-all of every
+    rank's [G, S] counts, then one host read); wrap it once so that counts from `AutoEPRoutes` under `exact`, which
+    carry those sizes from the split's own all-gather, skip that exchange (the host read stays, one per layer as
+    plain's). Any other call goes to DeepSpeed's function. A DeepSpeed whose layer does not call it (CUDA's
+    `async_split_plan`) runs its own exchange as well: correct, one collective more."""
+    from deepspeed.module_inject import auto_ep_layer
+    original = auto_ep_layer.compute_split_plan
+    if getattr(original, "easybalance", False):
+        return
+
+    @functools.wraps(original)
+    def compute_split_plan(*args, num_tokens_per_expert=None, **kwargs):
+        splits = getattr(num_tokens_per_expert, "_easybalance_splits", None)
+        if splits is None:
+            return original(*args, num_tokens_per_expert=num_tokens_per_expert, **kwargs)
+        sizes_2G, received_GS = splits
+        input_splits, output_splits = sizes_2G.cpu().tolist()          # the one host read, as plain's
+        return auto_ep_layer.SplitPlan(input_splits, output_splits, received_GS.to(num_tokens_per_expert.dtype))
+    compute_split_plan.easybalance = True
+    auto_ep_layer.compute_split_plan = compute_split_plan
 
 
 class AutoEPStore:

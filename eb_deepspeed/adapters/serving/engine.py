@@ -147,7 +147,7 @@ class ServingEngine:
             join_startup_off()          # a rank whose block is on waits for this rank in the start-up all-gather
         inf = config.inference if enabled else None
         split = "view" if inf is None or store.padded else inf.split      # a padded layer: `view` (measured)
-        if inf is not None and store.padded and inf.split != "view" and dist_rank() == 0:
+        if inf is not None and store.padded and "split" in inf.explicit and inf.split != "view" and dist_rank() == 0:
             warnings.warn('easybalance.inference.split "exact" has no effect on DeepSpeed-MoE\'s padded layer, which '
                           'serves "view" (measured faster there: docs/benchmarks.md)')
         self.model = DISPATCH[(store.padded, split)]
@@ -358,6 +358,9 @@ class ServedTable:
         self.home_layout = self.one_each and bool((table.log2phy_ER[:, 0] == torch.arange(E)).all())
         self._on_device = None
         self.on_device(self.router_device)
+        if not self.one_each and getattr(self, "routing", None) is not None and self.routing.split == "exact":
+            # the split's copies: built now, not in a forward
+            table.copies_on(self.S, self.G, self.router_device)
 
     def on_device(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(log2phy_ER, fraction_ER, [E] EP rank of each expert's first slot) on `device`, copied once per table."""

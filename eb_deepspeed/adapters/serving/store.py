@@ -8,7 +8,8 @@ rank, each holding one expert's weights, and gates that put each logical route o
 `SlotTable`. The engine (`engine.py`) decides placements and moves weights; a store only reads and writes slots
 and serves the tables it is given. Both gates split an expert's routes on this rank over its replicas the same
 way: by the table's fractions (`split_by_fraction`, "view": no collective) or by the exact split of this batch's
-counts of every rank (`exact_split`, "exact": one all-gather of [E] per layer, the split on the device).
+counts of every rank (`exact_routes`, "exact": one exchange of [E] counts per layer in place of AutoEP's own, the
+split on the device).
 """
 from __future__ import annotations
 
@@ -36,10 +37,13 @@ class SlotTable:
     fraction_ER: torch.Tensor
     copies: dict = field(default_factory=dict, repr=False)
 
-    def copies_on(self, S: int, G: int, device) -> Copies:
-        """The exact split's view of this table on `device` (built once, at the first forward that needs it)."""
+    def copies_on(self, S: int, G: int, device) -> tuple[Copies, torch.Tensor, torch.Tensor]:
+        """The exact split's view of this table on `device` (built once, at the first forward that needs it): the
+        copies, and the real replicas among the E * R (real_X) with their physical slots (slot_X)."""
         if device not in self.copies:
-            self.copies[device] = Copies(torch.where(self.log2phy_ER >= 0, self.log2phy_ER // S, -1), G, device)
+            real_X = torch.nonzero(self.log2phy_ER.reshape(-1) >= 0).flatten()
+            self.copies[device] = (Copies(torch.where(self.log2phy_ER >= 0, self.log2phy_ER // S, -1), G, device),
+                                   real_X.to(device), self.log2phy_ER.reshape(-1)[real_X].to(device))
         return self.copies[device]
 
     @classmethod
@@ -97,13 +101,18 @@ def split_by_fraction(counts_E: torch.Tensor, fraction_ER: torch.Tensor) -> torc
     return torch.diff(ends_ER, dim=1, prepend=torch.zeros_like(ends_ER[:, :1]))
 
 
-def exact_split(counts_E: torch.Tensor, table: SlotTable, S: int, G: int, ep_group, rank: int) -> torch.Tensor:
-    """The `exact` split of one batch: every rank's routes per expert [E] from one all-gather over the EP group,
-    split over the copies on the device (`planning.steering`). Returns this rank's routes per replica n_ER [E, R]."""
-    counts_GE = torch.empty(G, *counts_E.shape, dtype=counts_E.dtype, device=counts_E.device)
-    if G > 1:
-        dist.all_gather(list(counts_GE.unbind(0)), counts_E.contiguous(), group=ep_group)
+def exact_routes(counts_E: torch.Tensor, table: SlotTable, S: int, G: int, ep_group, rank: int):
+    """The `exact` split of one batch from one exchange over the EP group of every rank's routes per expert [E],
+    split over the copies on the device (`planning.steering`; every rank computes the same split from the same
+    integers). Returns this rank's routes per replica n_ER [E, R] and every rank's routes per physical slot
+    sends_GP [G, P] (row g: what rank g sends; column block g: what rank g receives)."""
+    if G > 1:      # an all-gather as AutoEP's own count exchange is sent: one all-to-all (gloo's all-gather is slower)
+        counts_GE = torch.empty(G, *counts_E.shape, dtype=counts_E.dtype, device=counts_E.device)
+        dist.all_to_all_single(counts_GE.view(-1), counts_E.repeat(G), group=ep_group)
     else:
-        counts_GE[0] = counts_E
-    n_ER = table.copies_on(S, G, counts_E.device).split(counts_GE.sum(0))
-    return rank_share(counts_GE, n_ER, rank)
+        counts_GE = counts_E[None]
+    copies, real_X, slot_X = table.copies_on(S, G, counts_E.device)
+    share_GER = rank_share(counts_GE, copies.split(counts_GE.sum(0)))
+    sends_GP = torch.zeros(G, G * S, dtype=torch.long, device=counts_E.device)
+    sends_GP[:, slot_X] = share_GER.flatten(1)[:, real_X]
+    return share_GER[rank], sends_GP
