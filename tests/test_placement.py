@@ -203,19 +203,35 @@ def test_bad_inputs_are_refused_with_the_numbers(kwargs, message):
         plan_placement(**kwargs)
 
 
-@pytest.mark.parametrize("dispatch", ["uniform", "padded"])
-def test_under_an_even_split_replicas_go_to_the_expert_that_swings_and_the_mean_stays_balanced(dispatch):
+def test_under_a_padded_split_replicas_go_to_the_expert_that_swings_and_the_mean_stays_balanced():
     load = torch.tensor([[10.0, 6.0, 1.0, 1.0]])
-    plain = plan_placement(load, 2, 3, dispatch=dispatch)
+    plain = plan_placement(load, 2, 3, dispatch="padded")
     assert plain.logcnt.tolist() == [[2, 2, 1, 1]]                  # the two largest shares
     swing = torch.tensor([[0.0, 0.0, 5.0, 0.0]])                     # expert 2: cold on average, it swings
-    hedged = plan_placement(load, 2, 3, dispatch=dispatch, swing_LE=swing)
+    hedged = plan_placement(load, 2, 3, dispatch="padded", swing_LE=swing)
     assert hedged.logcnt.tolist() == [[2, 1, 2, 1]]                 # by load + HEDGE x swing: 10, 6, 11, 1
     # the mean load laid out as evenly as those counts allow: both devices hold a copy of 0 and of 2, the third
     # slots take 6 and 1 (the price in sample of hedging a cold expert: 11.5 against 9 for the plain plan)
     assert sorted(hedged.device_load_LG[0].tolist()) == [6.5, 11.5]
     assert torch.equal(plan_placement(load, 2, 3, dispatch="steered", swing_LE=swing).phy2log,
                        plan_placement(load, 2, 3, dispatch="steered").phy2log)   # steering splits as batches come
+
+
+@pytest.mark.parametrize("swing_2, hedges", [(5.0, False), (40.0, True)])
+def test_under_an_even_split_a_swing_gets_replicas_where_loads_drawn_within_it_favour_them(swing_2, hedges):
+    load = torch.tensor([[10.0, 6.0, 1.0, 1.0]])
+    swing = torch.tensor([[0.0, 0.0, swing_2, 0.0]])
+    plain = plan_placement(load, 2, 3, dispatch="uniform")
+    hedged = plan_placement(load, 2, 3, dispatch="padded", swing_LE=swing)       # counts by load + HEDGE x swing
+    assert plain.logcnt.tolist() == [[2, 2, 1, 1]] and hedged.logcnt.tolist() == [[2, 1, 2, 1]]
+
+    def busiest(plan, drawn_NE):       # the mean over draws of the busiest rank's routes, split evenly
+        phy, count = plan.phy2log[0], plan.logcnt[0]
+        return float((drawn_NE[:, phy] / count[phy]).view(-1, 2, 3).sum(2).amax(1).mean())
+    drawn = (load + swing * torch.randn(20000, 4, generator=torch.Generator().manual_seed(1))).clamp_min(0)
+    assert (busiest(hedged, drawn) < busiest(plain, drawn)) == hedges           # an independent judge
+    chosen = plan_placement(load, 2, 3, dispatch="uniform", swing_LE=swing)
+    assert chosen.logcnt.tolist() == (hedged if hedges else plain).logcnt.tolist()
 
 
 def test_padded_dispatch_cost_prefers_replicas_only_where_they_cut_the_largest_slot_enough():

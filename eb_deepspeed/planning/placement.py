@@ -23,7 +23,7 @@ P physical slots per layer (G * S; slot p lives on device p // S), R max replica
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ DISPATCH = ("steered", "uniform", "padded")   # how a runtime splits (and pads) 
 SPREAD_WEIGHT = 0.1         # steered default: 1 % of the mean device load per 0.1 of `cross_node_fraction`
 EXTRA_WORK = 1 << 14        # up to this many layers x slots, more candidates (greedy start, no spread)
 HEDGE = 2.0                 # an even split's replica counts go by load + HEDGE x swing (docs/benchmarks.md)
+SCENARIOS = 16              # with a swing, each layer's plan is chosen on this many loads drawn within it
 
 __all__ = ["Placement", "plan_placement", "static_placement", "expected_padded_cost", "expected_device_load"]
 
@@ -333,10 +334,16 @@ def _uniform_candidates(t: _Task) -> list[np.ndarray]:
     (steered: only on small inputs), planned side by side. On small inputs several replica-count variants are
     placed and refined too (about 2**15 slots of work in all), and each layer keeps its best. Steered: a start
     for the steering-aware search, refined a quarter as long. Padded, or with swing_LE: the counts (by load +
-    HEDGE x swing) stay, only swaps balance."""
-    steered, hedged = t.dispatch == "steered", t.swing_LE is not None and t.dispatch != "steered"
+    HEDGE x swing) stay, only swaps balance; the counts by load alone are planned too, and each layer keeps
+    whichever does better on loads drawn within the swing (`_choose`)."""
+    steered = t.dispatch == "steered"
+    hedged = t.swing_LE is not None and t.dispatch not in ("steered", "unhedged")
+    if hedged and t.dispatch == "uniform":
+        unhedged = _uniform_candidates(replace(t, dispatch="unhedged"))
+        t = replace(t, dispatch="hedged")
+        return [_choose(t, np.stack([h, u]), "uniform")[0] for h, u in zip(_uniform_candidates(t), unhedged)]
+    fixed_counts = t.dispatch in ("padded", "hedged")
     nodes_list = [t.spread_G, t.none_G] if t.weighed and (t.small or not steered) else [t.spread_G]
-    fixed_counts = t.dispatch == "padded" or hedged
     L, P, n = t.L, t.P, len(nodes_list)
     by = t.load_LE + HEDGE * t.swing_LE if hedged else t.load_LE
     tries = 1 if fixed_counts else int(np.clip((1 << 15) // (n * L * P), 1, 4))
@@ -429,6 +436,10 @@ def _choose(t: _Task, phy_CLP: np.ndarray, dispatch: str, spread_weight: float =
         x_NP, y_NG = None, even_split_loads(phy_NP, load_NE, G, S)
     mean = t.load.sum(1) / G
     score = y_NG.max(1).reshape(C, L)
+    if dispatch == "uniform" and t.swing_LE is not None:      # the mean busiest rank over loads within the swing
+        z = np.random.default_rng(0).standard_normal((SCENARIOS, ) + t.load.shape)
+        drawn = np.clip(t.load + z * t.swing_LE.numpy(), 0.0, None)
+        score = np.mean([even_split_loads(phy_NP, np.tile(d, (C, 1)), G, S).max(1).reshape(C, L) for d in drawn], 0)
     if dispatch == "padded":   # every slot is padded to the largest: slots x the largest share, per device
         score = (slot_shares(phy_NP, load_NE)[2].max(1) * S).reshape(C, L)
     if spread_weight > 0 and t.node_G.max() > 0:
