@@ -6,15 +6,17 @@ Shape legend: B batches, L MoE layers, E logical experts, G EP ranks, S slots pe
 
 A tiny Hugging Face Mixtral (examples/hf_moe.py), converted by DeepSpeed's AutoEP, whose routers are skewed the
 same way in every layer (cross-layer correlated hot experts: each router's logits get log Zipf(s) offsets), is
-served four ways side by side in the same processes, on the same batches, in rotating order:
+served four ways side by side in the same processes, on the same batches, in rotating order (and three of them
+again on a balanced router: `_balanced`, each router's lean taken out, no offsets):
 
   * `static`: plain AutoEP (its own layout, no replicas): the baseline;
   * `per_token`: replicas planned from the view, each route's replica decided on its own, one route after
     another, by the least load so far (the article's per-token decisions);
   * `view`: replicas, the view's split table, decided for the whole batch at once with no collective
-    (`split: "view"`; the article's batched decisions + EMA view; easybalance's default, from this measurement);
+    (`split: "view"`; the article's batched decisions + EMA view);
   * `exact`: replicas, each batch's routes split over the copies so that the busiest rank takes the fewest
-    (`split: "exact"`: one all-gather of the [E] counts per layer, the split on the device).
+    (`split: "exact"`, easybalance's default for AutoEP: one exchange of the [E] counts per layer in place of
+    AutoEP's own, the split on the device).
 
 Per row: the MoE layers' forward time and the whole forward's (medians over batches of the slowest rank's),
 and against `static` (MoE speed-up, tokens/s: the median over batches of static's time over the row's in the
@@ -23,11 +25,14 @@ in the MoE layers, static's over the row's (`busiest_rank_speedup`: what a rank 
 would wait for; on this 2-core host 4 ranks share 2 cores, and the wall-clock ratio mixes in how the kernel
 shares them); the device utilisation std
 (each rank's received routes over the busiest rank's, std over ranks, mean over layers and batches); the
-steering (route -> slot map, its all-gather included) and planning time (amortised over the default
+steering (route -> slot map, CPU time: `exact`'s count exchange included, not its wait for the other ranks) and
+planning time (amortised over the default
 replan_interval) against the MoE forward, and the weight moves apart (`move_ratio`, amortised the same way:
 they run between batches, once per re-plan); whether every logit equals plain AutoEP's; and the
 simulator's prediction for the same loads (the `view` row's balance log as its trace), as the article's model
-has it (steering free) and with the steering cost this run measured (`_simulated`). Worker
+has it (steering free) and with the steering cost this run measured (`_simulated`); the busiest rank's routes over
+the LP bound's, per layer forward (`busiest_over_lp_max`); the collectives per MoE layer forward; the forward's
+time over `view_balanced`'s, paired by batch. Worker
 processes are started here with RANK / WORLD_SIZE set (no launcher needed).
 """
 from __future__ import annotations
@@ -43,25 +48,35 @@ from eb_deepspeed.core.config import EasyBalanceConfig
 
 __all__ = ["bench_infer_autoep", "format_autoep_infer_table"]
 
-# (row, the easybalance.inference options of its block; None: plain AutoEP)
+# (row, the easybalance.inference options of its block; None: plain AutoEP). `_balanced` rows: the same model with
+# each router's lean taken out and no Zipf offsets (what the default costs where there is little to balance)
 ROWS = (("static", None),
         ("per_token", {"split": "view"}),
         ("view", {"split": "view"}),
-        ("exact", {"split": "exact"}))
-DEFAULT_ROW = "view"        # easybalance's default (`inference.split`), chosen by this measurement
+        ("exact", {}),
+        ("static_balanced", None),
+        ("view_balanced", {"split": "view"}),
+        ("exact_balanced", {}))
+DEFAULT_ROW = "exact"       # easybalance's default for AutoEP (`inference.split` "auto"), chosen by this measurement
+COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
+               "reduce_scatter_tensor")
 # each row's strategy in the simulator (`sim.strategies`)
 SIMULATED = {"static": "static", "view": "placement_view", "exact": "placement_steering"}
-TARGETS = {"moe_speedup_4_ranks": 1.3, "overhead_ratio": 0.03, "max_abs_diff": 1e-5}
+TARGETS = {"moe_speedup_4_ranks": 1.3, "overhead_ratio": 0.03, "max_abs_diff": 1e-5, "over_lp": 1.02,
+           "balanced_over_view": 1.03}
 REPLAN_INTERVAL = EasyBalanceConfig().inference.replan_interval   # the default: re-planning is amortised over it
 
 
-def _skew_hooks(module, experts: int, zipf_s: float, spread: float) -> None:
+def _skew_hooks(module, experts: int, zipf_s: float, spread: float, balanced: bool = False) -> None:
     """Every router's logits x `spread` (a random tiny model's logits are nearly equal: this makes the choice
-    depend on the token) + log Zipf(zipf_s) over the experts (the same hot experts in every layer)."""
+    depend on the token) + log Zipf(zipf_s) over the experts (the same hot experts in every layer). balanced: each
+    expert's logits less their mean over the batch's tokens instead (a random router's own lean taken out)."""
     from eb_deepspeed.adapters.autoep import find_autoep_layers
     offset_E = -zipf_s * torch.log(torch.arange(1, experts + 1, dtype=torch.float32))
     for _, layer in find_autoep_layers(module):
-        layer.router.gate.register_forward_hook(lambda m, a, logits: logits * spread + offset_E)
+        layer.router.gate.register_forward_hook(
+            (lambda m, a, logits: (logits - logits.mean(0)) * spread) if balanced else
+            (lambda m, a, logits: logits * spread + offset_E))
 
 
 def _per_token_slots(gate):
@@ -80,11 +95,27 @@ def _per_token_slots(gate):
     return slots
 
 
-def _timed(fn, into: list):
+_IN_LAYER: list = [None]       # the row clock whose measured MoE layer is running now
+
+
+def _count_collectives() -> None:
+    """Every torch.distributed collective (DeepSpeed's comm calls them by name) inside a measured MoE layer adds
+    one to its row's `collectives`."""
+    for name in COLLECTIVES:
+        fn = getattr(torch.distributed, name)
+
+        def counted(*args, _fn=fn, **kwargs):
+            if _IN_LAYER[0] is not None:
+                _IN_LAYER[0].collectives += 1
+            return _fn(*args, **kwargs)
+        setattr(torch.distributed, name, counted)
+
+
+def _timed(fn, into: list, clock=time.perf_counter):
     def wrapped(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = clock()
         out = fn(*args, **kwargs)
-        into[0] += time.perf_counter() - t0
+        into[0] += clock() - t0
         return out
     return wrapped
 
@@ -103,7 +134,7 @@ def _build_row(name: str, inference: dict | None, args: dict):
     cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6,
            "expert_parallel": autoep_section("mixtral", G)}
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    _skew_hooks(engine.module, args["experts"], args["zipf"], args["spread"])
+    _skew_hooks(engine.module, args["experts"], args["zipf"], args["spread"], balanced=name.endswith("_balanced"))
     if inference is None:
         return engine.module.eval()
     block = {"mode": "balance", "warmup_batches": 2, "log": {"dir": os.path.join(args["log_dir"], f"{name}_{G}"),
@@ -130,35 +161,61 @@ class _RowClock:
         # per measured batch: (MoE layers, whole forward) wall seconds, MoE main-thread CPU seconds
         self.batches: list[tuple[float, float, float]] = []
         self.loads: list[torch.Tensor] = []
+        # per layer forward: this rank's routes per logical expert [E], the served layer's phy2log [P] and S
+        self.routed: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self.collectives = 0        # collectives inside the measured MoE layers' forwards
         self.measuring = False
         self._started: list[tuple[float, float]] = []
         G = torch.distributed.get_world_size()
-        for layer in self.layers:
-            layer.register_forward_pre_hook(lambda m, a: self._started.append((time.perf_counter(), time.thread_time())))
+        for i, layer in enumerate(self.layers):
+            layer.register_forward_pre_hook(lambda m, a: self._start())
             layer.register_forward_hook(self._stop)
             # registered last: sees the routes per physical slot the served layer sends
-            layer.router.register_forward_hook(lambda m, a, out, G=G: self._count(out[2], G))
+            layer.router.register_forward_hook(lambda m, a, out, G=G, i=i: self._count(out[2], G, i))
         serving = getattr(module, "serving", None)
         if serving is not None:
             for gate in serving.gates:
-                gate.slots = _timed(gate.slots, self.steer_s)
+                # CPU time: `exact`'s count exchange replaces AutoEP's, whose wait for the other ranks plain pays too
+                gate.slots = _timed(gate.slots, self.steer_s, time.thread_time)
             serving._plan = _timed(serving._plan, self.plan_s)
             serving.apply = _timed(serving.apply, self.move_s)     # weight moves, agreement, tables
 
+    def _start(self):
+        _IN_LAYER[0] = self if self.measuring else None
+        self._started.append((time.perf_counter(), time.thread_time()))
+
     def _stop(self, module, args, output):
+        _IN_LAYER[0] = None
         t0, cpu0 = self._started.pop()
         if self.measuring:
             self.moe_s[0] += time.perf_counter() - t0
             self.moe_cpu_s += time.thread_time() - cpu0
 
-    def _count(self, counts_P: torch.Tensor, G: int):
+    def _count(self, counts_P: torch.Tensor, G: int, layer: int):
         if self.measuring:
             self.loads.append(counts_P.detach().double().view(G, -1).sum(1))
+            serving = getattr(self.module, "serving", None)
+            E = self.layers[layer].num_experts
+            phy_P = serving.placement.phy2log[layer] if serving is not None else torch.arange(E)
+            live = phy_P >= 0                                # a placement may leave slots empty
+            self.routed.append((torch.zeros(E, dtype=torch.float64).index_add_(0, phy_P[live], counts_P.double()[live]), phy_P,
+                                counts_P.numel() // G))
 
     def reset(self) -> None:
         self.moe_s[0], self.steer_s[0] = 0.0, 0.0
         self.loads.clear()
+        self.routed.clear()
         self.measuring = True
+
+    def over_lp(self, loads_NG: torch.Tensor) -> torch.Tensor:
+        """[N] each layer forward's busiest rank's received routes over the LP's least busiest rank for the same
+        counts on the same placement (`benchmarks.exact.steered_max`: every route free to go to any copy)."""
+        from .exact import steered_max
+        counts_NE = torch.stack([c for c, _, _ in self.routed])
+        torch.distributed.all_reduce(counts_NE)                    # every rank's routes per expert
+        lp_N = torch.tensor([float(steered_max(phy_P[None], counts_NE[n][None], S)[0])
+                             for n, (_, phy_P, S) in enumerate(self.routed)], dtype=torch.float64)
+        return loads_NG.amax(1) / lp_N.clamp_min(1e-9)
 
     def per_batch_ms(self) -> torch.Tensor:
         """[B, 3] the MoE layers' and the whole forward's wall ms of each measured batch, and the MoE layers'
@@ -175,6 +232,7 @@ def run_rank(args: dict) -> dict:
     from hf_moe import zipf_tokens
     rank, G = torch.distributed.get_rank(), torch.distributed.get_world_size()
     rows = {name: _build_row(name, inference, args) for name, inference in ROWS}
+    _count_collectives()
     clocks = {name: _RowClock(model) for name, model in rows.items()}
     n = args["warmup_batches"] + args["batches"]
     g = torch.Generator().manual_seed(1000 + rank)
@@ -196,15 +254,18 @@ def run_rank(args: dict) -> dict:
                     clock.batches.append((clock.moe_s[0] - moe_before, time.perf_counter() - t0,
                                           clock.moe_cpu_s - cpu_before))
             for name in rows:
-                maxdiff[name] = max(maxdiff[name], float((logits[name] - logits["static"]).abs().max()))
+                base = "static_balanced" if name.endswith("_balanced") else "static"
+                maxdiff[name] = max(maxdiff[name], float((logits[name] - logits[base]).abs().max()))
     out = {"ranks": G, "layers": args["layers"], "experts": args["experts"], "zipf": args["zipf"],
            "tokens_per_rank": args["batch"] * args["seq_len"], "batches": args["batches"], "rows": []}
     per_batch = {name: clocks[name].per_batch_ms() for name, _ in ROWS}
+    view_B = per_batch["view_balanced"][:, 1]
     for name, _ in ROWS:
         clock = clocks[name]
         loads_NG = torch.stack(clock.loads)
         torch.distributed.all_reduce(loads_NG)               # routes each rank received, per layer and batch
         util_NG = loads_NG / loads_NG.amax(1, keepdim=True).clamp_min(1)
+        over_lp_N = clock.over_lp(loads_NG)
         seconds = torch.tensor([clock.steer_s[0], clock.plan_s[0], clock.move_s[0], maxdiff[name]], dtype=torch.float64)
         torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
         steer_s, plan_s, move_s, diff = seconds.tolist()
@@ -212,9 +273,13 @@ def run_rank(args: dict) -> dict:
         moe_ms, forward_ms, moe_cpu_ms = per_batch[name].median(0).values.tolist()
         # paired by batch (the rows' forwards of one batch run within a second of each other, so a neighbour
         # on the host slows both): the median of static's time over this row's
-        ratio_B3 = per_batch["static"] / per_batch[name].clamp_min(1e-9)
+        base = "static_balanced" if name.endswith("_balanced") else "static"
+        ratio_B3 = per_batch[base] / per_batch[name].clamp_min(1e-9)
         moe_ratio, forward_ratio, cpu_ratio = ratio_B3.median(0).values.tolist()
         out["rows"].append({
+            # the whole forward's time over the balanced view row's, paired by batch (its median): what the split
+            # costs where there is little to balance
+            "forward_over_view_balanced": round(float((per_batch[name][:, 1] / view_B).median()), 4),
             "row": name, "moe_forward_ms": round(moe_ms, 3), "forward_ms": round(forward_ms, 3),
             "moe_speedup": round(moe_ratio, 4), "tokens_per_s_ratio": round(forward_ratio, 4),
             # the busiest rank's CPU time in the MoE layers, static's over this row's: what a rank with a core
@@ -230,6 +295,11 @@ def run_rank(args: dict) -> dict:
                                     / max(moe_ms, 1e-9), 4),
             "move_ratio": round(1e3 * move_s / REPLAN_INTERVAL / max(moe_ms, 1e-9), 4),
             "max_abs_diff": diff, "outputs_equal": diff == 0.0,
+            # the busiest rank's routes over the LP bound's (every route free over its expert's copies), per layer
+            # forward: the worst and the mean
+            "busiest_over_lp_max": round(float(over_lp_N.max()), 4), "busiest_over_lp_mean": round(float(over_lp_N.mean()), 4),
+            "collectives_per_layer": clock.collectives / (args["batches"] * len(clock.layers)),
+            "split": serving.routing.split if serving is not None else None,
             "slots_per_rank": serving.S if serving is not None else args["experts"] // G,
             "replans": serving.replans if serving is not None else 0})
     return out
@@ -268,12 +338,20 @@ def bench_infer_autoep(ranks=(2, 4), batches: int = 24, warmup_batches: int = 4,
         run["simulated"] = _simulated(run, os.path.join(log_dir, f"view_{run['ranks']}"), replica_slots)
     default = [r for run in runs for r in run["rows"] if r["row"] == DEFAULT_ROW]
     four = [r for run in runs if run["ranks"] == 4 for r in run["rows"] if r["row"] == DEFAULT_ROW]
-    served = [r for run in runs for r in run["rows"] if r["row"] != "static"]
+    served = [r for run in runs for r in run["rows"] if not r["row"].startswith("static")]
+    exact = [r for run in runs for r in run["rows"] if r["row"].startswith("exact")]
+    plain = {run["ranks"]: next(r for r in run["rows"] if r["row"] == "static") for run in runs}
     targets = {
+        "default_split_is_exact": all(r["split"] == "exact" for r in exact),
         "moe_speedup_ge_1.3x_default_4_ranks": bool(four) and all(r["moe_speedup"] >= TARGETS["moe_speedup_4_ranks"]
                                                                    for r in four),
         "overhead_le_3pct_default": all(r["overhead_ratio"] <= TARGETS["overhead_ratio"] for r in default),
         "outputs_within_1e-5": all(r["max_abs_diff"] <= TARGETS["max_abs_diff"] for r in served),
+        "lp_bound_within_2pct_every_batch": all(r["busiest_over_lp_max"] <= TARGETS["over_lp"] for r in exact),
+        "collectives_per_layer_as_plain": all(r["collectives_per_layer"] == plain[run["ranks"]]["collectives_per_layer"]
+                                              for run in runs for r in run["rows"] if r["row"].startswith("exact")),
+        "balanced_router_le_1.03x_view": all(r["forward_over_view_balanced"] <= TARGETS["balanced_over_view"]
+                                             for r in exact if r["row"] == "exact_balanced"),
     }
     return {"benchmark": "infer_autoep", "default_row": DEFAULT_ROW, "cpu_count": os.cpu_count(), "runs": runs,
             "targets": targets, "target_values": TARGETS}
@@ -308,12 +386,13 @@ def _simulated(run: dict, view_log: str, replica_slots: int) -> dict:
 def format_autoep_infer_table(result: dict) -> str:
     """The article's table: one line per rank count and row, then the targets."""
     lines = [f"{'ranks':>5} {'row':16s} {'MoE x':>6} {'busiest x':>9} {'tokens/s x':>10} {'util std':>8} "
-             f"{'max/mean':>8} {'steer ms':>8} {'overhead':>8} {'max |diff|':>10}"]
+             f"{'max/mean':>8} {'/ LP':>6} {'coll.':>5} {'steer ms':>8} {'overhead':>8} {'max |diff|':>10}"]
     for run in result["runs"]:
         for r in run["rows"]:
             lines.append(f"{run['ranks']:>5} {r['row']:16s} {r['moe_speedup']:>6.3f} {r['busiest_rank_speedup']:>9.3f} "
                          f"{r['tokens_per_s_ratio']:>10.3f} {r['device_util_std']:>8.3f} "
-                         f"{r['device_max_over_mean']:>8.3f} {r['steering_ms']:>8.2f} {r['overhead_ratio']:>8.3f} "
+                         f"{r['device_max_over_mean']:>8.3f} {r['busiest_over_lp_max']:>6.3f} "
+                         f"{r['collectives_per_layer']:>5.2f} {r['steering_ms']:>8.2f} {r['overhead_ratio']:>8.3f} "
                          f"{r['max_abs_diff']:>10.2g}")
     return "\n".join(lines) + "\ntargets: " + json.dumps(result["targets"])
 

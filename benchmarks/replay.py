@@ -109,11 +109,12 @@ def esft_counts(git_dir: str, tasks=("intent", "law", "summary", "translation"),
 
 
 def olmoe_counts(git_dir: str, domains=("arxiv", "book", "c4", "github", "wikipedia", "tulu"),
-                 top_k: int = 8) -> dict[str, np.ndarray]:
+                 top_k: int = 8, model: str = "olmoe", experts: int = 64) -> dict[str, np.ndarray]:
     """benchmarks/data/olmoe_expert_counts.npz from a snapshot of allenai/OLMoE (`git_dir`, its bare git):
     scripts/routing_output/olmoe/expert_counts/<domain>.pkl holds, per analysed layer (0, 7, 15 of 16), a
     Counter of routes per expert id (64 experts, top-8) over the domain's text. Read with an unpickler that
-    builds only Counters and numpy integers. -> {domain: [1, 3, 64] float64}: one token's mean routes."""
+    builds only Counters and numpy integers. -> {domain: [1, 3, 64] float64}: one token's mean routes.
+    model="mistral", experts=8, top_k=2, no "tulu": the same analysis of Mixtral-8x7B-v0.1 (its layers 0, 7 and 15 of 32)."""
     import collections
     import io
     import pickle
@@ -129,10 +130,10 @@ def olmoe_counts(git_dir: str, domains=("arxiv", "book", "c4", "github", "wikipe
     out = {}
     for domain in domains:
         raw = subprocess.run(["git", f"--git-dir={git_dir}", "show",
-                              f"HEAD:scripts/routing_output/olmoe/expert_counts/{domain}.pkl"],
+                              f"HEAD:scripts/routing_output/{model}/expert_counts/{domain}.pkl"],
                              capture_output=True, check=True).stdout
         layers = Counts(io.BytesIO(raw)).load()
-        counts = np.array([[float(layer.get(e, 0)) for e in range(64)] for layer in layers])
+        counts = np.array([[float(layer.get(e, 0)) for e in range(experts)] for layer in layers])
         out[domain] = (counts * top_k / counts[0].sum())[None]       # routes of one token: sums to top_k a layer
     return out
 

@@ -70,13 +70,21 @@ def test_the_autoep_serving_bench_runs_the_articles_rows_side_by_side_with_equal
     rows = {r["row"]: r for r in run["rows"]}
     assert list(rows) == [name for name, _ in ROWS]
     assert all(r["outputs_equal"] for r in rows.values())             # every row plain AutoEP's logits
+    # as many collectives per layer as plain AutoEP: the exact split's exchange replaces AutoEP's own
+    assert {r["collectives_per_layer"] for r in rows.values()} == {3.0}
+    assert rows["exact"]["split"] == "exact" and rows["view"]["split"] == "view"      # exact: the default block
+    assert rows["exact"]["busiest_over_lp_max"] <= 1.02 < rows["view"]["busiest_over_lp_max"]
     static = rows.pop("static")
     assert static["replans"] == 0 and static["device_max_over_mean"] > 1.2     # the skewed router's hot rank
-    for name, r in rows.items():
+    assert rows.pop("static_balanced")["device_max_over_mean"] < 1.1           # the balanced router: no hot rank
+    for name in ("per_token", "view", "exact"):
+        r = rows[name]
         assert r["replans"] == 1 and r["slots_per_rank"] == 5, name            # replicas served the batches
         assert r["device_util_std"] < static["device_util_std"], name
     assert set(run["simulated"]) == {"article_model", "steering_cost_measured", "measured"}
-    assert set(result["targets"]) == {"moe_speedup_ge_1.3x_default_4_ranks", "overhead_le_3pct_default",
-                                      "outputs_within_1e-5"}
+    assert set(result["targets"]) == {"default_split_is_exact", "moe_speedup_ge_1.3x_default_4_ranks",
+                                      "overhead_le_3pct_default", "outputs_within_1e-5",
+                                      "lp_bound_within_2pct_every_batch", "collectives_per_layer_as_plain",
+                                      "balanced_router_le_1.03x_view"}
     table = format_autoep_infer_table(result)
     assert all(f" {name} " in table for name, _ in ROWS)

@@ -65,3 +65,19 @@ def test_each_rank_sends_its_own_part_of_every_copy():
 def test_every_expert_needs_a_copy():
     with pytest.raises(ValueError, match=r"a first copy for every expert"):
         steer(torch.ones(2, 2, dtype=torch.long), torch.tensor([[0], [-1]]))
+
+
+def test_a_placement_takes_the_rounds_its_copies_need_and_no_split_is_worse_for_it():
+    # experts 0 and 1 each on two ranks no other flex expert shares: one round levels each pair exactly
+    apart = Copies(torch.tensor([[0, 1], [2, 3], [0, -1], [1, -1], [2, -1], [3, -1]]), 4)
+    # expert 0 on ranks 0-1, expert 1 on 1-2, expert 2 on 2-3: each level moves its neighbours'
+    chained = Copies(torch.tensor([[0, 1], [1, 2], [2, 3], [0, -1], [3, -1]]), 4)
+    wide = Copies(*random_case(0, G=16, E=32, S=3)[:1], 16)
+    assert apart.rounds == 1 and 1 < chained.rounds <= 16 and wide.rounds > apart.rounds
+    g = torch.Generator().manual_seed(3)
+    for copies in (apart, chained, wide):
+        for _ in range(5):
+            counts_E = torch.randint(0, 1000, (copies.E, ), generator=g)
+            loads = [copies._loads(counts_E, r).max() for r in (copies.rounds, 16)]
+            assert float(loads[0]) <= float(loads[1]) * 1.01 + copies.R       # 16 rounds gain nothing on it
+    assert Copies(torch.tensor([[0], [1]]), 2).rounds == 0                      # no copies to split
