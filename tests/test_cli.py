@@ -218,3 +218,18 @@ def test_the_bound_of_a_missing_or_empty_run_is_one_clear_line(tmp_path, capsys)
         assert main(["--bound", str(run)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err and "Traceback" not in err
+
+
+def test_the_held_out_table_judges_each_plan_on_a_workload_it_did_not_see_and_keeps_the_lp_a_bound():
+    from benchmarks.held_out import _workloads, held_out_row
+    from benchmarks.replay import TRACES
+    workloads = _workloads("mixtral_domain_counts.npz", TRACES)
+    assert len(workloads) == 5 and all(bool((c == c.round()).all()) for c in workloads.values())   # whole routes
+    row = held_out_row(workloads, 4, 3)
+    assert row["workloads"] == 5
+    for who in ("ours", "eplb"):       # the runtime's integer split never beats the LP on the same placement
+        assert row[f"{who}_runtime"] <= row[f"{who}_lp"] + 1e-4 and row[f"{who}_runtime"] > row[f"{who}_even"] - 0.05
+    assert max(row["ours_lp"], row["eplb_lp"]) <= row["limit"] + 1e-4            # planned on the workload itself
+    # held out for real: planning on the workload itself would change the plan (the limit is above ours)
+    assert row["limit"] > row["ours_even"]
+    assert held_out_row(workloads, 4, 3) == row                                   # deterministic
