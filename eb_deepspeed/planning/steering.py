@@ -12,7 +12,7 @@ An expert with one copy sends its routes there; the F others are split to minimi
 (a flow problem's least-squares loads are also its min-max ones), by water filling from the even split (`Copies.split`,
 steps 1-3). Every rank computes the same split from the same counts: dense reductions, no atomics. The rounds a
 placement needs are found once, on the host, when its `Copies` are built (`_rounds_needed`): experts whose copies
-share no device settle in one round, an expert on every rank of two in a few, a wide coupled layer takes all 16.
+share no device settle in one round (so do experts on both of two ranks), a wide coupled layer takes all 16.
 """
 from __future__ import annotations
 

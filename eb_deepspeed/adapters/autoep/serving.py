@@ -16,10 +16,11 @@ changes:
     store, S_max = H + R: the home experts in the first H rows (as AutoEP placed them), replicas after them; S = H
     (AutoEP's own layout) or S_max (replicas);
   * a forward hook on its router (`AutoEPRoutes`) keeps the router's logical top-k and gate values and puts each
-    route on a physical slot: an expert's routes on this rank split over its replicas by the plan's table
-    (`split="view"`, no collective) or by steering this batch's counts of every rank (`split="exact"`, one
-    all-gather of [E] counts per layer). The layer's `num_local_experts` is S, so its all-to-all splits
-    (`counts.view(ep_size, num_local_experts)`), grouped GEMMs and combine run over the P slots unchanged.
+    route on a physical slot: an expert's routes on this rank split over its replicas by steering this batch's
+    counts of every rank (`split="exact"`, the default: one all-to-all of [E] counts per layer, which also gives
+    AutoEP its all-to-all sizes in place of its own exchange, `take_over_count_exchange`) or by the plan's table
+    (`split="view"`, no collective). The layer's `num_local_experts` is S, so its all-to-all, grouped GEMMs and
+    combine run over the P slots unchanged.
 
 Every route meets its expert's weights with its own gate value: the outputs are plain AutoEP's up to the rounding
 of GEMMs over differently grouped rows. The tally is of logical experts, with each route's EP rank as the device
@@ -130,7 +131,7 @@ class AutoEPRoutes(ServedTable):
     def _split(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """This rank's routes per replica [E, R] and, for `exact`, per physical slot [P] (else None). `exact` also
         keeps what AutoEP's count exchange would have given (`_splits`: the routes this rank sends to and receives
-        from each rank [2, G], and receives per source rank and local slot [G, S]), from the same all-gather."""
+        from each rank [2, G], and receives per source rank and local slot [G, S]), from the split's own exchange."""
         if self.routing.split == "view":
             return split_by_fraction(counts_E, self.on_device(counts_E.device)[1]), None
         G, S, rank = self.G, self.S, self.routing.rank
@@ -143,7 +144,7 @@ class AutoEPRoutes(ServedTable):
 def take_over_count_exchange() -> None:
     """AutoEP's layer calls its module's `compute_split_plan` for the all-to-all sizes (one all-to-all of every
     rank's [G, S] counts, then one host read); wrap it once so that counts from `AutoEPRoutes` under `exact`, which
-    carry those sizes from the split's own all-gather, skip that exchange (the host read stays, one per layer as
+    carry those sizes from the split's own exchange, skip that one (the host read stays, one per layer as
     plain's). Any other call goes to DeepSpeed's function. A DeepSpeed whose layer does not call it (CUDA's
     `async_split_plan`) runs its own exchange as well: correct, one collective more."""
     from deepspeed.module_inject import auto_ep_layer

@@ -346,7 +346,8 @@ class ServingEngine:
 
 class ServedTable:
     """A served layer's gate: the table it serves (`set_table`) and its tensors on the router's device
-    (`on_device`), copied at the batch boundary, not in a forward. The gate sets `G` and `router_device`."""
+    (`on_device`), copied at the batch boundary, not in a forward. The gate sets `G`, `routing` and
+    `router_device`."""
 
     def set_table(self, table: SlotTable, slots_per_device: int) -> None:
         """Serve a placement from the next forward on (slots per rank may change with it)."""
@@ -358,8 +359,7 @@ class ServedTable:
         self.home_layout = self.one_each and bool((table.log2phy_ER[:, 0] == torch.arange(E)).all())
         self._on_device = None
         self.on_device(self.router_device)
-        if not self.one_each and getattr(self, "routing", None) is not None and self.routing.split == "exact":
-            # the split's copies: built now, not in a forward
+        if not self.one_each and self.routing.split == "exact":     # the split's copies: now, not in a forward
             table.copies_on(self.S, self.G, self.router_device)
 
     def on_device(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

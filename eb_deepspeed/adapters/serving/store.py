@@ -38,7 +38,7 @@ class SlotTable:
     copies: dict = field(default_factory=dict, repr=False)
 
     def copies_on(self, S: int, G: int, device) -> tuple[Copies, torch.Tensor, torch.Tensor]:
-        """The exact split's view of this table on `device` (built once, at the first forward that needs it): the
+        """The exact split's view of this table on `device` (built once, when a gate is given the table): the
         copies, and the real replicas among the E * R (real_X) with their physical slots (slot_X)."""
         if device not in self.copies:
             real_X = torch.nonzero(self.log2phy_ER.reshape(-1) >= 0).flatten()
