@@ -31,7 +31,8 @@ replan_interval) against the MoE forward, and the weight moves apart (`move_rati
 they run between batches, once per re-plan); whether every logit equals plain AutoEP's; and the
 simulator's prediction for the same loads (the `view` row's balance log as its trace), as the article's model
 has it (steering free) and with the steering cost this run measured (`_simulated`); the busiest rank's routes over
-the LP bound's, per layer forward (`busiest_over_lp_max`); the collectives per MoE layer forward; the forward's
+the LP bound's, per layer forward (`busiest_over_lp_max`); the collectives per MoE layer forward; the share of
+routes sent to another rank (the all-to-all's bytes); the forward's
 time over `view_balanced`'s, paired by batch. Worker
 processes are started here with RANK / WORLD_SIZE set (no launcher needed).
 """
@@ -164,6 +165,7 @@ class _RowClock:
         # per layer forward: this rank's routes per logical expert [E], the served layer's phy2log [P] and S
         self.routed: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.collectives = 0        # collectives inside the measured MoE layers' forwards
+        self.sent = torch.zeros(2, dtype=torch.float64)    # routes this rank sent: to other ranks, in all
         self.measuring = False
         self._started: list[tuple[float, float]] = []
         G = torch.distributed.get_world_size()
@@ -194,6 +196,8 @@ class _RowClock:
     def _count(self, counts_P: torch.Tensor, G: int, layer: int):
         if self.measuring:
             self.loads.append(counts_P.detach().double().view(G, -1).sum(1))
+            self.sent += torch.stack((self.loads[-1].sum() - self.loads[-1][torch.distributed.get_rank()],
+                                      self.loads[-1].sum()))
             serving = getattr(self.module, "serving", None)
             E = self.layers[layer].num_experts
             phy_P = serving.placement.phy2log[layer] if serving is not None else torch.arange(E)
@@ -266,6 +270,7 @@ def run_rank(args: dict) -> dict:
         torch.distributed.all_reduce(loads_NG)               # routes each rank received, per layer and batch
         util_NG = loads_NG / loads_NG.amax(1, keepdim=True).clamp_min(1)
         over_lp_N = clock.over_lp(loads_NG)
+        torch.distributed.all_reduce(clock.sent)
         seconds = torch.tensor([clock.steer_s[0], clock.plan_s[0], clock.move_s[0], maxdiff[name]], dtype=torch.float64)
         torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
         steer_s, plan_s, move_s, diff = seconds.tolist()
@@ -299,6 +304,7 @@ def run_rank(args: dict) -> dict:
             # forward: the worst and the mean
             "busiest_over_lp_max": round(float(over_lp_N.max()), 4), "busiest_over_lp_mean": round(float(over_lp_N.mean()), 4),
             "collectives_per_layer": clock.collectives / (args["batches"] * len(clock.layers)),
+            "routes_leaving_their_rank": round(float(clock.sent[0] / clock.sent[1].clamp_min(1)), 4),
             "split": serving.routing.split if serving is not None else None,
             "slots_per_rank": serving.S if serving is not None else args["experts"] // G,
             "replans": serving.replans if serving is not None else 0})

@@ -81,3 +81,21 @@ def test_a_placement_takes_the_rounds_its_copies_need_and_no_split_is_worse_for_
             loads = [copies._loads(counts_E, r).max() for r in (copies.rounds, 16)]
             assert float(loads[0]) <= float(loads[1]) * 1.01 + copies.R       # 16 rounds gain nothing on it
     assert Copies(torch.tensor([[0], [1]]), 2).rounds == 0                      # no copies to split
+
+
+def test_with_the_copies_ranks_each_rank_fills_its_own_copy_first_and_every_sum_holds():
+    devices_ER = torch.tensor([[1, 0], [1, -1]])
+    counts_GE = torch.tensor([[3, 1], [5, 0]])
+    n_ER = torch.tensor([[4, 4], [1, 0]])
+    # in order, rank 0's 3 routes would go to copy 0 on rank 1; its own copy (copy 1) takes them instead
+    assert rank_share(counts_GE, n_ER)[0].tolist() == [[3, 0], [1, 0]]
+    own = rank_share(counts_GE, n_ER, devices_ER=devices_ER)
+    assert own.tolist() == [[[0, 3], [1, 0]], [[4, 1], [0, 0]]]
+    assert torch.equal(own[1], rank_share(counts_GE, n_ER, 1, devices_ER))
+    for seed in range(5):
+        devices, counts = random_case(seed)
+        n = Copies(devices, 4).split(counts.sum(0))
+        share = rank_share(counts, n, devices_ER=devices)
+        assert torch.equal(share.sum(2), counts) and torch.equal(share.sum(0), n) and bool((share >= 0).all())
+        off = lambda s: int((s * (devices[None] != torch.arange(4)[:, None, None])).sum())     # routes that leave
+        assert off(share) <= off(rank_share(counts, n))

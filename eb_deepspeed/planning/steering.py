@@ -119,11 +119,19 @@ class Copies:
         return n_ER
 
 
-def rank_share(counts_GE: torch.Tensor, n_ER: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+def rank_share(counts_GE: torch.Tensor, n_ER: torch.Tensor, rank: int | None = None,
+               devices_ER: torch.Tensor | None = None) -> torch.Tensor:
     """The part of the split n_ER [E, R] (`Copies.split` of counts_GE.sum(0)) that `rank` sends, [E, R] (None:
     every rank's, [G, E, R]): each expert's routes are laid out rank after rank, its copies take them in order,
-    and a rank's part of a copy is the overlap. counts_GE: [G, E] every rank's routes per expert."""
+    and a rank's part of a copy is the overlap. counts_GE: [G, E] every rank's routes per expert. devices_ER (each
+    copy's EP rank, -1 padded): each rank first fills its own copies, so fewer routes leave their rank."""
     counts_GE = counts_GE.long()
+    if devices_ER is not None:
+        own_GER = n_ER * (devices_ER == torch.arange(counts_GE.shape[0], device=n_ER.device)[:, None, None])
+        ends_GER = own_GER.cumsum(2)
+        kept_GER = torch.minimum(counts_GE[..., None], ends_GER) - torch.minimum(counts_GE[..., None], ends_GER - own_GER)
+        out = kept_GER + rank_share(counts_GE - kept_GER.sum(2), n_ER - kept_GER.sum(0))
+        return out if rank is None else out[rank]
     lo_GE = counts_GE.cumsum(0) - counts_GE
     if rank is not None:
         lo_GE, counts_GE = lo_GE[rank], counts_GE[rank]

@@ -37,13 +37,14 @@ class SlotTable:
     fraction_ER: torch.Tensor
     copies: dict = field(default_factory=dict, repr=False)
 
-    def copies_on(self, S: int, G: int, device) -> tuple[Copies, torch.Tensor, torch.Tensor]:
+    def copies_on(self, S: int, G: int, device) -> tuple[Copies, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The exact split's view of this table on `device` (built once, when a gate is given the table): the
-        copies, and the real replicas among the E * R (real_X) with their physical slots (slot_X)."""
+        copies, the real replicas among the E * R (real_X) with their physical slots (slot_X), each copy's rank."""
         if device not in self.copies:
             real_X = torch.nonzero(self.log2phy_ER.reshape(-1) >= 0).flatten()
-            self.copies[device] = (Copies(torch.where(self.log2phy_ER >= 0, self.log2phy_ER // S, -1), G, device),
-                                   real_X.to(device), self.log2phy_ER.reshape(-1)[real_X].to(device))
+            devices_ER = torch.where(self.log2phy_ER >= 0, self.log2phy_ER // S, -1)
+            self.copies[device] = (Copies(devices_ER, G, device), real_X.to(device),
+                                   self.log2phy_ER.reshape(-1)[real_X].to(device), devices_ER.to(device))
         return self.copies[device]
 
     @classmethod
@@ -111,8 +112,8 @@ def exact_routes(counts_E: torch.Tensor, table: SlotTable, S: int, G: int, ep_gr
         dist.all_to_all_single(counts_GE.view(-1), counts_E.repeat(G), group=ep_group)
     else:
         counts_GE = counts_E[None]
-    copies, real_X, slot_X = table.copies_on(S, G, counts_E.device)
-    share_GER = rank_share(counts_GE, copies.split(counts_GE.sum(0)))
+    copies, real_X, slot_X, devices_ER = table.copies_on(S, G, counts_E.device)
+    share_GER = rank_share(counts_GE, copies.split(counts_GE.sum(0)), devices_ER=devices_ER)   # own copies first
     sends_GP = torch.zeros(G, G * S, dtype=torch.long, device=counts_E.device)
     sends_GP[:, slot_X] = share_GER.flatten(1)[:, real_X]
     return share_GER[rank], sends_GP
