@@ -99,3 +99,23 @@ def test_with_the_copies_ranks_each_rank_fills_its_own_copy_first_and_every_sum_
         assert torch.equal(share.sum(2), counts) and torch.equal(share.sum(0), n) and bool((share >= 0).all())
         off = lambda s: int((s * (devices[None] != torch.arange(4)[:, None, None])).sum())     # routes that leave
         assert off(share) <= off(rank_share(counts, n))
+
+
+def test_autoeps_split_plan_wrapped_answers_every_other_caller_as_deepspeed_and_takes_staged_sizes():
+    from deepspeed.module_inject import auto_ep_layer
+    from eb_deepspeed.adapters.autoep.serving import take_over_count_exchange
+    take_over_count_exchange()
+    take_over_count_exchange()                                  # once: a second call wraps nothing more
+    wrapped = auto_ep_layer.compute_split_plan
+    assert wrapped.easybalance and not getattr(wrapped.__wrapped__, "easybalance", False)
+    selected_TK = torch.tensor([[0, 1], [1, 3]])
+    counts_E = torch.tensor([1, 2, 0, 1], dtype=torch.int32)
+    for args, kwargs in (((selected_TK, 4, 1, 4, None), {}), ((selected_TK, 4, 1, 4, None, counts_E), {}),
+                         ((selected_TK, 4, 1, 4, None), {"num_tokens_per_expert": counts_E})):
+        plan = wrapped(*args, **kwargs)                         # positional or keyword, as DeepSpeed's own
+        assert plan.input_splits == [4] and plan.local_counts_by_source.tolist() == [[1, 2, 0, 1]]
+    staged = counts_E.clone()
+    staged._easybalance_splits = (torch.tensor([[3, 1], [2, 2]]), torch.tensor([[1, 1], [0, 0]]))
+    plan = wrapped(selected_TK, 4, 2, 2, None, num_tokens_per_expert=staged)
+    assert (plan.input_splits, plan.output_splits) == ([3, 1], [2, 2])           # no exchange: the staged sizes
+    assert plan.local_counts_by_source.dtype == torch.int32 and plan.local_counts_by_source.tolist() == [[1, 1], [0, 0]]

@@ -153,13 +153,14 @@ def take_over_count_exchange() -> None:
         return
 
     @functools.wraps(original)
-    def compute_split_plan(*args, num_tokens_per_expert=None, **kwargs):
-        splits = getattr(num_tokens_per_expert, "_easybalance_splits", None)
+    def compute_split_plan(*args, **kwargs):
+        counts = kwargs.get("num_tokens_per_expert", args[5] if len(args) > 5 else None)
+        splits = getattr(counts, "_easybalance_splits", None)
         if splits is None:
-            return original(*args, num_tokens_per_expert=num_tokens_per_expert, **kwargs)
+            return original(*args, **kwargs)
         sizes_2G, received_GS = splits
         input_splits, output_splits = sizes_2G.cpu().tolist()          # the one host read, as plain's
-        return auto_ep_layer.SplitPlan(input_splits, output_splits, received_GS.to(num_tokens_per_expert.dtype))
+        return auto_ep_layer.SplitPlan(input_splits, output_splits, received_GS.to(counts.dtype))
     compute_split_plan.easybalance = True
     auto_ep_layer.compute_split_plan = compute_split_plan
 
