@@ -148,15 +148,16 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, rounds: int = ROUND
 
     counts_GE: [G, E] routes each rank sends to each expert this batch; devices_ER: [E, R] EP rank of each copy,
     -1 padded (e.g. `Placement.expert_devices()[layer]`). Conserves routes (split_GER.sum(2) == counts_GE) and
-    uses only existing copies.
+    uses only existing copies; each rank fills its own copies first, as the runtime does.
     """
     counts_GE = integer_tensor("counts_GE", counts_GE, "[ranks, experts]")
     if counts_GE.shape[0] < 1 or bool((counts_GE < 0).any()):
         raise ValueError(f"counts_GE must be non-negative routes from at least one rank, got {tuple(counts_GE.shape)}")
+    devices_ER = integer_tensor("devices_ER", devices_ER, "[experts, copies]")
     copies = Copies(devices_ER, counts_GE.shape[0])
     if counts_GE.shape[1] != copies.E:
         raise ValueError(f"counts_GE has {counts_GE.shape[1]} experts, devices_ER {copies.E}")
-    return rank_share(counts_GE, copies.split(counts_GE.sum(0), rounds))
+    return rank_share(counts_GE, copies.split(counts_GE.sum(0), rounds), devices_ER=devices_ER)
 
 
 def even_split(counts_GE: torch.Tensor, devices_ER: torch.Tensor) -> torch.Tensor:
