@@ -99,6 +99,7 @@ def test_with_the_copies_ranks_each_rank_fills_its_own_copy_first_and_every_sum_
         assert torch.equal(share.sum(2), counts) and torch.equal(share.sum(0), n) and bool((share >= 0).all())
         off = lambda s: int((s * (devices[None] != torch.arange(4)[:, None, None])).sum())     # routes that leave
         assert off(share) <= off(rank_share(counts, n))
+        assert torch.equal(steer(counts, devices), share)                 # the public split is the runtime's
 
 
 def test_autoeps_split_plan_wrapped_answers_every_other_caller_as_deepspeed_and_takes_staged_sizes():
