@@ -31,7 +31,8 @@ replan_interval) against the MoE forward, and the weight moves apart (`move_rati
 they run between batches, once per re-plan); whether every logit equals plain AutoEP's; and the
 simulator's prediction for the same loads (the `view` row's balance log as its trace), as the article's model
 has it (steering free) and with the steering cost this run measured (`_simulated`); the busiest rank's routes over
-the LP bound's, per layer forward (`busiest_over_lp_max`); the collectives per MoE layer forward; the share of
+the LP bound's, per layer forward (`busiest_over_lp_max`); the collectives per MoE layer forward; one forward's
+host syncs, ours and plain's (`host_syncs_per_forward`, the CPU audit `benchmarks.sync_audit`); the share of
 routes sent to another rank (the all-to-all's bytes); the forward's
 time over `view_balanced`'s, paired by batch. Worker
 processes are started here with RANK / WORLD_SIZE set (no launcher needed).
@@ -229,6 +230,27 @@ class _RowClock:
         return per_batch
 
 
+def _host_syncs(model, ids: torch.Tensor) -> dict[str, int]:
+    """One forward's host-device syncs as a GPU would see them (`benchmarks.sync_audit`, inferred on CPU): ours
+    (eb_deepspeed's) and everyone else's; the view step the forward's hook runs after it apart (tests/test_sync.py
+    counts it: one read a view step)."""
+    from .sync_audit import SyncAudit
+    audit, serving = SyncAudit(), getattr(model, "serving", None)
+    if serving is not None:
+        def in_step(_call=serving.after_batch):
+            with audit.region("view step"):
+                return _call()
+        serving.after_batch = in_step
+    audit.on_device(model, ids)
+    try:
+        with audit, audit.region("forward"), torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        if serving is not None:
+            del serving.after_batch
+    return {"ours": audit.total("forward"), "theirs": audit.total("forward", ours=False)}
+
+
 def run_rank(args: dict) -> dict:
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
@@ -244,7 +266,8 @@ def run_rank(args: dict) -> dict:
     maxdiff = {name: 0.0 for name in rows}
     with torch.no_grad():
         for b, ids in enumerate(batches):
-            if b == args["warmup_batches"]:
+            if b == args["warmup_batches"]:      # the replicas in place: one audited forward, then measure
+                syncs = {name: _host_syncs(model, ids) for name, model in rows.items()}
                 for clock in clocks.values():
                     clock.reset()
             order = list(rows)[b % len(rows):] + list(rows)[:b % len(rows)]
@@ -304,6 +327,7 @@ def run_rank(args: dict) -> dict:
             # forward: the worst and the mean
             "busiest_over_lp_max": round(float(over_lp_N.max()), 4), "busiest_over_lp_mean": round(float(over_lp_N.mean()), 4),
             "collectives_per_layer": clock.collectives / (args["batches"] * len(clock.layers)),
+            "host_syncs_per_forward": syncs[name],
             "routes_leaving_their_rank": round(float(clock.sent[0] / clock.sent[1].clamp_min(1)), 4),
             "split": serving.routing.split if serving is not None else None,
             "slots_per_rank": serving.S if serving is not None else args["experts"] // G,
@@ -356,6 +380,10 @@ def bench_infer_autoep(ranks=(2, 4), batches: int = 24, warmup_batches: int = 4,
         "lp_bound_within_2pct_every_batch": all(r["busiest_over_lp_max"] <= TARGETS["over_lp"] for r in exact),
         "collectives_per_layer_as_plain": all(r["collectives_per_layer"] == plain[run["ranks"]]["collectives_per_layer"]
                                               for run in runs for r in run["rows"] if r["row"].startswith("exact")),
+        "host_syncs_as_plain_per_forward": all(
+            r["host_syncs_per_forward"]["ours"] + r["host_syncs_per_forward"]["theirs"]
+            <= _static(run, r)["host_syncs_per_forward"]["theirs"] for run in runs for r in run["rows"]
+            if r["row"].startswith(("view", "exact"))),
         "balanced_router_le_1.03x_view": all(r["forward_over_view_balanced"] <= TARGETS["balanced_over_view"]
                                              for r in exact if r["row"] == "exact_balanced"),
     }
@@ -387,6 +415,12 @@ def _simulated(run: dict, view_log: str, replica_slots: int) -> dict:
         out[label] = {row: round(times["static"] / t, 4) for row, t in times.items()}
     out["measured"] = {row: rows[row]["moe_speedup"] for row in SIMULATED}
     return out
+
+
+def _static(run: dict, row: dict) -> dict:
+    """The plain AutoEP row `row` is judged against: `static`, or `static_balanced` for a `_balanced` row."""
+    base = "static_balanced" if row["row"].endswith("_balanced") else "static"
+    return next(r for r in run["rows"] if r["row"] == base)
 
 
 def format_autoep_infer_table(result: dict) -> str:

@@ -85,6 +85,10 @@ def test_the_autoep_serving_bench_runs_the_articles_rows_side_by_side_with_equal
     assert set(result["targets"]) == {"default_split_is_exact", "moe_speedup_ge_1.3x_default_4_ranks",
                                       "overhead_le_3pct_default", "outputs_within_1e-5",
                                       "lp_bound_within_2pct_every_batch", "collectives_per_layer_as_plain",
-                                      "balanced_router_le_1.03x_view"}
+                                      "balanced_router_le_1.03x_view", "host_syncs_as_plain_per_forward"}
+    # the CPU audit: the exact split reads AutoEP's sizes in its place (one per layer), nothing beyond plain's
+    assert result["targets"]["host_syncs_as_plain_per_forward"]
+    exact, plain = rows["exact"]["host_syncs_per_forward"], static["host_syncs_per_forward"]
+    assert exact["ours"] == 2 and exact["ours"] + exact["theirs"] == plain["theirs"] > 0, (exact, plain)
     table = format_autoep_infer_table(result)
     assert all(f" {name} " in table for name, _ in ROWS)
