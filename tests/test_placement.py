@@ -217,9 +217,14 @@ def test_under_a_padded_split_replicas_go_to_the_expert_that_swings_and_the_mean
                        plan_placement(load, 2, 3, dispatch="steered").phy2log)   # steering splits as batches come
 
 
-@pytest.mark.parametrize("swing_2, hedges", [(5.0, False), (40.0, True)])
-def test_under_an_even_split_a_swing_gets_replicas_where_loads_drawn_within_it_favour_them(swing_2, hedges):
-    load = torch.tensor([[10.0, 6.0, 1.0, 1.0]])
+@pytest.mark.parametrize("load_E, swing_2, favour, hedges", [
+    ([10.0, 6.0, 1.0, 1.0], 5.0, False, False),     # the draws favour the plain plan
+    ([8.0, 4.0, 4.0, 4.0], 2.0, True, True),        # they favour hedging, free at the mean load (10 and 10)
+    ([10.0, 6.0, 1.0, 1.0], 40.0, True, False)])    # they favour hedging, 28 % dearer at the mean (11.5 against 9)
+def test_under_an_even_split_a_swing_gets_replicas_where_loads_drawn_within_it_favour_them(load_E, swing_2, favour,
+                                                                                            hedges):
+    from eb_deepspeed.planning.placement import HEDGE_COST
+    load = torch.tensor([load_E])
     swing = torch.tensor([[0.0, 0.0, swing_2, 0.0]])
     plain = plan_placement(load, 2, 3, dispatch="uniform")
     hedged = plan_placement(load, 2, 3, dispatch="padded", swing_LE=swing)       # counts by load + HEDGE x swing
@@ -229,7 +234,9 @@ def test_under_an_even_split_a_swing_gets_replicas_where_loads_drawn_within_it_f
         phy, count = plan.phy2log[0], plan.logcnt[0]
         return float((drawn_NE[:, phy] / count[phy]).view(-1, 2, 3).sum(2).amax(1).mean())
     drawn = (load + swing * torch.randn(20000, 4, generator=torch.Generator().manual_seed(1))).clamp_min(0)
-    assert (busiest(hedged, drawn) < busiest(plain, drawn)) == hedges           # an independent judge
+    assert (busiest(hedged, drawn) < busiest(plain, drawn)) == favour           # an independent judge
+    cheap = busiest(hedged, load) <= (1 + HEDGE_COST) * busiest(plain, load)    # at the mean load
+    assert hedges == (favour and cheap)
     chosen = plan_placement(load, 2, 3, dispatch="uniform", swing_LE=swing)
     assert chosen.logcnt.tolist() == (hedged if hedges else plain).logcnt.tolist()
 

@@ -46,7 +46,8 @@ DISPATCH = ("steered", "uniform", "padded")   # how a runtime splits (and pads) 
 SPREAD_WEIGHT = 0.1         # steered default: 1 % of the mean device load per 0.1 of `cross_node_fraction`
 EXTRA_WORK = 1 << 14        # up to this many layers x slots, more candidates (greedy start, no spread)
 HEDGE = 2.0                 # an even split's replica counts go by load + HEDGE x swing (docs/benchmarks.md)
-SCENARIOS = 16              # with a swing, each layer's plan is chosen on this many loads drawn within it
+SCENARIOS = 256             # with a swing, each layer's plan is chosen on this many loads drawn within it
+HEDGE_COST = 0.02           # ... and hedged only where that costs at most 2 % more at the mean load (benchmarks.md)
 
 __all__ = ["Placement", "plan_placement", "static_placement", "expected_padded_cost", "expected_device_load"]
 
@@ -335,7 +336,8 @@ def _uniform_candidates(t: _Task) -> list[np.ndarray]:
     placed and refined too (about 2**15 slots of work in all), and each layer keeps its best. Steered: a start
     for the steering-aware search, refined a quarter as long. Padded, or with swing_LE: the counts (by load +
     HEDGE x swing) stay, only swaps balance; the counts by load alone are planned too, and each layer keeps
-    whichever does better on loads drawn within the swing (`_choose`)."""
+    whichever does better on loads drawn within the swing, the hedged one only within HEDGE_COST of the other's
+    busiest rank at the mean load (`_choose`)."""
     steered = t.dispatch == "steered"
     hedged = t.swing_LE is not None and t.dispatch not in ("steered", "unhedged")
     if hedged and t.dispatch == "uniform":
@@ -437,9 +439,12 @@ def _choose(t: _Task, phy_CLP: np.ndarray, dispatch: str, spread_weight: float =
     mean = t.load.sum(1) / G
     score = y_NG.max(1).reshape(C, L)
     if dispatch == "uniform" and t.swing_LE is not None:      # the mean busiest rank over loads within the swing
-        z = np.random.default_rng(0).standard_normal((SCENARIOS, ) + t.load.shape)
-        drawn = np.clip(t.load + z * t.swing_LE.numpy(), 0.0, None)
+        rng, swing = np.random.default_rng(0), t.swing_LE.numpy()
+        drawn = (np.clip(t.load + rng.standard_normal(t.load.shape) * swing, 0.0, None) for _ in range(SCENARIOS))
         score = np.mean([even_split_loads(phy_NP, np.tile(d, (C, 1)), G, S).max(1).reshape(C, L) for d in drawn], 0)
+        if t.dispatch == "hedged":     # [hedged, unhedged] (`_uniform_candidates`)
+            at_mean = y_NG.max(1).reshape(C, L)
+            score[0] = np.where(at_mean[0] <= (1 + HEDGE_COST) * at_mean[1], score[0], np.inf)
     if dispatch == "padded":   # every slot is padded to the largest: slots x the largest share, per device
         score = (slot_shares(phy_NP, load_NE)[2].max(1) * S).reshape(C, L)
     if spread_weight > 0 and t.node_G.max() > 0:
