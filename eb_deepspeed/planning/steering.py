@@ -1,7 +1,8 @@
 """The exact split: each batch's routes to an expert divided over its copies so that the busiest EP rank takes as
 few as it can, on the device (torch ops only, no host read, no loop over experts, tokens or ranks).
 
-Shape legend: G EP ranks (devices), E logical experts, R copies of one expert, F experts with two or more copies.
+Shape legend: G EP ranks (devices), E logical experts, R copies of one expert, F experts with two or more copies,
+Y = F * R.
 
     copies = Copies(devices_ER, num_devices)           # once per placement
     n_ER = copies.split(counts_E)                      # this batch's routes per copy, summed over every rank [E, R]
@@ -46,25 +47,26 @@ class Copies:
                 bool(((devices_ER[:, :-1] < 0) & (devices_ER[:, 1:] >= 0)).any()):
             raise ValueError(f"devices_ER holds device ids outside [0, {G}), or a -1 before a copy (-1 pads the end)")
         n_E = (devices_ER >= 0).sum(1)
-        flex_F = torch.nonzero(n_E >= 2).flatten()
         self.E, self.G, self.R = devices_ER.shape[0], G, devices_ER.shape[1]
-        dev_FR = devices_ER[flex_F, :int(n_E.max())]
-        valid_FR = dev_FR >= 0
-        # built on the host (the calibration of `rounds` reads its results there), then moved to `device`
-        self.single_E = torch.where(n_E == 1, devices_ER[:, 0], G)        # G: a bucket past the ranks
-        self.flex_F = flex_F
-        self.even_FR = (valid_FR / valid_FR.sum(1, keepdim=True)).double()
-        self.pad_FR = ((~valid_FR) * _FAR).double()
-        self.dev_FR = dev_FR.clamp_min(0)
-        # the X real copies among the F * R (an expert may have G copies, most experts two) and [X, G] 1 where each
-        # sits: device sums as one matrix product (no atomics) over the real copies only
-        self.real_X = torch.nonzero(valid_FR.reshape(-1)).flatten()
-        self.onehot_XG = torch.nn.functional.one_hot(dev_FR[valid_FR], G).double()
-        self.k_R = torch.arange(1, dev_FR.shape[1] + 1, dtype=torch.float64)
-        self._real_Y = torch.nonzero(devices_ER.reshape(-1) >= 0).flatten()        # every real copy, for `_loads`
+        valid_ER = devices_ER >= 0
+        # built on the host (the calibration of `rounds` reads its results there), then moved to `device`. The F
+        # experts with two or more copies are split; a padded copy sits on a bucket past the ranks (G) whose load
+        # is far above any water level, so it takes no route
+        self.flex_F = torch.nonzero(n_E >= 2).flatten()
+        dev_ER = torch.where(valid_ER, devices_ER, G)
+        dev_FR = dev_ER[self.flex_F, :int(n_E.max())]
+        self.dev_FR, self.k_R = dev_FR, torch.arange(1, dev_FR.shape[1] + 1, dtype=torch.float64)
+        self.even_FR = (dev_FR < G) / n_E[self.flex_F, None].double()
+        self.onehot_YG = torch.nn.functional.one_hot(dev_FR.reshape(-1), G + 1).double()    # F x R copies' devices
+        # [E, G + 1] each expert's even share of each device (none of the bucket's; its far load is `far_G`)
+        self.even_EG = torch.nn.functional.one_hot(dev_ER, G + 1).sum(1).double() / n_E[:, None]
+        self.even_EG[:, G] = 0.0
+        self.far_G = (torch.arange(G + 1) == G).double() * _FAR
+        self.single_ER = (torch.arange(self.R) == 0) & (n_E == 1)[:, None]     # an expert with one copy: all there
+        self._real_Y = torch.nonzero(valid_ER.reshape(-1)).flatten()        # every real copy, for `_loads`
         self._dev_Y = devices_ER.reshape(-1)[self._real_Y]
-        self.rounds = self._rounds_needed(n_E) if flex_F.numel() else 0
-        for name in ("single_E", "flex_F", "even_FR", "pad_FR", "dev_FR", "real_X", "onehot_XG", "k_R"):
+        self.rounds = self._rounds_needed(n_E) if self.flex_F.numel() else 0
+        for name in ("flex_F", "dev_FR", "k_R", "even_FR", "onehot_YG", "even_EG", "far_G", "single_ER"):
             setattr(self, name, getattr(self, name).to(device))
 
     def _rounds_needed(self, n_E: torch.Tensor) -> int:
@@ -93,32 +95,29 @@ class Copies:
         """Routes per copy [E, R] (long) of this batch's routes per expert counts_E [E] (every rank's): the rows
         sum to counts_E, padding gets none. rounds: the placement's (`self.rounds`) unless given."""
         rounds = self.rounds if rounds is None else rounds
-        counts_E = counts_E.long()
-        load_G = torch.zeros(self.G + 1, dtype=torch.long, device=counts_E.device).index_add_(
-            0, self.single_E, counts_E)[:self.G].double()                    # integers: exact in any order
-        c_F = counts_E[self.flex_F]
-        c_F1 = c_F.double()[:, None]
-        F, R = self.even_FR.shape
+        n_ER = self.single_ER * counts_E.long()[:, None]
+        if not self.flex_F.numel():
+            return n_ER
+        c_E = counts_E.double()
+        load_G = torch.addmv(self.far_G, self.even_EG.T, c_E)                   # [G + 1]: the even split's loads
+        c_F1 = c_E[self.flex_F, None]
         x_FR = c_F1 * self.even_FR
-        load_G += x_FR.reshape(-1)[self.real_X] @ self.onehot_XG
-        for _ in range(rounds if F else 0):
+        for _ in range(rounds):
             # Step 1: each expert's water level over its copies' devices, the others' loads as they are: the lowest
             # (routes + the k lowest bases) / k over k (no k copies hold routes beyond it)
-            base_FR = load_G[self.dev_FR] - x_FR + self.pad_FR
+            base_FR = load_G[self.dev_FR] - x_FR
             level_F1 = base_FR.sort(1).values.cumsum_(1).add_(c_F1).div_(self.k_R).amin(1, keepdim=True)
-            move_FR = (level_F1 - base_FR).clamp_min_(0.0) - x_FR
+            move_FR = (level_F1 - base_FR).clamp_min_(0.0).sub_(x_FR)
             # Step 2: every expert towards its target by the one step that lowers the sum of squares most (an exact
-            # line search: the moves are linear in the step)
-            move_G = move_FR.reshape(-1)[self.real_X] @ self.onehot_XG
+            # line search: the moves are linear in the step; the bucket moves nothing)
+            move_G = move_FR.reshape(-1) @ self.onehot_YG
             step = (load_G @ move_G).neg_().div_((move_G @ move_G).clamp_min_(1e-30)).clamp_(0.0, 1.0)
             x_FR.addcmul_(move_FR, step)
             load_G.addcmul_(move_G, step)
         # Step 3: whole routes, each expert's split rounded cumulatively (rows keep their sums)
-        ends_FR = torch.minimum(x_FR.clamp_min(0).cumsum(1).round_().long(), c_F[:, None])
-        ends_FR[:, -1] = c_F
-        n_ER = torch.zeros(self.E, self.R, dtype=torch.long, device=counts_E.device)
-        n_ER[:, 0] = counts_E
-        n_ER[self.flex_F, :R] = torch.diff(ends_FR, dim=1, prepend=torch.zeros_like(ends_FR[:, :1]))
+        ends_FR = torch.minimum(x_FR.clamp_min_(0.0).cumsum_(1).round_(), c_F1)
+        ends_FR[:, -1:] = c_F1
+        n_ER[self.flex_F, :ends_FR.shape[1]] = torch.diff(ends_FR, dim=1, prepend=torch.zeros_like(c_F1)).long()
         return n_ER
 
 
