@@ -67,7 +67,7 @@ def _bench(args) -> int:
         run = _bench_infer_autoep if args.framework == "autoep" else _bench_infer
     else:
         run = {"gate": _bench_gate, "noise": _bench_noise, "plan": _bench_plan, "optimum": _bench_optimum,
-               "scale": _bench_scale}[args.what]
+               "scale": _bench_scale, "sync_audit": _bench_sync_audit}[args.what]
     return run(args)
 
 
@@ -200,6 +200,23 @@ def _bench_infer_autoep(args) -> int:
     return _show(args, result, format_autoep_infer_table(result))
 
 
+def _bench_sync_audit(args) -> int:
+    """One audited forward of each AutoEP serving row (`benchmarks.infer_autoep`, tiny): host syncs, ours and
+    everyone else's, against plain AutoEP's."""
+    import tempfile
+
+    from .infer_autoep import bench_infer_autoep
+    with tempfile.TemporaryDirectory() as logs:
+        result = bench_infer_autoep(ranks=tuple(args.ranks), batches=1, layers=args.layers, ffn=64, seq_len=32,
+                                    out_dir=logs, progress=False)
+    rows = [{"ranks": run["ranks"], "row": r["row"], **r["host_syncs_per_forward"]}
+            for run in result["runs"] for r in run["rows"]]
+    out = {"benchmark": "sync_audit", "layers": args.layers, "rows": rows,
+           "targets": {k: v for k, v in result["targets"].items() if k == "host_syncs_as_plain_per_forward"}}
+    return _show(args, out, "\n".join(f"{r['ranks']} ranks {r['row']:16s} ours {r['ours']:3d} others {r['theirs']:3d}"
+                                      for r in rows) + "\ntargets: " + json.dumps(out["targets"]))
+
+
 def _bench_infer(args) -> int:
     from .infer import bench_infer
     result = bench_infer(ranks=tuple(args.ranks), batches=args.batches, replica_slots=args.replica_slots,
@@ -321,6 +338,10 @@ def _bench_parsers(parser: argparse.ArgumentParser):
     p.add_argument("--k", type=bounded(1, 64), default=8)
     p.add_argument("--policy", choices=["fixed", "bias", "cross_layer", "bias_cross_layer"], default=None,
                    help="easybalance.aux.policy (default: the block's default)")
+
+    p = add("sync_audit", "host syncs a forward of AutoEP serving, ours and plain's (inferred on CPU)")
+    p.add_argument("--ranks", type=bounded(1, 64), nargs="+", default=[2, 4], help="gloo ranks of each run (2 4)")
+    p.add_argument("--layers", type=bounded(1, 64), default=8, help="MoE layers (8)")
 
     p = add("optimum", "the planner against brute force on small shapes")
     p.add_argument("--seeds", type=counting, default=30, help="random loads per shape")

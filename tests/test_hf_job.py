@@ -92,3 +92,14 @@ def test_the_autoep_serving_bench_runs_the_articles_rows_side_by_side_with_equal
     assert exact["ours"] == 2 and exact["ours"] + exact["theirs"] == plain["theirs"] > 0, (exact, plain)
     table = format_autoep_infer_table(result)
     assert all(f" {name} " in table for name, _ in ROWS)
+
+
+def test_the_sync_audit_command_counts_a_forwards_host_syncs_ours_and_plain_autoeps(capsys):
+    from benchmarks.__main__ import main
+    assert main(["sync_audit", "--ranks", "2", "--layers", "3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {r["row"]: r for r in result["rows"]}
+    assert result["targets"] == {"host_syncs_as_plain_per_forward": True}
+    assert rows["view"]["ours"] == 0 and rows["view"]["theirs"] == rows["static"]["theirs"] > 0
+    # exact: AutoEP's read of its sizes, one a layer, made in our wrapper instead; nothing more
+    assert rows["exact"]["ours"] == 3 and rows["exact"]["ours"] + rows["exact"]["theirs"] == rows["static"]["theirs"]
