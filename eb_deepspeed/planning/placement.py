@@ -336,14 +336,17 @@ def _uniform_candidates(t: _Task) -> list[np.ndarray]:
     placed and refined too (about 2**15 slots of work in all), and each layer keeps its best. Steered: a start
     for the steering-aware search, refined a quarter as long. Padded, or with swing_LE: the counts (by load +
     HEDGE x swing) stay, only swaps balance; the counts by load alone are planned too, and each layer keeps
-    whichever does better on loads drawn within the swing, the hedged one only within HEDGE_COST of the other's
-    busiest rank at the mean load (`_choose`)."""
+    whichever does better on loads drawn within the swing (`_choose`), the hedged one only within HEDGE_COST of the
+    other's busiest rank at the mean load."""
     steered = t.dispatch == "steered"
     hedged = t.swing_LE is not None and t.dispatch not in ("steered", "unhedged")
     if hedged and t.dispatch == "uniform":
         unhedged = _uniform_candidates(replace(t, dispatch="unhedged"))
-        t = replace(t, dispatch="hedged")
-        return [_choose(t, np.stack([h, u]), "uniform")[0] for h, u in zip(_uniform_candidates(t), unhedged)]
+        pairs = [np.stack([h, u]) for h, u in zip(_uniform_candidates(replace(t, dispatch="hedged")), unhedged)]
+        for pair in pairs:          # hedged only where it costs at most HEDGE_COST more at the mean load
+            at_mean = even_split_loads(pair.reshape(2 * t.L, t.P), np.tile(t.load, (2, 1)), t.G, t.S).max(1)
+            pair[0] = np.where((at_mean[:t.L] <= (1 + HEDGE_COST) * at_mean[t.L:])[:, None], pair[0], pair[1])
+        return [_choose(t, pair, "uniform")[0] for pair in pairs]
     fixed_counts = t.dispatch in ("padded", "hedged")
     nodes_list = [t.spread_G, t.none_G] if t.weighed and (t.small or not steered) else [t.spread_G]
     L, P, n = t.L, t.P, len(nodes_list)
@@ -442,9 +445,6 @@ def _choose(t: _Task, phy_CLP: np.ndarray, dispatch: str, spread_weight: float =
         rng, swing = np.random.default_rng(0), t.swing_LE.numpy()
         drawn = (np.clip(t.load + rng.standard_normal(t.load.shape) * swing, 0.0, None) for _ in range(SCENARIOS))
         score = np.mean([even_split_loads(phy_NP, np.tile(d, (C, 1)), G, S).max(1).reshape(C, L) for d in drawn], 0)
-        if t.dispatch == "hedged":     # [hedged, unhedged] (`_uniform_candidates`)
-            at_mean = y_NG.max(1).reshape(C, L)
-            score[0] = np.where(at_mean[0] <= (1 + HEDGE_COST) * at_mean[1], score[0], np.inf)
     if dispatch == "padded":   # every slot is padded to the largest: slots x the largest share, per device
         score = (slot_shares(phy_NP, load_NE)[2].max(1) * S).reshape(C, L)
     if spread_weight > 0 and t.node_G.max() > 0:
