@@ -59,7 +59,7 @@ ROWS = (("static", None),
         ("static_balanced", None),
         ("view_balanced", {"split": "view"}),
         ("exact_balanced", {}))
-DEFAULT_ROW = "exact"       # easybalance's default for AutoEP (`inference.split` "auto"), chosen by this measurement
+DEFAULT_ROW = "exact"       # easybalance's default for AutoEP (`inference.split`), chosen by this measurement
 COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
                "reduce_scatter_tensor")
 # each row's strategy in the simulator (`sim.strategies`)
@@ -281,8 +281,7 @@ def run_rank(args: dict) -> dict:
                     clock.batches.append((clock.moe_s[0] - moe_before, time.perf_counter() - t0,
                                           clock.moe_cpu_s - cpu_before))
             for name in rows:
-                base = "static_balanced" if name.endswith("_balanced") else "static"
-                maxdiff[name] = max(maxdiff[name], float((logits[name] - logits[base]).abs().max()))
+                maxdiff[name] = max(maxdiff[name], float((logits[name] - logits[_plain(name)]).abs().max()))
     out = {"ranks": G, "layers": args["layers"], "experts": args["experts"], "zipf": args["zipf"],
            "tokens_per_rank": args["batch"] * args["seq_len"], "batches": args["batches"], "rows": []}
     per_batch = {name: clocks[name].per_batch_ms() for name, _ in ROWS}
@@ -301,8 +300,7 @@ def run_rank(args: dict) -> dict:
         moe_ms, forward_ms, moe_cpu_ms = per_batch[name].median(0).values.tolist()
         # paired by batch (the rows' forwards of one batch run within a second of each other, so a neighbour
         # on the host slows both): the median of static's time over this row's
-        base = "static_balanced" if name.endswith("_balanced") else "static"
-        ratio_B3 = per_batch[base] / per_batch[name].clamp_min(1e-9)
+        ratio_B3 = per_batch[_plain(name)] / per_batch[name].clamp_min(1e-9)
         moe_ratio, forward_ratio, cpu_ratio = ratio_B3.median(0).values.tolist()
         out["rows"].append({
             # the whole forward's time over the balanced view row's, paired by batch (its median): what the split
@@ -370,7 +368,6 @@ def bench_infer_autoep(ranks=(2, 4), batches: int = 24, warmup_batches: int = 4,
     four = [r for run in runs if run["ranks"] == 4 for r in run["rows"] if r["row"] == DEFAULT_ROW]
     served = [r for run in runs for r in run["rows"] if not r["row"].startswith("static")]
     exact = [r for run in runs for r in run["rows"] if r["row"].startswith("exact")]
-    plain = {run["ranks"]: next(r for r in run["rows"] if r["row"] == "static") for run in runs}
     targets = {
         "default_split_is_exact": all(r["split"] == "exact" for r in exact),
         "moe_speedup_ge_1.3x_default_4_ranks": bool(four) and all(r["moe_speedup"] >= TARGETS["moe_speedup_4_ranks"]
@@ -378,7 +375,7 @@ def bench_infer_autoep(ranks=(2, 4), batches: int = 24, warmup_batches: int = 4,
         "overhead_le_3pct_default": all(r["overhead_ratio"] <= TARGETS["overhead_ratio"] for r in default),
         "outputs_within_1e-5": all(r["max_abs_diff"] <= TARGETS["max_abs_diff"] for r in served),
         "lp_bound_within_2pct_every_batch": all(r["busiest_over_lp_max"] <= TARGETS["over_lp"] for r in exact),
-        "collectives_per_layer_as_plain": all(r["collectives_per_layer"] == plain[run["ranks"]]["collectives_per_layer"]
+        "collectives_per_layer_as_plain": all(r["collectives_per_layer"] == _static(run, r)["collectives_per_layer"]
                                               for run in runs for r in run["rows"] if r["row"].startswith("exact")),
         "host_syncs_as_plain_per_forward": all(
             r["host_syncs_per_forward"]["ours"] + r["host_syncs_per_forward"]["theirs"]
@@ -417,10 +414,13 @@ def _simulated(run: dict, view_log: str, replica_slots: int) -> dict:
     return out
 
 
+def _plain(name: str) -> str:
+    """The plain AutoEP row a row is judged against: `static`, or `static_balanced` for a `_balanced` row."""
+    return "static_balanced" if name.endswith("_balanced") else "static"
+
+
 def _static(run: dict, row: dict) -> dict:
-    """The plain AutoEP row `row` is judged against: `static`, or `static_balanced` for a `_balanced` row."""
-    base = "static_balanced" if row["row"].endswith("_balanced") else "static"
-    return next(r for r in run["rows"] if r["row"] == base)
+    return next(r for r in run["rows"] if r["row"] == _plain(row["row"]))
 
 
 def format_autoep_infer_table(result: dict) -> str:
