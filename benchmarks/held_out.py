@@ -15,6 +15,8 @@ Balancedness: the sum over layers of the mean EP rank's routes over the sum of t
     "steered", as `split: "exact"` serving plans) / on EPLB's, each with the LP bound beside it (every route free
     over its expert's copies, `exact.steered_max`);
   * limit: ours planned on b itself, judged by the LP (what the served workload allows);
+  * `ours_even_heat_alone`, `ours_even_uncapped`: the even split planned by the heat alone, and with the swing
+    but without `HEDGE_COST` (what the rule was measured against);
   * `even_gap_se`: the standard error of ours - EPLB (even split) over the workloads held out: how far the row's
     gap is from noise (OLMoE's counts are 3 layers, the domains' 3).
 
@@ -25,12 +27,15 @@ it. Counts given as one token's mean routes (OLMoE's, the domains') are judged a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import sys
 
 import torch
 
+from eb_deepspeed.planning import placement
 from eb_deepspeed.planning.placement import plan_placement
 from eb_deepspeed.planning.steering import Copies
 
@@ -85,6 +90,16 @@ def _judge(phy_LP: torch.Tensor, counts_LE: torch.Tensor, G: int, S: int) -> dic
             "lp": _balancedness(steered_max(phy_LP, counts_LE, S), counts_LE, G)}
 
 
+@contextlib.contextmanager
+def _cost_cap(value: float):
+    """The planner's HEDGE_COST set to `value` inside."""
+    before, placement.HEDGE_COST = placement.HEDGE_COST, value
+    try:
+        yield
+    finally:
+        placement.HEDGE_COST = before
+
+
 def held_out_row(workloads: dict[str, torch.Tensor], G: int, S: int) -> dict:
     """One model at G x S: every column, averaged over the workloads held out in turn."""
     names = list(workloads)
@@ -101,6 +116,11 @@ def held_out_row(workloads: dict[str, torch.Tensor], G: int, S: int) -> dict:
         add("static", _judge(_static_phy(L, E, G, E // G), counts, G, E // G)["even"])
         add("ours_even", _judge(plan_placement(heat, G, S, dispatch="uniform", swing_LE=swing).phy2log, counts, G,
                                 S)["even"])
+        # what the even split's rule measured against (not in the table): by the heat alone, and without the cap
+        add("ours_even_heat_alone", _judge(plan_placement(heat, G, S, dispatch="uniform").phy2log, counts, G, S)["even"])
+        with _cost_cap(math.inf):
+            add("ours_even_uncapped", _judge(plan_placement(heat, G, S, dispatch="uniform", swing_LE=swing).phy2log,
+                                             counts, G, S)["even"])
         eplb = _judge(rebalance_global(heat, G * S, G)[0], counts, G, S)
         add("eplb_even", eplb["even"])
         ours = _judge(plan_placement(heat, G, S, dispatch="steered").phy2log, counts, G, S)

@@ -233,4 +233,6 @@ def test_the_held_out_table_judges_each_plan_on_a_workload_it_did_not_see_and_ke
     # held out for real: planning on the workload itself would change the plan (the limit is above ours)
     assert row["limit"] > row["ours_even"]
     assert 0 < row["even_gap_se"] < 0.05        # the even split's gap to EPLB varies over the held-out workloads
+    from eb_deepspeed.planning import placement
+    assert {"ours_even_heat_alone", "ours_even_uncapped"} <= set(row) and placement.HEDGE_COST == 0.02   # restored
     assert held_out_row(workloads, 4, 3) == row                                   # deterministic
