@@ -115,7 +115,9 @@ def test_a_config_error_is_caught_where_value_errors_are_with_its_path():
     ({"mode": "observe", "window": 3}, "serve", ["easybalance.window"]),
     # balance, training: inference options, and the aux options the policy does not read
     ({"inference": {"replica_slots": 2, "topology": "nvlink"}, "aux": {"policy": "cross_layer", "bias_rate": 0.1}},
-     "train", ["easybalance.inference.replica_slots", "easybalance.inference.topology", "easybalance.aux.bias_rate"]),
+     "train", ["easybalance.aux.bias_rate", "easybalance.inference.replica_slots", "easybalance.inference.topology"]),
+    # the topology prices training placement's weight copies too
+    ({"inference": {"topology": "nvlink"}, "train_placement": {"interval": 5}}, "train", []),
     # fixed acts on nothing the view holds: window and warm-up are ignored too
     ({"aux": {"policy": "fixed"}, "window": 3, "warmup_batches": 2}, "train",
      ["easybalance.warmup_batches", "easybalance.window"]),
@@ -125,7 +127,9 @@ def test_a_config_error_is_caught_where_value_errors_are_with_its_path():
      ["easybalance.aux.bias_rate", "easybalance.aux.policy"]),
     ({"ema_alpha": 0.2}, "train", []),
     # training placement: a training option; in observe it still reads the view's warm-up
-    ({"train_placement": {"enabled": True}}, "serve", ["easybalance.train_placement"]),
+    ({"train_placement": {"enabled": True}}, "serve", ["easybalance.train_placement.enabled"]),
+    ({"train_placement": {"interval": 5}}, "serve", ["easybalance.train_placement.enabled",
+                                                     "easybalance.train_placement.interval"]),
     ({"mode": "observe", "train_placement": {"enabled": True}, "warmup_batches": 2}, "train", []),
 ])
 def test_every_option_set_without_effect_is_named_by_its_json_path(block, context, ignored):
@@ -143,7 +147,25 @@ def test_the_readme_block_of_defaults_warns_about_nothing_and_a_changed_key_stil
     doc["easybalance"]["inference"]["replica_slots"] = 3
     doc["easybalance"]["aux"].update(policy="fixed", gain=0.5)  # the fixed policy has no gain
     assert EasyBalanceConfig.from_ds_config(doc).ignored_options("train") == [
-        "easybalance.inference.replica_slots", "easybalance.aux.gain"]
+        "easybalance.aux.gain", "easybalance.inference.replica_slots"]
+
+
+def test_readmes_block_and_config_mds_table_are_the_key_table():
+    import json
+    import os
+    import re
+    from eb_deepspeed.core.config import KEYS
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    start = readme.index("```json", readme.index("The block, with its defaults")) + len("```json")
+    block = json.loads("{" + readme[start:readme.index("```", start)] + "}")["easybalance"]
+    assert block == EasyBalanceConfig.from_block({}).to_dict()         # every key, each at its default
+    rows = re.findall(r"^\| `([a-z_.]+)` \| (.*?) \| (.*?) \| (.*?) \| .* \|$",
+                      open(os.path.join(root, "docs", "config.md")).read(), re.M)
+    assert [r[0] for r in rows] == list(KEYS)
+    for path, default, valid, acts in rows:
+        assert default.startswith(f"`{json.dumps(KEYS[path].default)}`"), path
+        assert (valid, acts) == (KEYS[path].valid.text, ", ".join(KEYS[path].acts)), path
 
 
 def test_a_config_file_with_a_key_given_twice_is_refused_as_deepspeed_refuses_it(tmp_path):

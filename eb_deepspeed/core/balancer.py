@@ -123,7 +123,7 @@ class Balancer:
         # take it first, so what a user reads is never a step behind
         self.settle: Optional[Callable[[], None]] = None
         self.placement = None             # training-time expert placement (AutoEP's `TrainPlacement`), if on
-        self.controls_on = config.mode == "balance" and train    # observe, and serving, change no loss and no route
+        self.controls_on = config.balance and train    # observe, and serving, change no loss and no route
         self.samples = 0                  # the adapter's sample count, for log steps
         self._nonfinite = {"warned_at": None, "steps": 0, "layers": set()}
         self.log = BalanceLog(logger, config.log.interval)

@@ -1,13 +1,15 @@
-"""The `"easybalance"` block of a DeepSpeed config: typed, strict, never mutates the user's dict.
+"""The `"easybalance"` block of a DeepSpeed config: one table of keys, typed, strict, never mutates the user's dict.
 
     cfg = EasyBalanceConfig.from_ds_config("ds_config.json")      # or a dict
     cfg.enabled, cfg.mode, cfg.aux.policy, cfg.inference.split, cfg.window_for(num_layers)
     cfg.ignored_options("train")    # JSON paths set by the user that have no effect here
+    KEYS                            # the table: each key's path, default, valid values and where it acts
 
-Defaults come from the tuning table of the EasyBalance article (§5.1): EMA alpha 0.3, cross-layer window 5-8
-layers, warm-up 3-5 batches. The options that only steer serving live under `easybalance.inference`; the topology
-presets come from `topology.TOPOLOGIES`, the aux policies and their options from `policies.POLICIES`.
-docs/config.md gives each key's reason (a measured win, or the anchor users come from).
+The table is the fields of the config dataclasses: each leaf (`key`) declares its default (what an empty block
+gives), its valid values (`Valid`: the reader and the text docs/config.md shows) and where it acts (`ACTS`). The
+reader, the "no effect here" warnings, README's block of defaults and docs/config.md's table come from it or are
+tested against it (tests/test_config.py). Defaults come from the tuning table of the EasyBalance article (§5.1): EMA
+alpha 0.3, cross-layer window 5-8 layers, warm-up 3-5 batches; docs/config.md gives each key's reason.
 
 Every mistake raises `ConfigError` naming the JSON path, e.g.
     easybalance.ema_alpha (1.5) must be in (0, 1]
@@ -26,73 +28,199 @@ from .policies import POLICIES
 from .topology import TOPOLOGIES
 
 __all__ = ["ConfigError", "LogConfig", "AuxConfig", "InferenceConfig", "TrainPlacementConfig",
-           "EasyBalanceConfig"]
+           "EasyBalanceConfig", "KEYS"]
 
-MODES = ("observe", "balance")
-SPLITS = ("view", "exact")          # how serving splits an expert's routes over its replicas
 CONTEXTS = ("train", "serve")   # eb_deepspeed.initialize / eb_deepspeed.init_inference (as a record's "phase")
-CHECKPOINT_MODES = ("strict", "ignore_mismatch")   # easybalance.checkpoint: a saved state that does not fit
+# Where a key acts, by what reads it: "both" wherever the block is on (the view, its records, checkpoints);
+# "training" eb_deepspeed.initialize in mode "balance" (the control law); "serving" eb_deepspeed.init_inference in
+# mode "balance" (replicas, re-plans); "placement" eb_deepspeed.initialize with train_placement on, in either mode.
+ACTS = ("both", "training", "serving", "placement")
+INT_MAX = 2 ** 31 - 1     # the largest integer any option takes (counts, intervals, windows)
+# replica slots a rank: a layer's G * (E / G + R) slots must fit the planner's 65536 (planning.placement.MAX_SLOTS),
+# so R < 65536 for any G >= 1 (serving and training check the product for their model)
+MAX_REPLICA_SLOTS = 2 ** 16 - 1
 
 
 class ConfigError(ValueError):
     """A user mistake in the `easybalance` block; the message names the JSON path."""
 
 
+# ---------------------------------------------------------------------- valid values: read, check, describe
+class Valid:
+    """A key's valid values: `read(value, path)` returns the value or raises a ConfigError naming `path`; `text`
+    is what docs/config.md's table shows."""
+    text = ""
+
+    def read(self, value: Any, path: str) -> Any:
+        raise NotImplementedError
+
+
+class Bool(Valid):
+    text = "bool"
+
+    def read(self, value, path):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path} ({_short(value)}) must be true or false")
+        return value
+
+
+@dataclass(frozen=True)
+class Choice(Valid):
+    options: tuple
+
+    @property
+    def text(self) -> str:
+        return ", ".join(f"`{o}`" for o in self.options)
+
+    def read(self, value, path):
+        if not isinstance(value, str) or value not in self.options:
+            raise ConfigError(f"{path} ({_short(value)}) must be one of: {', '.join(self.options)}")
+        return value
+
+
+@dataclass(frozen=True)
+class Int(Valid):
+    least: int
+    most: int = INT_MAX
+    auto: bool = False            # "auto" is valid too (read as None)
+
+    @property
+    def text(self) -> str:
+        span = f"int ≥ {self.least}" if self.most == INT_MAX else f"int in [{self.least}, {self.most}]"
+        return span + (', `"auto"`' if self.auto else "")
+
+    def read(self, value, path):
+        if self.auto and value == "auto":
+            return None
+        hint = ' or "auto"' if self.auto else ""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path} ({_short(value)}) must be an integer >= {self.least}{hint}")
+        if value < self.least:
+            raise ConfigError(f"{path} ({_short(value)}) must be >= {self.least}{hint}")
+        if value > self.most:
+            raise ConfigError(f"{path} ({_short(value)}) must be <= {self.most}")
+        return value
+
+
+@dataclass(frozen=True)
+class Num(Valid):
+    """A finite number in `text`: an interval "(0, 1]" / "[0, 1e6]" or a bound "≥ 1"."""
+    text: str
+
+    def read(self, value, path):
+        number = _finite(value, path)
+        if self.text.startswith("≥"):
+            if number < float(self.text[1:]):
+                raise ConfigError(f"{path} ({number}) must be >= {self.text[1:].strip()}")
+            return number
+        lo, hi = (float(x) for x in self.text[1:-1].split(","))
+        if not (lo < number if self.text[0] == "(" else lo <= number) or number > hi:
+            raise ConfigError(f"{path} ({number}) must be in {self.text}")
+        return number
+
+
+class Text(Valid):
+    text = "non-empty string"
+
+    def read(self, value, path):
+        if not isinstance(value, str) or not value or "\x00" in value:
+            raise ConfigError(f"{path} ({_short(value)}) must be a non-empty string")
+        return value
+
+
+class WeightRange(Valid):
+    text = "0 < min ≤ 1 ≤ max ≤ 1e6"
+
+    def read(self, value, path):
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ConfigError(f"{path} ({_short(value)}) must be [min, max] with min <= 1 <= max")
+        lo, hi = (_finite(v, f"{path}[{i}]") for i, v in enumerate(value))
+        if not 0.0 < lo <= 1.0 <= hi <= 1e6:
+            raise ConfigError(f"{path} ([{lo}, {hi}]) must be [min, max] with 0 < min <= 1 <= max <= 1e6 "
+                              "(weights start at 1)")
+        return (lo, hi)
+
+
+def _finite(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path} ({_short(value)}) must be a finite number")
+    try:
+        number = float(value)
+    except OverflowError:          # an integer of hundreds of digits
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{path} ({_short(value)}) must be a finite number")
+    return number
+
+
+def key(default: Any, valid: Valid, acts: str, *, reads: str = "", absent: Any = ...):
+    """A leaf of the block: its `default` (JSON: what an empty block gives), its `valid` values and where it `acts` (names
+    of ACTS joined by "+"). reads: "option" (an `aux` option, read only by the policies that list it in
+    `POLICIES`) or "view" (read in training only by a policy that acts on the view). absent: the value without the
+    (sub-)block, where it differs from `default` (`enabled`: off without the block, on with it)."""
+    assert set(acts.split("+")) <= set(ACTS)
+    return field(default=valid.read(default, "") if absent is ... else absent,
+                 metadata={"default": default, "valid": valid, "acts": tuple(acts.split("+")), "reads": reads})
+
+
+def section(cls):
+    return field(default_factory=cls, metadata={"section": cls})
+
+
+# ---------------------------------------------------------------------- the table
 @dataclass(frozen=True)
 class LogConfig:
     """Where and how often balance curves are written."""
-    interval: int = 10              # boundaries between two log records
-    dir: str = "easybalance_log"    # JSONL log (rank 0); `eb report DIR` renders it
-    wandb: bool = True              # also send to W&B when DeepSpeed's own `wandb` block is enabled
+    interval: int = key(10, Int(1), "both")             # boundaries between two log records
+    dir: str = key("easybalance_log", Text(), "both")   # JSONL log (rank 0); `eb report DIR` renders it
+    wandb: bool = key(True, Bool(), "both")             # also send to W&B when DeepSpeed's `wandb` block is on
 
 
 @dataclass(frozen=True)
 class AuxConfig:
     """Training control (`easybalance.aux`): per-layer aux-loss weights or a selection bias."""
-    policy: str = "bias_cross_layer"                 # the sweep's best (docs/benchmarks.md)
-    weight_range: tuple[float, float] = (0.25, 4.0)  # cross_layer: clip of the per-layer device-loss weights
-    gain: float = 0.02                               # cross_layer: integral gain on the log-weights (measured)
-    bias_rate: float = 0.03                          # bias: sign-update rate u (logits; measured, docs/training.md)
-    loss_coeff: float = 0.01                         # AutoEP: coefficient of the balance loss easybalance attaches
-    explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
+    policy: str = key("bias_cross_layer", Choice(tuple(POLICIES)), "training")     # the sweep's best
+    weight_range: tuple = key([0.25, 4.0], WeightRange(), "training", reads="option")   # per-layer weights' clip
+    gain: float = key(0.02, Num("(0, 10]"), "training", reads="option")            # integral gain (measured)
+    bias_rate: float = key(0.03, Num("(0, 1]"), "training", reads="option")        # bias's sign-update step
+    loss_coeff: float = key(0.01, Num("[0, 1e6]"), "training")    # AutoEP: the balance loss easybalance attaches
 
 
 @dataclass(frozen=True)
 class InferenceConfig:
-    """Serving (`easybalance.inference`): replicas, steering and re-planning."""
-    replica_slots: int = 1          # extra physical expert slots per EP rank (0 = no replicas)
-    split: str = "exact"            # "exact": split each batch (AutoEP; DeepSpeed-MoE's padded layer serves "view");
-                                    # "view": even over the copies
-    topology: str = "pcie"          # the links a weight copy crosses (its price)
-    replan_threshold: float = 1.5   # consider a re-plan when a layer's expected slot max/mean passes this
-    replan_interval: int = 24       # batches between two re-plans, at least (measured: docs/benchmarks.md, replay)
-    view_interval: int = 4          # batches between two view updates (one all-reduce each)
-    explicit: frozenset = field(default=frozenset(), compare=False, repr=False)
+    """Serving (`easybalance.inference`): replicas, the split and re-planning; `topology` prices weight copies for
+    serving and training placement alike."""
+    replica_slots: int = key(1, Int(0, MAX_REPLICA_SLOTS), "serving")   # extra expert slots per EP rank
+    split: str = key("exact", Choice(("view", "exact")), "serving")     # the runtime's split over the copies
+    topology: str = key("pcie", Choice(tuple(TOPOLOGIES)), "serving+placement")   # the links a copy crosses
+    replan_threshold: float = key(1.5, Num("≥ 1"), "serving")    # a layer's expected max/mean that asks to re-plan
+    replan_interval: int = key(24, Int(1), "serving")             # batches between two re-plans, at least
+    view_interval: int = key(4, Int(1), "serving")                # batches between two view updates
 
 
 @dataclass(frozen=True)
 class TrainPlacementConfig:
     """Training-time expert placement (`easybalance.train_placement`, AutoEP): experts re-placed over the EP ranks
-    from the view, weights and optimizer state moved, routing untouched (`adapters.autoep.placement`). Off without
-    the sub-block; on when it is there, as the block itself is."""
-    enabled: bool = False
-    interval: int = 50              # optimizer steps between two re-plans (each only when it pays for its move)
-    replica_slots: int = 0          # extra expert slots per EP rank for replicas of hot experts (0: a permutation)
+    from the view, weights and optimizer state moved, routing untouched. Off without the sub-block; on when it is
+    there, as the block itself is."""
+    enabled: bool = key(True, Bool(), "placement", absent=False)
+    interval: int = key(50, Int(1), "placement")            # optimizer steps between two re-plans
+    replica_slots: int = key(0, Int(0, MAX_REPLICA_SLOTS), "placement")   # extra slots a rank for replicas
 
 
 @dataclass(frozen=True)
 class EasyBalanceConfig:
-    enabled: bool = False           # False when the block is absent; True by default when present
-    mode: str = "balance"
-    ema_alpha: float = 0.3
-    window: int | None = None       # None = "auto": 5 layers, growing to 8 for deep models
-    warmup_batches: int = 4
-    checkpoint: str = "strict"      # a saved balancer state that does not fit: "strict" error, or "ignore_mismatch"
-    log: LogConfig = field(default_factory=LogConfig)
-    aux: AuxConfig = field(default_factory=AuxConfig)
-    inference: InferenceConfig = field(default_factory=InferenceConfig)
-    train_placement: TrainPlacementConfig = field(default_factory=TrainPlacementConfig)
-    explicit: frozenset = field(default=frozenset(), compare=False, repr=False)  # keys the user set
+    enabled: bool = key(True, Bool(), "both", absent=False)
+    mode: str = key("balance", Choice(("observe", "balance")), "both")
+    ema_alpha: float = key(0.3, Num("(0, 1]"), "both")
+    window: Any = key("auto", Int(0, auto=True), "training", reads="view")     # read as None
+    warmup_batches: int = key(4, Int(0), "training+serving+placement", reads="view")
+    checkpoint: str = key("strict", Choice(("strict", "ignore_mismatch")), "both")
+    log: LogConfig = section(LogConfig)
+    aux: AuxConfig = section(AuxConfig)
+    inference: InferenceConfig = section(InferenceConfig)
+    train_placement: TrainPlacementConfig = section(TrainPlacementConfig)
+    explicit: frozenset = field(default=frozenset(), compare=False, repr=False)   # the paths the user set
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -115,32 +243,16 @@ class EasyBalanceConfig:
 
     @classmethod
     def from_block(cls, block: Mapping[str, Any], path: str = "easybalance") -> "EasyBalanceConfig":
-        block = copy.deepcopy(dict(_mapping(block, path)))
-        explicit = frozenset(block)
-        _reject_unknown(block, path, [f.name for f in fields(cls) if f.name != "explicit"])
-        d = cls()
-        ema_alpha = _number(block.pop("ema_alpha", d.ema_alpha), f"{path}.ema_alpha")
-        if not 0.0 < ema_alpha <= 1.0:
-            raise ConfigError(f"{path}.ema_alpha ({ema_alpha}) must be in (0, 1]")
-        window = block.pop("window", "auto")
-        window = None if window == "auto" else _int(window, f"{path}.window", minimum=0, hint=' or "auto"')
-        cfg = cls(
-            enabled=_bool(block.pop("enabled", True), f"{path}.enabled"),   # a block present means on
-            mode=_choice(block.pop("mode", d.mode), f"{path}.mode", MODES),
-            ema_alpha=ema_alpha,
-            window=window,
-            warmup_batches=_int(block.pop("warmup_batches", d.warmup_batches), f"{path}.warmup_batches", minimum=0),
-            checkpoint=_choice(block.pop("checkpoint", d.checkpoint), f"{path}.checkpoint", CHECKPOINT_MODES),
-            log=_log(block.pop("log", {}), f"{path}.log"),
-            aux=_aux(block.pop("aux", {}), f"{path}.aux"),
-            inference=_inference(block.pop("inference", {}), f"{path}.inference"),
-            train_placement=_train_placement(block.pop("train_placement", None), f"{path}.train_placement"),
-            explicit=explicit,
-        )
-        assert not block, f"unparsed keys left: {sorted(block)}"
-        return cfg
+        explicit: set[str] = set()
+        values = _read(cls, copy.deepcopy(_mapping(block, path)), path, "", explicit)
+        return cls(**values, explicit=frozenset(explicit))
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def balance(self) -> bool:
+        """The controls act (mode "balance"); "observe" changes nothing."""
+        return self.mode == "balance"
+
     def window_for(self, num_layers: int) -> int:
         """Half-width of the cross-layer window: pressure around layer l sums layers l-w .. l+w.
 
@@ -150,59 +262,101 @@ class EasyBalanceConfig:
             return self.window
         return int(min(8, max(5, math.ceil(num_layers / 8))))
 
+    def changed(self) -> set[str]:
+        """The paths the user set to other than their defaults (the README's block of defaults changes nothing; a
+        sub-block that is there switches on what it configures)."""
+        return {p for p in self.explicit if _get(self, p) != _get(EasyBalanceConfig(), p)}
+
     def ignored_options(self, context: str) -> list[str]:
         """JSON paths the user set, to other than their defaults, that have no effect in this mode and context
-        (one warning each).
+        (one warning each), by where each key acts (`KEYS`).
 
         context: "train" (`eb_deepspeed.initialize`) or "serve" (`eb_deepspeed.init_inference`).
-        `observe` changes nothing, so every option that only steers decisions is ignored there.
         """
         if context not in CONTEXTS:
             raise ValueError(f"context ({context!r}) must be one of: {', '.join(CONTEXTS)}")
-        top = {"aux", "inference"} | ({"train_placement"} if context == "serve" else set())
-        if self.mode == "observe":
-            top |= {"window", "warmup_batches"} - ({"warmup_batches"} if self.train_placement.enabled else set())
-        elif context == "train":
-            if not POLICIES[self.aux.policy].uses_view:
-                top |= {"window", "warmup_batches"}
-            top.discard("aux")
-        else:
-            top.discard("inference")
-        # A key set to its default changes nothing either way (the README's block of defaults, copied): no warning.
-        default = EasyBalanceConfig()
-        changed = {k for k in self.explicit if getattr(self, k) != getattr(default, k)}
-        changed_in = {"aux": {k for k in self.aux.explicit if getattr(self.aux, k) != getattr(default.aux, k)},
-                      "inference": {k for k in self.inference.explicit
-                                    if getattr(self.inference, k) != getattr(default.inference, k)}}
-        out = []
-        for key in sorted(self.explicit & top):
-            sub = changed_in.get(key)
-            if sub is None:
-                out += [f"easybalance.{key}"] if key in changed else []
-            else:
-                out += [f"easybalance.{key}.{k}" for k in sorted(sub)]
-        if self.mode == "balance" and context == "train":
-            used = set(POLICIES[self.aux.policy].options) | {"policy", "loss_coeff"}
-            out += [f"easybalance.aux.{k}" for k in sorted(changed_in["aux"] - used)]
-        return out
+        on = {"both"}
+        if context == "train":
+            on |= {"training"} if self.balance else set()
+            on |= {"placement"} if self.train_placement.enabled else set()
+        elif self.balance:
+            on.add("serving")
+        policy = POLICIES[self.aux.policy]
+
+        def acts(row: "Key") -> bool:
+            read = {"option": row.name in policy.options, "view": policy.uses_view}.get(row.reads, True)
+            return any(a in on and (a != "training" or read) for a in row.acts)
+        return [f"easybalance.{p}" for p in sorted(self.changed()) if not acts(KEYS[p])]
 
     def to_dict(self) -> dict[str, Any]:
         """The block as JSON (every key, defaults filled in; `window` None is "auto"): what `from_block` reads."""
-        out = _fields_dict(self)
+        out = _as_json(self)
         out["window"] = "auto" if self.window is None else self.window
         return out
 
 
-def _fields_dict(obj) -> dict[str, Any]:
-    """A config dataclass's fields as JSON values (nested dataclasses as objects, tuples as lists), without the
-    `explicit` bookkeeping."""
+@dataclass(frozen=True)
+class Key:
+    """One row of the table: a leaf's JSON path below `easybalance`, default, valid values, where it acts."""
+    path: str
+    default: Any
+    valid: Valid
+    acts: tuple
+    reads: str
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit(".", 1)[-1]
+
+
+def _rows(cls, prefix: str = "") -> dict[str, Key]:
+    out = {}
+    for f in fields(cls):
+        if "section" in f.metadata:
+            out |= _rows(f.metadata["section"], f"{prefix}{f.name}.")
+        elif "valid" in f.metadata:
+            m = f.metadata
+            out[prefix + f.name] = Key(prefix + f.name, m["default"], m["valid"], m["acts"], m["reads"])
+    return out
+
+
+KEYS: dict[str, Key] = _rows(EasyBalanceConfig)
+
+
+def _read(cls, block: dict, path: str, prefix: str, explicit: set) -> dict[str, Any]:
+    """The fields of `cls` from `block` (its JSON path `path`): each leaf by its `Valid`, a section recursively (a
+    missing section: its dataclass defaults)."""
+    names = [f.name for f in fields(cls) if "section" in f.metadata or "valid" in f.metadata]
+    _reject_unknown(block, path, names)
+    explicit |= {prefix + k for k in block if prefix + k in KEYS}
+    out = {}
+    for f in fields(cls):
+        if "section" in f.metadata:
+            sub = block.get(f.name)
+            out[f.name] = f.metadata["section"]() if sub is None else f.metadata["section"](
+                **_read(f.metadata["section"], dict(_mapping(sub, f"{path}.{f.name}")), f"{path}.{f.name}",
+                        f"{prefix}{f.name}.", explicit))
+        elif "valid" in f.metadata:
+            out[f.name] = f.metadata["valid"].read(block.get(f.name, f.metadata["default"]), f"{path}.{f.name}")
+    if "enabled" in out:       # a (sub-)block that is there switches on what it configures, unless it says not
+        explicit.add(prefix + "enabled")
+    return out
+
+
+def _get(cfg, path: str) -> Any:
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _as_json(obj) -> dict[str, Any]:
+    """A config dataclass's fields as JSON values (sections as objects, tuples as lists), without `explicit`."""
     out = {}
     for f in fields(obj):
         if f.name == "explicit":
             continue
         value = getattr(obj, f.name)
-        out[f.name] = _fields_dict(value) if hasattr(value, "__dataclass_fields__") else \
-            list(value) if isinstance(value, tuple) else value
+        out[f.name] = _as_json(value) if "section" in f.metadata else list(value) if isinstance(value, tuple) else value
     return out
 
 
@@ -215,13 +369,7 @@ def strip_block(ds_config: Mapping[str, Any] | str | os.PathLike | None) -> dict
     return out
 
 
-# ---------------------------------------------------------------------- typed readers
-INT_MAX = 2 ** 31 - 1     # the largest integer any option takes (counts, intervals, windows)
-# inference.replica_slots: extra slots per rank; a layer's G * (E / G + R) slots must fit the planner's
-# 65536 slots a layer (planning.placement.MAX_SLOTS), so R < 65536 for any G >= 1 (serving checks the product)
-MAX_REPLICA_SLOTS = 2 ** 16 - 1
-
-
+# ---------------------------------------------------------------------- reading JSON
 def read_json(ds_config):
     """A dict as it is, once checked to nest at most MAX_JSON_DEPTH deep; a path read as JSON (`load_json`: a
     regular file of at most MAX_JSON_BYTES), with a ConfigError naming the file when that fails."""
@@ -253,10 +401,10 @@ def _unique_keys(pairs: list[tuple[str, Any]], source) -> dict[str, Any]:
     return out
 
 
-def _mapping(value: Any, path: str) -> Mapping[str, Any]:
+def _mapping(value: Any, path: str) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{path} must be a JSON object, got {type(value).__name__} ({_short(value)})")
-    return value
+    return dict(value)
 
 
 def _reject_unknown(block: Mapping[str, Any], path: str, valid: list[str]) -> None:
@@ -269,108 +417,7 @@ def _reject_unknown(block: Mapping[str, Any], path: str, valid: list[str]) -> No
         raise ConfigError(f"{where}: unknown key; valid keys: {', '.join(sorted(valid))}")
 
 
-def _bool(value: Any, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{path} ({_short(value)}) must be true or false")
-    return value
-
-
-def _number(value: Any, path: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{path} ({_short(value)}) must be a finite number")
-    try:
-        number = float(value)
-    except OverflowError:          # an integer of hundreds of digits
-        number = math.inf
-    if not math.isfinite(number):
-        raise ConfigError(f"{path} ({_short(value)}) must be a finite number")
-    return number
-
-
-def _int(value: Any, path: str, minimum: int, hint: str = "", maximum: int = INT_MAX) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{path} ({_short(value)}) must be an integer >= {minimum}{hint}")
-    if value < minimum:
-        raise ConfigError(f"{path} ({_short(value)}) must be >= {minimum}{hint}")
-    if value > maximum:
-        raise ConfigError(f"{path} ({_short(value)}) must be <= {maximum}")
-    return value
-
-
 def _short(value: Any) -> str:
     """repr of a value for a message, cut to 60 characters (a hostile value can be huge)."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _choice(value: Any, path: str, valid) -> str:
-    if not isinstance(value, str) or value not in valid:
-        raise ConfigError(f"{path} ({_short(value)}) must be one of: {', '.join(valid)}")
-    return value
-
-
-def _log(block: Any, path: str) -> LogConfig:
-    block = dict(_mapping(block, path))
-    _reject_unknown(block, path, ["interval", "dir", "wandb"])
-    d = block.get("dir", LogConfig.dir)
-    if not isinstance(d, str) or not d or "\x00" in d:
-        raise ConfigError(f"{path}.dir ({_short(d)}) must be a non-empty string")
-    return LogConfig(interval=_int(block.get("interval", LogConfig.interval), f"{path}.interval", minimum=1),
-                     dir=d, wandb=_bool(block.get("wandb", LogConfig.wandb), f"{path}.wandb"))
-
-
-def _aux(block: Any, path: str) -> AuxConfig:
-    block = dict(_mapping(block, path))
-    _reject_unknown(block, path, ["policy", "loss_coeff",
-                                  *{o for p in POLICIES.values() for o in p.options}])
-    d = AuxConfig()
-    policy = _choice(block.get("policy", d.policy), f"{path}.policy", tuple(POLICIES))
-    rng = block.get("weight_range", list(d.weight_range))
-    if not isinstance(rng, (list, tuple)) or len(rng) != 2:
-        raise ConfigError(f"{path}.weight_range ({_short(rng)}) must be [min, max] with min <= 1 <= max")
-    lo, hi = _number(rng[0], f"{path}.weight_range[0]"), _number(rng[1], f"{path}.weight_range[1]")
-    if not 0.0 < lo <= 1.0 <= hi <= 1e6:
-        raise ConfigError(f"{path}.weight_range ([{lo}, {hi}]) must be [min, max] with 0 < min <= 1 <= max <= 1e6 "
-                          "(weights start at 1)")
-    gain = _number(block.get("gain", d.gain), f"{path}.gain")
-    if not 0.0 < gain <= 10.0:
-        raise ConfigError(f"{path}.gain ({gain}) must be in (0, 10]")
-    rate = _number(block.get("bias_rate", d.bias_rate), f"{path}.bias_rate")
-    if not 0.0 < rate <= 1.0:
-        raise ConfigError(f"{path}.bias_rate ({rate}) must be in (0, 1]")
-    loss_coeff = _number(block.get("loss_coeff", d.loss_coeff), f"{path}.loss_coeff")
-    if not 0.0 <= loss_coeff <= 1e6:
-        raise ConfigError(f"{path}.loss_coeff ({loss_coeff}) must be in [0, 1e6]")
-    return AuxConfig(policy=policy, weight_range=(lo, hi), gain=gain, bias_rate=rate,
-                     loss_coeff=loss_coeff, explicit=frozenset(block))
-
-
-def _inference(block: Any, path: str) -> InferenceConfig:
-    block = dict(_mapping(block, path))
-    _reject_unknown(block, path, [f.name for f in fields(InferenceConfig) if f.name != "explicit"])
-    d = InferenceConfig()
-    topology = _choice(block.get("topology", d.topology), f"{path}.topology", tuple(TOPOLOGIES))
-    threshold = _number(block.get("replan_threshold", d.replan_threshold), f"{path}.replan_threshold")
-    if threshold < 1.0:
-        raise ConfigError(f"{path}.replan_threshold ({threshold}) must be >= 1 (a device max/mean)")
-    return InferenceConfig(
-        replica_slots=_int(block.get("replica_slots", d.replica_slots), f"{path}.replica_slots", minimum=0,
-                           maximum=MAX_REPLICA_SLOTS),
-        split=_choice(block.get("split", d.split), f"{path}.split", SPLITS),
-        topology=topology,
-        replan_threshold=threshold,
-        replan_interval=_int(block.get("replan_interval", d.replan_interval), f"{path}.replan_interval", minimum=1),
-        view_interval=_int(block.get("view_interval", d.view_interval), f"{path}.view_interval", minimum=1),
-        explicit=frozenset(block))
-
-
-def _train_placement(block: Any, path: str) -> TrainPlacementConfig:
-    if block is None:
-        return TrainPlacementConfig()
-    block = dict(_mapping(block, path))
-    _reject_unknown(block, path, ["enabled", "interval", "replica_slots"])
-    d = TrainPlacementConfig()
-    return TrainPlacementConfig(enabled=_bool(block.get("enabled", True), f"{path}.enabled"),
-                                interval=_int(block.get("interval", d.interval), f"{path}.interval", minimum=1),
-                                replica_slots=_int(block.get("replica_slots", d.replica_slots),
-                                                   f"{path}.replica_slots", minimum=0))

@@ -95,7 +95,7 @@ def _loss_scale(engine) -> float:
 def _warn_hf_aux_loss(model: torch.nn.Module, config: EasyBalanceConfig) -> None:
     hf = getattr(model, "config", None)
     coef = getattr(hf, "router_aux_loss_coef", 0.0) or 0.0
-    if config.mode == "balance" and getattr(hf, "output_router_logits", False) and coef > 0:
+    if config.balance and getattr(hf, "output_router_logits", False) and coef > 0:
         warnings.warn(f"easybalance: the model's own load-balancing loss is on too (config.output_router_logits true, "
                       f"router_aux_loss_coef {coef}): balance is then pushed twice; set output_router_logits false "
                       "(or router_aux_loss_coef 0) to leave it to easybalance")
@@ -118,7 +118,7 @@ def attach(engine, config: EasyBalanceConfig) -> Balancer:
                              + ", ".join(f"{n}: {s[:2]}" for (n, _), s in zip(named, shapes)))
         return ModelShape.uniform(len(layers), shapes[0][0], shapes[0][1], expert_to_device_LE=torch.tensor(maps))
 
-    balance = config.mode == "balance"
+    balance = config.balance
     if balance and any(getattr(m, "expert_bias", None) is not None for m in layers) and \
             POLICIES[config.aux.policy].uses_bias:
         raise ValueError(f"easybalance.aux.policy {config.aux.policy!r} owns the selection bias, but AutoEP's layers "

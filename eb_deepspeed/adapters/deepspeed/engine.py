@@ -198,7 +198,7 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
         return out
     if model is None:
         raise ValueError("eb_deepspeed.initialize needs `model` when easybalance is enabled")
-    where = f'mode "{eb_config.mode}"' + (f', aux.policy "{eb_config.aux.policy}"' if eb_config.mode == "balance" else "")
+    where = f'mode "{eb_config.mode}"' + (f', aux.policy "{eb_config.aux.policy}"' if eb_config.balance else "")
     for path in eb_config.ignored_options("train"):
         warnings.warn(f"{path} has no effect in training ({where})")
 
@@ -226,7 +226,7 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
         raise ValueError("easybalance.train_placement re-places the experts of AutoEP layers (an enabled "
                          "expert_parallel section); deepspeed.moe.layer.MoE models keep DeepSpeed's layout: set "
                          "train_placement.enabled false. Nothing was changed")
-    if "loss_coeff" in eb_config.aux.explicit and eb_config.aux.loss_coeff != EasyBalanceConfig().aux.loss_coeff:
+    if "aux.loss_coeff" in eb_config.changed():
         warnings.warn("easybalance.aux.loss_coeff has no effect on deepspeed.moe.layer.MoE models (their l_aux "
                       "keeps your own coefficient); it weighs the loss easybalance attaches to AutoEP models")
     check_shapes(model)                     # before anything changes: the model and DeepSpeed untouched

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.balancer import Balancer, ModelShape
-from ...core.config import EasyBalanceConfig, read_json
+from ...core.config import KEYS, EasyBalanceConfig, read_json
 from ...core.policies import POLICIES
 from .. import common
 from ..common import join_startup_off, reduce_over, torch_optimizer, write_atomically
@@ -52,11 +52,10 @@ def find_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 def _config(config: Any) -> EasyBalanceConfig:
     """The block from a ds_config (dict or JSON path) holding "easybalance", or from the block itself
     (a dict or a standalone JSON file whose keys are the block's). A ds_config without the block is off."""
-    from dataclasses import fields
     if isinstance(config, (str, os.PathLike)):
         config = read_json(config)
     if isinstance(config, dict) and "easybalance" not in config and config:
-        block_keys = {f.name for f in fields(EasyBalanceConfig) if f.name != "explicit"}
+        block_keys = {path.split(".")[0] for path in KEYS}
         if set(config) <= block_keys:
             return EasyBalanceConfig.from_block(config)
     return EasyBalanceConfig.from_ds_config(config)
@@ -82,7 +81,7 @@ def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
     if ps.get_pipeline_model_parallel_world_size() > 1:
         raise NotImplementedError("easybalance's Megatron adapter does not handle pipeline parallelism yet: the "
                                   "cross-layer view needs every stage's layers (use pipeline size 1)")
-    if cfg.mode == "balance" and POLICIES[cfg.aux.policy].uses_bias and \
+    if cfg.balance and POLICIES[cfg.aux.policy].uses_bias and \
             any(getattr(r, "expert_bias", None) is not None for r in routers):
         raise ValueError(f"easybalance.aux.policy {cfg.aux.policy!r} owns the selection bias: turn Megatron's "
                          "moe_router_enable_expert_bias off (two biases would fight)")

@@ -118,7 +118,7 @@ class ServingEngine:
         self.L, self.E, self.G = store.num_layers, store.num_experts, store.num_devices
         self.H = self.E // self.G
         enabled = config is not None and config.enabled
-        self.R = config.inference.replica_slots if enabled and config.mode == "balance" else 0
+        self.R = config.inference.replica_slots if enabled and config.balance else 0
         self.S_max = self.H + self.R
         if self.G * self.S_max > MAX_SLOTS:      # before any expert is copied
             raise ValueError(f"easybalance.inference.replica_slots ({self.R}): {self.G} ranks x ({self.H} home + "
@@ -147,7 +147,7 @@ class ServingEngine:
             join_startup_off()          # a rank whose block is on waits for this rank in the start-up all-gather
         inf = config.inference if enabled else None
         split = "view" if inf is None or store.padded else inf.split      # a padded layer: `view` (measured)
-        if inf is not None and store.padded and "split" in inf.explicit and inf.split != "view" and dist_rank() == 0:
+        if inf is not None and store.padded and "inference.split" in config.explicit and inf.split != "view" and dist_rank() == 0:
             warnings.warn('easybalance.inference.split "exact" has no effect on DeepSpeed-MoE\'s padded layer, which '
                           'serves "view" (measured faster there: docs/benchmarks.md)')
         self.model = DISPATCH[(store.padded, split)]
@@ -195,7 +195,7 @@ class ServingEngine:
         self.rank_to_node = rank_to_node(gathered)
         self.node_G = torch.tensor([self.rank_to_node[r] for r in self.ep_ranks])
         self.topology, note = resolve_topology(self.config.inference.topology,
-                                               explicit="topology" in self.config.inference.explicit,
+                                               explicit="inference.topology" in self.config.explicit,
                                                num_nodes=int(self.node_G.max()) + 1)
         if note and dist_rank() == 0:
             warnings.warn(f"easybalance.inference.topology: {note}")
