@@ -22,7 +22,7 @@ def measure(T: int, E: int, M: int, view_interval: int, repeats: int) -> dict:
     from deepspeed.moe.sharded_moe import TopKGate
 
     from eb_deepspeed.adapters.deepspeed.replicas import ReplicaGate
-    from eb_deepspeed.adapters.serving.store import SlotTable
+    from eb_deepspeed.adapters.routing import SlotTable
     from eb_deepspeed.planning.placement import static_placement
     from benchmarks.infer import gate_medians_ms
     torch.set_num_threads(1)

@@ -293,14 +293,14 @@ def _steering_ms(serving, x, repeats: int = 30) -> float:
     from deepspeed.moe.sharded_moe import TopKGate
 
     from eb_deepspeed.adapters.deepspeed.replicas import ReplicaGate
-    from eb_deepspeed.adapters.serving.store import Routing, SlotTable
+    from eb_deepspeed.adapters.routing import Routing, SlotTable
     gate = serving.gates[0]
     E, M = gate.wg.weight.shape[0], gate.wg.weight.shape[1]
     plain = TopKGate(M, E, gate.k, gate.capacity_factor, gate.eval_capacity_factor, gate.min_capacity, None,
                      False, gate.use_rts, None, gate.top2_2nd_expert_sampling).eval()
     plain.wg = gate.wg
     ours = ReplicaGate.from_gate(plain, 1, serving.P, table=SlotTable.even(serving.placement.log2phy[0]),
-                                 routing=Routing(split=gate.routing.split))
+                                 routing=Routing(exact=gate.routing.exact))
     ours.drop_tokens = gate.drop_tokens
     h = torch.randn(x.reshape(-1, x.shape[-1]).shape[0] if x.dtype.is_floating_point else x.numel(), M)
     ms = gate_medians_ms(plain, ours, h, repeats, skip=3, take_every=1)

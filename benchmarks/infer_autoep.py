@@ -327,7 +327,7 @@ def run_rank(args: dict) -> dict:
             "collectives_per_layer": clock.collectives / (args["batches"] * len(clock.layers)),
             "host_syncs_per_forward": syncs[name],
             "routes_leaving_their_rank": round(float(clock.sent[0] / clock.sent[1].clamp_min(1)), 4),
-            "split": serving.routing.split if serving is not None else None,
+            "split": ("exact" if serving.routing.exact else "view") if serving is not None else None,
             "slots_per_rank": serving.S if serving is not None else args["experts"] // G,
             "replans": serving.replans if serving is not None else 0})
     return out

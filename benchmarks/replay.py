@@ -40,11 +40,10 @@ import numpy as np
 import torch
 
 from eb_deepspeed.adapters.moves import DEVICE_FLOPS
-from eb_deepspeed.adapters.serving.engine import DISPATCH, choose_placement
 from eb_deepspeed.core.topology import TOPOLOGIES
 from eb_deepspeed.core.view import ew_step
 from eb_deepspeed.core.config import EasyBalanceConfig
-from eb_deepspeed.planning.placement import index_maps, plan_placement
+from eb_deepspeed.planning.placement import DISPATCH, choose_placement, index_maps, plan_placement
 
 from .eplb_port import rebalance_global
 from .exact import steered_max, uniform_loads
@@ -182,12 +181,12 @@ def _eplb_rule(interval: int, window: int, G: int, S: int):
 
 def _eb_rule(G: int, S: int, E: int, L: int, view_interval: int, replan_interval: int, threshold: float,
              alpha: float, swing: bool = True, copy_routes: float | None = COPY_ROUTES):
-    model = DISPATCH[(False, "view")]       # a dropless layer, the view's split (AutoEP serving)
+    model = DISPATCH["uniform"]       # a dropless layer, the view's split (AutoEP serving)
     home = index_maps(_static_phy(L, E, G, S), E, G, S)
     state = {"heat": None, "var": None, "current": home, "last": -10 ** 9}
 
     def plan(heat_LE):       # swing: replica counts for the view's swing too (the engine's planner call)
-        return plan_placement(heat_LE, G, S, dispatch=model.planner, previous=state["current"],
+        return plan_placement(heat_LE, G, S, dispatch=model, previous=state["current"],
                               swing_LE=state["var"].sqrt() if swing else None)
 
     def rule(b: int, seen_NLE: torch.Tensor, phy_LP: torch.Tensor) -> torch.Tensor:
@@ -203,7 +202,7 @@ def _eb_rule(G: int, S: int, E: int, L: int, view_interval: int, replan_interval
         # priced: move only when the gain over replan_interval batches pays for the copies (the engine's rule)
         price = (lambda p: float(_received(state["current"].phy2log, p.phy2log, G).max()) * copy_routes) \
             if copy_routes is not None else None
-        chosen = choose_placement(state["heat"], state["current"], home, threshold, plan, model.cost, model.ratio,
+        chosen = choose_placement(state["heat"], state["current"], home, threshold, plan, model,
                                   price, max(replan_interval, b - state["last"] if state["last"] > 0 else b)
                                   / view_interval)
         if chosen is None or chosen is state["current"]:

@@ -80,7 +80,7 @@ def rank_job(args) -> None:
         result[name] = {"busiest_over_mean": round(float(after.mean()), 4),
                         "busiest_over_mean_per_layer": [round(float(v), 4) for v in after.mean(0)],
                         "losses": losses, "replans": 0 if placer is None else placer.replans,
-                        "slots_served": None if placer is None else placer.served.slots_per_device}
+                        "slots_served": None if placer is None else placer.placement.slots_per_device}
         del engine
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:

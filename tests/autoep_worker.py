@@ -207,7 +207,7 @@ def scenario_placement(p):
     steps 1, 2 and 3 (three permutations) and home at the end: losses, logical gradients (ZeRO 0) and the final
     weights; with `p["fault"]`, the second move fails on rank 1 while checking what arrived ("verify") or while
     reading the state it sends ("read": its sends go as NaNs)."""
-    import eb_deepspeed.adapters.autoep.placement as placement_module
+    import eb_deepspeed.adapters.autoep.state as state_module
     import eb_deepspeed.adapters.moves as moves_module
     family, zero, accum, ep = "mixtral", p["zero"], p["accum"], p["ep"]
     out = {}
@@ -222,7 +222,7 @@ def scenario_placement(p):
             if placer is not None and 1 <= step <= 3:
                 if p.get("fault") and step == 2 and dist.get_rank() == 1:     # checking what arrived, or reading
                     _fail_once(*((moves_module, "verify_finite") if p["fault"] == "verify"
-                                 else (placement_module.ExpertState, "read")))
+                                 else (state_module.ExpertState, "read")))
                 applied.append(placer.apply(_rolled(2, 4, ep, step)))
             for micro in range(accum):
                 ids, mask, labels = batch(step, micro)
@@ -230,7 +230,7 @@ def scenario_placement(p):
                 engine.backward(loss)
                 losses.append(loss.detach().float().clone())
                 if zero == 0:
-                    grads.append(_logical_expert_grads(engine, placer.placement if placer else home))
+                    grads.append(_logical_expert_grads(engine, placer.resident if placer else home))
                 engine.step()
         if placer is not None:
             applied.append(placer.apply(home))
@@ -277,7 +277,7 @@ def scenario_replicas(p):
                 engine.backward(loss)
                 losses.append(loss.detach().float().clone())
                 if zero == 0:
-                    grads.append(_logical_expert_grads(engine, placer.placement if placer else home))
+                    grads.append(_logical_expert_grads(engine, placer.resident if placer else home))
                 engine.step()
         if placer is not None:
             applied.append(placer.apply(home))
@@ -289,7 +289,7 @@ def scenario_replicas(p):
 def scenario_replica_fault(p):
     """Replicas served; on rank 1 reading the rows for the replica all-to-all fails, in forward ("fetch") or
     backward ("grad"): every rank raises before the optimizer step, nobody hangs, no weight changed."""
-    from eb_deepspeed.adapters.autoep import placement as placement_module
+    from eb_deepspeed.adapters.autoep import fetch as fetch_module
     block = _placement_block()
     block["train_placement"]["replica_slots"] = 1
     engine = engine_for("mixtral", config("mixtral", p["zero"], 1, block, p["out"]))
@@ -297,13 +297,13 @@ def scenario_replica_fault(p):
     assert placer.apply(_with_replicas(2, 4, 2, 1))
     before = {n: t.detach().clone() for n, t in engine.module.named_parameters()}
     if dist.get_rank() == 1:
-        rows = placement_module._rows
+        rows = fetch_module._rows
 
         def failing(tensors, index):
             if tensors[0].requires_grad == (p["fault"] == "fetch"):
                 raise RuntimeError("injected")
             return rows(tensors, index)
-        placement_module._rows = failing
+        fetch_module._rows = failing
     ids, mask, labels = batch(0, 0)
     error = None
     try:
@@ -315,9 +315,38 @@ def scenario_replica_fault(p):
     return {"error": error, "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
 
 
+def scenario_isolation(p):
+    """A plain AutoEP model beside one easybalance trains with replicas (the exact split) in one process: the plain one
+    trains as it does alone and DeepSpeed's module keeps its own count exchange; an exception inside the balanced
+    layer's grouped GEMM leaves its [H, ...] weights in place, and the model trains on and saves."""
+    from deepspeed.module_inject import auto_ep_layer
+    original = auto_ep_layer.compute_split_plan
+    alone = train(engine_for("mixtral", config("mixtral", 0, 1, None, p["out"]), use_eb=False), 2)[0]
+    block = _placement_block()
+    block["train_placement"]["replica_slots"] = 1
+    placed = engine_for("mixtral", config("mixtral", 0, 1, block, p["out"]))
+    assert placed.easybalance.placement.apply(_with_replicas(2, 4, 2, 1))
+    train(placed, 1)                                              # the exact split's count exchange in use
+    beside = engine_for("mixtral", config("mixtral", 0, 1, None, p["out"]), use_eb=False)
+    layers = [m for _, m in find_autoep_layers(beside.module)]
+    out = {"module_untouched": auto_ep_layer.compute_split_plan is original,
+           "layers_untouched": all("_forward" not in vars(m) and "forward" not in vars(m.experts) for m in layers),
+           "alone": alone, "beside": train(beside, 2)[0]}
+    experts = find_autoep_layers(placed.module)[0][1].experts
+    before = [tuple(t.shape) for t in experts.parameters()]
+    try:                                     # a grouped GEMM that raises (here: rows of the wrong width)
+        experts(torch.zeros(4, 7), torch.tensor([1, 1, 1, 1, 0, 0]))
+    except RuntimeError as e:
+        out["raised"] = str(e)[:80]
+    out["shapes"] = (before, [tuple(t.shape) for t in experts.parameters()])
+    out["after"] = train(placed, 1)[0]
+    out["saved"] = placed.save_checkpoint(os.path.join(p["out"], "ckpt"), tag="t")
+    return out
+
+
 def _expert_state(engine) -> list[dict]:
     """Every layer's expert state, row by row, as a move reads it (collective under ZeRO: every rank calls it)."""
-    from eb_deepspeed.adapters.autoep.placement import ExpertState
+    from eb_deepspeed.adapters.autoep.state import ExpertState
     rows, layers = ExpertState(engine, [m for _, m in find_autoep_layers(engine.module)]), []
     for layer, m in enumerate(rows.layers):
         rows.prepare(layer)
@@ -330,7 +359,7 @@ def scenario_placement_faults(p):
     ("prepare"), posting a transfer ("post"), writing what arrived ("write"): every rank keeps the old placement
     and state, no rank waits; then a move that goes through, training equal to plain AutoEP's; then the exports:
     `state_dict()` refused while placed, the logical layout inside `at_home()` and from `save_16bit_model`."""
-    import eb_deepspeed.adapters.autoep.placement as placement_module
+    import eb_deepspeed.adapters.autoep.state as state_module
     import eb_deepspeed.adapters.moves as moves_module
     zero, ep, rank = p["zero"], p["ep"], dist.get_rank()
     plain = engine_for("mixtral", config("mixtral", zero, 1, None, p["out"], ep=ep), use_eb=False)
@@ -338,15 +367,15 @@ def scenario_placement_faults(p):
     placer = placed.easybalance.placement
     losses = {"plain": train(plain, 1)[0], "placed": train(placed, 1)[0]}        # the optimizer has state now
     out = {"applied": [], "unchanged": []}
-    for step, (where, name) in enumerate(((placement_module.ExpertState, "prepare"), (moves_module, "_post"),
-                                          (placement_module.ExpertState, "write")), start=1):
+    for step, (where, name) in enumerate(((state_module.ExpertState, "prepare"), (moves_module, "_post"),
+                                          (state_module.ExpertState, "write")), start=1):
         before = _expert_state(placed)
         if rank == p["victim"]:
             _fail_once(where, name)
         out["applied"].append(placer.apply(_rolled(2, 4, ep, step)))
         after = _expert_state(placed)
         out["unchanged"].append(all(torch.equal(a[j], b[j]) for a, b in zip(before, after) for j in a))
-        out["placed_after_fault"] = placer.placement is placer.home
+        out["placed_after_fault"] = placer.resident is placer.home
     out["applied"].append(placer.apply(_rolled(2, 4, ep, 1)))
     for name, engine in (("plain", plain), ("placed", placed)):
         losses[name] += train(engine, 3)[0]
@@ -362,7 +391,7 @@ def scenario_placement_faults(p):
                                  for k, v in plain.module.state_dict().items())
     for name, engine in (("plain", plain), ("placed", placed)):
         engine.save_16bit_model(os.path.join(p["out"], name), "model.bin")
-    out["still_placed"] = placer.placement is not placer.home
+    out["still_placed"] = placer.resident is not placer.home
     out["failed_moves"] = placer.failed_moves
     out["exported"] = [os.path.join(p["out"], name, "model.bin") for name in ("plain", "placed")]
     return out
@@ -409,9 +438,9 @@ def scenario_placement_auto(p):
     placed_losses, _ = train(placed, 8, between=lambda step: ratios.append(
         placed.easybalance.metrics()["device_max_over_mean"]))
     placer = placed.easybalance.placement
-    slots_at_save = placer.served.slots_per_device
+    slots_at_save = placer.placement.slots_per_device
     placed.save_checkpoint(ckpt, tag="t")
-    moved_after_save = placer.served.phy2log.clone()       # with replicas: [L, G * (H + R)]
+    moved_after_save = placer.placement.phy2log.clone()       # with replicas: [L, G * (H + R)]
     # two steps after the save: the second's loss shows the optimizer state (moments) followed its expert
     next_placed, _ = train(placed, 2)
     fresh_plain = engine_for(family, config(family, zero), use_eb=False, seed=3)

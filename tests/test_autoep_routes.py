@@ -19,11 +19,11 @@ class _Layer(torch.nn.Module):
 
 
 def _routes(plan, layer_index=0, split="view"):
-    from eb_deepspeed.adapters.autoep.serving import AutoEPRoutes
-    from eb_deepspeed.adapters.serving.store import Routing, SlotTable
+    from eb_deepspeed.adapters.autoep.routes import AutoEPRoutes
+    from eb_deepspeed.adapters.routing import Routing, SlotTable
     G = plan.num_devices
     return AutoEPRoutes(_Layer(plan.num_experts, 2), layer_index, G, plan.slots_per_device,
-                        table=SlotTable.even(plan.log2phy[layer_index]), routing=Routing(split=split))
+                        table=SlotTable.even(plan.log2phy[layer_index]), routing=Routing(exact=split == "exact"))
 
 
 def test_each_route_goes_to_a_slot_of_its_expert_and_replicas_share_its_routes_evenly():

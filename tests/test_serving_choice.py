@@ -2,8 +2,7 @@
 import pytest
 import torch
 
-from eb_deepspeed.adapters.serving.engine import MIN_GAIN, choose_placement
-from eb_deepspeed.planning.placement import expected_padded_cost, plan_placement, static_placement
+from eb_deepspeed.planning.placement import MIN_GAIN, choose_placement, expected_padded_cost, plan_placement, static_placement
 
 pytestmark = pytest.mark.unit
 HOME = static_placement(1, 4, 2)                       # 4 experts on 2 ranks, DeepSpeed's layout
@@ -74,7 +73,7 @@ def test_the_engine_plans_replica_counts_for_the_views_swing_under_an_even_split
     view = engine.balancer.view
     view.var_LE = torch.tensor([[0.0, 4.0, 9.0, 0.0]])
     engine._plan(torch.tensor([[8.0, 1, 1, 1]]))
-    assert engine.model.planner == "padded" and torch.equal(seen["swing_LE"], torch.tensor([[0.0, 2.0, 3.0, 0.0]]))
+    assert engine.model.padded and torch.equal(seen["swing_LE"], torch.tensor([[0.0, 2.0, 3.0, 0.0]]))
 
 
 def test_replica_slots_a_re_plan_could_not_plan_are_refused_at_start_up():

@@ -102,21 +102,27 @@ def test_with_the_copies_ranks_each_rank_fills_its_own_copy_first_and_every_sum_
         assert torch.equal(steer(counts, devices), share)                 # the public split is the runtime's
 
 
-def test_autoeps_split_plan_wrapped_answers_every_other_caller_as_deepspeed_and_takes_staged_sizes():
+def test_the_count_exchange_is_taken_over_at_one_layers_call_site_and_nowhere_else():
+    import types
     from deepspeed.module_inject import auto_ep_layer
-    from eb_deepspeed.adapters.autoep.serving import take_over_count_exchange
-    take_over_count_exchange()
-    take_over_count_exchange()                                  # once: a second call wraps nothing more
-    wrapped = auto_ep_layer.compute_split_plan
-    assert wrapped.easybalance and not getattr(wrapped.__wrapped__, "easybalance", False)
+    from eb_deepspeed.adapters.autoep.routes import _take_over_count_exchange
+    original = auto_ep_layer.compute_split_plan
+    scope = {"compute_split_plan": original}     # AutoEP's call site: `_forward` calls its module's function by name
+    exec("def _forward(self, *args, **kwargs):\n    return compute_split_plan(*args, **kwargs)", scope)
+    Layer = type("Layer", (), {"_forward": scope["_forward"]})
+    ours, plain, routes = Layer(), Layer(), types.SimpleNamespace(_splits=None)
+    _take_over_count_exchange(ours, routes)
+    assert auto_ep_layer.compute_split_plan is original and scope["compute_split_plan"] is original
+    assert Layer._forward is scope["_forward"] and "_forward" not in vars(plain)     # the class, other layers: as they were
     selected_TK = torch.tensor([[0, 1], [1, 3]])
     counts_E = torch.tensor([1, 2, 0, 1], dtype=torch.int32)
-    for args, kwargs in (((selected_TK, 4, 1, 4, None), {}), ((selected_TK, 4, 1, 4, None, counts_E), {}),
-                         ((selected_TK, 4, 1, 4, None), {"num_tokens_per_expert": counts_E})):
-        plan = wrapped(*args, **kwargs)                         # positional or keyword, as DeepSpeed's own
-        assert plan.input_splits == [4] and plan.local_counts_by_source.tolist() == [[1, 2, 0, 1]]
-    staged = counts_E.clone()
-    staged._easybalance_splits = (torch.tensor([[3, 1], [2, 2]]), torch.tensor([[1, 1], [0, 0]]))
-    plan = wrapped(selected_TK, 4, 2, 2, None, num_tokens_per_expert=staged)
+    for layer in (ours, plain):
+        for args, kwargs in (((selected_TK, 4, 1, 4, None), {}), ((selected_TK, 4, 1, 4, None, counts_E), {}),
+                             ((selected_TK, 4, 1, 4, None), {"num_tokens_per_expert": counts_E})):
+            plan = layer._forward(*args, **kwargs)               # nothing staged: DeepSpeed's own answer
+            assert plan.input_splits == [4] and plan.local_counts_by_source.tolist() == [[1, 2, 0, 1]]
+    routes._splits = (torch.tensor([[3, 1], [2, 2]]), torch.tensor([[1, 1], [0, 0]]))
+    plan = ours._forward(selected_TK, 4, 2, 2, None, num_tokens_per_expert=counts_E)
     assert (plan.input_splits, plan.output_splits) == ([3, 1], [2, 2])           # no exchange: the staged sizes
     assert plan.local_counts_by_source.dtype == torch.int32 and plan.local_counts_by_source.tolist() == [[1, 1], [0, 0]]
+    assert routes._splits is None                                 # taken once, by this forward

@@ -35,8 +35,8 @@ SERVE_STEP = {("eb_deepspeed/core/balancer.py", "take", "device-to-host copy"): 
 CAPACITY = ("eb_deepspeed/adapters/deepspeed/replicas.py", "_capacity", "item")
 TOKENS = ("eb_deepspeed/adapters/deepspeed/replicas.py", "_agreed_tokens", "item")
 # AutoEP's own read of its all-to-all sizes, one per layer, made by us where the exact split takes its count
-# exchange over (`adapters.autoep.serving.take_over_count_exchange`)
-SPLITS = ("eb_deepspeed/adapters/autoep/serving.py", "compute_split_plan", "device-to-host copy")
+# exchange over (`adapters.autoep.routes`)
+SPLITS = ("eb_deepspeed/adapters/autoep/routes.py", "compute_split_plan", "device-to-host copy")
 
 
 def assert_training(result: dict) -> None:

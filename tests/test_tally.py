@@ -160,7 +160,7 @@ def replica_gate(num_devices: int, log2phy_ER: torch.Tensor, slots_per_device: i
     from deepspeed.moe.sharded_moe import TopKGate
 
     from eb_deepspeed.adapters.deepspeed.replicas import ReplicaGate
-    from eb_deepspeed.adapters.serving.store import SlotTable
+    from eb_deepspeed.adapters.routing import SlotTable
     torch.manual_seed(0)
     plain = TopKGate(16, E, 2, 1.0, 0.5, 1, None, drop_tokens, False, None, True).eval()
     return ReplicaGate.from_gate(plain, num_devices, slots_per_device, table=SlotTable.even(log2phy_ER))

@@ -117,6 +117,14 @@ def test_replicas_keep_plain_autoeps_losses_gradients_and_weights(tmp_path, worl
         assert sum(r[-1] for r in placed["rows"] if len(r) == H + 1) > 0       # replicas computed routes
 
 
+def test_a_plain_autoep_model_beside_ours_is_untouched_and_a_failed_forward_leaves_no_replica_rows(tmp_path):
+    for rank in run(tmp_path, "isolation", 2):
+        assert rank["module_untouched"] and rank["layers_untouched"]      # DeepSpeed's count exchange, its layers
+        assert torch.equal(torch.stack(rank["alone"]), torch.stack(rank["beside"]))      # bit for bit
+        assert "raised" in rank and rank["shapes"][0] == rank["shapes"][1]               # [H, ...] as before
+        assert all(torch.isfinite(x) for x in rank["after"]) and rank["saved"]
+
+
 @pytest.mark.parametrize("fault, zero", [("fetch", 0), ("grad", 2)])
 def test_a_replica_transfer_that_fails_on_one_rank_stops_every_rank_before_the_step(tmp_path, fault, zero):
     what = "fetching replica weights" if fault == "fetch" else "sending replica gradients home"

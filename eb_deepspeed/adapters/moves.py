@@ -1,12 +1,16 @@
 """Expert rows moved between EP ranks, for serving's re-plans and training's placement: which rows move, what moving
-them costs, and the move itself, in phases that leave every rank on one placement.
+them costs, the move itself in phases that leave every rank on one placement, and the lifecycle both run.
 
 Shape legend: L layers, G EP ranks, S slots (rows) per rank, P physical slots (G * S; slot p is row p % S of rank
-p // S).
+p // S), N row transfers.
 
     moves = slot_moves(old, new)                         # (layer, dst rank, dst row, src rank, src row) per copy
-    stall = copy_stall(moves, bytes_per_param, flops_per_route, node_G, "nvlink", "cuda")   # routes it costs
+    stall = transfer_stall(src_N, dst_N, bytes_per_param, flops_per_route, node_G, "nvlink", "cuda")   # in routes
     moved = RowMover(rank, ep_ranks, group, device).move(moves, key, rows)      # False: every rank kept its rows
+    placer = Placer(mover, home); placer.move(plan, rows, flip)                 # check -> move -> flip -> count
+
+One placement lifecycle for serving and training: choose (`planning.placement.choose_placement`, by the runtime's
+`Dispatch`) -> check -> move (`RowMover`) -> flip (the owner's route tables) -> count (`Placer`).
 
 `rows` (`Rows`) is what a row is: serving's slot weights, or training's expert state (weights, fp32 masters and
 optimizer moments). A move, every rank of the job together:
@@ -37,7 +41,7 @@ import torch.distributed as dist
 from ..core.topology import TOPOLOGIES
 from .common import dist_rank, dist_ready
 
-__all__ = ["slot_moves", "copy_stall", "RowMover", "Rows"]
+__all__ = ["slot_moves", "transfer_stall", "RowMover", "Rows", "Placer"]
 
 Move = tuple[int, int, int, int, int]      # (layer, dst rank, dst row, src rank, src row)
 # A route takes FLOPs per expert parameter (2 in a forward, 6 with its backward); moving a row takes its bytes at
@@ -62,19 +66,20 @@ def slot_moves(old, new) -> list[Move]:
     return moves
 
 
-def copy_stall(moves: list[Move], bytes_per_param: float, flops_per_route: float, node_G, topology: str,
-               device_type: str) -> float:
-    """The time the busiest receiving rank waits for its copies, in routes it could have computed meanwhile: each
-    copied row's parameters at `bytes_per_param` over the link between its ranks (the topology's bandwidth inside
-    a node, between nodes across: node_G [G] node of each rank), against `flops_per_route` per parameter at
-    `DEVICE_FLOPS`. A row that stays on its rank costs nothing."""
+def transfer_stall(src_N, dst_N, bytes_per_param: float, flops_per_route: float, node_G, topology: str,
+                   device_type: str) -> float:
+    """The time the busiest rank spends on row transfers (rows from src_N [N] to dst_N [N], EP ranks), in routes it
+    could have computed meanwhile: each row's parameters at `bytes_per_param` over the link between its ranks (the
+    topology's bandwidth inside a node, between nodes across: node_G [G] node of each rank), a rank's sends and
+    receives each at full duplex, against `flops_per_route` per parameter at `DEVICE_FLOPS`. A row that stays on its
+    rank costs nothing. The one price of a weight move (serving, training placement) and of a replica's fetch."""
     topo, flops = TOPOLOGIES[topology], DEVICE_FLOPS["cuda" if device_type == "cuda" else "cpu"]
-    received: dict[int, float] = {}
-    for _, dst, _, src, _ in moves:
-        if src != dst:
-            bw = topo.intra_bw if int(node_G[src]) == int(node_G[dst]) else topo.inter_bw
-            received[dst] = received.get(dst, 0.0) + flops * bytes_per_param / (flops_per_route * bw)
-    return max(received.values(), default=0.0)
+    src, dst, node = (torch.as_tensor(x, dtype=torch.long).reshape(-1) for x in (src_N, dst_N, node_G))
+    bw = torch.where(node[src] == node[dst], *torch.tensor([topo.intra_bw, topo.inter_bw], dtype=torch.float64))
+    routes_N = (src != dst).double() * (flops * bytes_per_param / flops_per_route) / bw
+    zeros = torch.zeros(len(node), dtype=torch.float64)
+    busy = torch.maximum(zeros.index_add(0, src, routes_N), zeros.index_add(0, dst, routes_N))
+    return float(busy.max()) if len(node) else 0.0
 
 
 class Rows(Protocol):
@@ -172,6 +177,33 @@ class RowMover:
             return True
         except Exception as e:   # noqa: BLE001
             return warn_failed("writing the moved rows", e)
+
+
+class Placer:
+    """One model's placement lifecycle, every rank together: check -> move -> flip -> count. `resident`: what the
+    rows hold (serving's slots; training's home experts), `home`: the runtime's own layout. Serving's engine and
+    training's placement each hold one and choose with `planning.placement.choose_placement`."""
+
+    def __init__(self, mover: RowMover, home):
+        self.mover, self.home, self.resident = mover, home, home
+        self.replans = self.weight_moves = self.failed_moves = self.moved_bytes = 0
+
+    def move(self, plan, rows, flip, replan: bool = True, row_bytes: int = 0) -> bool:
+        """Copy the rows `plan` holds where `resident` does not (`slot_moves`), then `flip()` (the owner serves `plan`
+        from the next forward) and count; or, when any rank fails, keep every rank's rows and tables (False).
+        rows(): this rank's `Rows` and whether preparing them went well (asked only when something moves);
+        replan: count a re-plan; row_bytes: a moved row's bytes (`moved_bytes`)."""
+        moves = slot_moves(self.resident, plan)
+        state, ok = rows() if moves else (None, True)
+        if not self.mover.move(moves, placement_key(plan.phy2log), state, ok):     # agreed even with nothing to move
+            self.failed_moves += 1
+            return False
+        self.resident = plan
+        flip()
+        self.replans += int(replan)
+        self.weight_moves += len(moves)
+        self.moved_bytes += row_bytes * sum(src != dst for _, dst, _, src, _ in moves)
+        return True
 
 
 def agree(ok: bool, key: int, device) -> bool:

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from .flows import steer_flows
+from .flows import steer_flows, steered_load
 from .refine import refine_for_steering
 from .slots import SlotCounts, checked_load, holds_mask, integer_tensor, is_integer, is_real, real_tensor
 from .uniform import count_variants, even_split_loads, refine_uniform, slot_shares
@@ -42,14 +43,18 @@ MAX_SCAN = 1 << 34
 STICKINESS = 0.1
 REFINE_ITERS = 2            # water-filling iterations per confirmation of the steering-aware search
 REFINE_WORK = 1 << 14       # slots steered per round to confirm moves (more candidates per layer on smaller inputs)
-DISPATCH = ("steered", "uniform", "padded")   # how a runtime splits (and pads) an expert's tokens over its replicas
 SPREAD_WEIGHT = 0.1         # steered default: 1 % of the mean device load per 0.1 of `cross_node_fraction`
 EXTRA_WORK = 1 << 14        # up to this many layers x slots, more candidates (greedy start, no spread)
 HEDGE = 2.0                 # an even split's replica counts go by load + HEDGE x swing (docs/benchmarks.md)
 SCENARIOS = 256             # with a swing, each layer's plan is chosen on this many loads drawn within it
 HEDGE_COST = 0.02           # ... and hedged only where that costs at most 2 % more at the mean load (benchmarks.md)
+# A new placement must be expected to cut the cost by this much (`choose_placement`): the expectation is of the EMA
+# heat, while each batch's load is its own, and moving weights costs time too. Measured on the example model: a 3 %
+# expected gain was a loss.
+MIN_GAIN = 0.10
 
-__all__ = ["Placement", "plan_placement", "static_placement", "expected_padded_cost", "expected_device_load"]
+__all__ = ["Placement", "plan_placement", "static_placement", "expected_padded_cost", "expected_device_load",
+           "Dispatch", "DISPATCH", "choose_placement"]
 
 
 def check_plan_size(num_layers: int, num_slots: int, num_devices: int) -> None:
@@ -85,6 +90,42 @@ class Placement:
     def expert_devices(self) -> torch.Tensor:
         """Device of each replica, [L, E, R] long (-1 padded)."""
         return torch.where(self.log2phy >= 0, self.log2phy // self.slots_per_device, -1)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """How a runtime splits each expert's routes over its copies, as the planner and the re-plan rule see it (one
+    name per model, `DISPATCH`). padded: evenly, every slot padded to the largest (DeepSpeed's MOELayer);
+    steered: each batch by the exact split (`steering.Copies`, our AutoEP layers), scored after `flows.steered_load`;
+    neither: evenly, dropless (AutoEP's layer with the `view` split; vLLM, SGLang, EPLB)."""
+    name: str
+    padded: bool = False
+    steered: bool = False
+
+    def device_load(self, heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
+        """[L, G] each device's expected routes under this split (a dropless layer's time is its busiest)."""
+        return steered_load(plan, heat_LE) if self.steered else expected_device_load(heat_LE, plan)
+
+    def cost(self, heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
+        """[L] what a layer computes and sends: slots x the largest slot (padded), else the busiest device."""
+        return expected_padded_cost(heat_LE, plan) if self.padded else self.device_load(heat_LE, plan).amax(1)
+
+    def ratio(self, heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
+        """[L] the skew `replan_threshold` is compared with: the largest slot or the busiest device over the mean."""
+        if self.padded:
+            return expected_slot_ratio(heat_LE, plan)
+        load_LG = self.device_load(heat_LE, plan)
+        mean_L = load_LG.mean(1)
+        return torch.where(mean_L > 0, load_LG.amax(1) / mean_L.clamp_min(1e-300), torch.ones_like(mean_L))
+
+
+DISPATCH = {d.name: d for d in (Dispatch("steered", steered=True), Dispatch("uniform"), Dispatch("padded", padded=True))}
+
+
+def runtime_dispatch(padded: bool, split: str) -> Dispatch:
+    """The model of a runtime (`padded`: DeepSpeed's MOELayer) serving `easybalance.inference.split` ("exact" or
+    "view"): a padded layer always splits evenly."""
+    return DISPATCH["padded" if padded else "steered" if split == "exact" else "uniform"]
 
 
 def static_placement(num_layers: int, num_experts: int, num_devices: int) -> Placement:
@@ -253,7 +294,7 @@ def assign_replicas(load_LE: torch.Tensor, cnt_LE: torch.Tensor, G: int, S: int,
 
 def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: int, *, num_nodes: int = 1,
                    previous: Placement | None = None, slot_budget: int | None = None,
-                   refine_rounds: int | None = None, dispatch: str = "steered",
+                   refine_rounds: int | None = None, dispatch: str | Dispatch = "steered",
                    node_spread: bool | None = None, swing_LE: torch.Tensor | None = None) -> Placement:
     """Plan replicas and their devices for every layer at once (see the module doc).
 
@@ -262,7 +303,8 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     previous: the placement serving now; weight moves away from it are priced (`STICKINESS`).
     slot_budget: total physical slots over all layers (L*E <= budget <= L*G*S); None fills every slot.
     refine_rounds: rounds of every local search (0 = greedy only); None: fewer on larger inputs.
-    dispatch: how the runtime splits an expert's tokens over its replicas. "steered" (ours, `steering.steer`):
+    dispatch: how the runtime splits an expert's tokens over its replicas (a name of `DISPATCH`, or its model).
+    "steered" (ours, `steering.steer`):
     plans for the slowest device after steering. "uniform" (vLLM, SGLang, EPLB, AutoEP's dropless layer with our
     `view` split: evenly): the counts may change in the search. "padded" (DeepSpeed's MOELayer: evenly, every
     slot padded to the largest): the counts stay, swaps balance.
@@ -276,14 +318,14 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     Raises TypeError / ValueError naming the argument; never returns a placement that leaves an expert out or
     puts two replicas of one expert on one device.
     """
-    load_LE, G, S, previous = _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
+    load_LE, G, S, dispatch, previous = _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
                                               slot_budget, refine_rounds, dispatch, node_spread)
     if swing_LE is not None:
         swing_LE = real_tensor("swing_LE", swing_LE, "[layers, experts]")
         if swing_LE.shape != load_LE.shape:
             raise ValueError(f"swing_LE must have load_LE's shape {tuple(load_LE.shape)}, got {tuple(swing_LE.shape)}")
     if node_spread is None:
-        node_spread = SPREAD_WEIGHT if dispatch == "steered" else False
+        node_spread = SPREAD_WEIGHT if dispatch.steered else False
     # The penalties of the search are absolute (a forbidden device costs 1e30): plan in units where the
     # largest load is 1 when loads are far from that, and report the loads in the caller's units.
     peak = float(load_LE.max())
@@ -291,7 +333,7 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     task = _Task(load_LE / scale, G, S, num_nodes, previous, slot_budget, refine_rounds, dispatch, node_spread,
                  None if swing_LE is None else swing_LE / scale)
     # Steps 1-3: each layer's candidates; `previous` is one where it can be.
-    cands, x_LP = _steered_candidates(task) if dispatch == "steered" else (_uniform_candidates(task), None)
+    cands, x_LP = _steered_candidates(task) if dispatch.steered else (_uniform_candidates(task), None)
     # Step 4: each layer's best candidate, and its index maps.
     weight = 0.0 if isinstance(node_spread, bool) else float(node_spread)
     phy, x_LP = _choose(task, np.stack(cands + _kept_previous(task, cands)), dispatch, weight, x_LP)
@@ -313,9 +355,10 @@ class _Task:
     previous: Placement | None
     slot_budget: int | None
     refine_rounds: int | None
-    dispatch: str
+    dispatch: Dispatch
     node_spread: bool | float
     swing_LE: torch.Tensor | None = None
+    hedge: bool | None = None       # replica counts by load + HEDGE x swing (True) or load alone (False); None: both
 
     def __post_init__(self):
         self.L, self.E = self.load_LE.shape
@@ -338,16 +381,16 @@ def _uniform_candidates(t: _Task) -> list[np.ndarray]:
     HEDGE x swing) stay, only swaps balance; the counts by load alone are planned too, and each layer keeps
     whichever does better on loads drawn within the swing (`_choose`), the hedged one only within HEDGE_COST of the
     other's busiest rank at the mean load."""
-    steered = t.dispatch == "steered"
-    hedged = t.swing_LE is not None and t.dispatch not in ("steered", "unhedged")
-    if hedged and t.dispatch == "uniform":
-        unhedged = _uniform_candidates(replace(t, dispatch="unhedged"))
-        pairs = [np.stack([h, u]) for h, u in zip(_uniform_candidates(replace(t, dispatch="hedged")), unhedged)]
+    steered = t.dispatch.steered
+    hedged = t.swing_LE is not None and not steered if t.hedge is None else t.hedge
+    if hedged and t.hedge is None and not t.dispatch.padded:
+        unhedged = _uniform_candidates(replace(t, hedge=False))
+        pairs = [np.stack([h, u]) for h, u in zip(_uniform_candidates(replace(t, hedge=True)), unhedged)]
         for pair in pairs:          # hedged only where it costs at most HEDGE_COST more at the mean load
             at_mean = even_split_loads(pair.reshape(2 * t.L, t.P), np.tile(t.load, (2, 1)), t.G, t.S).max(1)
             pair[0] = np.where((at_mean[:t.L] <= (1 + HEDGE_COST) * at_mean[t.L:])[:, None], pair[0], pair[1])
-        return [_choose(t, pair, "uniform")[0] for pair in pairs]
-    fixed_counts = t.dispatch in ("padded", "hedged")
+        return [_choose(t, pair, DISPATCH["uniform"])[0] for pair in pairs]
+    fixed_counts = t.dispatch.padded or t.hedge is True
     nodes_list = [t.spread_G, t.none_G] if t.weighed and (t.small or not steered) else [t.spread_G]
     L, P, n = t.L, t.P, len(nodes_list)
     by = t.load_LE + HEDGE * t.swing_LE if hedged else t.load_LE
@@ -367,7 +410,7 @@ def _uniform_candidates(t: _Task) -> list[np.ndarray]:
         phy = refine_uniform(phy, load_N, t.G, t.S, rounds, node_NG if node_NG.max() > 0 else None, was_N, STICKINESS,
                              swaps_only=fixed_counts)
     phy = phy.reshape(n, V, L, P)
-    return list(phy[:, 0]) if V == 1 else [_choose(t, phy[i], "uniform")[0] for i in range(n)]
+    return list(phy[:, 0]) if V == 1 else [_choose(t, phy[i], DISPATCH["uniform"])[0] for i in range(n)]
 
 
 def _steered_candidates(t: _Task) -> tuple[list[np.ndarray], np.ndarray | None]:
@@ -419,18 +462,18 @@ def cross_node_fraction(phy_NP: np.ndarray, load_NE: np.ndarray, node_G: np.ndar
     return np.where(total > 0, (load_NE * (1 - covered_NE)).sum(1) / np.where(total > 0, total, 1), 0.0)
 
 
-def _choose(t: _Task, phy_CLP: np.ndarray, dispatch: str, spread_weight: float = 0.0, x0_LP=None):
+def _choose(t: _Task, phy_CLP: np.ndarray, dispatch: Dispatch, spread_weight: float = 0.0, x0_LP=None):
     """Per layer the best of C candidate placements phy_CLP [C, L, P]: the slowest device under `dispatch` (steered:
     after `flows.steer_flows`), plus spread_weight x the mean device load x the cross-node route fraction, plus
     priced weight moves. x0_LP: the first candidate's steered split, or None. -> (phy_LP, x_LP: tokens per slot
     after steering, or None)."""
     C, L, P = phy_CLP.shape
     G, S = t.G, t.S
-    if C == 1 and (dispatch != "steered" or x0_LP is not None):
+    if C == 1 and (not dispatch.steered or x0_LP is not None):
         return phy_CLP[0], x0_LP
     phy_NP = phy_CLP.reshape(C * L, P)
     load_NE = np.tile(t.load, (C, 1))
-    if dispatch == "steered":
+    if dispatch.steered:
         start = np.ones((C * L, P))
         if x0_LP is not None:
             start[:L] = x0_LP
@@ -441,11 +484,11 @@ def _choose(t: _Task, phy_CLP: np.ndarray, dispatch: str, spread_weight: float =
         x_NP, y_NG = None, even_split_loads(phy_NP, load_NE, G, S)
     mean = t.load.sum(1) / G
     score = y_NG.max(1).reshape(C, L)
-    if dispatch == "uniform" and t.swing_LE is not None:      # the mean busiest rank over loads within the swing
+    if not (dispatch.steered or dispatch.padded) and t.swing_LE is not None:   # mean busiest over loads in the swing
         rng, swing = np.random.default_rng(0), t.swing_LE.numpy()
         drawn = (np.clip(t.load + rng.standard_normal(t.load.shape) * swing, 0.0, None) for _ in range(SCENARIOS))
         score = np.mean([even_split_loads(phy_NP, np.tile(d, (C, 1)), G, S).max(1).reshape(C, L) for d in drawn], 0)
-    if dispatch == "padded":   # every slot is padded to the largest: slots x the largest share, per device
+    if dispatch.padded:   # every slot is padded to the largest: slots x the largest share, per device
         score = (slot_shares(phy_NP, load_NE)[2].max(1) * S).reshape(C, L)
     if spread_weight > 0 and t.node_G.max() > 0:
         score = score + spread_weight * mean * cross_node_fraction(phy_NP, load_NE, t.node_G, S).reshape(C, L)
@@ -485,13 +528,14 @@ def _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
                          f"[{L * E}, {L * P}]")
     if refine_rounds is not None and refine_rounds < 0:
         raise ValueError(f"refine_rounds ({refine_rounds}) must be >= 0 or None")
-    if not isinstance(dispatch, str) or dispatch not in DISPATCH:
+    if not isinstance(dispatch, Dispatch) and (not isinstance(dispatch, str) or dispatch not in DISPATCH):
         raise ValueError(f"dispatch ({dispatch!r}) must be one of {list(DISPATCH)}")
+    dispatch = DISPATCH.get(dispatch, dispatch) if isinstance(dispatch, str) else dispatch
     if not (node_spread is None or isinstance(node_spread, bool)
             or (is_real(node_spread) and 0.0 <= float(node_spread) < math.inf)):
         raise ValueError(f"node_spread ({node_spread!r}) must be True, False, None or a weight >= 0 (a fraction of "
                          "the mean device load per unit of cross-node route fraction)")
-    return load_LE, G, S, None if previous is None else _checked_previous(previous, L, E, G)
+    return load_LE, G, S, dispatch, None if previous is None else _checked_previous(previous, L, E, G)
 
 
 def _checked_previous(previous, L: int, E: int, G: int) -> Placement:
@@ -618,6 +662,32 @@ def prefix_placement(plan: Placement) -> Placement:
     L, E, G, S = plan.logcnt.shape[0], plan.num_experts, plan.num_devices, plan.slots_per_device
     H = E // G
     return index_maps(plan.phy2log.reshape(L, G, S)[:, :, :H].reshape(L, G * H).clone(), E, G, H)
+
+
+def choose_placement(heat_LE: torch.Tensor, current: Placement, home: Placement, threshold: float,
+                     plan: Callable[[torch.Tensor], Placement], dispatch: Dispatch = DISPATCH["padded"],
+                     move_cost: Optional[Callable[[Placement], float]] = None, horizon: float = 1.0,
+                     min_gain: float = MIN_GAIN) -> Optional[Placement]:
+    """The placement to serve next, or None when the view gives no reason to plan (pure).
+
+    Plan (`plan(heat_LE)`) when a layer's skew under the current placement (`dispatch.ratio`) passes `threshold`, or
+    when the home layout would cost `min_gain` less than the current one (replicas traffic no longer needs).
+    `dispatch.cost` [L]: what each layer computes and sends. The cheaper of the plan and the home layout replaces
+    the current placement when it costs `min_gain` less and, with `move_cost(plan)` (its weight copies, in the
+    same units), what it saves over `horizon` steps pays for its moves; else the current one is returned (planned,
+    nothing moves)."""
+    def total(p: Placement) -> float:
+        return float(dispatch.cost(heat_LE, p).sum())
+
+    skewed = float(dispatch.ratio(heat_LE, current).max()) > threshold
+    unneeded = current is not home and total(home) < (1 - min_gain) * total(current)
+    if not (skewed or unneeded):
+        return None
+    best = min((plan(heat_LE), home), key=total)
+    gain = total(current) - total(best)
+    if gain <= min_gain * total(current) or (move_cost is not None and gain * horizon <= move_cost(best)):
+        return current
+    return best
 
 
 def expected_slot_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:

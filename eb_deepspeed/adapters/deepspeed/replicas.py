@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from deepspeed.moe import sharded_moe as dsm
 
 from ...core.tally import LayerTally, logit_sums
-from ..serving.engine import ServedTable
-from ..serving.store import Routing, SlotTable, split_by_fraction
+from ..routing import Routing, ServedTable, SlotTable, split_by_fraction
 from .gate import CrossLayerGate
 
 __all__ = ["ReplicaGate"]

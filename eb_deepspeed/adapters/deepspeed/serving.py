@@ -33,8 +33,9 @@ from deepspeed.accelerator import get_accelerator
 from ...core.config import EasyBalanceConfig, strip_block
 from ...planning.placement import Placement
 from ..common import dist_rank, dist_ready
-from ..serving.engine import ServingEngine, flat_state, unflatten_into
-from ..serving.store import Routing, SlotTable
+from ..routing import Routing, SlotTable
+from ..serving.engine import ServingEngine
+from ..serving.store import flat_state, unflatten_into
 from .engine import check_world_size, find_moe_layers
 from .hooks import incomplete_problem, latest_tag, mark_complete, mark_incomplete, on_rank0_for_all, refuse
 from .replicas import ReplicaGate

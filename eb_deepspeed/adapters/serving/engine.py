@@ -22,8 +22,7 @@ import atexit
 import datetime
 import warnings
 import weakref
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -33,80 +32,19 @@ from ...core.config import EasyBalanceConfig
 from ...core.record import NullLogger
 from ...core.topology import resolve_topology
 from ...observe.monitor import JsonlLogger
-from ...planning.placement import (MAX_SLOTS, Placement, check_plan_size, expected_device_load,
-                                   expected_padded_cost, expected_slot_ratio, plan_placement, prefix_placement,
-                                   static_placement, with_prefix)
+from ...planning.placement import (MAX_SLOTS, Placement, check_plan_size, choose_placement, plan_placement,
+                                   prefix_placement, runtime_dispatch, static_placement, with_prefix)
 from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node
-from ..moves import RowMover, copy_stall, placement_key, slot_moves, transfer
-from .store import Routing, SlotStore, SlotTable
+from ..moves import Placer, RowMover, slot_moves, transfer, transfer_stall
+from ..routing import Routing
+from .store import SlotStore
 
-__all__ = ["ServingEngine", "choose_placement"]
+__all__ = ["ServingEngine"]
 
-# A new placement must be expected to cut the cost by this much: the expectation is of the EMA heat, while each
-# batch's load is its own (noise on every slot), and moving weights and the replica split cost time too.
-# Measured on the example model: a 3 % expected gain was a loss.
-MIN_GAIN = 0.10
 EXIT_WAIT_S = 30     # at exit, how long a view step in flight may wait for its reduce (its peers may be gone)
 
 
-def _busiest(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
-    """[L] the expected busiest rank's routes (what a dropless layer takes)."""
-    return expected_device_load(heat_LE, plan).amax(1)
-
-
-def _device_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
-    """[L] the expected busiest rank's routes over the mean (dropless)."""
-    load_LG = expected_device_load(heat_LE, plan)
-    mean_L = load_LG.mean(1)
-    return torch.where(mean_L > 0, load_LG.amax(1) / mean_L.clamp_min(1e-300), torch.ones_like(mean_L))
-
-
-@dataclass(frozen=True)
-class DispatchModel:
-    """How a runtime splits an expert's routes over its replicas, as the planner and the re-plan rule see it.
-
-    planner: `plan_placement(dispatch=)` (its default `node_spread`; "padded" knows no nodes); cost / ratio: [L]
-    what a layer costs under a plan, and the skew `replan_threshold` is compared with."""
-    planner: str
-    cost: Callable[[torch.Tensor, Placement], torch.Tensor]
-    ratio: Callable[[torch.Tensor, Placement], torch.Tensor]
-
-
-# (runtime pads every slot, inference.split) -> the model: the one place where runtime and split meet. DeepSpeed's
-# MOELayer splits evenly, every slot padded to the largest ("padded": extra slots pay only where they cut the
-# largest slot load by more than they add); a dropless layer takes its busiest rank's routes: `exact` steers each
-# batch, `view` splits evenly
-DISPATCH = {(True, "view"): DispatchModel("padded", expected_padded_cost, expected_slot_ratio),
-            (False, "view"): DispatchModel("uniform", _busiest, _device_ratio),
-            (False, "exact"): DispatchModel("steered", _busiest, _device_ratio)}
-
-
-def choose_placement(heat_LE: torch.Tensor, current: Placement, home: Placement, threshold: float,
-                     plan, cost=expected_padded_cost, ratio=expected_slot_ratio, move_cost=None,
-                     horizon: float = 1.0, min_gain: float = MIN_GAIN) -> Optional[Placement]:
-    """The placement to serve next, or None when the view gives no reason to plan (pure).
-
-    Plan (`plan(heat_LE)`: replicas for every slot) when a layer's skew under the current placement
-    (`ratio(heat_LE, plan)` [L]) passes `threshold`, or when the home layout would cost `min_gain` less than the
-    current one (replicas traffic no longer needs). `cost(heat_LE, plan)` [L]: what each layer computes and sends
-    per view step. The cheaper of the plan and the home layout replaces the current placement when it costs
-    `min_gain` less and, with `move_cost(plan)` (its weight copies, in the same units), what it saves over `horizon`
-    view steps pays for its moves; else the current one is returned (planned, nothing moves)."""
-    def total(p: Placement) -> float:
-        return float(cost(heat_LE, p).sum())
-
-    skewed = float(ratio(heat_LE, current).max()) > threshold
-    unneeded = current is not home and total(home) < (1 - min_gain) * total(current)
-    if not (skewed or unneeded):
-        return None
-    best = min((plan(heat_LE), home), key=total)
-    gain = total(current) - total(best)
-    if gain <= min_gain * total(current) or (move_cost is not None and gain * horizon <= move_cost(best)):
-        return current
-    return best
-
-
-class ServingEngine:
+class ServingEngine(Placer):
     """The serving side of one model: its store's slots, the placement, the view, re-plans and checkpoints.
 
     Every rank's layer has S_max = H + R slots; a placement uses the first S of them (S = H: the runtime's own
@@ -131,12 +69,12 @@ class ServingEngine:
         grouped = dist_ready() and self.G > 1
         self.rank = dist.get_rank(store.ep_group) if grouped else 0
         self.ep_ranks = dist.get_process_group_ranks(store.ep_group) if grouped else [dist_rank()]
-        self.mover = RowMover(self.rank, self.ep_ranks, store.ep_group, store.device)
-        self.replans, self.weight_moves, self.failed_moves = 0, 0, 0
+        # the runtime's layout (S = H, no replicas) to start; `resident`: what the slots hold (`placement`, or a plan
+        # whose prefix serves)
+        super().__init__(RowMover(self.rank, self.ep_ranks, store.ep_group, store.device),
+                         static_placement(self.L, self.E, self.G))
         self.batches, self.last_plan_batch, self.placed_batch = 0, None, 0
-        self.home = static_placement(self.L, self.E, self.G)       # the runtime's layout: S = H, no replicas
         self.placement = self.home      # what the gates' tables serve
-        self.resident = self.home       # what the slots hold (`placement`, or a plan whose prefix serves)
         self._in_flight: Optional[torch.Tensor] = None      # a view step's tally whose reduce was posted
         self._posted: list = []                              # its work object
         self.node_G = torch.zeros(self.G, dtype=torch.long)
@@ -146,12 +84,12 @@ class ServingEngine:
         else:
             join_startup_off()          # a rank whose block is on waits for this rank in the start-up all-gather
         inf = config.inference if enabled else None
-        split = "view" if inf is None or store.padded else inf.split      # a padded layer: `view` (measured)
-        if inf is not None and store.padded and "inference.split" in config.explicit and inf.split != "view" and dist_rank() == 0:
+        self.model = runtime_dispatch(store.padded, "view" if inf is None else inf.split)  # padded: `view` (measured)
+        if inf is not None and store.padded and "inference.split" in config.explicit and inf.split == "exact" \
+                and dist_rank() == 0:
             warnings.warn('easybalance.inference.split "exact" has no effect on DeepSpeed-MoE\'s padded layer, which '
                           'serves "view" (measured faster there: docs/benchmarks.md)')
-        self.model = DISPATCH[(store.padded, split)]
-        self.routing = Routing(split=split, rank=self.rank, recording=enabled)
+        self.routing = Routing(exact=self.model.steered, rank=self.rank, recording=enabled)
         store.replicate(self.S_max, self.placement, self.routing)
         self.balancer: Optional[Balancer] = None
         if enabled:
@@ -241,8 +179,7 @@ class ServingEngine:
         # the new placement is expected to serve as long as the one serving has (at least until the next re-plan)
         horizon = max(inf.replan_interval, self.batches - self.placed_batch) / inf.view_interval
         choice = choose_placement(view.heat_LE, self.placement, self.home, inf.replan_threshold, plan=self._plan,
-                                  cost=self.model.cost, ratio=self.model.ratio, move_cost=self.move_cost,
-                                  horizon=horizon)
+                                  dispatch=self.model, move_cost=self.move_cost, horizon=horizon)
         if choice is None:
             return False
         self.last_plan_batch = self.batches
@@ -255,11 +192,12 @@ class ServingEngine:
         return self.apply(choice)
 
     def move_cost(self, plan: Placement) -> float:
-        """The time moving to `plan` stalls the busiest receiving rank, in routes it could have computed meanwhile
-        (`moves.copy_stall`: a serving route takes 2 FLOPs per parameter). A plan whose slots are already resident
+        """The time moving to `plan` stalls the busiest rank, in routes it could have computed meanwhile
+        (`moves.transfer_stall`: a serving route takes 2 FLOPs per parameter). A plan whose slots are already resident
         (a prefix of what serves) costs nothing."""
-        return copy_stall(slot_moves(self.resident, plan), self.store.read_slot(0, 0).element_size(), 2,
-                          self.node_G, self.topology, self.store.device.type)
+        moves = slot_moves(self.resident, plan)
+        return transfer_stall([m[3] for m in moves], [m[1] for m in moves], self.store.read_slot(0, 0).element_size(),
+                              2, self.node_G, self.topology, self.store.device.type)
 
     def _plan(self, heat_LE: torch.Tensor) -> Placement:
         """Replicas for every slot (S_max per rank) from the view's heat (an even split: and its swings) in the
@@ -267,10 +205,9 @@ class ServingEngine:
         without a move when the home layout is chosen) when that costs no more."""
         model = self.model
         planned = plan_placement(heat_LE, self.G, self.S_max, num_nodes=int(self.node_G.max()) + 1,
-                                 previous=self.resident, dispatch=model.planner,
-                                 swing_LE=None if model.planner == "steered" else self.balancer.view.swing_LE)
-        prefixed = with_prefix(planned, previous=self.resident,
-                               node_G=None if model.planner == "padded" else self.node_G.numpy())
+                                 previous=self.resident, dispatch=model,
+                                 swing_LE=None if model.steered else self.balancer.view.swing_LE)
+        prefixed = with_prefix(planned, previous=self.resident, node_G=None if model.padded else self.node_G.numpy())
         if prefixed is not None and float(model.cost(heat_LE, prefixed).sum()) <= float(model.cost(heat_LE, planned).sum()):
             return prefixed
         return planned
@@ -288,15 +225,9 @@ class ServingEngine:
                 or plan.slots_per_device > self.S_max:
             raise ValueError(f"a placement of {tuple(plan.phy2log.shape)} slots ({plan.slots_per_device} per rank) "
                              f"does not fit {self.L} layers x {self.G} ranks x at most {self.S_max} slots")
-        moves = slot_moves(self.resident, plan)
-        if not self.mover.move(moves, placement_key(plan.phy2log), _SlotRows(self.store)):
-            self.failed_moves += 1
+        if not self.move(plan, lambda: (_SlotRows(self.store), True), lambda: self._serve(plan)):
             return False
-        self.resident = plan
-        self._serve(plan)
-        self.replans += 1
         self.placed_batch = self.batches
-        self.weight_moves += len(moves)
         return True
 
     # ------------------------------------------------------------------ checkpoints (DeepSpeed's file layout)
@@ -342,46 +273,6 @@ class ServingEngine:
         if resident is not self.home and self.apply(resident) and serving is not resident:
             self._serve(serving)                   # the prefix that served, resident again
         return path
-
-
-class ServedTable:
-    """A served layer's gate: the table it serves (`set_table`) and its tensors on the router's device
-    (`on_device`), copied at the batch boundary, not in a forward. The gate sets `G`, `routing` and
-    `router_device`."""
-
-    def set_table(self, table: SlotTable, slots_per_device: int) -> None:
-        """Serve a placement from the next forward on (slots per rank may change with it)."""
-        self.table, self.S = table, int(slots_per_device)
-        self.P = self.G * self.S
-        E, R = table.log2phy_ER.shape
-        # one slot per expert: the runtime's own layout (expert e in slot e) or a permutation (a re-plan's prefix)
-        self.one_each = self.P == E and R == 1
-        self.home_layout = self.one_each and bool((table.log2phy_ER[:, 0] == torch.arange(E)).all())
-        self._on_device = None
-        self.on_device(self.router_device)
-        if not self.one_each and self.routing.split == "exact":     # the split's copies: now, not in a forward
-            table.copies_on(self.S, self.G, self.router_device)
-
-    def on_device(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(log2phy_ER, fraction_ER, [E] EP rank of each expert's first slot) on `device`, copied once per table."""
-        if self._on_device is None or self._on_device[0] != device:
-            log2phy_ER = self.table.log2phy_ER.to(device)
-            self._on_device = (device, log2phy_ER, self.table.fraction_ER.to(device), log2phy_ER[:, 0] // self.S)
-        return self._on_device[1:]
-
-
-def flat_state(tensors) -> torch.Tensor:
-    """A slot's tensors as one vector (what `read_slot` returns and a weight move sends)."""
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-def unflatten_into(tensors, flat: torch.Tensor) -> None:
-    """`flat_state`'s vector back into `tensors`, in place."""
-    at = 0
-    with torch.no_grad():
-        for t in tensors:
-            t.copy_(flat[at:at + t.numel()].view_as(t))
-            at += t.numel()
 
 
 def _prefix(plan: Placement) -> Optional[Placement]:
