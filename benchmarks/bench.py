@@ -364,31 +364,30 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
 
 def bench_split(experts: int = 256, devices: int = 64, slots: int = 5, layers: int = 4, batches: int = 4,
                 tokens: int = 4096 * 8, repeats: int = 5) -> dict[str, object]:
-    """The exact split (`Copies.split`, one layer, every rank's counts) on a placement planned on a skewed heat,
+    """The exact split (`steering.split`, one layer, every rank's counts) on a placement planned on a skewed heat,
     for batches drawn from that heat shifted (traffic the plan has not seen): its time (per batch the fastest of
     `repeats`, then the median) and the worst batch's busiest rank over the LP's (`exact.steered_max`)."""
     from eb_deepspeed.planning.placement import plan_placement
-    from eb_deepspeed.planning.steering import Copies
+    from eb_deepspeed.planning.steering import rounds_needed, split
 
     g = torch.Generator().manual_seed(0)
     heat_LE = torch.rand(layers, experts, generator=g).double().pow(-1 / 1.2)
     plan = plan_placement(heat_LE, devices, slots, dispatch="uniform")
     ms, worst = [], 0.0
     for layer in range(layers):
-        devices_ER = plan.expert_devices()[layer]
-        copies = Copies(devices_ER, devices)
+        holds_GE = plan.holds_mask()[layer]
+        rounds = rounds_needed(holds_GE)
         for _ in range(batches):
             shifted_E = heat_LE[layer] * torch.rand(experts, generator=g).double().pow(-0.3)
             counts_E = torch.multinomial(shifted_E, tokens, replacement=True, generator=g).bincount(minlength=experts)
-            copies.split(counts_E)                                        # warm-up
+            split(counts_E[None], holds_GE[None], rounds)                  # warm-up
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                n_ER = copies.split(counts_E)
+                n_GE = split(counts_E[None], holds_GE[None], rounds)[0]
                 times.append((time.perf_counter() - t0) * 1e3)
             ms.append(min(times))
-            real = devices_ER >= 0
-            load_G = torch.zeros(devices, dtype=torch.long).index_add_(0, devices_ER[real], n_ER[real])
+            load_G = n_GE.sum(1)
             lp = float(steered_max(plan.phy2log[layer:layer + 1], counts_E[None].double(), slots)[0])
             worst = max(worst, float(load_G.max()) / lp)
     return {"experts": experts, "devices": devices, "slots_per_device": slots, "copies_max": int(plan.logcnt.max()),

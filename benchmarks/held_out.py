@@ -11,7 +11,7 @@ Balancedness: the sum over layers of the mean EP rank's routes over the sum of t
   * `static`: AutoEP's own layout (E / G experts a rank, no replicas);
   * even split (an expert's routes divided evenly over its copies): ours (`plan_placement`, dispatch "uniform",
     with the swing, as `split: "view"` serving plans) / EPLB (its global policy on the same mean);
-  * exact split: the runtime's (`planning.steering.Copies.split` on b's counts, integers) on ours (dispatch
+  * exact split: the runtime's (`planning.steering.split` on b's counts, integers) on ours (dispatch
     "steered", as `split: "exact"` serving plans) / on EPLB's, each with the LP bound beside it (every route free
     over its expert's copies, `exact.steered_max`);
   * limit: ours planned on b itself, judged by the LP (what the served workload allows);
@@ -37,7 +37,7 @@ import torch
 
 from eb_deepspeed.planning import placement
 from eb_deepspeed.planning.placement import plan_placement
-from eb_deepspeed.planning.steering import Copies
+from eb_deepspeed.planning.steering import rounds_needed, split
 
 from .eplb_port import rebalance_global
 from .exact import steered_max, uniform_loads
@@ -65,13 +65,6 @@ def _workloads(source: str, traces: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _devices(phy_P: torch.Tensor, E: int, S: int) -> torch.Tensor:
-    """[E, R] the EP rank of each copy of each expert, -1 padded (copies in slot order)."""
-    rows = [[p // S for p in range(phy_P.numel()) if int(phy_P[p]) == e] for e in range(E)]
-    R = max(len(r) for r in rows)
-    return torch.tensor([r + [-1] * (R - len(r)) for r in rows])
-
-
 def _balancedness(max_L, counts_LE: torch.Tensor, G: int) -> float:
     return float(counts_LE.sum() / G / torch.as_tensor(max_L, dtype=torch.float64).sum())
 
@@ -81,10 +74,10 @@ def _judge(phy_LP: torch.Tensor, counts_LE: torch.Tensor, G: int, S: int) -> dic
     L, E = counts_LE.shape
     runtime = []
     for layer in range(L):
-        devices_ER = _devices(phy_LP[layer], E, S)
-        n_ER = Copies(devices_ER, G).split(counts_LE[layer].long())
-        real = devices_ER >= 0
-        runtime.append(float(torch.zeros(G, dtype=torch.long).index_add_(0, devices_ER[real], n_ER[real]).max()))
+        holds_GE = torch.zeros(G, E + 1, dtype=torch.bool)
+        holds_GE[torch.arange(G * S) // S, torch.where(phy_LP[layer] >= 0, phy_LP[layer], E)] = True
+        n_GE = split(counts_LE[layer:layer + 1].long(), holds_GE[None, :, :E], rounds_needed(holds_GE[:, :E]))[0]
+        runtime.append(float(n_GE.sum(1).max()))
     return {"even": _balancedness(uniform_loads(phy_LP, counts_LE, S).max(1), counts_LE, G),
             "runtime": _balancedness(runtime, counts_LE, G),
             "lp": _balancedness(steered_max(phy_LP, counts_LE, S), counts_LE, G)}

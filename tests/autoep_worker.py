@@ -241,19 +241,10 @@ def scenario_placement(p):
     return out
 
 
-def _with_replicas(L: int, E: int, G: int, shift: int):
-    """`_rolled`'s homes, and on each rank one replica: of the first home expert of the next rank."""
-    from eb_deepspeed.planning.placement import index_maps
-    H = E // G
-    homes = _rolled(L, E, G, shift).phy2log.view(L, G, H)
-    phy2log = torch.cat([homes, torch.roll(homes[:, :, :1], -1, dims=1)], 2).reshape(L, -1)
-    return index_maps(phy2log, E, G, H + 1)
-
-
 def scenario_replicas(p):
-    """Plain AutoEP against `observe` with one replica slot a rank, 5 optimizer steps, replicas placed before steps
-    1, 2 and 3 (each with other homes) and home at the end: losses, logical home gradients (ZeRO 0), final weights,
-    and the rows each rank's grouped GEMM computed."""
+    """Plain AutoEP against `observe` with one replica slot a rank (filled every micro-batch), 5 optimizer steps,
+    other homes before steps 1, 2 and 3 and home at the end: losses, logical home gradients (ZeRO 0), final
+    weights, and the rows each rank's grouped GEMM computed."""
     family, zero, accum, ep = "mixtral", p["zero"], p["accum"], p["ep"]
     out = {}
     for name in ("plain", "placed"):
@@ -270,7 +261,7 @@ def scenario_replicas(p):
         losses, grads, applied = [], [], []
         for step in range(5):
             if placer is not None and 1 <= step <= 3:
-                applied.append(placer.apply(_with_replicas(2, 4, ep, step)))
+                applied.append(placer.apply(_rolled(2, 4, ep, step)))
             for micro in range(accum):
                 ids, mask, labels = batch(step, micro)
                 loss = engine(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -293,14 +284,12 @@ def scenario_replica_fault(p):
     block = _placement_block()
     block["train_placement"]["replica_slots"] = 1
     engine = engine_for("mixtral", config("mixtral", p["zero"], 1, block, p["out"]))
-    placer = engine.easybalance.placement
-    assert placer.apply(_with_replicas(2, 4, 2, 1))
     before = {n: t.detach().clone() for n, t in engine.module.named_parameters()}
     if dist.get_rank() == 1:
         rows = fetch_module._rows
 
-        def failing(tensors, index):
-            if tensors[0].requires_grad == (p["fault"] == "fetch"):
+        def failing(tensors, index):     # the weights' rows [H = 2, ...] forward, their gradients' [S = 3, ...] back
+            if (tensors[0].shape[0] == 2) == (p["fault"] == "fetch"):
                 raise RuntimeError("injected")
             return rows(tensors, index)
         fetch_module._rows = failing
@@ -325,7 +314,7 @@ def scenario_isolation(p):
     block = _placement_block()
     block["train_placement"]["replica_slots"] = 1
     placed = engine_for("mixtral", config("mixtral", 0, 1, block, p["out"]))
-    assert placed.easybalance.placement.apply(_with_replicas(2, 4, 2, 1))
+    assert placed.easybalance.placement.apply(_rolled(2, 4, 2, 1))
     train(placed, 1)                                              # the exact split's count exchange in use
     beside = engine_for("mixtral", config("mixtral", 0, 1, None, p["out"]), use_eb=False)
     layers = [m for _, m in find_autoep_layers(beside.module)]
@@ -737,8 +726,6 @@ def scenario_sync(p):
         with audit, audit.region("init"):
             block = {"plain": None, "balance": SYNC_BLOCK, "replicas": replicas}[variant]
             engine = engine_for("mixtral", config("mixtral", 0, 1, block, p["out"]), use_eb=variant != "plain")
-            if variant == "replicas":         # a replica on each rank, fetched and sent home in every micro-batch
-                engine.easybalance.placement.apply(_with_replicas(2, 4, 2, 1))
         audit.on_device(engine.module)
 
         def micro_batch(i):

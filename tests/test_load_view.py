@@ -194,15 +194,3 @@ def test_a_tally_with_device_columns_feeds_the_pressure_and_survives_a_checkpoin
     restored = LoadView(1, E, 2)
     restored.load_state_dict(view.state_dict())
     assert restored.last.device_LG.tolist() == [[1.0, 3.0]] and restored.metrics() == view.metrics()
-
-
-def test_replica_shares_split_an_experts_load_over_its_copies_and_the_home_map_stays():
-    view = LoadView(1, 4, 2, warmup_batches=1)
-    share_LEG = torch.tensor([[[0.5, 0.5], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]]])    # expert 0 on both ranks
-    view.move_experts(torch.tensor([0, 0, 1, 1]), share_LEG)
-    assert view.expert_to_device_load(torch.tensor([[8.0, 2.0, 3.0, 1.0]])).tolist() == [[6.0, 8.0]]
-    assert view.layer_map(0).tolist() == [0, 0, 1, 1]                  # the device loss reads the homes
-    view.move_experts(torch.tensor([0, 0, 1, 1]))                      # no replicas: the map alone again
-    assert view.expert_to_device_load(torch.tensor([[8.0, 2.0, 3.0, 1.0]])).tolist() == [[10.0, 4.0]]
-    with pytest.raises(ValueError, match="share_LEG must be"):
-        view.move_experts(torch.tensor([0, 0, 1, 1]), share_LEG[:, :3])

@@ -356,17 +356,3 @@ def test_the_sparse_replica_tables_plan_exactly_as_the_dense_ones(monkeypatch, d
     monkeypatch.setattr(slots, "DENSE_ANYWAY", 0)
     sparse = plan_placement(load, 8, 4, num_nodes=2, previous=previous, dispatch=dispatch, node_spread=True)
     assert torch.equal(dense.phy2log, sparse.phy2log) and dense.moves == sparse.moves
-
-
-def test_training_homes_trade_the_coldest_single_copy_for_a_replica_when_a_rank_holds_too_many():
-    from eb_deepspeed.adapters.autoep.placement import owners
-    from eb_deepspeed.planning.placement import index_maps
-    home = static_placement(1, 6, 3)                       # homes {0, 1}, {2, 3}, {4, 5}
-    # rank 0 holds three experts with no other copy, two home slots: no homes without a trade
-    replicated = index_maps(torch.tensor([[0, 1, 2, 3, 4, 5, 3, 4, 5]]), 6, 3, 3)
-    load_LE = torch.tensor([[5.0, 4.0, 1.0, 6.0, 6.0, 6.0]])
-    placed = owners(replicated, home, home, load_LE)
-    slots = placed.phy2log.view(3, 3)
-    assert sorted(slots[:, :2].flatten().tolist()) == list(range(6))      # every expert one home, two a rank
-    assert slots[0].tolist()[:2] == [0, 1] and 2 not in slots[0].tolist()  # the coldest of rank 0 traded away
-    assert int((placed.logcnt == 2).sum()) == 3 and bool((slots >= 0).all())     # still three replicas

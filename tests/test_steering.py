@@ -4,7 +4,7 @@ import torch
 
 from benchmarks.exact import steered_max_load
 from eb_deepspeed.planning.placement import plan_placement
-from eb_deepspeed.planning.steering import Copies, rank_share, steer
+from eb_deepspeed.planning.steering import rank_share, rounds_needed, split, steer
 
 pytestmark = pytest.mark.unit
 
@@ -50,10 +50,21 @@ def test_the_busiest_rank_is_within_two_percent_and_a_route_of_the_exact_optimum
     assert busiest <= max(1.02 * best, best + 1)
 
 
+def holds(devices_ER, G):
+    """[G, E] rank g holds a copy of expert e."""
+    return torch.stack([(devices_ER == g).any(1) for g in range(G)])
+
+
+def n_of(devices_ER, counts_E, G, rounds=16):
+    """The split's routes per copy [E, R], copies as devices_ER orders them."""
+    n_GE = split(counts_E[None], holds(devices_ER, G)[None], rounds)[0]
+    return torch.where(devices_ER >= 0, n_GE.T.gather(1, devices_ER.clamp_min(0)), 0)
+
+
 def test_each_rank_sends_its_own_part_of_every_copy():
     devices_ER = torch.tensor([[0, 1], [1, -1]])
     counts_GE = torch.tensor([[3, 1], [5, 0]])            # expert 0: 8 routes, 3 from rank 0 then 5 from rank 1
-    n_ER = Copies(devices_ER, 2).split(counts_GE.sum(0))
+    n_ER = n_of(devices_ER, counts_GE.sum(0), 2)
     # device 0 takes x, device 1 8 - x + 1 (expert 1): level at x = 4.5, rounded half to even: 4 and 4
     assert n_ER.tolist() == [[4, 4], [1, 0]]
     # rank 0's 3 routes are the first 3 of copy 0; rank 1's 5 are copy 0's last one and copy 1's 4
@@ -69,18 +80,19 @@ def test_every_expert_needs_a_copy():
 
 def test_a_placement_takes_the_rounds_its_copies_need_and_no_split_is_worse_for_it():
     # experts 0 and 1 each on two ranks no other flex expert shares: one round levels each pair exactly
-    apart = Copies(torch.tensor([[0, 1], [2, 3], [0, -1], [1, -1], [2, -1], [3, -1]]), 4)
+    apart = torch.tensor([[0, 1], [2, 3], [0, -1], [1, -1], [2, -1], [3, -1]]), 4
     # expert 0 on ranks 0-1, expert 1 on 1-2, expert 2 on 2-3: each level moves its neighbours'
-    chained = Copies(torch.tensor([[0, 1], [1, 2], [2, 3], [0, -1], [3, -1]]), 4)
-    wide = Copies(*random_case(0, G=16, E=32, S=3)[:1], 16)
-    assert apart.rounds == 1 and 1 < chained.rounds <= 16 and wide.rounds > apart.rounds
+    chained = torch.tensor([[0, 1], [1, 2], [2, 3], [0, -1], [3, -1]]), 4
+    wide = random_case(0, G=16, E=32, S=3)[0], 16
+    rounds = [rounds_needed(holds(*case)) for case in (apart, chained, wide)]
+    assert rounds[0] == 1 and 1 < rounds[1] <= 16 and rounds[2] > rounds[0]
     g = torch.Generator().manual_seed(3)
-    for copies in (apart, chained, wide):
+    for (devices_ER, G), r in zip((apart, chained, wide), rounds):
         for _ in range(5):
-            counts_E = torch.randint(0, 1000, (copies.E, ), generator=g)
-            loads = [copies._loads(counts_E, r).max() for r in (copies.rounds, 16)]
-            assert float(loads[0]) <= float(loads[1]) * 1.01 + copies.R       # 16 rounds gain nothing on it
-    assert Copies(torch.tensor([[0], [1]]), 2).rounds == 0                      # no copies to split
+            counts_E = torch.randint(0, 1000, (devices_ER.shape[0], ), generator=g)
+            loads = [split(counts_E[None], holds(devices_ER, G)[None], n)[0].sum(1).max() for n in (r, 16)]
+            assert float(loads[0]) <= float(loads[1]) * 1.01 + 2       # 16 rounds gain nothing on it
+    assert rounds_needed(holds(torch.tensor([[0], [1]]), 2)) == 0               # no copies to split
 
 
 def test_with_the_copies_ranks_each_rank_fills_its_own_copy_first_and_every_sum_holds():
@@ -94,7 +106,7 @@ def test_with_the_copies_ranks_each_rank_fills_its_own_copy_first_and_every_sum_
     assert torch.equal(own[1], rank_share(counts_GE, n_ER, 1, devices_ER))
     for seed in range(5):
         devices, counts = random_case(seed)
-        n = Copies(devices, 4).split(counts.sum(0))
+        n = n_of(devices, counts.sum(0), 4)
         share = rank_share(counts, n, devices_ER=devices)
         assert torch.equal(share.sum(2), counts) and torch.equal(share.sum(0), n) and bool((share >= 0).all())
         off = lambda s: int((s * (devices[None] != torch.arange(4)[:, None, None])).sum())     # routes that leave

@@ -6,8 +6,8 @@ Shape legend: E logical experts, G EP ranks, S slots per rank, P physical slots 
 p // S), R replicas of one expert.
 
 Both ways split an expert's routes on this rank over its replicas: by the table's fractions (`split_by_fraction`, no
-collective) or by the exact split of this batch's counts of every rank (`exact_routes`: one exchange of [E] counts
-per layer, the split on the device).
+collective) or by the exact split of this batch's counts of every rank (`exchange_counts`: one exchange of [E] counts
+per layer; `exact_routes`: the split on the device).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..planning.steering import Copies, rank_share
+from ..planning.steering import rank_share, rounds_needed, split
 
 __all__ = ["SlotTable", "Routing", "ServedTable"]
 
@@ -34,14 +34,14 @@ class SlotTable:
     fraction_ER: torch.Tensor
     copies: dict = field(default_factory=dict, repr=False)
 
-    def copies_on(self, S: int, G: int, device) -> tuple[Copies, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The exact split's view of this table on `device` (built once, when a gate is given the table): the
-        copies, the real replicas among the E * R (real_X) with their physical slots (slot_X), each copy's rank."""
+    def copies_on(self, S: int, G: int, device) -> tuple[torch.Tensor, int]:
+        """The exact split's view of this table on `device` (built once, when a gate is given the table): each
+        expert's slot on each rank slot_EG [E, G] (-1: no copy there), and the rounds its split needs."""
         if device not in self.copies:
-            real_X = torch.nonzero(self.log2phy_ER.reshape(-1) >= 0).flatten()
-            devices_ER = torch.where(self.log2phy_ER >= 0, self.log2phy_ER // S, -1)
-            self.copies[device] = (Copies(devices_ER, G, device), real_X.to(device),
-                                   self.log2phy_ER.reshape(-1)[real_X].to(device), devices_ER.to(device))
+            E = self.log2phy_ER.shape[0]
+            slot_EG = torch.full((E, G + 1), -1, dtype=torch.long)
+            slot_EG.scatter_(1, torch.where(self.log2phy_ER >= 0, self.log2phy_ER // S, G), self.log2phy_ER)
+            self.copies[device] = (slot_EG[:, :G].to(device), rounds_needed(slot_EG[:, :G].T >= 0))
         return self.copies[device]
 
     @classmethod
@@ -97,18 +97,27 @@ def split_by_fraction(counts_E: torch.Tensor, fraction_ER: torch.Tensor) -> torc
     return torch.diff(ends_ER, dim=1, prepend=torch.zeros_like(ends_ER[:, :1]))
 
 
-def exact_routes(counts_E: torch.Tensor, table: SlotTable, S: int, G: int, ep_group, rank: int):
-    """The `exact` split of one batch from one exchange over the EP group of every rank's routes per expert [E],
-    split over the copies on the device (`planning.steering`; every rank computes the same split from the same
-    integers). Returns this rank's routes per replica n_ER [E, R] and every rank's routes per physical slot
-    sends_GP [G, P] (row g: what rank g sends; column block g: what rank g receives)."""
-    if G > 1:      # an all-gather as AutoEP's own count exchange is sent: one all-to-all (gloo's all-gather is slower)
-        counts_GE = torch.empty(G, *counts_E.shape, dtype=counts_E.dtype, device=counts_E.device)
-        dist.all_to_all_single(counts_GE.view(-1), counts_E.repeat(G), group=ep_group)
-    else:
-        counts_GE = counts_E[None]
-    copies, real_X, slot_X, devices_ER = table.copies_on(S, G, counts_E.device)
-    share_GER = rank_share(counts_GE, copies.split(counts_GE.sum(0)), devices_ER=devices_ER)   # own copies first
-    sends_GP = torch.zeros(G, G * S, dtype=torch.long, device=counts_E.device)
-    sends_GP[:, slot_X] = share_GER.flatten(1)[:, real_X]
-    return share_GER[rank], sends_GP
+def exchange_counts(counts_E: torch.Tensor, G: int, ep_group) -> torch.Tensor:
+    """Every EP rank's routes per expert this batch, counts_GE [G, E], from one all-to-all (as AutoEP's own count
+    exchange is sent; gloo's all-gather is slower)."""
+    if G == 1:
+        return counts_E[None]
+    counts_GE = torch.empty(G, *counts_E.shape, dtype=counts_E.dtype, device=counts_E.device)
+    dist.all_to_all_single(counts_GE.view(-1), counts_E.repeat(G), group=ep_group)
+    return counts_GE
+
+
+def exact_routes(counts_GE: torch.Tensor, slot_EG: torch.Tensor, P: int, rank: int, rounds: int = 16,
+                 n_GE: Optional[torch.Tensor] = None):
+    """The exact split of one batch (counts_GE [G, E]: `exchange_counts`) over the copies slot_EG [E, G] (each
+    expert's physical slot on each rank, -1: none) on the device (`planning.steering.split`, or the given split
+    n_GE [G, E]; every rank computes the same from the same integers), each rank filling its own copies first.
+    Returns this rank's routes per copy [E, G] and every rank's routes per physical slot sends_GP [G, P] (row g:
+    what rank g sends; column block g: what rank g receives)."""
+    G = counts_GE.shape[0]
+    if n_GE is None:
+        n_GE = split(counts_GE.sum(0)[None], (slot_EG.T >= 0)[None], rounds)[0]
+    share_GEG = rank_share(counts_GE, n_GE.T, devices_ER=torch.where(slot_EG >= 0, torch.arange(G, device=slot_EG.device), -1))
+    sends_GP = torch.zeros(G, P + 1, dtype=torch.long, device=counts_GE.device)
+    sends_GP.scatter_add_(1, torch.where(slot_EG >= 0, slot_EG, P).reshape(1, -1).expand(G, -1), share_GEG.reshape(G, -1))
+    return share_GEG[rank], sends_GP[:, :P]

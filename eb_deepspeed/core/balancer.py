@@ -138,11 +138,10 @@ class Balancer:
             for layer, ctl in zip(self.layers, self.controls):
                 ctl.set_device_map(self._view.layer_map(layer), self.device)
 
-    def move_experts(self, expert_to_device_LE: torch.Tensor, share_LEG: Optional[torch.Tensor] = None) -> None:
-        """Experts re-placed over the EP ranks (training placement): the view sums loads onto their new ranks
-        (with replicas, split by `share_LEG`: `LoadView.move_experts`), its device pressure is rebuilt from the heat
-        for them, and the device loss reads the new (home) map."""
-        self._view.move_experts(expert_to_device_LE, share_LEG)
+    def move_experts(self, expert_to_device_LE: torch.Tensor) -> None:
+        """Experts re-placed over the EP ranks (training placement): the view sums loads onto their new ranks, its
+        device pressure is rebuilt from the heat for them, and the device loss reads the new (home) map."""
+        self._view.move_experts(expert_to_device_LE)
         self._set_maps()
 
     @property

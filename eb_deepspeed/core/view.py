@@ -66,7 +66,6 @@ class LoadView:
         self.copies_L = self.G // devices_L                         # copies of each layer's EP group in the view
         self.mask_LE = torch.arange(self.E)[None, :] < experts_L[:, None]
         self.expert_to_device_LE = self._checked_map(expert_to_device_E)
-        self.share_LEG: torch.Tensor | None = None     # with replicas: each expert's share of its routes per EP rank
         self.ema_alpha, self.window, self.warmup_batches = float(ema_alpha), int(window), int(warmup_batches)
         self.heat_LE = torch.zeros(self.L, self.E, dtype=torch.float64)
         self.drift_L = torch.zeros(self.L, dtype=torch.float64)   # the last step's expert mix against the heat
@@ -97,17 +96,10 @@ class LoadView:
                              f"({_show(self.devices_L)})")
         return map_LE.clone()
 
-    def move_experts(self, expert_to_device_LE: torch.Tensor, share_LEG: torch.Tensor | None = None) -> None:
+    def move_experts(self, expert_to_device_LE: torch.Tensor) -> None:
         """Experts now on other EP ranks ([E] or [L, E]): loads go onto their new ranks, the device pressure is
-        rebuilt from the heat (as a checkpoint of another layout is restored). share_LEG: with replicas (training
-        placement), the share of each expert's routes each group-local EP rank computes [L, E, e] (rows sum to 1):
-        loads are split so; `expert_to_device_LE` stays each expert's home (the device loss's map)."""
+        rebuilt from the heat (as a checkpoint of another layout is restored)."""
         self.expert_to_device_LE = self._checked_map(expert_to_device_LE)
-        if share_LEG is not None and (share_LEG.shape != (self.L, self.E, int(self.devices_L.max())) or
-                                      bool((self.devices_L != self.devices_L[0]).any())):
-            raise ValueError(f"share_LEG must be [{self.L}, {self.E}, EP size] with one EP size for every layer, got "
-                             f"{tuple(share_LEG.shape)}")
-        self.share_LEG = None if share_LEG is None else share_LEG.to(torch.float64)
         self.pressure_LG = self.expert_to_device_load(self.heat_LE)
 
     def layer_map(self, layer: int) -> torch.Tensor:
@@ -136,9 +128,6 @@ class LoadView:
         A layer whose EP group is copied across the view's devices has its load split evenly over its
         copies (exact when every rank routes alike; gates that tally devices give the exact load)."""
         per_expert_LE = torch.where(self.mask_LE, per_expert_LE.to(torch.float64), 0.0)
-        if self.share_LEG is not None:      # replicas: each copy of the EP group alike, as above
-            copies = self.G // self.share_LEG.shape[2]
-            return torch.einsum("le,leg->lg", per_expert_LE, self.share_LEG).repeat(1, copies) / copies
         out_LG = per_expert_LE.new_zeros(self.L, self.G)
         row_L1 = torch.arange(self.L)[:, None] * self.G
         for has_L, device_LE in self._copies():

@@ -96,7 +96,7 @@ class Placement:
 class Dispatch:
     """How a runtime splits each expert's routes over its copies, as the planner and the re-plan rule see it (one
     name per model, `DISPATCH`). padded: evenly, every slot padded to the largest (DeepSpeed's MOELayer);
-    steered: each batch by the exact split (`steering.Copies`, our AutoEP layers), scored after `flows.steered_load`;
+    steered: each batch by the exact split (`steering.split`, our AutoEP layers), scored after `flows.steered_load`;
     neither: evenly, dropless (AutoEP's layer with the `view` split; vLLM, SGLang, EPLB)."""
     name: str
     padded: bool = False

@@ -124,10 +124,10 @@ def attach(engine, config: EasyBalanceConfig) -> Balancer:
         raise ValueError(f"easybalance.aux.policy {config.aux.policy!r} owns the selection bias, but AutoEP's layers "
                          "already carry their own expert_bias (load_balance_coeff): two biases would fight")
     _warn_hf_aux_loss(engine.module, config)
-    gates = [AutoEPBalance(m, index, loss_coeff=config.aux.loss_coeff, grad_scale=lambda: _loss_scale(engine),
-                           balance=balance) for index, m in enumerate(layers)]
-
     placing = config.train_placement.enabled and bool(layers) and int(layers[0].ep_size) > 1
+    ranks = int(layers[0].ep_size) if placing and config.train_placement.replica_slots else 0   # routes off their homes
+    gates = [AutoEPBalance(m, index, loss_coeff=config.aux.loss_coeff, grad_scale=lambda: _loss_scale(engine),
+                           balance=balance, num_devices=ranks) for index, m in enumerate(layers)]
     if config.train_placement.enabled and not placing:
         warnings.warn("easybalance.train_placement: the AutoEP layers have one EP rank (autoep_size 1): nothing to "
                       "re-place")
@@ -136,7 +136,7 @@ def attach(engine, config: EasyBalanceConfig) -> Balancer:
         engine.module.register_forward_pre_hook(_padding_hook(gates), with_kwargs=True)
         wrap_checkpointing(engine, balancer, StepHook(engine, balancer))
         if placing:
-            balancer.placement = TrainPlacement(engine, layers, balancer, config.train_placement.interval,
+            balancer.placement = TrainPlacement(engine, layers, gates, balancer, config.train_placement.interval,
                                                 config.inference.topology, config.train_placement.replica_slots)
 
     return common.attach(config, gates, {"shapes": shapes, "maps": maps}, shape_of=shape_of,

@@ -16,6 +16,7 @@ router do the rest:
             loss_coeff x (expert-level loss + device_loss_weight x device-level loss),
         both 1.0 at balance (`core.losses.device_balance_loss`; expert level = one expert per "device"),
         on the router's probabilities (softmax, or sigmoid scores normalised per token), local to the rank;
+  * with training replicas the tally counts each route on the rank that computes it (`ranks_of`: the route map's);
   * the layer's `controls` (`core.controls.LayerControls`) hold the balancer's bias and device-loss weight;
     the selection bias (`bias` policies) goes through AutoEP's own door, the router's `expert_bias` argument,
     which the router adds to its scores for the top-k choice only (the gate values come from the unbiased
@@ -84,13 +85,14 @@ class AutoEPBalance:
     """
 
     def __init__(self, layer: torch.nn.Module, layer_index: int, *, loss_coeff: float,
-                 grad_scale: Callable[[], float], balance: bool):
+                 grad_scale: Callable[[], float], balance: bool, num_devices: int = 0):
         router = layer.router
         self.layer, self.layer_index = layer, layer_index
         self.num_experts, self.k = int(layer.num_experts), int(layer.top_k)
         self.score_func = router.score_func
         self.loss_coeff, self.grad_scale, self.balance = float(loss_coeff), grad_scale, balance
-        self.tally = LayerTally(self.num_experts)
+        self.tally = LayerTally(self.num_experts, num_devices)     # with devices: each route's rank, from `ranks_of`
+        self.ranks_of: Optional[Callable[[], Optional[torch.Tensor]]] = None
         self.controls = LayerControls(self.num_experts)
         self.valid_T: Optional[torch.Tensor] = None             # the model's attention mask, per forward
         self._logits_TE: Optional[torch.Tensor] = None
@@ -157,7 +159,7 @@ class AutoEPBalance:
             l_aux = expert_balance_loss(probs_TE, routed_E, self.k, valid_T)
         if counting:
             self.tally.add_routes(selected_TK, routed_E=routed_E, logit_sums_T=choice_sums(router, logits_TE), l_aux=l_aux,
-                                  valid_T=valid_T,
+                                  valid_T=valid_T, device_TK=self.ranks_of() if self.ranks_of else None,
                                   layer=self.layer_index)
         if not attaching:
             return None
