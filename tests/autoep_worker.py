@@ -278,30 +278,92 @@ def scenario_replicas(p):
 
 
 def scenario_replica_fault(p):
-    """Replicas served; on rank 1 reading the rows for the replica all-to-all fails, in forward ("fetch") or
-    backward ("grad"): every rank raises before the optimizer step, nobody hangs, no weight changed."""
+    """Replicas served; on rank 1 reading the rows for the replica all-to-all fails once, in forward ("fetch") or
+    backward ("grad") of the second step: every rank raises before that optimizer step, nobody hangs, no weight
+    changed; caught, training goes on: the steps after are plain AutoEP's that never saw the failed batch."""
     from eb_deepspeed.adapters.autoep import fetch as fetch_module
     block = _placement_block()
     block["train_placement"]["replica_slots"] = 1
-    engine = engine_for("mixtral", config("mixtral", p["zero"], 1, block, p["out"]))
-    before = {n: t.detach().clone() for n, t in engine.module.named_parameters()}
+    cfg = config("mixtral", p["zero"], 1, block, p["out"], bf16=p.get("bf16", False))
+    plain, placed = engine_for("mixtral", cfg, use_eb=False), engine_for("mixtral", cfg)
+
+    def step(engine, b):
+        ids, mask, labels = batch(b, 0)
+        loss = engine(input_ids=ids, attention_mask=mask, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+    losses = {"plain": [step(plain, 0)], "placed": [step(placed, 0)]}
+    before = {n: t.detach().clone() for n, t in placed.module.named_parameters()}
     if dist.get_rank() == 1:
         rows = fetch_module._rows
 
         def failing(tensors, index):     # the weights' rows [H = 2, ...] forward, their gradients' [S = 3, ...] back
             if (tensors[0].shape[0] == 2) == (p["fault"] == "fetch"):
+                fetch_module._rows = rows
                 raise RuntimeError("injected")
             return rows(tensors, index)
         fetch_module._rows = failing
-    ids, mask, labels = batch(0, 0)
     error = None
     try:
-        engine.backward(engine(input_ids=ids, attention_mask=mask, labels=labels).loss)
-        engine.step()
+        step(placed, 1)
     except RuntimeError as e:
         error = str(e)
-    after = {n: t.detach() for n, t in engine.module.named_parameters()}
-    return {"error": error, "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
+    unchanged = all(torch.equal(before[n], t.detach()) for n, t in placed.module.named_parameters())
+    for b in (2, 3):                     # the user goes on; plain never saw batch 1
+        losses["plain"].append(step(plain, b))
+        losses["placed"].append(step(placed, b))
+    weights = max(float((a.float() - b.float()).abs().max()) for a, b in
+                  zip(plain.module.state_dict().values(), placed.module.state_dict().values()))
+    return {"error": error, "unchanged": unchanged, "losses": losses, "weights_max_diff": weights,
+            "steps": (int(plain.global_steps), int(placed.global_steps))}
+
+
+def scenario_replicas_beside(p):
+    """Replica slots and what users do around training: eval forwards and `generate` between steps with every replica
+    read failing on rank 1 compute on the homes (plain AutoEP's logits and tokens, nothing raised); serving the
+    engine in the same process is refused, naming the way out; a permutation alone goes home and serves as AutoEP;
+    replica slots past what the experts can fill are refused at initialize, naming the key."""
+    from eb_deepspeed.adapters.autoep import fetch as fetch_module
+    block = _placement_block()
+    block["train_placement"]["replica_slots"] = 1
+    placed, plain = engine_for("mixtral", config("mixtral", 0, 1, block, p["out"])), \
+        engine_for("mixtral", config("mixtral", 0, 1, None, p["out"]), use_eb=False)
+    train(placed, 1), train(plain, 1)
+    if dist.get_rank() == 1:
+        def failing(tensors, index):
+            raise RuntimeError("injected")
+        fetch_module._rows = failing
+    ids = batch(5, 0)[0]
+    out = {}
+    with torch.no_grad():
+        for engine in (placed, plain):
+            engine.eval()
+        out["eval_max_diff"] = float((placed(input_ids=ids).logits - plain(input_ids=ids).logits).abs().max())
+        out["generated"] = [e.module.generate(ids[:, :4], max_new_tokens=3, do_sample=False, synced_gpus=True).tolist()
+                            for e in (placed, plain)]
+    try:
+        eb_deepspeed.init_inference(placed, config={"easybalance": {"mode": "observe"}})
+        out["serve_refused"] = None
+    except ValueError as e:
+        out["serve_refused"] = str(e)
+    permuted = engine_for("mixtral", config("mixtral", 0, 1, _placement_block(), p["out"]))
+    assert permuted.easybalance.placement.apply(_rolled(2, 4, 2, 1))
+    train(permuted, 1)
+    plain2 = engine_for("mixtral", config("mixtral", 0, 1, None, p["out"]), use_eb=False)
+    train(plain2, 1)
+    served = eb_deepspeed.init_inference(permuted, config={"easybalance": {"mode": "observe"}})
+    with torch.no_grad():
+        plain2.eval()
+        out["served_max_diff"] = float((served(input_ids=ids).logits - plain2(input_ids=ids).logits).abs().max())
+    for slots in (20000, 70000):
+        block["train_placement"]["replica_slots"] = slots
+        try:
+            engine_for("mixtral", config("mixtral", 0, 1, block, p["out"]))
+            out[f"slots_{slots}"] = None
+        except ValueError as e:
+            out[f"slots_{slots}"] = str(e)
+    return out
 
 
 def scenario_isolation(p):
@@ -345,8 +407,9 @@ def _expert_state(engine) -> list[dict]:
 
 def scenario_placement_faults(p):
     """Moves that fail on one rank (`p["victim"]`) at each point: allocating what a layer's move needs
-    ("prepare"), posting a transfer ("post"), writing what arrived ("write"): every rank keeps the old placement
-    and state, no rank waits; then a move that goes through, training equal to plain AutoEP's; then the exports:
+    ("prepare"), the transfer as a whole before it posts anything ("transfer"), posting one ("post"), writing what
+    arrived ("write"): every rank keeps the old placement and state, no rank waits; then a move that goes through,
+    training equal to plain AutoEP's; then the exports:
     `state_dict()` refused while placed, the logical layout inside `at_home()` and from `save_16bit_model`."""
     import eb_deepspeed.adapters.autoep.state as state_module
     import eb_deepspeed.adapters.moves as moves_module
@@ -356,8 +419,8 @@ def scenario_placement_faults(p):
     placer = placed.easybalance.placement
     losses = {"plain": train(plain, 1)[0], "placed": train(placed, 1)[0]}        # the optimizer has state now
     out = {"applied": [], "unchanged": []}
-    for step, (where, name) in enumerate(((state_module.ExpertState, "prepare"), (moves_module, "_post"),
-                                          (state_module.ExpertState, "write")), start=1):
+    for step, (where, name) in enumerate(((state_module.ExpertState, "prepare"), (moves_module, "transfer"),
+                                          (moves_module, "_post"), (state_module.ExpertState, "write")), start=1):
         before = _expert_state(placed)
         if rank == p["victim"]:
             _fail_once(where, name)

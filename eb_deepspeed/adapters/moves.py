@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from ..core.topology import TOPOLOGIES
 from .common import dist_rank, dist_ready
 
-__all__ = ["slot_moves", "transfer_stall", "RowMover", "Rows", "Placer"]
+__all__ = ["RowMover", "Placer", "transfer_stall"]
 
 Move = tuple[int, int, int, int, int]      # (layer, dst rank, dst row, src rank, src row)
 # A route takes FLOPs per expert parameter (2 in a forward, 6 with its backward); moving a row takes its bytes at
@@ -145,29 +145,26 @@ class RowMover:
                   kept: dict) -> bool:
         """Step 2 of one layer: read, transfer, check, keep on the host. A rank that fails goes on matching its
         peers' transfers (NaNs for what it could not read, which the receiver refuses)."""
-        ok = True
+        ok, got = True, {}
         wanted = sorted({m[4] for m in mine if m[3] == self.rank} | {m[2] for m in mine if m[1] == self.rank})
         try:
             got = rows.read(layer, wanted)
         except Exception as e:   # noqa: BLE001
-            ok, got = warn_failed(f"reading the rows of layer {layer}", e), None
-        ops = []
-        for _, dst, dst_j, src, src_j in mine:
-            row = got[src_j] if got is not None and src == self.rank else nan_row
-            if src == self.rank and dst == self.rank:
-                recv[dst_j] = row.clone()
-            elif src == self.rank:
-                ops.append(dist.P2POp(dist.isend, row, self.ep_ranks[dst], self.group))
-            else:
-                ops.append(dist.P2POp(dist.irecv, recv[dst_j], self.ep_ranks[src], self.group))
+            ok = warn_failed(f"reading the rows of layer {layer}", e)
+        ops = [dist.P2POp(dist.isend, got.get(src_j, nan_row), self.ep_ranks[dst], self.group) if src == self.rank
+               else dist.P2POp(dist.irecv, recv[dst_j], self.ep_ranks[src], self.group)
+               for _, dst, dst_j, src, src_j in mine if src != dst]      # a row that stays: after the transfers
+        posted = []
         try:
-            transfer(ops)
+            transfer(ops, posted)
+            recv.update({dst_j: got[src_j].clone() for _, dst, dst_j, src, src_j in mine if src == dst})
             verify_finite({(layer, j): t for j, t in recv.items()})
             for j, t in recv.items():
                 staged[(layer, j)] = t.cpu()
                 kept[(layer, j)] = got[j].cpu()
         except Exception as e:   # noqa: BLE001
             ok = warn_failed(f"moving the rows of layer {layer}", e)
+            finish(ops, posted)          # whatever this rank did not post stands in: no peer waits
         return ok
 
     def _write(self, rows: Rows, values: dict) -> bool:
@@ -240,26 +237,48 @@ def _post(op: "dist.P2POp"):
     return op.op(op.tensor, op.peer, op.group, op.tag)
 
 
-def transfer(ops: list) -> None:
+def transfer(ops: list, posted: Optional[list] = None) -> None:
     """Post every transfer of a move and wait for each, so that no peer is left in a `wait()` that nothing will
-    answer. On NCCL the ops go as one group (posted one by one, a swap deadlocks) and a failure there is the
-    communicator's. On gloo (which posts them one at a time anyway) each is posted on its own: one this rank fails
-    to post is replaced by a stand-in of the same shape (a send of NaNs, which the receiver's check refuses; a
-    receive into scratch), so the peer's matching operation completes; a wait that fails does not stop the others.
-    Then the first error is raised."""
+    answer; `posted` collects the work of each op as it is posted. On NCCL the ops go as one group (posted one by
+    one, a swap deadlocks) and a failure there is the communicator's. On gloo (which posts them one at a time
+    anyway) each is posted on its own: one this rank fails to post is replaced by a stand-in of the same shape (a
+    send of NaNs, which the receiver's check refuses; a receive into scratch), so the peer's matching operation
+    completes; a wait that fails does not stop the others. Then the first error is raised."""
+    posted = [] if posted is None else posted
     if not ops:
         return
+    errors = []
     if dist.get_backend(ops[0].group) != "gloo":
-        requests, errors = dist.batch_isend_irecv(ops), []
+        posted += dist.batch_isend_irecv(ops)
     else:
-        requests, errors = [], []
         for op in ops:
             try:
-                requests.append(_post(op))
+                posted.append(_post(op))
             except Exception as e:   # noqa: BLE001 - whatever failed, the peer's operation must still be matched
-                errors.append(e)       # its own buffer stands in (no allocation here): NaNs sent, a receive into it
-                stand_in = op.tensor.fill_(float("nan")) if op.op is dist.isend else op.tensor
-                requests.append(_post(dist.P2POp(op.op, stand_in, op.peer, op.group, op.tag)))
+                errors.append(e)
+                posted.append(_post(_stand_in(op)))
+    _wait(list(posted), errors)
+
+
+def finish(ops: list, posted: list) -> None:
+    """After a move's transfer failed on this rank: post a stand-in for every op it did not post and wait for those,
+    errors dropped, so that no peer is left waiting (the ops it posted were waited for in `transfer`). On gloo; on
+    NCCL a failure is the communicator's."""
+    rest = ops[len(posted):]
+    if rest and dist.get_backend(rest[0].group) == "gloo":
+        try:
+            _wait([_post(_stand_in(op)) for op in rest], [])
+        except RuntimeError:
+            pass
+
+
+def _stand_in(op: "dist.P2POp") -> "dist.P2POp":
+    """The same transfer with its own buffer standing in (no allocation): NaNs sent, a receive into it."""
+    return dist.P2POp(op.op, op.tensor.fill_(float("nan")) if op.op is dist.isend else op.tensor, op.peer, op.group,
+                      op.tag)
+
+
+def _wait(requests: list, errors: list) -> None:
     for request in requests:
         try:
             request.wait()

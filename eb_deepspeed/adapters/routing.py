@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..planning.steering import rank_share, rounds_needed, split
 
-__all__ = ["SlotTable", "Routing", "ServedTable"]
+__all__ = ["SlotTable", "Routing"]
 
 
 @dataclass

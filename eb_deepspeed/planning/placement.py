@@ -53,8 +53,7 @@ HEDGE_COST = 0.02           # ... and hedged only where that costs at most 2 % m
 # expected gain was a loss.
 MIN_GAIN = 0.10
 
-__all__ = ["Placement", "plan_placement", "static_placement", "expected_padded_cost", "expected_device_load",
-           "Dispatch", "DISPATCH", "choose_placement"]
+__all__ = ["Placement", "plan_placement", "static_placement", "Dispatch", "choose_placement"]
 
 
 def check_plan_size(num_layers: int, num_slots: int, num_devices: int) -> None:

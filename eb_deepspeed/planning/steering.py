@@ -22,7 +22,7 @@ import torch
 
 from .slots import integer_tensor
 
-__all__ = ["split", "steer", "rank_share", "even_split", "rounds_needed"]
+__all__ = ["split", "steer", "rank_share"]
 
 ROUNDS = 16       # water-filling rounds per batch at most (docs/benchmarks.md: the split against the LP's busiest rank)
 SETTLED = 1e-3    # a placement's rounds: the fewest whose device loads are within this share of ROUNDS' (test loads)

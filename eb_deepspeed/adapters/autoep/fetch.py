@@ -7,7 +7,7 @@ Shape legend: E experts, G EP ranks, H home expert rows of a rank, R replica slo
     replicas = LayerReplicas(layer, G, H, R, rank, min_routes)      # one per AutoEP layer, its homes set on a move
     slot_EG, n_GE, rows_2G = replicas.route(counts_GE)   # in the route hook, after the count exchange
     replicas.start(send_rows, receive_rows)        # in AutoEP's one host read of its all-to-all sizes: the transfer
-    with_replicas(layer.experts, replicas.take)    # the experts compute over [S, ...] weights
+    with_replicas(layer.experts, replicas)         # the experts compute over [S, ...] weights
 
 Per training micro-batch and layer: the choice and the exact split run on the device from the exchanged counts;
 the sizes of the weights' transfer ride on the host read AutoEP's dispatch already makes (none of ours); the
@@ -20,7 +20,7 @@ no route to them).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -28,21 +28,20 @@ import torch.distributed as dist
 from ...planning.replicas import choose_replicas, copies
 from ...planning.steering import split
 
-__all__ = ["LayerReplicas", "Fetch", "with_replicas"]
+__all__ = ["LayerReplicas", "with_replicas"]
 
 
-def with_replicas(experts: torch.nn.Module, plan_of: Callable[[], Optional[dict]]) -> None:
-    """Run `experts` (AutoEP's `GroupedExperts`) with [S, ...] weights: the fetch `plan_of()` gives for this forward
-    (`LayerReplicas.take`), or its own [H, ...] rows padded with zeros when it gives an empty one."""
+def with_replicas(experts: torch.nn.Module, replicas: "LayerReplicas") -> None:
+    """Run `experts` (AutoEP's `GroupedExperts`) with [S, ...] weights: its [H, ...] home rows, then the replica
+    rows of this forward's fetch (`LayerReplicas.take`; zeros where there is none)."""
     forward = experts.forward
 
     def replicated_forward(*args, **kwargs):
-        fetch = plan_of()
-        if fetch is None:
-            return forward(*args, **kwargs)
-        kept = dict(experts.named_parameters(recurse=False))
+        fetch, kept = replicas.take(), dict(experts.named_parameters(recurse=False))
         try:
-            for name, full in zip(kept, Fetch.apply(fetch, *kept.values())):
+            fulls = Fetch.apply(fetch, *kept.values()) if fetch is not None else \
+                [torch.cat([w, w.new_zeros((replicas.R, ) + w.shape[1:])]) for w in kept.values()]
+            for name, full in zip(kept, fulls):
                 experts._parameters[name] = full
             return forward(*args, **kwargs)
         finally:
@@ -105,13 +104,13 @@ class LayerReplicas:
                        "receive_rows": receive_rows, "receive_slot": routed["receive_slot"][:sum(receive_rows)],
                        "owner": self}
 
-    def take(self) -> dict:
-        """The fetch of this forward (the transfer `start` posted), or none (an eval forward: no replica)."""
+    def take(self) -> Optional[dict]:
+        """The fetch of this forward (the transfer `start` posted), or None (an eval forward: no replica)."""
         fetch, self._fetch = self._fetch, None
         if self.layer.training and self._routed is not None:
             raise RuntimeError("easybalance: this AutoEP layer routed to replicas whose transfer never started (its "
                                "all-to-all sizes were not read through compute_split_plan)")
-        return fetch if fetch is not None and self.layer.training else {"H": self.H, "S": self.S}
+        return fetch if self.layer.training else None
 
 
 class Fetch(torch.autograd.Function):
@@ -123,28 +122,22 @@ class Fetch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fetch: dict, *weights):
         ctx.fetch, ctx.like = fetch, [(w.dtype, w.device, tuple(w.shape[1:])) for w in weights]
-        owner = fetch.get("owner")
-        H, S = (owner.H, owner.S) if owner is not None else (fetch["H"], fetch["S"])
-        if owner is not None:
-            fetch["work"].wait()
+        owner = fetch["owner"]
+        fetch["work"].wait()
         out, at = [], 0
         for w in weights:
-            full = w.new_zeros((S, ) + tuple(w.shape[1:]))
-            full[:H] = w
-            if owner is not None:
-                n = w[0].numel()
-                full[H + fetch["receive_slot"]] = fetch["arrived"][:, at:at + n].view(-1, *w.shape[1:]).to(w.dtype)
-                at += n
+            full = w.new_zeros((owner.S, ) + tuple(w.shape[1:]))
+            full[:owner.H] = w
+            n = w[0].numel()
+            full[owner.H + fetch["receive_slot"]] = fetch["arrived"][:, at:at + n].view(-1, *w.shape[1:]).to(w.dtype)
+            at += n
             out.append(full)
         return tuple(out)
 
     @staticmethod
     def backward(ctx, *grads):
         fetch = ctx.fetch
-        owner = fetch.get("owner")
-        H = owner.H if owner is not None else fetch["H"]
-        if owner is None:
-            return (None, *(None if g is None else g[:H] for g in grads))
+        owner, H = fetch["owner"], fetch["owner"].H
         grads = [torch.zeros((owner.S, ) + shape, dtype=dtype, device=device) if g is None else g
                  for g, (dtype, device, shape) in zip(grads, ctx.like)]
         rows = _guarded_rows(owner, grads, H + fetch["receive_slot"], "sending replica gradients home")

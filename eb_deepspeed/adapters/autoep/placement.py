@@ -102,20 +102,19 @@ class TrainPlacement(Placer):
         self.min_routes = transfer_stall([0], [1], 2 * elem, FLOPS_PER_PARAM, [0, int(len(set(self.node_G)) > 1)],
                                          topology, self.device.type)
         for m, routes, gate in zip(layers, self.routes, gates):
+            m.eb_placement = self                          # what serving this engine's model must know of
             m.register_state_dict_pre_hook(self._refuse_placed_export)
             if self.R:
                 gate.ranks_of = routes.ranks               # the balancer counts each route where it is computed
                 routes.replicas = LayerReplicas(m, self.G, self.H, self.R, rank, self.min_routes)
-                with_replicas(m.experts, routes.replicas.take)
+                with_replicas(m.experts, routes.replicas)
                 _wide_in_forward(m, self.S)
                 m.tokens_per_expert = torch.zeros(self.G * self.S, dtype=torch.float32, device=self.device)
         if self.R:
             self._flip(self.home, False)
         engine.module.register_forward_pre_hook(self._before_forward)
-        optimizer = torch_optimizer(getattr(engine, "optimizer", None))
-        if self.R and optimizer is not None:
-            self._agreed_step = None
-            optimizer.register_step_pre_hook(self._agree_fetches)
+        if self.R:
+            self._check_before_step(engine)
         balancer.log.extra = lambda: {"replans": self.replans, "weight_moves": self.weight_moves,
                                       "moved_bytes": self.moved_bytes}
         self._wrap_exports(engine)
@@ -199,23 +198,33 @@ class TrainPlacement(Placer):
         if changed:
             self.balancer.move_experts(home_LE)
 
-    def _agree_fetches(self, optimizer, args, kwargs) -> None:
-        """Before each optimizer step with replicas served: every rank learns whether a replica transfer failed on
-        any rank this step (one all-reduce and one host read a step, none a micro-batch) and then all raise, so
-        that no rank steps on what a failed transfer computed."""
-        step = int(self.engine.global_steps)
-        if step == self._agreed_step:    # ZeRO: once per parameter group
-            return
-        self._agreed_step = step
-        failed = [f for routes in self.routes for f in routes.replicas.failed]
-        for routes in self.routes:
-            routes.replicas.failed.clear()
-        flag = torch.tensor([float(bool(failed))], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if float(flag):
-            raise RuntimeError("easybalance.train_placement: a replica transfer failed "
-                               f"({failed[0] if failed else 'on another rank: see its error'}); every rank stops "
-                               "before this optimizer step, with the weights and state of the step before")
+    def _check_before_step(self, engine) -> None:
+        """Before every optimizer step (`engine.step()` at an accumulation boundary), before DeepSpeed changes
+        anything: every rank learns whether a replica transfer failed on any rank since the last step (one
+        all-reduce and one host read a step, none a micro-batch); if one did, every rank drops the step's gradients
+        and routes and raises, its weights and optimizer state those of the step before (the next step trains on).
+        DeepSpeed has no pre-step hook: the engine's method is wrapped."""
+        step = engine.step
+
+        def checked_step(*args, **kwargs):
+            if engine.is_gradient_accumulation_boundary():
+                failed = [f for routes in self.routes for f in routes.replicas.failed]
+                for routes in self.routes:
+                    routes.replicas.failed.clear()
+                flag = torch.tensor([float(bool(failed))], device=self.device)
+                if dist_ready():
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if float(flag):
+                    zero_grad = engine.optimizer.zero_grad if engine.bfloat16_enabled() or \
+                        engine.zero_optimization() or engine.fp16_enabled() else engine.zero_grad
+                    zero_grad()                               # as DeepSpeed's own step ends
+                    self.balancer.discard_tally()
+                    raise RuntimeError("easybalance.train_placement: a replica transfer failed ("
+                                       f"{failed[0] if failed else 'on another rank: see its error'}); every rank "
+                                       "stops before this optimizer step, with the weights and state of the step "
+                                       "before, this step's gradients dropped")
+            return step(*args, **kwargs)
+        engine.step = checked_step
 
     # ------------------------------------------------------------------ checkpoints and exports
     @contextlib.contextmanager
@@ -223,15 +232,16 @@ class TrainPlacement(Placer):
         """The experts in AutoEP's own layout inside the block (collective: every rank enters it), placed again
         after it."""
         placed = self.resident
-        self._must_apply(self.home, f"home {when} (nothing was done)")
+        self.move_or_raise(self.home, f"home {when} (nothing was done)")
         self._home_depth += 1
         try:
             yield
         finally:
             self._home_depth -= 1
-            self._must_apply(placed, f"back after {when} (what it wrote is whole)")
+            self.move_or_raise(placed, f"back after {when} (what it wrote is whole)")
 
-    def _must_apply(self, plan: Placement, when: str) -> None:
+    def move_or_raise(self, plan: Placement, when: str) -> None:
+        """`apply(plan)` (not a re-plan), or every rank raises when it failed anywhere."""
         if not self.apply(plan, replan=False):
             raise RuntimeError(f"easybalance.train_placement: moving the experts {when} failed on some rank (see its "
                                "warning); every rank keeps the placement and state it had before this move")
@@ -255,7 +265,7 @@ class TrainPlacement(Placer):
         load = engine.load_checkpoint
 
         def load_checkpoint(*args, **kwargs):
-            self._must_apply(self.home, "home before loading a checkpoint (nothing was loaded)")
+            self.move_or_raise(self.home, "home before loading a checkpoint (nothing was loaded)")
             return load(*args, **kwargs)
         engine.load_checkpoint = load_checkpoint
 

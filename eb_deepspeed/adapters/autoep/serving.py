@@ -203,6 +203,14 @@ def init_autoep_inference(model: torch.nn.Module, config=None) -> torch.nn.Modul
     if not dist_ready():
         raise RuntimeError("init_inference: AutoEP models are converted inside deepspeed.initialize, which starts "
                            "the process group; call it first")
+    placer = next((vars(m)["eb_placement"] for _, m in find_autoep_layers(module) if "eb_placement" in vars(m)), None)
+    if placer is not None and placer.R:
+        raise ValueError(f"init_inference: this engine trains with easybalance.train_placement.replica_slots "
+                         f"({placer.R}): its layers put training routes on replica slots, which serving would route a "
+                         "second time. Serve an engine that loads its checkpoint (save_checkpoint writes AutoEP's own "
+                         "layout), or train without replica slots. Nothing was changed")
+    if placer is not None:           # a permutation: the experts home (every rank together), served as AutoEP's
+        placer.move_or_raise(placer.home, "home to serve (nothing was done)")
     module.eval()
     engine = model if hasattr(model, "save_checkpoint") and hasattr(model, "load_checkpoint") else None
     ServingEngine(AutoEPStore(module, engine=engine), eb_config if eb_config.enabled else None).attach(module, module)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..common import torch_optimizer
 
-__all__ = ["ExpertState", "ELEMENTWISE_OPTIMIZERS", "state_bytes", "state_keys", "expert_params"]
+__all__ = ["ExpertState"]
 
 # Optimizers whose update of an element reads that element's own state alone (and per-tensor scalars such as the
 # step count): moving a row with its state is then the same training. Adafactor, LAMB, LARS, Muon and others
