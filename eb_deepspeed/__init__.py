@@ -5,12 +5,8 @@
                                                       config="ds_config.json")
     engine.easybalance.metrics()
 
-The `"easybalance"` block of the ds_config switches it on; see README.md and docs/. The same `initialize`
-takes models built from `deepspeed.moe.layer.MoE` and Hugging Face MoE models that DeepSpeed's AutoEP converts
-(an enabled `"expert_parallel"` section). Layout: `core` (framework-neutral loop), `planning` (placement,
-steering), `adapters` (`common`, `deepspeed`, `autoep`, `megatron`), `observe` (logs, W&B, plots),
-`tools` (the `eb` CLI). The benchmarks and the cluster simulator live in the checkout's `benchmarks/`.
-"""
+The `"easybalance"` block of the ds_config switches it on (README.md, docs/). Subpackages: `core`, `planning`,
+`adapters`, `observe`, `tools`; the benchmarks live in the checkout's `benchmarks/`."""
 from .core._lazy import lazy_exports
 
 __version__ = "0.1.0"

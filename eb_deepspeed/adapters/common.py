@@ -6,8 +6,7 @@
 
 `attach` is the one recipe every training adapter follows: one start-up all-gather (every rank's summary, rank 0
 opening the log), agreement, the adapter's own checks on what was gathered, the `Balancer`, its step hook, and
-`owner.easybalance`. World size 1 (no process group) works everywhere: no communication.
-"""
+`owner.easybalance`. World size 1 (no process group) works everywhere: no communication."""
 from __future__ import annotations
 
 import io
@@ -40,8 +39,7 @@ def attach(config: EasyBalanceConfig, gates: list, summary: dict[str, Any], *,
         hook: connects `balancer.step()` to the framework's optimizer step.
         owners: objects that get `.easybalance` (the engine, the model chunks).
         monitor: DeepSpeed's monitor, for W&B; agree_on_all: every rank's whole summary must agree (False: the
-            config only; pipeline stages hold different layers).
-    """
+            config only; pipeline stages hold different layers)."""
     gathered, rank, logger = gather_startup({"config": config.to_dict(), **summary},
                                             prepare=lambda: make_logger(config, monitor=monitor))
     check_agreement([{k: v for k, v in g.items() if k != "host" and (agree_on_all or k == "config")}
@@ -76,8 +74,7 @@ def gather_startup(mine: dict[str, Any], prepare: Optional[Callable[[], Any]] = 
     `mine` gets this rank's host name under "host" (the node map; leave it out of agreement checks).
     prepare: this rank's start-up work that can fail on one rank alone (rank 0 opening the balance log): run
     before the all-gather, its failure travels in it, and every rank raises the same error instead of one
-    rank dying while the others wait in their first collective.
-    """
+    rank dying while the others wait in their first collective."""
     result, problem = None, None
     if prepare is not None:
         try:

@@ -12,23 +12,12 @@ p // S), N row transfers.
 One placement lifecycle for serving and training: choose (`planning.placement.choose_placement`, by the runtime's
 `Dispatch`) -> check -> move (`RowMover`) -> flip (the owner's route tables) -> count (`Placer`).
 
-`rows` (`Rows`) is what a row is: serving's slot weights, or training's expert state (weights, fp32 masters and
-optimizer moments). A move, every rank of the job together:
-
-  0. the caller's own checks agree (`agree`: one all-reduce of ok flags and the plan's hash; ranks that planned
-     different placements raise);
-  1. per layer with moves: `rows.prepare(layer)` allocates what the layer needs (buffers for what arrives and for
-     collective reads); the ranks agree before any rank posts a transfer or enters a collective;
-  2. `rows.read` the rows this rank sends and the rows it will overwrite (collective over expert-data-parallel
-     peers under ZeRO), the transfers (`transfer`: a rank that cannot post one posts a stand-in, so no peer waits),
-     a check that what arrived is finite; both kept on the host;
-  3. the ranks agree that every layer arrived everywhere; then `rows.write` (local) and one more agreement; a rank
-     that failed to write makes every rank write back what it overwrote: all keep the old rows. Only a rank that
-     cannot even write back makes every rank raise.
-
-Any failure on any rank at any step ends with every rank on the old rows (False) or every rank raising; none is left
-waiting for a peer.
-"""
+A row (`Rows`) is serving's slot weights or training's expert state (weights, fp32 masters, optimizer moments). A
+move, every rank together: 0. the callers' checks and plan hashes agree (`agree`); per layer 1. `prepare`
+allocates, agreed before anything is posted or read; 2. read (collective under ZeRO), transfer (`transfer`: a
+stand-in for every op a rank fails to post), check finite, keep on the host; 3. once every layer arrived everywhere,
+`write`, agreed again; a failed write makes every rank write back what it overwrote. Any failure ends with every
+rank on the old rows (False) or every rank raising; none is left waiting for a peer."""
 from __future__ import annotations
 
 import hashlib

@@ -1,14 +1,10 @@
 """The route tables every gate with copies reads, serving's and training's alike: which physical slot each replica
-of an expert is (`SlotTable`), how a batch's routes are split over them (`Routing`: evenly by the table, or the exact
-split of every rank's counts), and a gate's table on its device (`ServedTable`).
+of an expert is (`SlotTable`), how a batch's routes are split over them (`Routing`: evenly by the table's fractions,
+`split_by_fraction`, or the exact split of every rank's counts, `exchange_counts` then `exact_routes`), and a gate's
+table on its device (`ServedTable`).
 
 Shape legend: E logical experts, G EP ranks, S slots per rank, P physical slots (G * S; slot p lives on EP rank
-p // S), R replicas of one expert.
-
-Both ways split an expert's routes on this rank over its replicas: by the table's fractions (`split_by_fraction`, no
-collective) or by the exact split of this batch's counts of every rank (`exchange_counts`: one exchange of [E] counts
-per layer; `exact_routes`: the split on the device).
-"""
+p // S), R replicas of one expert."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,8 +24,7 @@ class SlotTable:
 
     log2phy_ER: [E, R] physical slot of each replica (-1 padded); fraction_ER: [E, R] the share of
     the expert's routes each replica takes in `split="view"` (0 on padding, rows sum to 1); copies: what the
-    exact split reads, per device (`copies_on`).
-    """
+    exact split reads, per device (`copies_on`)."""
     log2phy_ER: torch.Tensor
     fraction_ER: torch.Tensor
     copies: dict = field(default_factory=dict, repr=False)

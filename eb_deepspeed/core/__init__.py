@@ -1,8 +1,7 @@
 """The framework-neutral core: config, tally, cross-layer view, metrics, control laws, the loop.
 
 Imports torch (and the standard library) only, never deepspeed or megatron: every adapter builds
-on it, and it runs in one CPU process. See docs/design.md for the layering.
-"""
+on it, and it runs in one CPU process. See docs/design.md for the layering."""
 from ._lazy import lazy_exports
 
 _EXPORTS = {

@@ -4,8 +4,7 @@ for torch, DeepSpeed or the simulator until a name that needs them is touched.
     __getattr__, __dir__ = lazy_exports(__name__, {"Balancer": ".core.balancer", "metrics": ".core.metrics"})
 
 A name whose module path ends in the name itself is that submodule; any other name is the attribute of
-that module with the same name.
-"""
+that module with the same name."""
 from __future__ import annotations
 
 import importlib

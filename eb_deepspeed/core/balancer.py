@@ -13,8 +13,7 @@ An adapter hands the `Balancer` its gates and one `reduce` function, and calls `
 
 A gate is a `BalancedGate`: a `tally` its forwards add to and the `controls` it reads. With pipeline parallelism
 a rank holds some of the model's layers (`ModelShape.local_layers`): the other layers' tally rows stay 0 here and
-a `reduce` over every rank fills them in. World size 1 is `reduce=None`: no communication at all.
-"""
+a `reduce` over every rank fills them in. World size 1 is `reduce=None`: no communication at all."""
 from __future__ import annotations
 
 import atexit
@@ -66,8 +65,7 @@ def check_agreement(gathered: Sequence[dict[str, Any]], rank: int) -> None:
     """Raise the same ValueError on every rank when any rank's summary differs from this rank's.
 
     gathered: every rank's summary (model shape and config), from one all-gather at start-up. A rank
-    that disagreed would make the per-step reduce mismatch or hang; this turns it into one error.
-    """
+    that disagreed would make the per-step reduce mismatch or hang; this turns it into one error."""
     mine = gathered[rank]
     for other, theirs in enumerate(gathered):
         if theirs != mine:
@@ -88,8 +86,7 @@ class Balancer:
             data-parallel group; every rank under pipeline parallelism); None for world size 1.
         logger: where records go (rank 0's; None: nowhere). Written every `log.interval` steps and at exit.
         device: where the tally is stacked and reduced (the process group's device).
-        train: training (`balance` mode runs the `aux` policy) or serving (no loss to weigh: no controls).
-    """
+        train: training (`balance` mode runs the `aux` policy) or serving (no loss to weigh: no controls)."""
 
     VERSION = 2     # of the checkpointed state
 
@@ -177,8 +174,7 @@ class Balancer:
         (no optimizer step), so that the view holds only the micro-batches that reach a step boundary.
 
         last_forward_only: forget only the last forward's routes (one skipped micro-batch under gradient
-        accumulation; the step's other micro-batches stay counted). Local: no communication.
-        """
+        accumulation; the step's other micro-batches stay counted). Local: no communication."""
         for tally in self.tallies:
             tally.discard(last_forward_only)
 
@@ -297,8 +293,7 @@ class Balancer:
         EP size (or expert layout) restores what is per expert or per layer (heat, bias, device-loss weights,
         step counts) and rebuilds the device pressure for this layout (`LoadView.load_state_dict`). A state saved
         under another config is restored as far as the current config allows. One warning says what differs and
-        what that changed (see `AuxController.load_state_dict`).
-        """
+        what that changed (see `AuxController.load_state_dict`)."""
         problem = self.why_unfit(state)
         if problem is not None:
             raise ValueError(problem)

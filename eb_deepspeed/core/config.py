@@ -13,8 +13,7 @@ alpha 0.3, cross-layer window 5-8 layers, warm-up 3-5 batches; docs/config.md gi
 
 Every mistake raises `ConfigError` naming the JSON path, e.g.
     easybalance.ema_alpha (1.5) must be in (0, 1]
-    easybalance.inference.weight: unknown key; valid keys: ...
-"""
+    easybalance.inference.weight: unknown key; valid keys: ..."""
 from __future__ import annotations
 
 import copy
@@ -227,8 +226,7 @@ class EasyBalanceConfig:
     def from_ds_config(cls, ds_config: Mapping[str, Any] | str | os.PathLike | None) -> "EasyBalanceConfig":
         """Read the `"easybalance"` block of a DeepSpeed config (dict, or path to its JSON file).
 
-        No block, or `None`, gives a disabled config: plain DeepSpeed behaviour.
-        """
+        No block, or `None`, gives a disabled config: plain DeepSpeed behaviour."""
         if ds_config is None:
             return cls()
         ds_config = read_json(ds_config)
@@ -256,8 +254,7 @@ class EasyBalanceConfig:
     def window_for(self, num_layers: int) -> int:
         """Half-width of the cross-layer window: pressure around layer l sums layers l-w .. l+w.
 
-        "auto" follows the EasyBalance article, §5.1: 5 layers, widened for deep models (61 layers -> 8).
-        """
+        "auto" follows the EasyBalance article, §5.1: 5 layers, widened for deep models (61 layers -> 8)."""
         if self.window is not None:
             return self.window
         return int(min(8, max(5, math.ceil(num_layers / 8))))
@@ -271,8 +268,7 @@ class EasyBalanceConfig:
         """JSON paths the user set, to other than their defaults, that have no effect in this mode and context
         (one warning each), by where each key acts (`KEYS`).
 
-        context: "train" (`eb_deepspeed.initialize`) or "serve" (`eb_deepspeed.init_inference`).
-        """
+        context: "train" (`eb_deepspeed.initialize`) or "serve" (`eb_deepspeed.init_inference`)."""
         if context not in CONTEXTS:
             raise ValueError(f"context ({context!r}) must be one of: {', '.join(CONTEXTS)}")
         on = {"both"}

@@ -7,8 +7,7 @@ Each layer's gate (DeepSpeed's `CrossLayerGate`, AutoEP's `AutoEPBalance`, Megat
 
     ctl = gate.controls
     selection_TE = logits_TE if ctl.bias_E is None else logits_TE + ctl.bias_on(logits_TE.device)
-    loss = l_aux + ctl.device_loss(probs_TE, routed_E, k)            # 0 when the policy has no device loss
-"""
+    loss = l_aux + ctl.device_loss(probs_TE, routed_E, k)            # 0 when the policy has no device loss"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -3,8 +3,7 @@ endless read), of bounded size, JSON of bounded depth. Every reader of a user's 
 traces, plan files, saved results) opens it through here.
 
     doc = load_json("plan.json", "an eb_deepspeed plan (JSON)")   # ValueError "plan.json: not ... (why)"
-    with open_regular(path, max_bytes) as f: ...                  # binary, refused unless a regular file
-"""
+    with open_regular(path, max_bytes) as f: ...                  # binary, refused unless a regular file"""
 from __future__ import annotations
 
 import json

@@ -8,8 +8,7 @@ over its tokens (the only differentiable part). Other scopes of f (global batch,
 "batch scopes"; on Megatron-Core its own losses stay.
 
 `device_balance_loss` is DeepSeek-V2's device-level balance loss (with one expert per "device", the expert-level
-one). `core.controls.LayerControls` is where gates call it from.
-"""
+one). `core.controls.LayerControls` is where gates call it from."""
 from __future__ import annotations
 
 from typing import Optional
@@ -42,8 +41,7 @@ def expert_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, k: int,
     Args:
         probs_TE: [T, E] router probabilities; P_E is the mean over the tokens that count.
         routed_E: [E] this forward's routes per expert: f_e = routed_e / (K · T).
-        valid_T: [T] bool, the tokens that count (None: all; padding is False).
-    """
+        valid_T: [T] bool, the tokens that count (None: all; padding is False)."""
     E = probs_TE.shape[1]
     probs_E, T = _mean_probs(probs_TE, valid_T)
     # the device-level loss with one expert per device, in its own order of operations
@@ -65,8 +63,7 @@ def device_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, expert_t
         through P only and moves mass off the devices that get more than their share, whichever of their
         experts the routes went to (the expert-level loss does not see that). Local to the rank, no collective,
         no host sync. With top-1's `used_token` mask the masked tokens route nowhere and the loss sits below 1
-        at balance, as DeepSpeed's l_aux does.
-    """
+        at balance, as DeepSpeed's l_aux does."""
     E = probs_TE.shape[1]
     probs_E, T = _mean_probs(probs_TE, valid_T)
     share_E = _fair_shares(routed_E, E, k, T, probs_E.dtype)

@@ -8,8 +8,7 @@ max_vio = cv = util std = 0), so an empty batch never turns a curve into NaN.
 
     >>> import torch
     >>> max_over_mean(torch.tensor([[3., 1.]]))   # max 3, mean 2
-    tensor([1.5000], dtype=torch.float64)
-"""
+    tensor([1.5000], dtype=torch.float64)"""
 from __future__ import annotations
 
 import torch
@@ -101,8 +100,7 @@ def summarize(device_LG: torch.Tensor, expert_LE: torch.Tensor, experts_L: torch
 
     device_LG: [L, G] tokens per layer and EP rank; expert_LE: [L, E] routes per layer and expert;
     experts_L: [L] experts of each layer when layers differ (PR-MoE): layer l's experts are its first
-    experts_L[l] columns, the rest padding that no expert metric counts (None: every column).
-    """
+    experts_L[l] columns, the rest padding that no expert metric counts (None: every column)."""
     dev_mom_L = max_over_mean(device_LG)
     exp_mom_L = per_width(max_over_mean, expert_LE, experts_L)
     exp_mean_L = per_width(lambda x: x.mean(1), expert_LE, experts_L)

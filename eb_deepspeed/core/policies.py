@@ -17,8 +17,7 @@ layer's l_aux keeps the user's coefficient in all of them:
   bias_cross_layer  both: the bias selects, the per-layer device loss takes the residual.
 
 `POLICIES` is the registry (`AuxPolicy`; the config takes its choices and warnings from it). `AuxController.update`
-runs after the view update on every rank with the same reduced view, so every rank computes the same controls.
-"""
+runs after the view update on every rank with the same reduced view, so every rank computes the same controls."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,8 +39,7 @@ def device_scores(pressure_LG: torch.Tensor, cross_LG: torch.Tensor) -> torch.Te
 
     1. excess_lg = max(0, P_lg / mean_g P_lg - 1): load above the layer's mean on each device;
     2. hot_lg = C_lg / mean_g C_lg: how hot that device is across the window around l (1 = average);
-    3. score_l = sum_g excess_lg * hot_lg: imbalance that lands on already-hot devices counts more.
-    """
+    3. score_l = sum_g excess_lg * hot_lg: imbalance that lands on already-hot devices counts more."""
     excess_LG = (_over_row_mean(pressure_LG) - 1.0).clamp_min(0.0)
     return (excess_LG * _over_row_mean(cross_LG)).sum(1)
 
@@ -59,8 +57,7 @@ def clip_mean_one(raw_L: torch.Tensor, w_min: float, w_max: float) -> torch.Tens
     Finds the scale c with f(c) = mean(clip(c * raw, w_min, w_max)) = 1, exactly and without iterating:
     1. f is piecewise linear and non-decreasing in c, with breakpoints at w_min / raw_l and w_max / raw_l;
     2. evaluate f at all 2L breakpoints at once ([2L, L]) and take the first one where f reaches 1;
-    3. f is linear between it and the breakpoint before: solve for c there.
-    """
+    3. f is linear between it and the breakpoint before: solve for c there."""
     assert w_min <= 1.0 <= w_max and bool((raw_L > 0).all())
     raw_L = raw_L.to(torch.float64)
     c_B = torch.cat([w_min / raw_L, w_max / raw_L]).sort().values                       # [2L] breakpoints
@@ -82,8 +79,7 @@ def integral_weights(log_w_L: torch.Tensor, score_L: torch.Tensor, *, gain: floa
     mean 1 (the same total device push, placed better), and the log-weights follow the clipped weights (no
     wind-up past a limit). A layer that stays worse keeps accumulating; zero-mean step noise adds up only as a
     random walk (docs/training.md has the measurement behind the default gain). One step moves a weight by at
-    most a factor exp(gain): no further smoothing is needed.
-    """
+    most a factor exp(gain): no further smoothing is needed."""
     reference = float(score_L.mean())
     if reference <= 0:                       # nothing imbalanced anywhere: hold
         return log_w_L.clone()
@@ -103,8 +99,7 @@ def bias_update(bias_LE: torch.Tensor, counts_LE: torch.Tensor, cross_LG: torch.
     device_LE [L, E]: the window pressure at each expert's device, looked up (`cross_LG[:, expert_to_device_E]`;
     an expert with copies on several devices: their mean, `LoadView.expert_device_mean`). mask_LE [L, E]: the
     experts each layer has
-    when layers differ in size (the rest is padding: held at 0, left out of every mean); None: all.
-    """
+    when layers differ in size (the rest is padding: held at 0, left out of every mean); None: all."""
     counts_LE = counts_LE.to(torch.float64)
     cross_LG = cross_LG.to(torch.float64)
     mask_LE = torch.ones_like(counts_LE, dtype=torch.bool) if mask_LE is None else mask_LE.to(torch.bool)
@@ -179,8 +174,7 @@ STATE_RANGES = {"bias_LE": (-BIAS_BOUND, BIAS_BOUND), "log_w_L": (-28.0, 14.0)}
 class AuxController:
     """Holds the control state; `update(view)` applies the configured policy.
 
-    bias_LE [L, E]: the selection bias. log_w_L [L]: log of the per-layer device-loss weights (mean 1).
-    """
+    bias_LE [L, E]: the selection bias. log_w_L [L]: log of the per-layer device-loss weights (mean 1)."""
 
     def __init__(self, num_layers: int, num_experts: int, aux_config):
         self.cfg = aux_config
@@ -207,8 +201,7 @@ class AuxController:
         """One control step from the (reduced, identical) view; returns whether anything changed.
 
         valid_L [L]: the layers the view took this step (`LoadView.update`'s answer; None = all). Controls
-        of the others hold, as their view does: nothing is learned from non-finite routes.
-        """
+        of the others hold, as their view does: nothing is learned from non-finite routes."""
         if not self.policy.uses_view or not view.ready:
             return False
         valid_L = torch.ones(view.L, dtype=torch.bool) if valid_L is None else valid_L.to(torch.bool)
@@ -235,8 +228,7 @@ class AuxController:
     def load_state_dict(self, state: dict[str, object]) -> list[str]:
         """Restore the saved bias and weights, made to obey the current config; returns what that changed.
 
-        A checkpoint of another policy is not this policy's state: the controller starts fresh.
-        """
+        A checkpoint of another policy is not this policy's state: the controller starts fresh."""
         problem = self.why_unfit(state)
         if problem is not None:
             raise ValueError(problem)

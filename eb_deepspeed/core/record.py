@@ -8,8 +8,7 @@ W&B) and reader (`eb report`, the trace importer, benchmarks) takes its key name
 below; `BalanceLog.record` is the one producer and a test checks it against them.
 
     logger.log(record, step)     # BalanceLogger; NullLogger is the no-op twin
-    balancer.log                 # BalanceLog: when records are written, the loop's notes, an adapter's extras
-"""
+    balancer.log                 # BalanceLog: when records are written, the loop's notes, an adapter's extras"""
 from __future__ import annotations
 
 import math
@@ -86,8 +85,7 @@ class BalanceLog:
 
     Every `interval` view steps, and once more at the end of a run (`close`: the last step is never lost);
     `note` adds the training loop's scalars, `extra` an adapter's own numbers (serving: re-plans, weight moves).
-    With a `NullLogger` (ranks other than 0) nothing is built.
-    """
+    With a `NullLogger` (ranks other than 0) nothing is built."""
 
     def __init__(self, logger: Optional[BalanceLogger] = None, interval: int = 10):
         self.logger: BalanceLogger = logger or NullLogger()

@@ -1,7 +1,6 @@
 """Checkpointed state that may be damaged: why a saved state's tensors do not fit this model.
 
-    problem = why_tensors_unfit(state, "load view", {"heat_LE": (L, E)}, {"heat_LE": (0, 1e12)})   # str or None
-"""
+    problem = why_tensors_unfit(state, "load view", {"heat_LE": (L, E)}, {"heat_LE": (0, 1e12)})   # str or None"""
 from __future__ import annotations
 
 import math

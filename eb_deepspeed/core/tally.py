@@ -8,8 +8,7 @@ balancer reads the reduced `[L, W]` rows back by `Tally`'s field names (a "recor
 
 The packed layout is private to this file: `TallyLayout` gives every field its slice. Each per-expert (and the
 per-device) field is preceded by one scratch slot, so counting a route of expert id `e` is an `index_add_` at
-`offset + e` with no mask: a dropped route (id -1) lands on the scratch slot.
-"""
+`offset + e` with no mask: a dropped route (id -1) lands on the scratch slot."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -155,8 +154,7 @@ class LayerTally:
 
     The row is a plain float64 tensor on the routes' device, not a module buffer: `model.half()` / `.bfloat16()`
     would cast a buffer and lose counts, and it is not model state. Tokens given as a number and the forward count
-    stay on the host until the fold.
-    """
+    stay on the host until the fold."""
 
     fold_every = 16     # forwards kept before `add_routes` folds them into the row
 
@@ -189,8 +187,7 @@ class LayerTally:
             device_TK / device_E: the view device of each route [T, K] (-1 where dropped), or of every route of
                 each expert [E] (cheaper); only with a layout that has devices.
             kept_E: [E] kept routes per expert when the gate has them (None: counted from expert_TK).
-            layer: the layer's index, for messages.
-        """
+            layer: the layer's index, for messages."""
         T = expert_TK.shape[0]
         if logits_TE is not None or valid_T is not None or routed_E is None:     # else nothing to compute
             with torch.no_grad():

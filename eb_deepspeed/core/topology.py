@@ -6,8 +6,7 @@ Shape legend: G EP ranks (devices).
     resolve_topology("pcie", explicit=False, num_nodes=2)        # -> ("multi_node", reason)
 
 Serving and training placement price a weight copy at these bandwidths; the benchmarks' simulator reads its links
-and latencies from here too.
-"""
+and latencies from here too."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,8 +43,7 @@ def resolve_topology(name: str, *, explicit: bool, num_nodes: int) -> tuple[str,
 
     A topology the user did not set follows the ranks: more than one node means `multi_node` (a weight copy
     between nodes crosses the network). One the user set is kept; a single-node preset on several nodes gets a
-    warning.
-    """
+    warning."""
     if num_nodes <= 1 or name == "multi_node":
         return name, None
     if explicit:

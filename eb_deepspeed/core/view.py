@@ -6,8 +6,7 @@ G EP ranks (devices; the largest EP group when layers differ).
 
 `LoadView.update(tally)` folds one step's reduced `Tally` into the view: pure CPU float64 tensor code, so every
 rank computes the same view. A layer that saw no tokens or any non-finite logits on any rank is left untouched by
-that step (its EMA holds instead of decaying or learning garbage).
-"""
+that step (its EMA holds instead of decaying or learning garbage)."""
 from __future__ import annotations
 
 import math
@@ -50,8 +49,7 @@ class LoadView:
     load (`Tally.device_LG`), else a copied layer's expert load is split evenly over its copies.
 
     expert_to_device_E: EP rank (group-local) holding each expert, [E] for every layer or [L, E];
-    default DeepSpeed's contiguous layout (expert e of layer l on rank e // (E_l / e_l)).
-    """
+    default DeepSpeed's contiguous layout (expert e of layer l on rank e // (E_l / e_l))."""
 
     def __init__(self, num_layers: int, num_experts, num_devices, *, ema_alpha: float = 0.3,
                  window: int = 5, warmup_batches: int = 4, expert_to_device_E: torch.Tensor | None = None):
@@ -140,8 +138,7 @@ class LoadView:
         """Fold one step's reduced tally into the view (a copy of it). Returns valid_L [L] bool: the layers
         that were updated (saw tokens, no non-finite logits). The device load is the tally's `device_LG` when it
         has one (replicated placements), else its `kept_LE` summed onto the experts' devices. The first valid
-        update of a layer sets its EMA directly (no pull towards the zero start).
-        """
+        update of a layer sets its EMA directly (no pull towards the zero start)."""
         if tally.routed_LE.shape != (self.L, self.E):
             raise ValueError(f"tally is for (layers, experts) = {tuple(tally.routed_LE.shape)}, "
                              f"the view has {(self.L, self.E)}")
@@ -209,8 +206,7 @@ class LoadView:
         device load); expert metrics of
         the routed demand. A layer with non-finite router logits this step routed garbage: its
         per-layer numbers are None (JSON null) and the aggregates leave it out
-        (`nonfinite_layer_ids` lists them).
-        """
+        (`nonfinite_layer_ids` lists them)."""
         last = self.last
         bad_L = last.nonfinite_L > 0
         good_L = ~bad_L

@@ -1,6 +1,4 @@
-"""Observation: balance records to a JSONL log (always, rank 0) and W&B (through DeepSpeed's own
-monitor), `eb report` PNGs from the log, and the expert-load traces `eb plan` reads (`traces.py`). Record keys
-live in `core/record.py`."""
+"""Observation: balance records to a JSONL log and W&B, `eb report` PNGs, the expert-load traces `eb plan` reads."""
 from .monitor import JsonlLogger
 from .report import read_log, render_report
 from .traces import load_trace

@@ -8,8 +8,7 @@ A record is a dict of Python numbers and per-layer lists (`BalanceLog.record`; k
   * `DeepSpeedMonitorLogger` sends it through DeepSpeed's own monitor (`engine.monitor`), so it lands in W&B (and
     TensorBoard/CSV) whenever the user's ds_config enables them, keys as `flatten_record` names them, with the
     layers x devices pressure heatmap as a W&B image; `WandbRunLogger` into an open `wandb.run`.
-  * `NullLogger` (`core/record.py`) is the no-op twin, so the step hook never asks "is logging on?".
-"""
+  * `NullLogger` (`core/record.py`) is the no-op twin, so the step hook never asks "is logging on?"."""
 from __future__ import annotations
 
 import json
@@ -44,8 +43,7 @@ class JsonlLogger(BalanceLogger):
 
     Bounded: past `max_mb` MiB (256) the file rotates to balance.jsonl.1 (replacing an older one), so the log
     holds at most about 2 x max_mb on disk and readers see the newest records. A partial last line
-    left by a killed run is cut off (with a warning) before anything is appended.
-    """
+    left by a killed run is cut off (with a warning) before anything is appended."""
 
     def __init__(self, directory: str, max_mb: float = 256.0):
         if os.path.exists(directory) and not os.path.isdir(directory):

@@ -3,8 +3,7 @@
     eb report easybalance_log            # writes easybalance_log/plots/*.png
     eb report --compare RUN_A RUN_B ...  # one PNG overlaying the runs' summary curves (after a sweep)
 
-Shape legend: L layers, G EP ranks.
-"""
+Shape legend: L layers, G EP ranks."""
 from __future__ import annotations
 
 import itertools
@@ -150,8 +149,7 @@ def read_log(run_dir: str, keys: Optional[Sequence[str]] = None, max_records: Op
     every record but the last, which is kept whole. max_records: keep about that many, evenly spaced (and always the
     last); last: keep only the last that many. Either way memory stays bounded however long the log. convert: applied
     to every record as it is kept (keys taken first; it keeps "step"), e.g. lists to tensors: a kept record costs
-    what it converts to, not its JSON's Python objects.
-    """
+    what it converts to, not its JSON's Python objects."""
     kept: list[dict[str, Any]] | deque = [] if last is None else deque(maxlen=max(int(last), 1))
     stride, seen, newest, runs, path = 1, 0, None, 0, log_path(run_dir)
     if not os.path.exists(path):

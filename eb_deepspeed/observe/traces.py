@@ -3,8 +3,7 @@
 Shape legend: N steps (of an .npz: samples), L layers, E logical experts, P physical slots.
 
     trace_NLE = load_trace("runs/main/balance")          # our own balance log
-    trace_NLE = load_trace("expert_distribution.pt")      # SGLang dump, vLLM-style loads
-"""
+    trace_NLE = load_trace("expert_distribution.pt")      # SGLang dump, vLLM-style loads"""
 from __future__ import annotations
 
 import os
@@ -33,8 +32,7 @@ def load_trace(path: str, last: Optional[int] = None, workload: Optional[str] = 
     * our own balance log (`balance.jsonl`, or its directory: the `expert_counts_LE` of each record);
     * the benchmarks' counts (`.npz`: an array [samples, layers, experts] per workload; all, or only `workload`).
     Read with `torch.load(..., weights_only=True)` or `np.load(..., allow_pickle=False)`, only from a regular file,
-    within `_load_bounded`'s bounds and MAX_TRACE_COUNTS counts. Malformed files raise ValueError naming the problem.
-    """
+    within `_load_bounded`'s bounds and MAX_TRACE_COUNTS counts. Malformed files raise ValueError naming the problem."""
     if workload is not None and not path.endswith(".npz"):
         raise ValueError(f"{path}: workload {workload!r} names an array of an .npz of counts; this is no .npz")
     if path.endswith(".jsonl") or os.path.isdir(path):

@@ -1,12 +1,7 @@
-"""Planning: where replicas live and how tokens are split among them (pure functions, no framework).
+"""Planning: where replicas live and how routes are split among them (pure functions, no framework).
 
     plan = plan_placement(load_LE, num_devices, slots_per_device, num_nodes=..., previous=...)
-    split_GER = steer(counts_GE, plan.expert_devices()[layer])
-
-`placement` (the planner, EPLB-shaped steps), `refine` (its steering-aware step 3), `flows` (the
-planner's model of steering), `steering` (the runtime's per-batch split); the exact judges (an LP, Hall's theorem,
-brute force) live beside the benchmarks (`benchmarks/exact.py`).
-"""
+    split_GER = steer(counts_GE, plan.expert_devices()[layer])"""
 from .flows import steer_flows, steered_load
 from .placement import (Placement, assign_replicas, expected_device_load, expected_padded_cost, expected_slot_ratio,
                         index_maps, plan_placement, replica_counts, static_placement)

@@ -10,8 +10,7 @@ Shape legend: L layers, E logical experts, G devices, S slots per device, P slot
 SGLang reads `--init-expert-location FILE.json` with `json.loads` and passes the dict as keyword arguments to
 `ExpertLocationMetadata.init_by_mapping(physical_to_logical_map=...)`, so the file must hold that one key and nothing
 else; physical slot p serves EP rank p // (P / ep_size), as here; P is num_logical + `--ep-num-redundant-experts`,
-and every slot must hold an expert (tests/test_plan_export.py checks it against SGLang's parsing, re-implemented).
-"""
+and every slot must hold an expert (tests/test_plan_export.py checks it against SGLang's parsing, re-implemented)."""
 from __future__ import annotations
 
 import json

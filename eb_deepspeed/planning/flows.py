@@ -7,8 +7,7 @@ Shape legend: L layers, E logical experts, G devices, S slots per device, P slot
 
 The continuous relaxation of what steering can reach (any token to any replica of its expert, from any source),
 which the planner scores placements by; tested against the exact optimum (`benchmarks/exact.py`). The runtime's
-`steering.steer` splits whole routes per source rank: it reaches this bound only approximately.
-"""
+`steering.steer` splits whole routes per source rank: it reaches this bound only approximately."""
 from __future__ import annotations
 
 import numpy as np
@@ -85,8 +84,7 @@ def steer_flows(x_LP: np.ndarray, phy_LP: np.ndarray, load_LE: np.ndarray, S: in
 def steered_load(plan, load_LE: torch.Tensor, iters: int = 100) -> torch.Tensor:
     """[L, G] tokens per device once `steer_flows` has split each expert's load over `plan`'s replicas.
 
-    plan: a `placement.Placement`; load_LE: [L, E] tokens per layer and expert.
-    """
+    plan: a `placement.Placement`; load_LE: [L, E] tokens per layer and expert."""
     load_LE = checked_load("load_LE", load_LE, plan)
     L, P = plan.phy2log.shape
     S = plan.slots_per_device

@@ -18,8 +18,7 @@ P physical slots per layer (G * S; slot p lives on device p // S), R max replica
 3.  `refine.refine_for_steering` (steered only): local moves scored after steering (`flows.steer_flows`),
     from the uniform plan; on small inputs also from the load-proportional greedy plan (`replica_counts`).
 4.  `_choose`: each layer's best candidate under its dispatch (`previous` is one), node spread and weight
-    moves priced; `index_maps`: phy2log, log2phy, logcnt, moves, loads.
-"""
+    moves priced; `index_maps`: phy2log, log2phy, logcnt, moves, loads."""
 from __future__ import annotations
 
 import math
@@ -315,8 +314,7 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     `swing_LE`), or None: "uniform" and "padded" then give replica counts by load + HEDGE x swing and keep
     them in the search; "steered" splits each batch as it comes and ignores it.
     Raises TypeError / ValueError naming the argument; never returns a placement that leaves an expert out or
-    puts two replicas of one expert on one device.
-    """
+    puts two replicas of one expert on one device."""
     load_LE, G, S, dispatch, previous = _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
                                               slot_budget, refine_rounds, dispatch, node_spread)
     if swing_LE is not None:

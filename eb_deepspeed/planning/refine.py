@@ -4,8 +4,7 @@ level them; a load-ordered greedy, which balances the even split, never builds i
 
 Shape legend: L layers, E logical experts, G devices, S slots per device, P physical slots (G * S),
 A layers still improving, K candidate moves per layer, M partner devices, Q partner slots (M * S),
-N rows of any of these (layers or candidates).
-"""
+N rows of any of these (layers or candidates)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -16,8 +16,7 @@ Shape legend: L layers (or any batch of independent layers), E experts, G EP ran
      as many rooms as they cover, which a pairing of ranks (one copy a wave) cannot;
   3. a copy is kept only where the routes it could take (its piece, up to the room) reach `min_routes`: what its
      weights and gradients cost on the link (`moves.transfer_stall`).
-Then the exact split (`steering.split`) divides each expert's routes over its copies.
-"""
+Then the exact split (`steering.split`) divides each expert's routes over its copies."""
 from __future__ import annotations
 
 import torch

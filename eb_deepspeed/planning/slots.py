@@ -3,8 +3,7 @@ what a round of local search looks at and keeps, and the checks that turn a call
 
 Shape legend: N rows (layers, or candidate placements), P physical slots (G * S; slot p lives on
 device p // S), G devices, S slots per device, E logical experts, H groups of slots (devices or nodes),
-A rows still improving, M partner devices, Q partner slots, K candidates per row.
-"""
+A rows still improving, M partner devices, Q partner slots, K candidates per row."""
 from __future__ import annotations
 
 import copy

@@ -14,8 +14,7 @@ problem's least-squares loads are also its min-max ones). Each round every exper
 copies' ranks, the others' loads as they are, and all step towards theirs by one exact line search (the moves are
 linear in the step); then whole routes, each expert's split rounded cumulatively over its ranks. A placement's rounds
 are found once, on the host (`rounds_needed`): experts whose copies share no rank settle in one round, a wide
-coupled layer takes all 16.
-"""
+coupled layer takes all 16."""
 from __future__ import annotations
 
 import torch
@@ -105,8 +104,7 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, rounds: int = ROUND
     counts_GE: [G, E] routes each rank sends to each expert this batch; devices_ER: [E, R] EP rank of each copy,
     -1 padded after an expert's copies (e.g. `Placement.expert_devices()[layer]`). Conserves routes
     (split_GER.sum(2) == counts_GE) and uses only existing copies; each rank fills its own copies first, as the
-    runtime does.
-    """
+    runtime does."""
     counts_GE = integer_tensor("counts_GE", counts_GE, "[ranks, experts]")
     if counts_GE.shape[0] < 1 or bool((counts_GE < 0).any()):
         raise ValueError(f"counts_GE must be non-negative routes from at least one rank, got {tuple(counts_GE.shape)}")

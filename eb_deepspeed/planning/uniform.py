@@ -3,8 +3,7 @@ tokens evenly over its replicas (vLLM, SGLang, DeepSeek's EPLB): every replica o
 and a device's load is the sum of its replicas' shares.
 
 Shape legend: L layers, E logical experts, G devices, S slots per device, P physical slots (G * S;
-slot p lives on device p // S), A layers still improving, Q candidate partner slots, K moves per layer.
-"""
+slot p lives on device p // S), A layers still improving, Q candidate partner slots, K moves per layer."""
 from __future__ import annotations
 
 import numpy as np

@@ -5,8 +5,7 @@ checkout: `python -m benchmarks --help`).
     eb report --compare RUN_A RUN_B ... [--out FILE]   the runs side by side in one PNG: per layer, summary, maps
     eb plan LOAD --devices G [--slots S | --redundant R] [--nodes N] [--dispatch uniform|steered|padded]
             [--workload NAME] [--out plan.json] [--sglang sglang.json]   a placement from a load file (a balance
-            log, an SGLang or vLLM dump, or the benchmarks' counts .npz), with a before/after table
-"""
+            log, an SGLang or vLLM dump, or the benchmarks' counts .npz), with a before/after table"""
 from __future__ import annotations
 
 import argparse

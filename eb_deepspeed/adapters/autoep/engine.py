@@ -11,8 +11,7 @@ Shape legend: L MoE layers, E experts per layer, G EP ranks.
 checked before DeepSpeed touches the model (`check_versions`: the transformers/DeepSpeed pair);
 `deepspeed.initialize` then converts the model, and `attach` finds
 every `AutoEPMoELayer`, hooks an `AutoEPBalance` on each, and runs `core.Balancer` exactly as the DeepSpeed-MoE
-adapter does (its step hook, reduce and checkpoint wrapping): one all-reduce per optimizer step.
-"""
+adapter does (its step hook, reduce and checkpoint wrapping): one all-reduce per optimizer step."""
 from __future__ import annotations
 
 import re

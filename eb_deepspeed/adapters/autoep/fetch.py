@@ -16,8 +16,7 @@ waited for in the experts' forward (`Fetch`), whose backward sends the replica r
 home rows' before anything of DeepSpeed's reduces them. The weights' swap is the one forward's: the experts' own
 forward runs inside it and the weights go back in a `finally`, so an exception anywhere in it (an OOM in the grouped
 GEMM, an interrupt) leaves nothing of ours in the layer. An eval forward computes on the homes (replica rows zero,
-no route to them).
-"""
+no route to them)."""
 from __future__ import annotations
 
 from typing import Optional

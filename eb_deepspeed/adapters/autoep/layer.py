@@ -2,35 +2,18 @@
 
 Shape legend: T tokens (batch x sequence, flattened), E experts, K top-k, G EP ranks.
 
-AutoEP's layer is left as DeepSpeed built it (class, parameters, state-dict keys); two forward hooks on its
-router do the rest:
-
-  * `router.gate` (the linear layer): keep this forward's router logits [T, E];
-  * `router` (`TokenChoiceTopKRouter`, output `(top_scores_TK, selected_TK, num_tokens_per_expert_E)`):
-      - add the routes to the layer's tally (`LayerTally.add_routes`; padding tokens of the model's
-        `attention_mask` left out), counted once per route: only in training forwards with autograd on,
-        never in the re-run of activation checkpointing (non-reentrant: the first forward counted; reentrant:
-        the first forward ran without autograd, so its re-run inside backward counts instead);
-      - in `balance` mode, attach the balance loss to `top_scores_TK` (Megatron-Core's way: the activation is
-        unchanged forward, and backward adds the loss's gradient), so the user's loss needs no extra term:
-            loss_coeff x (expert-level loss + device_loss_weight x device-level loss),
-        both 1.0 at balance (`core.losses.device_balance_loss`; expert level = one expert per "device"),
-        on the router's probabilities (softmax, or sigmoid scores normalised per token), local to the rank;
-  * with training replicas the tally counts each route on the rank that computes it (`ranks_of`: the route map's);
-  * the layer's `controls` (`core.controls.LayerControls`) hold the balancer's bias and device-loss weight;
-    the selection bias (`bias` policies) goes through AutoEP's own door, the router's `expert_bias` argument,
-    which the router adds to its scores for the top-k choice only (the gate values come from the unbiased
-    scores). Ours is in logit units, as on DeepSpeed-MoE and Megatron-Core (its rate means the same
-    everywhere, and it moves a collapsed softmax as readily as a balanced one): a router pre-hook hands the
-    router a [T, E] tensor that the gate hook fills, once the logits exist, with f(l + b) - f(l) — for
-    sigmoid scores f = sigmoid; for softmax p * (exp(b) - 1), which ranks as l + b does — so the top-k is
-    that of the biased logits. A DeepSeek model's pretrained `e_score_correction_bias` (score units) is
-    added after it, as loaded: the two combine, neither is dropped or doubled. AutoEP's layer keeps its
-    `expert_bias` of None; the bias is the balancer's (checkpointed in DeepSpeed's client_state).
-
-The hazard of AutoEP's `tokens_per_expert` buffer (never reset; eval forwards and checkpoint re-runs add to it)
-is why the tally comes from the router's output instead.
-"""
+AutoEP's layer stays as DeepSpeed built it (class, parameters, state-dict keys); hooks on its router do the rest:
+  * `router.gate` keeps the logits [T, E]; `router` (output `(top_scores_TK, selected_TK, tokens_E)`) adds the
+    routes to the tally once per route (`_counts_now`: training forwards with autograd on, never an activation-
+    checkpointing re-run), padding of the model's `attention_mask` left out; with training replicas on the rank that
+    computes each route (`ranks_of`). AutoEP's `tokens_per_expert` is not read: eval forwards and re-runs add to it.
+  * `balance` mode attaches loss_coeff x (expert-level + device_loss_weight x device-level loss), both 1.0 at
+    balance, on the router's probabilities, to `top_scores_TK` (`attach_loss`: unchanged forward, the gradient added
+    in backward, Megatron-Core's way): the user's loss needs no extra term.
+  * the `controls`' selection bias (logit units, as on DeepSpeed-MoE and Megatron-Core) goes through the router's
+    `expert_bias` argument as f(l + b) - f(l) in score units (sigmoid: f = sigmoid; softmax: p x (exp(b) - 1), which
+    ranks as l + b does): the top-k of the biased logits, gate values unbiased; a pretrained `e_score_correction_bias`
+    is added after it. The bias is the balancer's (in DeepSpeed's client_state); AutoEP's `expert_bias` stays None."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -81,8 +64,7 @@ class AutoEPBalance:
     """One AutoEP layer's tally and controls (`core.balancer.BalancedGate`), by hooks on its router.
 
     layer: the `AutoEPMoELayer`; layer_index: its place among the model's MoE layers; loss_coeff: the balance
-    loss's coefficient; grad_scale: see `attach_loss`; balance: attach the loss and the bias (False: observe).
-    """
+    loss's coefficient; grad_scale: see `attach_loss`; balance: attach the loss and the bias (False: observe)."""
 
     def __init__(self, layer: torch.nn.Module, layer_index: int, *, loss_coeff: float,
                  grad_scale: Callable[[], float], balance: bool, num_devices: int = 0):

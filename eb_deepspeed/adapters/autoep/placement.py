@@ -1,34 +1,20 @@
 """Training-time expert placement for AutoEP (`easybalance.train_placement`): experts re-placed over the EP ranks
-from the view, routing untouched — for fine-tuning, where the pretrained routing is the model's knowledge. This
-module is the lifecycle; the rows it moves are `state.ExpertState`, replicas compute through `fetch`.
+from the view, routing untouched (for fine-tuning, where the pretrained routing is the model's knowledge). This is
+the lifecycle; the rows it moves are `state.ExpertState`, replicas compute through `fetch`.
 
 Shape legend: L MoE layers, E experts, G EP ranks, H experts per rank (E / G), S = H + replica slots.
 
-    "easybalance": {"mode": "observe", "train_placement": {"interval": 50}}
+    "easybalance": {"mode": "observe", "train_placement": {"interval": 50, "replica_slots": 1}}
 
-A dropless AutoEP layer takes as long as its busiest EP rank, so putting hot experts on different ranks removes
-the device skew without changing a route. At the first training forward after every `interval`-th optimizer step
-(a forward pre-hook: every rank together, the optimizer's step over) the view's heat is planned as a permutation
-of each layer's experts over the ranks, by the split the routes run (`DISPATCH["steered"]`: each micro-batch's
-exact split), and moved only when it cuts the busiest rank's expected routes by `TRAIN_MIN_GAIN` and the saving
-over the interval pays for the copies (`choose_placement`, priced by `moves.transfer_stall`). The experts move with
-their state (`moves.Placer` over `ExpertState`: weights, fp32 masters, optimizer moments): any failure on any rank
-leaves every rank on the old placement and state, or every rank raising. The route map is serving's
-(`AutoEPRoutes`, counting nothing): each route of the router's logical top-k goes to its expert's slot; gate
-values and the tally stay logical, so AutoEP's all-to-all, grouped GEMMs and combine run as its own.
-
-With `replica_slots` R, each rank has S = H + R slots: its H home experts (rows of AutoEP's own parameters, which
-hold the optimizer state, ZeRO partitions and checkpoints as before) and R replica slots, filled every training
-micro-batch from that micro-batch's own counts right after the exact split's count exchange
-(`fetch.LayerReplicas`: the choice and the split on the device, the weights fetched from their homes in one
-all-to-all whose sizes ride on AutoEP's own host read, their gradients sent home in backward). A slot is filled only
-where the routes it takes reach what its transfer costs (`min_routes`, `moves.transfer_stall`). The homes follow the
-view every `interval` steps, as without replicas.
-
-Checkpoints (`save_checkpoint`, `save_16bit_model`) are written in the logical layout: the experts go home for the
-save, then back; `load_checkpoint` goes home first. `module.state_dict()` of a placed layer is refused (it would
-give permuted rows under AutoEP's keys): `with engine.easybalance.placement.at_home(): ...` on every rank.
-"""
+A dropless AutoEP layer takes as long as its busiest rank. At the first training forward after every `interval`-th
+optimizer step the view's heat is planned as a permutation of each layer's experts (`SPLIT`: the exact split the
+routes run) and moved with its optimizer state (`moves.Placer`: any failure anywhere keeps every rank's placement
+and state) when `choose_placement` expects `TRAIN_MIN_GAIN` and the saving over the interval pays for the copies
+(`moves.transfer_stall`). Routes go through `routes.AutoEPRoutes` (counting nothing): gate values and the tally
+stay logical. With `replica_slots` R a rank also has R replica slots beside its H homes (AutoEP's own parameter
+rows, which keep the optimizer state and checkpoints), filled every training micro-batch where a copy's routes pay
+for its transfer (`fetch.LayerReplicas`). Exports are in AutoEP's layout: checkpoints go home and back
+(`at_home`); a placed `state_dict()` is refused."""
 from __future__ import annotations
 
 import contextlib

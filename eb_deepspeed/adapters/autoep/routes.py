@@ -1,15 +1,10 @@
 """`AutoEPRoutes`: an AutoEP layer's routes put on physical slots (replicas and moved experts), for serving and for
-training placement alike.
+training placement alike: the router's logical top-k and gate values kept, each route on a slot by the layer's
+`routing.Routing`; the layer's `num_local_experts` is S, so AutoEP's all-to-all, grouped GEMMs and combine run over
+the P slots unchanged.
 
 Shape legend: E logical experts, K top-k, T tokens, N routes (T x K), G EP ranks, S slots per rank, P physical slots
-(G * S; slot p lives on EP rank p // S), R replicas of one expert.
-
-A forward hook on the layer's router keeps the router's logical top-k and gate values and puts each route on a
-physical slot: an expert's routes on this rank split over its replicas by the exact split of this batch's counts of
-every rank (`Routing.exact`: one all-to-all of [E] counts per layer, which also gives AutoEP its all-to-all sizes in
-place of its own exchange) or by the table (no collective). The layer's `num_local_experts` is S, so AutoEP's
-all-to-all, grouped GEMMs and combine run over the P slots unchanged.
-"""
+(G * S; slot p lives on EP rank p // S), R replicas of one expert."""
 from __future__ import annotations
 
 import types

@@ -8,22 +8,11 @@ P physical slots (G * S; slot p lives on EP rank p // S), R replicas of one expe
     logits = model(input_ids=ids).logits          # or model.generate(...): every EP rank together, as AutoEP needs
     model.serving.placement, model.serving.replans, model.easybalance.metrics()
 
-AutoEP's layer is dropless (its all-to-all and grouped GEMMs run over exactly the routes each rank sends and
-receives), so a layer takes as long as its busiest rank. A served layer is AutoEP's own `AutoEPMoELayer`, with two
-changes:
-
-  * its grouped experts (`GroupedExperts`: w1, w2, w3 [S, ...]) are views of the first S rows of a [S_max, ...]
-    store, S_max = H + R: the home experts in the first H rows (as AutoEP placed them), replicas after them; S = H
-    (AutoEP's own layout) or S_max (replicas);
-  * a forward hook on its router (`routes.AutoEPRoutes`) puts each route on a physical slot: an expert's routes
-    on this rank split over its replicas by the exact split of this batch's counts of every rank (`split: "exact"`,
-    the default: one all-to-all of [E] counts per layer, which also gives AutoEP its all-to-all sizes in place of
-    its own exchange) or by the plan's table (`split: "view"`, no collective).
-
-Every route meets its expert's weights with its own gate value: the outputs are plain AutoEP's up to the rounding
-of GEMMs over differently grouped rows. The tally is of logical experts, with each route's EP rank as the device
-columns. `AutoEPStore` is the serving engine's (`adapters.serving.engine`) slot store of these layers.
-"""
+AutoEP's layer is dropless: a layer takes as long as its busiest rank. A served layer is AutoEP's own, its grouped
+experts (w1, w2, w3 [S, ...]) views of the first S rows of a [S_max = H + R, ...] store (the homes first, as AutoEP
+placed them; S = H or S_max), its routes put on slots by `routes.AutoEPRoutes` (`split` "exact" or "view"). Every
+route meets its expert's weights with its own gate value: the outputs are plain AutoEP's up to the rounding of GEMMs
+over differently grouped rows. `AutoEPStore` is the serving engine's slot store of these layers."""
 from __future__ import annotations
 
 import functools

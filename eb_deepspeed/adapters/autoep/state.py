@@ -4,8 +4,7 @@ moments, under a torch optimizer or ZeRO 1/2.
 Shape legend: H expert rows of a rank (its grouped weights' leading dimension).
 
 Moving an expert row with its state is the same training only for an optimizer that updates every element from its
-own state (`ELEMENTWISE_OPTIMIZERS`).
-"""
+own state (`ELEMENTWISE_OPTIMIZERS`)."""
 from __future__ import annotations
 
 from typing import Optional

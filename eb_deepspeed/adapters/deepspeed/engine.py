@@ -6,13 +6,9 @@ Shape legend: L MoE layers (the whole model's), E experts per layer, G EP ranks,
                                                       config="ds_config.json")
     engine.easybalance               # the core Balancer: .view, .metrics()
 
-The balancing loop itself is `core.Balancer`; this file only connects it to DeepSpeed-MoE models: the gate
-swap (`CrossLayerGate`), and one **all-gather at start-up** that checks that every rank agrees on the model
-and config (a rank that disagrees would hang the per-step reduce) and learns the pipeline layout and node
-map. The step hook, the per-step reduce and the checkpoint state are `hooks.py` (shared with the AutoEP
-adapter, to which `initialize` hands models with an enabled `expert_parallel` section).
-With world size 1 there is no communication at all.
-"""
+The loop is `core.Balancer`; this file swaps the gates (`CrossLayerGate`) and runs the start-up all-gather (every
+rank agrees on model and config, learns the pipeline layout and node map); the step hook, reduce and checkpoint
+state are `hooks.py`. World size 1: no communication."""
 from __future__ import annotations
 
 import copy
@@ -71,8 +67,7 @@ def swap_gates(model: torch.nn.Module) -> list[CrossLayerGate]:
 
     Call before `deepspeed.initialize` (DeepSpeed then hands the gates their EP group).
     Parameter names, values and objects are unchanged, so optimizers and checkpoints see the
-    same model, and no random number is drawn. Already-swapped gates are kept.
-    """
+    same model, and no random number is drawn. Already-swapped gates are kept."""
     gates = []
     for index, (_, moe) in enumerate(find_moe_layers(model)):
         gate = moe.deepspeed_moe.gate
@@ -136,8 +131,7 @@ def _copy_devices(gates: list[CrossLayerGate], shapes: list[tuple[int, int]],
     The view spans the G ranks of the largest EP group; a layer with a smaller group (ep_size e) is one of
     G / e copies inside it, copy c holding group-local rank j on view device c * e + j. This rank's tokens
     go to its own copy. None when a group does not lie in order inside this rank's largest group (a layout
-    other than DeepSpeed's contiguous one). largest: the largest ep_size among `gates` (> 1).
-    """
+    other than DeepSpeed's contiguous one). largest: the largest ep_size among `gates` (> 1)."""
     big = next(g for g, (_, e) in zip(gates, shapes) if e == largest)
     big_ranks = dist.get_process_group_ranks(big.ep_group)
     out = []
@@ -176,8 +170,7 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
     is plain `deepspeed.initialize` (the block is only removed from a copy of the config) plus one
     start-up all-gather in which every rank confirms its block is off too.
     Otherwise each `MoE` layer's gate becomes a `CrossLayerGate`, and `engine.easybalance`
-    holds the balancer (view, metrics, checkpoint state), stepped once per optimizer step.
-    """
+    holds the balancer (view, metrics, checkpoint state), stepped once per optimizer step."""
     import deepspeed
     from deepspeed.pipe import PipelineModule
 

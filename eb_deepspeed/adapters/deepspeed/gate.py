@@ -18,8 +18,7 @@ sampling) and both return forms behave exactly as DeepSpeed's (the sparse 7-tupl
   * returns a well-formed empty result for an empty batch (DeepSpeed's gate asserts).
 
     gate = CrossLayerGate.from_topk_gate(moe.deepspeed_moe.gate, layer_index=3)
-    moe.deepspeed_moe.gate = gate
-"""
+    moe.deepspeed_moe.gate = gate"""
 from __future__ import annotations
 
 from typing import Optional
@@ -44,8 +43,7 @@ def unbias_gate_output(gate_output, logits_TE: torch.Tensor, selection_TE: torch
     RTS, 2nd-expert sampling and both return forms are DeepSpeed's), then puts back what the bias
     must never touch: each kept route's gate value is the unbiased probability (raw for k = 1,
     normalised over the token's kept routes for k > 1, as DeepSpeed does), and l_aux uses the
-    unbiased mean probabilities with DeepSpeed's formula for that k.
-    """
+    unbiased mean probabilities with DeepSpeed's formula for that k."""
     probs_TE = F.softmax(logits_TE, dim=1)
     T, E = probs_TE.shape
     me_E = probs_TE.mean(0)
@@ -91,8 +89,7 @@ class CrossLayerGate(TopKGate):
         """Wrap an existing TopKGate, sharing its `wg` parameter (same object, same name in checkpoints).
 
         Building the new gate initialises a throw-away `wg` inside a forked RNG, so swapping gates
-        leaves every later random draw (dropout, RTS, noise) exactly as plain DeepSpeed's.
-        """
+        leaves every later random draw (dropout, RTS, noise) exactly as plain DeepSpeed's."""
         if not isinstance(gate, TopKGate):
             raise TypeError(f"expected deepspeed TopKGate, got {type(gate).__name__}")
         num_experts, model_dim = gate.wg.weight.shape

@@ -1,24 +1,15 @@
 """What every adapter on a DeepSpeed engine shares (DeepSpeed-MoE models and AutoEP-converted HF models):
 the per-step hook, the per-step reduce, and the balancer state in DeepSpeed's checkpoints.
 
-* the **step hook** (`StepHook`) is a torch optimizer step post-hook on the innermost `torch.optim.Optimizer`
-  (a public door), run once per value of `engine.global_steps`: DeepSpeed steps that optimizer
-  once per gradient-accumulation boundary, or once per parameter group under ZeRO, through
-  `_take_model_step` in both `DeepSpeedEngine.step` and `PipelineEngine.train_batch`. A step that
-  DeepSpeed skips (fp16 overflow, an inf gradient under the torch_autocast scaler) does not step
-  the optimizer; a forward pre-hook sees `global_steps` move past it and drops its routes, so the
-  view holds only batches that reached a step. A batch the user skips (no `engine.step()`) is
-  dropped with `engine.easybalance.discard_tally()`.
-* the **reduce** (`reduce_for`) is one all-reduce per step of the stacked [L, W] tally: over DeepSpeed's
-  data-parallel group (every EP x DP rank) for a plain engine; under AutoEP with tensor-parallel folding
-  that group is one tensor-parallel lane's (the peers of a lane route the same tokens), so each token is
-  counted once and every lane gets the same view and bias; over every rank for a pipeline,
-  where each stage fills the rows of its own layers (one rank per tensor-parallel slice), so every
-  rank holds the whole model's view;
-* the balancer state rides in DeepSpeed's checkpoint `client_state` under `STATE_KEY` (`wrap_checkpointing`,
-  wrapped on the instance: DeepSpeed has no checkpoint hook); a tag whose save was killed is refused (`_save_guarded`).
-With world size 1 there is no communication at all.
-"""
+* `StepHook`: a step post-hook on the innermost torch optimizer (a public door), once per `engine.global_steps`
+  (DeepSpeed steps it at each accumulation boundary, once per parameter group under ZeRO, in `DeepSpeedEngine.step`
+  and `PipelineEngine.train_batch`); the routes of a step DeepSpeed skips are dropped when a forward sees
+  `global_steps` move past it; a batch the user skips: `engine.easybalance.discard_tally()`.
+* `reduce_for`: one all-reduce a step of the [L, W] tally over DeepSpeed's data-parallel group (one tensor-parallel
+  lane's under AutoEP folding: each token counted once), or every rank for a pipeline (each stage fills its layers'
+  rows). World size 1: no communication.
+* `wrap_checkpointing`: the balancer state in DeepSpeed's `client_state` under `STATE_KEY` (the engine's methods
+  wrapped: DeepSpeed has no checkpoint hook); a tag whose save was killed is refused."""
 from __future__ import annotations
 
 import inspect
@@ -123,8 +114,7 @@ def wrap_checkpointing(engine, balancer: Balancer, hook: StepHook) -> None:
     not fit (another expert or layer count) stops the load with the model untouched, or, with
     `easybalance.checkpoint: "ignore_mismatch"`, is dropped with a warning after the model loads (a universal
     checkpoint: DeepSpeed's own shape checks speak first, `_universal`). One of another EP size loads: its
-    per-expert state carries over (`Balancer.load_state_dict`).
-    """
+    per-expert state carries over (`Balancer.load_state_dict`)."""
     original_save, original_load = engine.save_checkpoint, engine.load_checkpoint
     save_sig, load_sig = inspect.signature(original_save), inspect.signature(original_load)
     mode = balancer.config.checkpoint

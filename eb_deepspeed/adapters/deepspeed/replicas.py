@@ -4,20 +4,11 @@ Shape legend: T tokens, M model dim, E logical experts, K top-k, G EP ranks, S s
 (G * S; slot p lives on rank p // S), R replicas of one expert, C capacity.
 
 A replicated MoE layer is DeepSpeed's own `MOELayer` over P "experts" (its `Experts` holds S slots per rank, some
-of them copies of hot experts); only the gate changes. The gate
-
-  1. routes exactly as DeepSpeed's `TopKGate` does on the E logical logits (same logits, same gating function,
-     same random draws, same gate values), with no capacity limit;
-  2. splits each logical expert's routes over its replicas by the split table the placement was planned with
-     (`view`, no collective), and gives each route its slot and its position there (the route's logical
-     position, minus its replica's start);
-  3. agrees on one capacity across the EP group (`_capacity`), so unequal batches never abort the All-to-All;
-  4. returns DeepSpeed's sparse 7-tuple over the P slots, with the logical routed counts as `exp_counts`, and
-     tallies *logical* counts (plus kept routes per EP rank) for the view.
-
-Without drops every token meets the same experts with the same gate values as in the E-expert model: the same
-outputs.
-"""
+of them copies of hot experts); only the gate changes: it routes exactly as `TopKGate` on the E logical logits (same
+gating, random draws and gate values), with no capacity limit, splits each expert's routes over its replicas by the
+table (`view`), agrees on one capacity across the EP group (unequal batches never abort the All-to-All), and returns
+DeepSpeed's sparse 7-tuple over the P slots, tallying logical counts. Without drops every token meets the same
+experts with the same gate values as in the E-expert model: the same outputs."""
 from __future__ import annotations
 
 import math

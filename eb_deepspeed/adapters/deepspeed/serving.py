@@ -17,8 +17,7 @@ never agrees; the `ReplicaGate` does, from the most tokens on any rank).
 
 `MoEStore` is the serving engine's slot store of these layers: each layer's `Experts` holds S_max expert modules
 per rank (the home experts first, replicas after them) and its gate is a `ReplicaGate`; DeepSpeed's `MOELayer`
-then runs over P = G * S "experts" (its All-to-All untouched), padding every slot to the capacity.
-"""
+then runs over P = G * S "experts" (its All-to-All untouched), padding every slot to the capacity."""
 from __future__ import annotations
 
 import copy
@@ -216,8 +215,7 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     `deepspeed.init_inference` as they are, except that without a `dtype` the model keeps its own (DeepSpeed would
     cast to fp16). Returns DeepSpeed's `InferenceEngine` with `engine.serving` (placement, checkpoints) and, with an
     enabled block, `engine.easybalance` (the Balancer). Every EP rank must call forward together, as DeepSpeed's
-    All-to-All requires. (`eb_deepspeed.init_inference` sends AutoEP-converted models elsewhere, the rest here.)
-    """
+    All-to-All requires. (`eb_deepspeed.init_inference` sends AutoEP-converted models elsewhere, the rest here.)"""
     import deepspeed
 
     from ..autoep.layer import find_autoep_layers

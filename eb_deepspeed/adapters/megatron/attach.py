@@ -21,8 +21,7 @@ The loop is `core.Balancer`; this file connects it to Megatron-Core:
   (inf gradients) never steps it: call `balancer.discard_tally()` then. Without an optimizer, call
   `balancer.step()` after each optimizer step on every rank;
 * one all-gather at start-up checks that every rank agrees on the config and the MoE shape.
-Pipeline parallelism is not handled yet (a clear error): the view would need every stage's layers.
-"""
+Pipeline parallelism is not handled yet (a clear error): the view would need every stage's layers."""
 from __future__ import annotations
 
 import os
@@ -65,8 +64,7 @@ def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
     """Turn the model's routers into EBRouters and build their balancer (None when the block is off).
 
     Checks everything (config, pipeline layout, Megatron's own expert bias, agreement across ranks)
-    before any router changes. Sets `model.easybalance` (each chunk's, for a list of chunks).
-    """
+    before any router changes. Sets `model.easybalance` (each chunk's, for a list of chunks)."""
     from megatron.core import parallel_state as ps
     cfg = _config(config)
     if not cfg.enabled:

@@ -13,8 +13,7 @@ Routing, capacity dropping and the aux losses are Megatron's own (`TopKRouter.ro
   * a device-loss weight adds DeepSeek-V2's device-level balance loss, with coefficient `device_loss_weight x
     moe_aux_loss_coeff`, through Megatron's `attach_and_log_load_balancing_loss`; its own aux losses keep theirs.
 
-Build it with the model (`eb_router_spec(spec)`); a model of plain `TopKRouter`s is converted in place by `attach`.
-"""
+Build it with the model (`eb_router_spec(spec)`); a model of plain `TopKRouter`s is converted in place by `attach`."""
 from __future__ import annotations
 
 from typing import Optional
@@ -35,8 +34,7 @@ def eb_router_spec(spec):
     Args:
         spec: e.g. `get_gpt_layer_local_spec(num_experts=8)` or `get_moe_module_spec(...)`.
     Returns:
-        The spec, copied, every `MoESubmodules.router` replaced; ValueError when it holds no MoE layer.
-    """
+        The spec, copied, every `MoESubmodules.router` replaced; ValueError when it holds no MoE layer."""
     import copy
     import dataclasses
 

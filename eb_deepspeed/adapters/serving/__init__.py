@@ -1,8 +1,6 @@
-"""Serving: one framework-neutral engine (`engine.ServingEngine`: the view, re-planning, weight
-moves, logical checkpoints) over a runtime's slot store (`store.SlotStore`), and `init_inference`, the one door:
-models DeepSpeed's AutoEP converted are served in AutoEP's own layers (`adapters.autoep.serving.AutoEPStore`),
-models built from `deepspeed.moe.layer.MoE` in DeepSpeed's MOELayer after `deepspeed.init_inference`
-(`adapters.deepspeed.serving.MoEStore`)."""
+"""Serving: one framework-neutral engine (`engine.ServingEngine`) over a runtime's slot store (`store.SlotStore`),
+and `init_inference`, the one door (AutoEP's layers: `adapters.autoep.serving`; DeepSpeed's MOELayer:
+`adapters.deepspeed.serving`)."""
 from __future__ import annotations
 
 import torch
@@ -18,8 +16,7 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     returns the module in eval mode with `serving` (the `ServingEngine`) and, with an enabled block, `easybalance`
     (kwargs are refused: `deepspeed.init_inference` has no AutoEP path). A DeepSpeed-MoE model:
     `deepspeed.init_inference` made correct for expert parallelism (`adapters.deepspeed.serving.init_inference`,
-    which takes its kwargs); returns DeepSpeed's InferenceEngine with the same attributes.
-    """
+    which takes its kwargs); returns DeepSpeed's InferenceEngine with the same attributes."""
     from ..autoep.serving import has_autoep_layers, init_autoep_inference
     if has_autoep_layers(model):
         if kwargs:

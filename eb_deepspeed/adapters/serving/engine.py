@@ -7,15 +7,12 @@ lives on EP rank p // S), H home experts per rank (E / G).
     ...forward...; engine.after_batch()         # every view_interval batches: tally -> view (-> re-plan)
     engine.placement, engine.replans, engine.save_checkpoint("out"), engine.load_checkpoint("ckpt")
 
-Serving starts in the runtime's own layout (H home experts per rank). With an enabled block each layer gets
-R = `inference.replica_slots` extra slots per rank; every `view_interval` batches the engine steps the view (one
-all-reduce of the [L, W] tally, posted in the background: no rank waits for the others after its forward) and,
-once the view is warm, at most every `replan_interval` batches, when a layer's expected skew passes
-`replan_threshold`, plans replicas for every slot and serves the cheaper of that plan and the home layout if it
-beats the current one, by the runtime's dispatch model (`DISPATCH`). A re-plan moves weights with
-`adapters.moves.RowMover` (agreed in phases: a failure anywhere keeps the old placement on every rank, no peer is
-left waiting), then every rank's gates flip their tables (`ServedTable`) before the next forward.
-"""
+Serving starts in the runtime's own layout (H home experts per rank); an enabled block gives each layer R =
+`inference.replica_slots` extra slots a rank. Every `view_interval` batches the view steps (one all-reduce of the
+[L, W] tally, posted in the background) and, once warm, at most every `replan_interval` batches, when a layer's
+expected skew passes `replan_threshold`, the cheaper of a plan with replicas and the home layout replaces the current
+placement if it beats it by the runtime's `Dispatch` (`choose_placement`); the weights move by `moves.Placer`
+(a failure anywhere keeps every rank's placement), then every rank's gates flip their tables."""
 from __future__ import annotations
 
 import atexit

@@ -6,8 +6,7 @@ lives on EP rank p // S), H home experts per rank (E / G).
 A runtime (DeepSpeed's `MOELayer`, AutoEP's dropless layer) is served through a `SlotStore`: S_max slots per
 rank, each holding one expert's weights, and gates that put each logical route on a physical slot by a
 `routing.SlotTable`. The engine (`engine.py`) decides placements and moves weights; a store only reads and writes
-slots and serves the tables it is given.
-"""
+slots and serves the tables it is given."""
 from __future__ import annotations
 
 from typing import Optional, Protocol
