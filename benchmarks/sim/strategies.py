@@ -18,7 +18,7 @@ from eb_deepspeed.core import metrics as M
 from eb_deepspeed.core.tally import Tally
 from eb_deepspeed.core.view import LoadView
 from eb_deepspeed.planning.placement import Placement, index_maps, plan_placement, static_placement
-from eb_deepspeed.planning.steering import even_split, steer
+from eb_deepspeed.planning.steering import steer
 from .model import ARTICLE_WEIGHTS, ClusterModel, hop_cost
 from .workloads import Workload
 
@@ -84,6 +84,15 @@ class SimConfig:
         """The article's (intra, cross, comm) weights of its candidate-expert re-routing, for the topology."""
         return ARTICLE_WEIGHTS[self.model.topology.name]
 
+
+
+def even_split(counts_GE: torch.Tensor, devices_ER: torch.Tensor) -> torch.Tensor:
+    """Each source's routes for an expert divided evenly over its copies -> [G, E, R] (long)."""
+    valid_ER = devices_ER >= 0
+    n_E = valid_ER.sum(1).clamp_min(1)
+    base, rem = counts_GE // n_E, counts_GE % n_E
+    r_idx = torch.arange(devices_ER.shape[1])
+    return (base[:, :, None] + (r_idx[None, None, :] < rem[:, :, None]).long()) * valid_ER[None]
 
 def _greedy_eplb(load_LE: torch.Tensor, G: int, S: int) -> Placement:
     """EPLB-style per-layer replication (re-implemented from its published description): each extra

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import socket
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -45,7 +46,7 @@ def attach(config: EasyBalanceConfig, gates: list, summary: dict[str, Any], *,
     check_agreement([{k: v for k, v in g.items() if k != "host" and (agree_on_all or k == "config")}
                      for g in gathered], rank)
     shape = shape_of(gathered)
-    shape.rank_to_node = rank_to_node(gathered)
+    shape.rank_to_node = node_map([g["host"] for g in gathered])
     balancer = Balancer(config, gates, shape, reduce=reduce, logger=logger, device=device)
     hook(balancer)
     for owner in owners:
@@ -107,11 +108,6 @@ def join_startup_off() -> None:
     gather_startup({}, enabled=False)
 
 
-def rank_to_node(gathered: list[dict[str, Any]]) -> list[int]:
-    """Node index of every rank, from the host names `gather_startup` collected."""
-    return node_map([g["host"] for g in gathered])
-
-
 def reduce_over(group=None) -> Optional[Callable[[torch.Tensor], None]]:
     """The per-step reduce: an in-place all-reduce (sum) over `group` (None: every rank); None when that
     group is one rank, or there is no process group (world size 1: no communication)."""
@@ -127,17 +123,11 @@ def make_logger(cfg: EasyBalanceConfig, monitor=None) -> BalanceLogger:
     if dist_rank() != 0:
         return NullLogger()
     loggers: list[BalanceLogger] = [JsonlLogger(cfg.log.dir)]
-    if cfg.log.wandb:
-        if monitor is not None:
-            if getattr(monitor, "enabled", False):
-                loggers.append(DeepSpeedMonitorLogger(monitor))
-        else:
-            try:
-                import wandb
-            except ImportError:
-                wandb = None
-            if wandb is not None and wandb.run is not None:
-                loggers.append(WandbRunLogger())
+    if cfg.log.wandb and monitor is not None:
+        if getattr(monitor, "enabled", False):
+            loggers.append(DeepSpeedMonitorLogger(monitor))
+    elif cfg.log.wandb and getattr(sys.modules.get("wandb"), "run", None) is not None:   # a run needs wandb imported
+        loggers.append(WandbRunLogger())
     return MultiLogger(loggers)
 
 

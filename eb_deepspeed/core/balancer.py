@@ -131,7 +131,7 @@ class Balancer:
 
     def _set_maps(self) -> None:
         """Each layer's expert -> EP rank map on its controls (the device loss reads it)."""
-        if self.controls_on and self.controller.uses_device_loss:
+        if self.controls_on and self.controller.policy.uses_device_loss:
             for layer, ctl in zip(self.layers, self.controls):
                 ctl.set_device_map(self._view.layer_map(layer), self.device)
 
@@ -222,7 +222,7 @@ class Balancer:
         device_L = self.controller.device_loss_weights().tolist()
         # every layer's bias in one host-to-device copy per step; each gate holds a view of its row
         rows_E = self.controller.bias_LE[self.layers].to(self.device, torch.float32).unbind(0) \
-            if self.controller.uses_bias else None
+            if self.controller.policy.uses_bias else None
         for row, (layer, ctl) in enumerate(zip(self.layers, self.controls)):
             if rows_E is not None:
                 E = self.experts_L[layer]
@@ -239,7 +239,7 @@ class Balancer:
     def bias_spreads(self) -> list[float]:
         """Per-layer spread (max - min over experts) of the selection bias in effect [L]: how far the `bias`
         policies tilt routing (0.0 where there is no bias)."""
-        if not self.controls_on or not self.controller.uses_bias:
+        if not self.controls_on or not self.controller.policy.uses_bias:
             return [0.0] * self.num_layers
         bias_LE, mask_LE = self.controller.bias_LE, self._view.mask_LE
         spread_L = torch.where(mask_LE, bias_LE, -math.inf).amax(1) - torch.where(mask_LE, bias_LE, math.inf).amin(1)

@@ -20,7 +20,7 @@ import copy
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .files import MAX_JSON_DEPTH, json_too_deep, load_json
 from .policies import POLICIES
@@ -45,111 +45,76 @@ class ConfigError(ValueError):
 
 
 # ---------------------------------------------------------------------- valid values: read, check, describe
+@dataclass(frozen=True)
 class Valid:
-    """A key's valid values: `read(value, path)` returns the value or raises a ConfigError naming `path`; `text`
-    is what docs/config.md's table shows."""
-    text = ""
-
-    def read(self, value: Any, path: str) -> Any:
-        raise NotImplementedError
-
-
-class Bool(Valid):
-    text = "bool"
-
-    def read(self, value, path):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path} ({_short(value)}) must be true or false")
-        return value
-
-
-@dataclass(frozen=True)
-class Choice(Valid):
-    options: tuple
-
-    @property
-    def text(self) -> str:
-        return ", ".join(f"`{o}`" for o in self.options)
-
-    def read(self, value, path):
-        if not isinstance(value, str) or value not in self.options:
-            raise ConfigError(f"{path} ({_short(value)}) must be one of: {', '.join(self.options)}")
-        return value
-
-
-@dataclass(frozen=True)
-class Int(Valid):
-    least: int
-    most: int = INT_MAX
-    auto: bool = False            # "auto" is valid too (read as None)
-
-    @property
-    def text(self) -> str:
-        span = f"int ≥ {self.least}" if self.most == INT_MAX else f"int in [{self.least}, {self.most}]"
-        return span + (', `"auto"`' if self.auto else "")
-
-    def read(self, value, path):
-        if self.auto and value == "auto":
-            return None
-        hint = ' or "auto"' if self.auto else ""
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path} ({_short(value)}) must be an integer >= {self.least}{hint}")
-        if value < self.least:
-            raise ConfigError(f"{path} ({_short(value)}) must be >= {self.least}{hint}")
-        if value > self.most:
-            raise ConfigError(f"{path} ({_short(value)}) must be <= {self.most}")
-        return value
-
-
-@dataclass(frozen=True)
-class Num(Valid):
-    """A finite number in `text`: an interval "(0, 1]" / "[0, 1e6]" or a bound "≥ 1"."""
+    """A key's valid values: `text`, what docs/config.md's table shows; `read(value, path)`, the value read, or a
+    ConfigError naming `path`."""
     text: str
-
-    def read(self, value, path):
-        number = _finite(value, path)
-        if self.text.startswith("≥"):
-            if number < float(self.text[1:]):
-                raise ConfigError(f"{path} ({number}) must be >= {self.text[1:].strip()}")
-            return number
-        lo, hi = (float(x) for x in self.text[1:-1].split(","))
-        if not (lo < number if self.text[0] == "(" else lo <= number) or number > hi:
-            raise ConfigError(f"{path} ({number}) must be in {self.text}")
-        return number
+    read: Callable[[Any, str], Any]
 
 
-class Text(Valid):
-    text = "non-empty string"
-
-    def read(self, value, path):
-        if not isinstance(value, str) or not value or "\x00" in value:
-            raise ConfigError(f"{path} ({_short(value)}) must be a non-empty string")
-        return value
+def _fail(path: str, value: Any, rule: str):
+    raise ConfigError(f"{path} ({_short(value)}) {rule}")
 
 
-class WeightRange(Valid):
-    text = "0 < min ≤ 1 ≤ max ≤ 1e6"
+def boolean() -> Valid:
+    return Valid("bool", lambda v, p: v if isinstance(v, bool) else _fail(p, v, "must be true or false"))
 
-    def read(self, value, path):
-        if not isinstance(value, (list, tuple)) or len(value) != 2:
-            raise ConfigError(f"{path} ({_short(value)}) must be [min, max] with min <= 1 <= max")
-        lo, hi = (_finite(v, f"{path}[{i}]") for i, v in enumerate(value))
-        if not 0.0 < lo <= 1.0 <= hi <= 1e6:
-            raise ConfigError(f"{path} ([{lo}, {hi}]) must be [min, max] with 0 < min <= 1 <= max <= 1e6 "
-                              "(weights start at 1)")
-        return (lo, hi)
+
+def nonempty() -> Valid:
+    return Valid("non-empty string", lambda v, p: v if isinstance(v, str) and v and "\x00" not in v else
+                 _fail(p, v, "must be a non-empty string"))
+
+
+def choice(options: tuple) -> Valid:
+    return Valid(", ".join(f"`{o}`" for o in options), lambda v, p: v if isinstance(v, str) and v in options else
+                 _fail(p, v, f"must be one of: {', '.join(options)}"))
+
+
+def integer(least: int, most: int = INT_MAX, auto: bool = False) -> Valid:
+    """An integer in [least, most] (and "auto", read as None, when `auto`)."""
+    hint = ' or "auto"' if auto else ""
+
+    def read(v, p):
+        if auto and v == "auto":
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            _fail(p, v, f"must be an integer >= {least}{hint}")
+        return _fail(p, v, f"must be >= {least}{hint}") if v < least else _fail(p, v, f"must be <= {most}") \
+            if v > most else v
+    span = f"int ≥ {least}" if most == INT_MAX else f"int in [{least}, {most}]"
+    return Valid(span + (', `"auto"`' if auto else ""), read)
+
+
+def number(text: str) -> Valid:
+    """A finite number in `text`: an interval "(0, 1]" / "[0, 1e6]" or a bound "≥ 1"."""
+    def read(v, p):
+        n = _finite(v, p)
+        if text.startswith("≥"):
+            return n if n >= float(text[1:]) else _fail(p, n, f"must be >= {text[1:].strip()}")
+        lo, hi = (float(x) for x in text[1:-1].split(","))
+        return n if (lo < n if text[0] == "(" else lo <= n) and n <= hi else _fail(p, n, f"must be in {text}")
+    return Valid(text, read)
+
+
+def weight_range() -> Valid:
+    def read(v, p):
+        if not isinstance(v, (list, tuple)) or len(v) != 2:
+            _fail(p, v, "must be [min, max] with min <= 1 <= max")
+        lo, hi = (_finite(x, f"{p}[{i}]") for i, x in enumerate(v))
+        return (lo, hi) if 0.0 < lo <= 1.0 <= hi <= 1e6 else _fail(
+            p, [lo, hi], "must be [min, max] with 0 < min <= 1 <= max <= 1e6 (weights start at 1)")
+    return Valid("0 < min ≤ 1 ≤ max ≤ 1e6", read)
 
 
 def _finite(value: Any, path: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{path} ({_short(value)}) must be a finite number")
+        _fail(path, value, "must be a finite number")
     try:
         number = float(value)
     except OverflowError:          # an integer of hundreds of digits
         number = math.inf
-    if not math.isfinite(number):
-        raise ConfigError(f"{path} ({_short(value)}) must be a finite number")
-    return number
+    return number if math.isfinite(number) else _fail(path, value, "must be a finite number")
 
 
 def key(default: Any, valid: Valid, acts: str, *, reads: str = "", absent: Any = ...):
@@ -170,31 +135,31 @@ def section(cls):
 @dataclass(frozen=True)
 class LogConfig:
     """Where and how often balance curves are written."""
-    interval: int = key(10, Int(1), "both")             # boundaries between two log records
-    dir: str = key("easybalance_log", Text(), "both")   # JSONL log (rank 0); `eb report DIR` renders it
-    wandb: bool = key(True, Bool(), "both")             # also send to W&B when DeepSpeed's `wandb` block is on
+    interval: int = key(10, integer(1), "both")             # boundaries between two log records
+    dir: str = key("easybalance_log", nonempty(), "both")   # JSONL log (rank 0); `eb report DIR` renders it
+    wandb: bool = key(True, boolean(), "both")             # also send to W&B when DeepSpeed's `wandb` block is on
 
 
 @dataclass(frozen=True)
 class AuxConfig:
     """Training control (`easybalance.aux`): per-layer aux-loss weights or a selection bias."""
-    policy: str = key("bias_cross_layer", Choice(tuple(POLICIES)), "training")     # the sweep's best
-    weight_range: tuple = key([0.25, 4.0], WeightRange(), "training", reads="option")   # per-layer weights' clip
-    gain: float = key(0.02, Num("(0, 10]"), "training", reads="option")            # integral gain (measured)
-    bias_rate: float = key(0.03, Num("(0, 1]"), "training", reads="option")        # bias's sign-update step
-    loss_coeff: float = key(0.01, Num("[0, 1e6]"), "training")    # AutoEP: the balance loss easybalance attaches
+    policy: str = key("bias_cross_layer", choice(tuple(POLICIES)), "training")     # the sweep's best
+    weight_range: tuple = key([0.25, 4.0], weight_range(), "training", reads="option")   # per-layer weights' clip
+    gain: float = key(0.02, number("(0, 10]"), "training", reads="option")            # integral gain (measured)
+    bias_rate: float = key(0.03, number("(0, 1]"), "training", reads="option")        # bias's sign-update step
+    loss_coeff: float = key(0.01, number("[0, 1e6]"), "training")    # AutoEP: the balance loss easybalance attaches
 
 
 @dataclass(frozen=True)
 class InferenceConfig:
     """Serving (`easybalance.inference`): replicas, the split and re-planning; `topology` prices weight copies for
     serving and training placement alike."""
-    replica_slots: int = key(1, Int(0, MAX_REPLICA_SLOTS), "serving")   # extra expert slots per EP rank
-    split: str = key("exact", Choice(("view", "exact")), "serving")     # the runtime's split over the copies
-    topology: str = key("pcie", Choice(tuple(TOPOLOGIES)), "serving+placement")   # the links a copy crosses
-    replan_threshold: float = key(1.5, Num("≥ 1"), "serving")    # a layer's expected max/mean that asks to re-plan
-    replan_interval: int = key(24, Int(1), "serving")             # batches between two re-plans, at least
-    view_interval: int = key(4, Int(1), "serving")                # batches between two view updates
+    replica_slots: int = key(1, integer(0, MAX_REPLICA_SLOTS), "serving")   # extra expert slots per EP rank
+    split: str = key("exact", choice(("view", "exact")), "serving")     # the runtime's split over the copies
+    topology: str = key("pcie", choice(tuple(TOPOLOGIES)), "serving+placement")   # the links a copy crosses
+    replan_threshold: float = key(1.5, number("≥ 1"), "serving")    # a layer's expected max/mean that asks to re-plan
+    replan_interval: int = key(24, integer(1), "serving")             # batches between two re-plans, at least
+    view_interval: int = key(4, integer(1), "serving")                # batches between two view updates
 
 
 @dataclass(frozen=True)
@@ -202,19 +167,19 @@ class TrainPlacementConfig:
     """Training-time expert placement (`easybalance.train_placement`, AutoEP): experts re-placed over the EP ranks
     from the view, weights and optimizer state moved, routing untouched. Off without the sub-block; on when it is
     there, as the block itself is."""
-    enabled: bool = key(True, Bool(), "placement", absent=False)
-    interval: int = key(50, Int(1), "placement")            # optimizer steps between two re-plans
-    replica_slots: int = key(0, Int(0, MAX_REPLICA_SLOTS), "placement")   # extra slots a rank for replicas
+    enabled: bool = key(True, boolean(), "placement", absent=False)
+    interval: int = key(50, integer(1), "placement")            # optimizer steps between two re-plans
+    replica_slots: int = key(0, integer(0, MAX_REPLICA_SLOTS), "placement")   # extra slots a rank for replicas
 
 
 @dataclass(frozen=True)
 class EasyBalanceConfig:
-    enabled: bool = key(True, Bool(), "both", absent=False)
-    mode: str = key("balance", Choice(("observe", "balance")), "both")
-    ema_alpha: float = key(0.3, Num("(0, 1]"), "both")
-    window: Any = key("auto", Int(0, auto=True), "training", reads="view")     # read as None
-    warmup_batches: int = key(4, Int(0), "training+serving+placement", reads="view")
-    checkpoint: str = key("strict", Choice(("strict", "ignore_mismatch")), "both")
+    enabled: bool = key(True, boolean(), "both", absent=False)
+    mode: str = key("balance", choice(("observe", "balance")), "both")
+    ema_alpha: float = key(0.3, number("(0, 1]"), "both")
+    window: Any = key("auto", integer(0, auto=True), "training", reads="view")     # read as None
+    warmup_batches: int = key(4, integer(0), "training+serving+placement", reads="view")
+    checkpoint: str = key("strict", choice(("strict", "ignore_mismatch")), "both")
     log: LogConfig = section(LogConfig)
     aux: AuxConfig = section(AuxConfig)
     inference: InferenceConfig = section(InferenceConfig)

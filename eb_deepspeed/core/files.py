@@ -42,20 +42,13 @@ def _refuse_irregular(path, mode: int) -> None:
         raise ValueError(f"{path} is {kind}, not a regular file: only regular files are read")
 
 
-def read_bounded(path, max_bytes: int) -> bytes:
-    """The bytes of the regular file `path` (`open_regular`), refused past `max_bytes` (even if it grew
-    since it was opened)."""
-    with open_regular(path, max_bytes) as f:
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise ValueError(f"{path} holds more than the {_mib(max_bytes)} read from such a file")
-    return data
-
-
 def load_json(path, what: str, max_bytes: int = MAX_JSON_BYTES, object_pairs_hook=None) -> Any:
     """One JSON document from the regular file `path` of at most `max_bytes`, nested at most MAX_JSON_DEPTH
     deep; ValueError "PATH: not WHAT (the problem)" otherwise, OSError when it cannot be read."""
-    data = read_bounded(path, max_bytes)
+    with open_regular(path, max_bytes) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:                  # grown since it was opened
+        raise ValueError(f"{path} holds more than the {_mib(max_bytes)} read from such a file")
     try:
         doc = json.loads(data.decode("utf-8"), object_pairs_hook=object_pairs_hook)
     except RecursionError:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .state import why_tensors_unfit
+from .view import why_tensors_unfit
 
 __all__ = ["POLICIES", "AuxController"]
 
@@ -183,14 +183,6 @@ class AuxController:
         self.log_w_L = torch.zeros(num_layers, dtype=torch.float64)
         self.updates = 0
 
-    @property
-    def uses_bias(self) -> bool:
-        return self.policy.uses_bias
-
-    @property
-    def uses_device_loss(self) -> bool:
-        return self.policy.uses_device_loss
-
     def device_loss_weights(self) -> torch.Tensor:
         """Weight of each layer's device-level balance loss [L] (zeros when the policy has none)."""
         if not self.policy.uses_device_loss:
@@ -239,7 +231,7 @@ class AuxController:
         self.updates = int(state["updates"])
         lo, hi = self.cfg.weight_range
         w_L = self.log_w_L.exp()
-        if self.uses_device_loss and not (bool(((w_L >= lo - 1e-9) & (w_L <= hi + 1e-9)).all())
+        if self.policy.uses_device_loss and not (bool(((w_L >= lo - 1e-9) & (w_L <= hi + 1e-9)).all())
                                           and abs(float(w_L.mean()) - 1.0) <= 1e-6):
             self.log_w_L = clip_mean_one(w_L.clamp(max(lo, 1e-12), hi), lo, hi).log()
             return [f"device-loss weights re-clipped to weight_range [{lo}, {hi}] with mean 1"]

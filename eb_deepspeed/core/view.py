@@ -15,7 +15,6 @@ import torch
 
 from . import metrics as M
 from .record import PER_LAYER
-from .state import why_tensors_unfit
 from .tally import Tally, TallyLayout
 
 __all__ = ["LoadView"]
@@ -329,3 +328,23 @@ def _mix_distance(a_LE: torch.Tensor, b_LE: torch.Tensor) -> torch.Tensor:
     q = b_LE / b_LE.sum(1, keepdim=True).clamp_min(1e-300)
     both_L = (a_LE.sum(1) > 0) & (b_LE.sum(1) > 0)
     return torch.where(both_L, 0.5 * (p - q).abs().sum(1), 0.0).clamp(0.0, 1.0)
+
+
+def why_tensors_unfit(state: dict, what: str, shapes: dict[str, tuple[int, ...]],
+                   ranges: dict[str, tuple[float, float]] | None = None) -> str | None:
+    """Why the tensors of a checkpointed `state` do not fit `shapes` (missing, wrong shape, non-finite), or lie
+    outside their plausible `ranges` ({key: (lo, hi)}, both included): a finite but impossible value (a
+    negative count, a bias that puts every token on one expert) is refused as a damaged state, naming it."""
+    for key, shape in shapes.items():
+        t = state.get(key)
+        if not isinstance(t, torch.Tensor) or t.is_complex():
+            return f"the {what} state's {key} is not a real tensor"
+        if tuple(t.shape) != shape:
+            return f"the checkpointed {what} {key} has shape {tuple(t.shape)}, this model {shape}"
+        if not bool(torch.isfinite(t).all()):
+            return f"the checkpointed {what} {key} holds NaN or inf"
+        lo, hi = (ranges or {}).get(key, (-math.inf, math.inf))
+        if t.numel() and (float(t.min()) < lo or float(t.max()) > hi):
+            return (f"the checkpointed {what} {key} holds values in [{float(t.min()):.4g}, {float(t.max()):.4g}], "
+                    f"outside the plausible [{lo:g}, {hi:g}]")
+    return None

@@ -5,6 +5,6 @@
 from .flows import steer_flows, steered_load
 from .placement import (Placement, assign_replicas, expected_device_load, expected_padded_cost, expected_slot_ratio,
                         index_maps, plan_placement, replica_counts, static_placement)
-from .steering import even_split, split, steer
+from .steering import split, steer
 
 __all__ = ["Placement", "plan_placement", "static_placement", "steer", "steered_load"]

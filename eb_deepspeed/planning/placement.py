@@ -690,7 +690,7 @@ def choose_placement(heat_LE: torch.Tensor, current: Placement, home: Placement,
 def expected_slot_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
     """[L] max / mean of the expected load per physical slot, each expert's routes heat_LE [L, E] split evenly
     over its replicas (under padded dispatch, DeepSpeed's: capacity over ideal)."""
-    heat_LE = _checked_heat(heat_LE, plan)
+    heat_LE = checked_load("heat_LE", heat_LE, plan)
     L, P = plan.phy2log.shape
     mean_L = heat_LE.sum(1) / P
     return torch.where(mean_L > 0, _slot_loads(heat_LE, plan).amax(1) / mean_L.clamp_min(1e-300),
@@ -700,24 +700,17 @@ def expected_slot_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
 def expected_padded_cost(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
     """[L] slots x the expected largest slot load, each expert's routes heat_LE [L, E] split evenly over its
     replicas: what a padded dispatch (DeepSpeed's MOELayer) computes and sends per layer."""
-    slot_LP = _slot_loads(_checked_heat(heat_LE, plan), plan)
+    slot_LP = _slot_loads(checked_load("heat_LE", heat_LE, plan), plan)
     return slot_LP.shape[1] * slot_LP.amax(1)
 
 
 def expected_device_load(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
     """[L, G] expected routes per device, each expert's routes heat_LE [L, E] split evenly over its replicas (in
     a dropless layer, AutoEP's, the busiest device's load is the layer's time)."""
-    slot_LP = _slot_loads(_checked_heat(heat_LE, plan), plan)
+    slot_LP = _slot_loads(checked_load("heat_LE", heat_LE, plan), plan)
     return slot_LP.view(slot_LP.shape[0], plan.num_devices, plan.slots_per_device).sum(2)
 
 
 def _slot_loads(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
     """[L, P] each slot's expected routes when every expert's routes split evenly over its replicas (0: empty)."""
     return torch.from_numpy(slot_shares(plan.phy2log.numpy(), heat_LE.detach().double().numpy())[2]).to(heat_LE.dtype)
-
-
-def _checked_heat(heat_LE, plan) -> torch.Tensor:
-    """heat_LE as float64 [L, E] for `plan`'s layers and experts (finite, non-negative)."""
-    if not isinstance(plan, Placement):
-        raise TypeError(f"plan must be a Placement, got {type(plan).__name__}")
-    return checked_load("heat_LE", heat_LE, plan)

@@ -127,12 +127,3 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, rounds: int = ROUND
     n_GE = split(counts_GE.sum(0)[None], holds_GE[None], rounds)[0]
     n_ER = torch.where(devices_ER >= 0, n_GE.T.gather(1, devices_ER.clamp_min(0)), 0)     # by copy, the caller's order
     return rank_share(counts_GE, n_ER, devices_ER=devices_ER)
-
-
-def even_split(counts_GE: torch.Tensor, devices_ER: torch.Tensor) -> torch.Tensor:
-    """Each source's routes for an expert divided evenly over its copies -> [G, E, R] (long)."""
-    valid_ER = devices_ER >= 0
-    n_E = valid_ER.sum(1).clamp_min(1)
-    base, rem = counts_GE // n_E, counts_GE % n_E
-    r_idx = torch.arange(devices_ER.shape[1])
-    return (base[:, :, None] + (r_idx[None, None, :] < rem[:, :, None]).long()) * valid_ER[None]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from typing import Optional
 
 import torch
@@ -185,9 +184,6 @@ def init_autoep_inference(model: torch.nn.Module, config=None) -> torch.nn.Modul
     the forwards of the others (without it, ranks that generate different numbers of tokens wait for each other
     forever). The engine must not train afterwards: its expert parameters are views of the serving store."""
     eb_config = EasyBalanceConfig.from_ds_config(config)
-    if eb_config.enabled:
-        for path in eb_config.ignored_options("serve"):
-            warnings.warn(f'{path} has no effect in serving (mode "{eb_config.mode}")')
     module = getattr(model, "module", model)
     if not dist_ready():
         raise RuntimeError("init_inference: AutoEP models are converted inside deepspeed.initialize, which starts "

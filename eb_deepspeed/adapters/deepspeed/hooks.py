@@ -130,8 +130,12 @@ def wrap_checkpointing(engine, balancer: Balancer, hook: StepHook) -> None:
 
     def load_checkpoint(*args, **kwargs):
         bound = load_sig.bind(*args, **kwargs)
-        _refuse_incomplete(engine, bound.arguments["load_dir"], bound.arguments.get("tag"))
-        path, state = saved_state(engine, bound.arguments["load_dir"], bound.arguments.get("tag"))
+        load_dir, tag = bound.arguments["load_dir"], bound.arguments.get("tag")
+        # every rank stops, before anything loads, when any rank finds the checkpoint incomplete (one all-gather)
+        problem = shared_problem(incomplete_problem(load_dir, tag, "latest_universal" if _universal(engine) else "latest"))
+        if problem:
+            raise refuse(load_dir, problem)
+        path, state = saved_state(engine, load_dir, tag)
         problem = None if state is None else balancer.why_unfit(state)
         if problem is not None and mode == "strict" and not _universal(engine):
             raise ValueError(f"easybalance: {path}: {problem}. Nothing was loaded. To load the model and drop this "
@@ -176,7 +180,7 @@ def _save_guarded(engine, original_save, bound: inspect.BoundArguments):
     in place): rank 0 puts `INCOMPLETE` in the tag's folder before any rank writes (DeepSpeed's save starts
     and ends with a barrier), removes it once every rank has written, and only then points `latest` at the
     tag, atomically (temporary file, fsync, rename). A kill at any moment leaves `latest` on the previous
-    complete checkpoint, or the marker in the tag that was being written, which `_refuse_incomplete` reads."""
+    complete checkpoint, or the marker in the tag that was being written, which a load refuses."""
     args = bound.arguments
     save_dir, tag = args["save_dir"], args.get("tag")
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")    # DeepSpeed's default tag
@@ -258,14 +262,6 @@ def refuse(load_dir: str, problem: str):
                       and not os.path.exists(os.path.join(load_dir, d, INCOMPLETE))) if os.path.isdir(load_dir) else []
     return ValueError(f"easybalance: {problem}. Nothing was loaded; load a complete checkpoint with tag= "
                       f"(complete ones in {load_dir}: {complete or 'none'})")
-
-
-def _refuse_incomplete(engine, load_dir: str, tag: Optional[str]) -> None:
-    """Stop a load on every rank, before anything loads, when any rank finds the checkpoint incomplete
-    (`incomplete_problem`). Collective: one all-gather of what each rank found."""
-    problem = shared_problem(incomplete_problem(load_dir, tag, "latest_universal" if _universal(engine) else "latest"))
-    if problem:
-        raise refuse(load_dir, problem)
 
 
 def saved_state(engine, load_dir: str, tag: Optional[str]) -> tuple[Optional[str], Any]:

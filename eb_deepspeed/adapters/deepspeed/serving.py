@@ -224,9 +224,6 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
                          "AutoEP's own layers (this one builds on deepspeed.init_inference, which has no AutoEP path)")
     eb_config = EasyBalanceConfig.from_ds_config(config)
     ds_config = _inference_keys(strip_block(config) or {})
-    if eb_config.enabled:
-        for path in eb_config.ignored_options("serve"):
-            warnings.warn(f'{path} has no effect in serving (mode "{eb_config.mode}")')
     check_one_serving_shape(model)      # before DeepSpeed (and its process group) is touched
     check_world_size(model)
     if not dist_ready():

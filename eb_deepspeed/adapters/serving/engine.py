@@ -27,11 +27,11 @@ import torch.distributed as dist
 from ...core.balancer import Balancer, ModelShape, check_agreement
 from ...core.config import EasyBalanceConfig
 from ...core.record import NullLogger
-from ...core.topology import resolve_topology
+from ...core.topology import node_map, resolve_topology
 from ...observe.monitor import JsonlLogger
 from ...planning.placement import (MAX_SLOTS, Placement, check_plan_size, choose_placement, plan_placement,
                                    prefix_placement, runtime_dispatch, static_placement, with_prefix)
-from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, rank_to_node
+from ..common import dist_rank, dist_ready, gather_startup, join_startup_off
 from ..moves import Placer, RowMover, slot_moves, transfer, transfer_stall
 from ..routing import Routing
 from .store import SlotStore
@@ -53,6 +53,8 @@ class ServingEngine(Placer):
         self.L, self.E, self.G = store.num_layers, store.num_experts, store.num_devices
         self.H = self.E // self.G
         enabled = config is not None and config.enabled
+        for path in config.ignored_options("serve") if enabled else ():
+            warnings.warn(f'{path} has no effect in serving (mode "{config.mode}")')
         self.R = config.inference.replica_slots if enabled and config.balance else 0
         self.S_max = self.H + self.R
         if self.G * self.S_max > MAX_SLOTS:      # before any expert is copied
@@ -127,7 +129,7 @@ class ServingEngine(Placer):
              "top_k": list(self.store.top_k)},
             prepare=lambda: JsonlLogger(self.config.log.dir) if dist_rank() == 0 else NullLogger())
         check_agreement([{k: v for k, v in g.items() if k != "host"} for g in gathered], rank)
-        self.rank_to_node = rank_to_node(gathered)
+        self.rank_to_node = node_map([g["host"] for g in gathered])
         self.node_G = torch.tensor([self.rank_to_node[r] for r in self.ep_ranks])
         self.topology, note = resolve_topology(self.config.inference.topology,
                                                explicit="inference.topology" in self.config.explicit,
