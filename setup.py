@@ -22,12 +22,14 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=7", "matplotlib", "hypothesis", "scipy"],   # scipy: the exact LP judge in benchmarks/
+        # scipy: the exact LP judge in benchmarks/; trl: its SFTTrainer under tests/test_trainer.py
+        "test": ["pytest>=7", "matplotlib", "hypothesis", "scipy", "trl==1.16.0"],
         "wandb": ["wandb"],
         "plots": ["matplotlib"],
         "megatron": ["megatron-core==0.16.1"],   # the version tests/megatron_shim.py was checked with
-        # Hugging Face MoE models under DeepSpeed's AutoEP: DeepSpeed 0.19.8's AutoEP fails with transformers >= 5.23
-        "hf": ["transformers==5.22.2"],
+        # Hugging Face MoE models under DeepSpeed's AutoEP: DeepSpeed 0.19.8's AutoEP fails with transformers >= 5.23;
+        # accelerate: the Hugging Face Trainer's door to DeepSpeed
+        "hf": ["transformers==5.22.2", "accelerate==1.15.0"],
     },
     entry_points={"console_scripts": ["eb=eb_deepspeed.tools.cli:main"]},
 )

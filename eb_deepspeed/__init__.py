@@ -18,6 +18,7 @@ _EXPORTS = {
     "steer": ".planning.steering", "load_trace": ".observe.traces",
     # the DeepSpeed-facing parts import deepspeed (slow)
     "initialize": ".adapters.deepspeed", "init_inference": ".adapters.serving",
+    "patch_deepspeed": ".adapters.deepspeed",
     "load_moe_checkpoint": ".adapters.deepspeed", "swap_gates": ".adapters.deepspeed",
     "CrossLayerGate": ".adapters.deepspeed",
     # the subpackages, as attributes (`eb_deepspeed.planning.plan_placement`)

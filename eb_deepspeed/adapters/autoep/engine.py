@@ -140,7 +140,7 @@ def attach(engine, config: EasyBalanceConfig) -> Balancer:
 
     return common.attach(config, gates, {"shapes": shapes, "maps": maps}, shape_of=shape_of,
                          reduce=reduce_for(engine), device=get_accelerator().current_device_name(), hook=hook,
-                         owners=[engine], monitor=getattr(engine, "monitor", None))
+                         owners=[engine, engine.module], monitor=getattr(engine, "monitor", None))
 
 
 def _padding_hook(gates: list[AutoEPBalance]):

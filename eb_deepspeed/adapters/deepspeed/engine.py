@@ -12,21 +12,24 @@ state are `hooks.py`. World size 1: no communication."""
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from ...core.balancer import Balancer, ModelShape
-from ...core.config import EasyBalanceConfig, strip_block
+from ...core.config import EasyBalanceConfig, read_json, strip_block
 from .. import common
 from ..common import dist_ready, join_startup_off
 from .gate import CrossLayerGate
 from .hooks import STATE_KEY, StepHook, is_pipeline, reduce_for, wrap_checkpointing
 
-__all__ = ["initialize", "swap_gates", "find_moe_layers", "attach"]
+__all__ = ["initialize", "patch_deepspeed", "swap_gates", "find_moe_layers", "attach"]
 
 
 def find_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -158,7 +161,7 @@ def attach(engine, config: EasyBalanceConfig, gates: list[CrossLayerGate]) -> Ba
 
     return common.attach(config, gates, _summary(engine, gates), shape_of=lambda g: _shape(g, rank, gates),
                          reduce=reduce_for(engine), device=get_accelerator().current_device_name(), hook=hook,
-                         owners=[engine], monitor=getattr(engine, "monitor", None), agree_on_all=False)
+                         owners=[engine, engine.module], monitor=getattr(engine, "monitor", None), agree_on_all=False)
 
 
 def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=None, config_params=None,
@@ -171,9 +174,9 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
     start-up all-gather in which every rank confirms its block is off too.
     Otherwise each `MoE` layer's gate becomes a `CrossLayerGate`, and `engine.easybalance`
     holds the balancer (view, metrics, checkpoint state), stepped once per optimizer step."""
-    import deepspeed
     from deepspeed.pipe import PipelineModule
 
+    deepspeed_initialize = _plain_initialize()
     if config is None and config_params is not None:
         config = config_params
     if config is None and args is not None and getattr(args, "deepspeed_config", None) is not None:
@@ -186,7 +189,7 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
         check_world_size(model)             # DeepSpeed's own check is a bare assertion on every rank
 
     if not eb_config.enabled:
-        out = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
+        out = deepspeed_initialize(args=args, model=model, config=ds_config, **kwargs)
         join_startup_off()              # a rank whose block is on waits for this rank in the start-up all-gather
         return out
     if model is None:
@@ -212,7 +215,7 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
             raise ValueError("easybalance.train_placement supports ZeRO stages 0-2 (ZeRO 3 partitions each expert's "
                              "weights over ranks: moving them is not built); set zero_optimization.stage <= 2 or "
                              "train_placement.enabled false. Nothing was changed")
-        out = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
+        out = deepspeed_initialize(args=args, model=model, config=ds_config, **kwargs)
         autoep.attach(out[0], eb_config)
         return out
     if eb_config.train_placement.enabled:
@@ -226,6 +229,45 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, *, config=Non
     gates = swap_gates(model)
     if not gates and not isinstance(model, PipelineModule):   # a pipeline stage may hold none; checked across ranks
         raise ValueError("easybalance is enabled but the model has no deepspeed.moe.layer.MoE layers")
-    out = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
+    out = deepspeed_initialize(args=args, model=model, config=ds_config, **kwargs)
     attach(out[0], eb_config, gates)
     return out
+
+
+def _plain_initialize():
+    """DeepSpeed's own `initialize` (under `patch_deepspeed`, the one it wrapped)."""
+    import deepspeed
+    return getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
+
+
+def patch_deepspeed() -> None:
+    """From now on every `deepspeed.initialize` in the process applies its config's `easybalance` block as
+    `eb_deepspeed.initialize` does, whoever calls it (Hugging Face Trainer and TRL through Accelerate, Lightning, a
+    script's own); a config without the block is DeepSpeed's call, untouched. With transformers installed, its
+    Trainers (from then on) also log the balance curves and save placed experts in AutoEP's layout
+    (`trainer.BalanceCallback`). Idempotent."""
+    import deepspeed
+    if getattr(deepspeed.initialize, "easybalance", False):
+        return
+    plain = deepspeed.initialize
+    names = list(inspect.signature(plain).parameters)
+
+    @functools.wraps(plain)
+    def balanced_initialize(*args, **kwargs):
+        given = dict(zip(names, args), **kwargs)
+        config = next((given[k] for k in ("config", "config_params") if given.get(k) is not None),
+                      getattr(given.get("args"), "deepspeed_config", None))
+        try:
+            config = read_json(config) if config is not None else None
+        except ValueError:              # DeepSpeed reads it, and says what is wrong
+            config = None
+        return (initialize if isinstance(config, Mapping) and "easybalance" in config else plain)(**given)
+    balanced_initialize.easybalance = True
+    deepspeed.initialize = balanced_initialize
+    try:
+        from transformers import trainer
+    except ImportError:
+        return
+    from .trainer import BalanceCallback
+    if BalanceCallback not in trainer.DEFAULT_CALLBACKS:
+        trainer.DEFAULT_CALLBACKS.append(BalanceCallback)
