@@ -66,27 +66,33 @@ def run_variant(name: str, steps: int, interval: int, out: str, seed: int) -> di
 
 
 def placement_bound(run_dir: str, devices: int = 2, replica_slots=(0, 1, 2)) -> dict:
-    """What a permutation (0) and R replica slots a rank reach on a run's own traffic, held out: planned on the
-    first half's summed expert counts, judged on the second half's (the busiest rank over the mean per layer, an
-    expert's routes split evenly over its copies), against the per-step share the run had in the second half.
+    """What a permutation (0) and R replica slots a rank reach on a run's own traffic, held out: homes planned on the
+    first half's summed expert counts; judged on the second half, the busiest rank over the mean per layer: the
+    permutation on the summed counts, replicas as training chooses them (each logged step's slots from its own
+    counts, `choose_replicas`, the exact split over the copies), against the per-step share the run had.
     (On real counts, OLMoE at EP 8-64 and others: `python -m benchmarks.replay --permutation`.)"""
     import torch
     from eb_deepspeed.observe.report import read_log
     from eb_deepspeed.planning.placement import expected_device_load, plan_placement
+    from eb_deepspeed.planning.replicas import choose_replicas, copies
+    from eb_deepspeed.planning.steering import split
     records = [r for r in read_log(os.path.join(run_dir, "balance"), keys=("expert_counts_LE", "device_max_over_mean"))
                if r.get("expert_counts_LE") and r.get("device_max_over_mean")]
     if len(records) < 2:
         raise ValueError(f"{run_dir}: its balance log holds {len(records)} records with expert counts, 2 at least "
                          "(a run of examples/train_hf_moe.py logs them)")
     first, half = records[:len(records) // 2], records[len(records) // 2:]
-    plan_LE, judge_LE = (torch.tensor([r["expert_counts_LE"] for r in part], dtype=torch.float64).sum(0)
-                         for part in (first, half))
-    out = {}
-    for r in replica_slots:
-        load_LG = expected_device_load(judge_LE, plan_placement(plan_LE, devices, judge_LE.shape[1] // devices + r,
-                                                                dispatch="uniform"))
-        out[f"replicas_{r}_share" if r else "permutation_share"] = \
-            [round(v, 3) for v in (load_LG.amax(1) / load_LG.mean(1)).tolist()]
+    plan_LE = torch.tensor([r["expert_counts_LE"] for r in first], dtype=torch.float64).sum(0)
+    judge_NLE = torch.tensor([r["expert_counts_LE"] for r in half], dtype=torch.float64)
+    homes = plan_placement(plan_LE, devices, plan_LE.shape[1] // devices, dispatch="uniform")
+    home_LE = homes.log2phy[:, :, 0] // homes.slots_per_device
+    load_LG = expected_device_load(judge_NLE.sum(0), homes)
+    out = {"permutation_share": [round(v, 3) for v in (load_LG.amax(1) / load_LG.mean(1)).tolist()]}
+    for r in (r for r in replica_slots if r):
+        load_NLG = torch.stack([split(c, copies(home_LE, choose_replicas(c, home_LE, devices, r), devices)).sum(2)
+                                for c in judge_NLE]).double()
+        out[f"replicas_{r}_share"] = [round(v, 3) for v in (load_NLG.amax(2) / load_NLG.mean(2)).mean(0).tolist()]
+    judge_LE = judge_NLE.sum(0)
     return out | {"hottest_expert_over_rank_share": [round(v, 3) for v in
                                                     (judge_LE.amax(1) / (judge_LE.sum(1) / devices)).tolist()],
                   "run_share": [round(sum(r["device_max_over_mean"][layer] for r in half) / len(half), 3)

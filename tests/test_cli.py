@@ -207,7 +207,8 @@ def test_the_bound_plans_on_the_first_half_and_judges_the_second_with_and_withou
     assert steady["permutation_share"] == [1.25] and steady["replicas_1_share"] == [1.0]
     assert steady["hottest_expert_over_rank_share"] == [1.0] and steady["run_share"] == [pytest.approx(1.25)]
     moved = bound("moved", ([[8, 4, 2, 2]], [[2, 2, 4, 8]]))    # judged on traffic whose hot expert moved
-    assert moved["permutation_share"] == [1.25] and moved["replicas_1_share"] == [1.25]   # planned on the old one
+    # the homes were planned on the old hot expert (now 2 + 8 on one rank); each step's copy follows the new one
+    assert moved["permutation_share"] == [1.25] and moved["replicas_1_share"] == [1.0]
 
 
 def test_the_bound_of_a_missing_or_empty_run_is_one_clear_line(tmp_path, capsys):
