@@ -65,17 +65,14 @@ def dist_rank() -> int:
 
 def gather_startup(mine: dict[str, Any], prepare: Optional[Callable[[], Any]] = None, *, enabled: bool = True
                    ) -> tuple[list[dict[str, Any]], int, Any]:
-    """Every rank's start-up summary (one all-gather over every rank), this rank's index, and what `prepare`
-    returned.
+    """Every rank's start-up summary (one all-gather over every rank), this rank's index, and what `prepare` returned.
 
     enabled: whether this rank's block is on. A rank whose block is off joins the same all-gather
     (`join_startup_off`), so ranks that read different blocks get one error each instead of one waiting here
-    and the other in the framework's first collective.
-
-    `mine` gets this rank's host name under "host" (the node map; leave it out of agreement checks).
-    prepare: this rank's start-up work that can fail on one rank alone (rank 0 opening the balance log): run
-    before the all-gather, its failure travels in it, and every rank raises the same error instead of one
-    rank dying while the others wait in their first collective."""
+    and the other in the framework's first collective. `mine` gets this rank's host name under "host" (the node
+    map; leave it out of agreement checks). prepare: this rank's start-up work that can fail on one rank alone (rank
+    0 opening the balance log): run before the all-gather, its failure travels in it, and every rank raises the
+    same error instead of one rank dying while the others wait in their first collective."""
     result, problem = None, None
     if prepare is not None:
         try:
@@ -94,9 +91,7 @@ def gather_startup(mine: dict[str, Any], prepare: Optional[Callable[[], Any]] = 
         off = [r for r in range(len(gathered)) if r not in on]
         raise ValueError(f"easybalance is enabled on ranks {on} and off on ranks {off}: every rank must read the "
                          "same easybalance block (one ds_config for the whole job); stopped before the first step")
-    failed = [(r, g.pop("problem")) for r, g in enumerate(gathered)]
-    failed = [(r, text) for r, text in failed if text]
-    if failed:
+    if failed := [(r, text) for r, g in enumerate(gathered) if (text := g.pop("problem"))]:
         raise ValueError("easybalance: start-up failed on " + "; ".join(f"rank {r}: {text}" for r, text in failed))
     return gathered, rank, result
 

@@ -9,9 +9,6 @@ p // S), N row transfers.
     moved = RowMover(rank, ep_ranks, group, device).move(moves, key, rows)      # False: every rank kept its rows
     placer = Placer(mover, home); placer.move(plan, rows, flip)                 # check -> move -> flip -> count
 
-One placement lifecycle for serving and training: choose (`planning.placement.choose_placement`, by the runtime's
-`Dispatch`) -> check -> move (`RowMover`) -> flip (the owner's route tables) -> count (`Placer`).
-
 A row (`Rows`) is serving's slot weights or training's expert state (weights, fp32 masters, optimizer moments). A
 move, every rank together: 0. the callers' checks and plan hashes agree (`agree`); per layer 1. `prepare`
 allocates, agreed before anything is posted or read; 2. read (collective under ZeRO), transfer (`transfer`: a
@@ -110,11 +107,9 @@ class RowMover:
             ok = self._transfer(layer, mine, rows, *buffers, staged, kept)
         if not agree(ok, key, self.device):
             return False
-        written = self._write(rows, staged)
-        if agree(written, key, self.device):
+        if agree(self._write(rows, staged), key, self.device):
             return True
-        restored = self._write(rows, kept)                   # every rank: back to what it held
-        if not agree(restored, key, self.device):
+        if not agree(self._write(rows, kept), key, self.device):      # every rank: back to what it held
             raise RuntimeError("easybalance: moving expert rows failed while writing them and writing back the old "
                                "rows failed too (see the warnings): the experts' state is inconsistent; load the "
                                "last checkpoint")

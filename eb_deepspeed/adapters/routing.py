@@ -58,9 +58,8 @@ class Routing:
 
 
 class ServedTable:
-    """A served layer's gate: the table it serves (`set_table`) and its tensors on the router's device
-    (`on_device`), copied at the batch boundary, not in a forward. The gate sets `G`, `routing` and
-    `router_device`."""
+    """A served layer's gate: the table it serves (`set_table`) and its tensors on the router's device (`on_device`),
+    copied at the batch boundary, not in a forward. The gate sets `G`, `routing` and `router_device`."""
 
     def set_table(self, table: SlotTable, slots_per_device: int) -> None:
         """Serve a placement from the next forward on (slots per rank may change with it)."""

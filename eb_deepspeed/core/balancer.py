@@ -156,7 +156,6 @@ class Balancer:
     def num_nodes(self) -> int:
         return max(self.shape.rank_to_node) + 1
 
-    # ------------------------------------------------------------------ per step
     def gather(self) -> torch.Tensor:
         """Drain every local tally into one packed [L, W] tensor on `device` (rows of other ranks' layers are 0)."""
         # every layer here: all in one fold when their forwards agree in shape (and every layer has every expert)
@@ -229,12 +228,9 @@ class Balancer:
                 ctl.set_bias(rows_E[row] if E == self.num_experts else rows_E[row][:E])
             ctl.device_loss_weight = device_L[layer]
 
-    # ------------------------------------------------------------------ reads
     def device_loss_weights(self) -> list[float]:
         """Per-layer weight of the device-level balance loss in effect [L] (0.0 where there is none)."""
-        if not self.controls_on:
-            return [0.0] * self.num_layers
-        return [float(w) for w in self.controller.device_loss_weights()]
+        return self.controller.device_loss_weights().tolist() if self.controls_on else [0.0] * self.num_layers
 
     def bias_spreads(self) -> list[float]:
         """Per-layer spread (max - min over experts) of the selection bias in effect [L]: how far the `bias`
@@ -246,8 +242,7 @@ class Balancer:
         return [float(v) for v in spread_L]
 
     def metrics(self) -> dict[str, object]:
-        """The view's metrics plus the per-layer device-loss weights and selection-bias spread (see
-        `LoadView.metrics`)."""
+        """The view's metrics plus the per-layer device-loss weights and selection-bias spread (`LoadView.metrics`)."""
         out = self.view.metrics()
         out["device_loss_weight"] = self.device_loss_weights()
         out["bias_spread"] = self.bias_spreads()
@@ -269,7 +264,6 @@ class Balancer:
         except Exception as e:   # noqa: BLE001 - a closed logger at exit must not turn a clean exit into a traceback
             warnings.warn(f"easybalance: the last balance record could not be written at exit ({e})")
 
-    # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, object]:
         return {"version": self.VERSION, "view": self._view.state_dict(), "aux": self.controller.state_dict(),
                 "config": self.config.to_dict()}

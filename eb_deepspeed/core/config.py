@@ -186,12 +186,9 @@ class EasyBalanceConfig:
     train_placement: TrainPlacementConfig = section(TrainPlacementConfig)
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False)   # the paths the user set
 
-    # ------------------------------------------------------------------ parsing
     @classmethod
     def from_ds_config(cls, ds_config: Mapping[str, Any] | str | os.PathLike | None) -> "EasyBalanceConfig":
-        """Read the `"easybalance"` block of a DeepSpeed config (dict, or path to its JSON file).
-
-        No block, or `None`, gives a disabled config: plain DeepSpeed behaviour."""
+        """Read the `"easybalance"` block of a DeepSpeed config (dict or JSON path); no block, or None: disabled."""
         if ds_config is None:
             return cls()
         ds_config = read_json(ds_config)
@@ -210,7 +207,6 @@ class EasyBalanceConfig:
         values = _read(cls, copy.deepcopy(_mapping(block, path)), path, "", explicit)
         return cls(**values, explicit=frozenset(explicit))
 
-    # ------------------------------------------------------------------ derived values
     @property
     def balance(self) -> bool:
         """The controls act (mode "balance"); "observe" changes nothing."""
@@ -220,9 +216,7 @@ class EasyBalanceConfig:
         """Half-width of the cross-layer window: pressure around layer l sums layers l-w .. l+w.
 
         "auto" follows the EasyBalance article, §5.1: 5 layers, widened for deep models (61 layers -> 8)."""
-        if self.window is not None:
-            return self.window
-        return int(min(8, max(5, math.ceil(num_layers / 8))))
+        return self.window if self.window is not None else int(min(8, max(5, math.ceil(num_layers / 8))))
 
     def changed(self) -> set[str]:
         """The paths the user set to other than their defaults (the README's block of defaults changes nothing; a
@@ -287,8 +281,7 @@ KEYS: dict[str, Key] = _rows(EasyBalanceConfig)
 def _read(cls, block: dict, path: str, prefix: str, explicit: set) -> dict[str, Any]:
     """The fields of `cls` from `block` (its JSON path `path`): each leaf by its `Valid`, a section recursively (a
     missing section: its dataclass defaults)."""
-    names = [f.name for f in fields(cls) if "section" in f.metadata or "valid" in f.metadata]
-    _reject_unknown(block, path, names)
+    _reject_unknown(block, path, [f.name for f in fields(cls) if "section" in f.metadata or "valid" in f.metadata])
     explicit |= {prefix + k for k in block if prefix + k in KEYS}
     out = {}
     for f in fields(cls):
@@ -313,9 +306,7 @@ def _get(cfg, path: str) -> Any:
 def _as_json(obj) -> dict[str, Any]:
     """A config dataclass's fields as JSON values (sections as objects, tuples as lists), without `explicit`."""
     out = {}
-    for f in fields(obj):
-        if f.name == "explicit":
-            continue
+    for f in [f for f in fields(obj) if f.name != "explicit"]:
         value = getattr(obj, f.name)
         out[f.name] = _as_json(value) if "section" in f.metadata else list(value) if isinstance(value, tuple) else value
     return out
@@ -330,13 +321,11 @@ def strip_block(ds_config: Mapping[str, Any] | str | os.PathLike | None) -> dict
     return out
 
 
-# ---------------------------------------------------------------------- reading JSON
 def read_json(ds_config):
     """A dict as it is, once checked to nest at most MAX_JSON_DEPTH deep; a path read as JSON (`load_json`: a
     regular file of at most MAX_JSON_BYTES), with a ConfigError naming the file when that fails."""
     if not isinstance(ds_config, (str, os.PathLike)):
-        too_deep = json_too_deep(ds_config)
-        if too_deep:
+        if too_deep := json_too_deep(ds_config):
             raise ConfigError(f"ds_config: nested deeper than {MAX_JSON_DEPTH} levels (at {too_deep}; a DeepSpeed "
                               "config nests a few)")
         return ds_config
@@ -369,11 +358,9 @@ def _mapping(value: Any, path: str) -> dict[str, Any]:
 
 
 def _reject_unknown(block: Mapping[str, Any], path: str, valid: list[str]) -> None:
-    odd = [k for k in block if not isinstance(k, str)]
-    if odd:
+    if odd := [k for k in block if not isinstance(k, str)]:
         raise ConfigError(f"{path}: keys must be strings, got {odd!r}; valid keys: {', '.join(sorted(valid))}")
-    unknown = sorted(set(block) - set(valid))
-    if unknown:
+    if unknown := sorted(set(block) - set(valid)):
         where = ", ".join(f"{path}.{k}" for k in unknown)
         raise ConfigError(f"{where}: unknown key; valid keys: {', '.join(sorted(valid))}")
 

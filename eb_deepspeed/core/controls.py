@@ -62,7 +62,6 @@ class LayerControls:
         experts_G = self._copy("experts_G", self.experts_per_device_G, probs_TE.device)
         return self.device_loss_weight * device_balance_loss(probs_TE, routed_E, map_E, experts_G, k, valid_T)
 
-    # ------------------------------------------------------------------ helpers
     def _copy(self, name: str, value: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
         """`value` on `device`, copied once per value (a new value replaces the copy)."""
         if value is None:

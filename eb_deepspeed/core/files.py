@@ -57,8 +57,7 @@ def load_json(path, what: str, max_bytes: int = MAX_JSON_BYTES, object_pairs_hoo
         if type(e) not in (ValueError, json.JSONDecodeError, UnicodeDecodeError):
             raise                            # the hook's own error (a duplicate key in a ds_config) stands
         raise ValueError(f"{path}: not {what} ({e})") from None
-    too_deep = json_too_deep(doc)
-    if too_deep:
+    if too_deep := json_too_deep(doc):
         raise ValueError(f"{path}: not {what} (nested deeper than {MAX_JSON_DEPTH} levels, at {too_deep})")
     return doc
 

@@ -42,10 +42,9 @@ def expert_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, k: int,
         probs_TE: [T, E] router probabilities; P_E is the mean over the tokens that count.
         routed_E: [E] this forward's routes per expert: f_e = routed_e / (K · T).
         valid_T: [T] bool, the tokens that count (None: all; padding is False)."""
-    E = probs_TE.shape[1]
     probs_E, T = _mean_probs(probs_TE, valid_T)
     # the device-level loss with one expert per device, in its own order of operations
-    return (_fair_shares(routed_E, E, k, T, probs_TE.dtype) * probs_E).sum()
+    return (_fair_shares(routed_E, probs_TE.shape[1], k, T, probs_TE.dtype) * probs_E).sum()
 
 
 def device_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, expert_to_device_E: torch.Tensor,
@@ -64,9 +63,8 @@ def device_balance_loss(probs_TE: torch.Tensor, routed_E: torch.Tensor, expert_t
         experts the routes went to (the expert-level loss does not see that). Local to the rank, no collective,
         no host sync. With top-1's `used_token` mask the masked tokens route nowhere and the loss sits below 1
         at balance, as DeepSpeed's l_aux does."""
-    E = probs_TE.shape[1]
     probs_E, T = _mean_probs(probs_TE, valid_T)
-    share_E = _fair_shares(routed_E, E, k, T, probs_E.dtype)
+    share_E = _fair_shares(routed_E, probs_TE.shape[1], k, T, probs_E.dtype)
     zeros_G = torch.zeros(experts_G.shape[0], dtype=probs_E.dtype, device=probs_E.device)
     share_G = zeros_G.index_add(0, expert_to_device_E, share_E) / experts_G.to(probs_E.dtype)
     probs_G = zeros_G.index_add(0, expert_to_device_E, probs_E)

@@ -55,8 +55,7 @@ def cv(load_LX: torch.Tensor) -> torch.Tensor:
     """Coefficient of variation: population std / mean per layer. [L, X] -> [L]"""
     load = _as_LX(load_LX)
     mean_L = load.mean(1)
-    std_L = load.std(1, unbiased=False)
-    return torch.where(mean_L > 0, std_L / mean_L.clamp_min(1e-300), torch.zeros_like(mean_L))
+    return torch.where(mean_L > 0, load.std(1, unbiased=False) / mean_L.clamp_min(1e-300), torch.zeros_like(mean_L))
 
 
 def device_util_std(load_LG: torch.Tensor) -> float:

@@ -98,8 +98,8 @@ def bias_update(bias_LE: torch.Tensor, counts_LE: torch.Tensor, cross_LG: torch.
     is re-centred to mean 0. Layers with no routes this step are left as they are.
     device_LE [L, E]: the window pressure at each expert's device, looked up (`cross_LG[:, expert_to_device_E]`;
     an expert with copies on several devices: their mean, `LoadView.expert_device_mean`). mask_LE [L, E]: the
-    experts each layer has
-    when layers differ in size (the rest is padding: held at 0, left out of every mean); None: all."""
+    experts each layer has when layers differ in size (the rest is padding: held at 0, left out of every mean);
+    None: all."""
     counts_LE = counts_LE.to(torch.float64)
     cross_LG = cross_LG.to(torch.float64)
     mask_LE = torch.ones_like(counts_LE, dtype=torch.bool) if mask_LE is None else mask_LE.to(torch.bool)
@@ -109,8 +109,7 @@ def bias_update(bias_LE: torch.Tensor, counts_LE: torch.Tensor, cross_LG: torch.
     device_sign_LE = torch.sign(cross_LG.mean(1, keepdim=True) - device_LE.to(torch.float64))
     step_LE = rate * (expert_sign_LE + device_weight * device_sign_LE) / (1.0 + device_weight)
     active_L1 = (counts_LE.sum(1, keepdim=True) > 0)
-    new_LE = bias_LE.to(torch.float64) + torch.where(active_L1 & mask_LE, step_LE, 0.0)
-    new_LE = torch.where(mask_LE, new_LE, 0.0)
+    new_LE = torch.where(mask_LE, bias_LE.to(torch.float64) + torch.where(active_L1, step_LE, 0.0), 0.0)
     return torch.where(mask_LE, new_LE - new_LE.sum(1, keepdim=True) / n_L1, 0.0)
 
 
@@ -130,31 +129,17 @@ class AuxPolicy:
     def step(self, ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
         """One control step from the warm view; returns whether anything changed. valid_L [L]: the
         layers the view took this step (the others' routes were non-finite or absent)."""
-        changed = False
-        if self.uses_bias:
-            changed |= _bias_step(ctl, view, valid_L)
-        if self.uses_device_loss:
-            changed |= _cross_layer_step(ctl, view, valid_L)
-        return changed
-
-
-def _cross_layer_step(ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
-    """The per-layer device-loss weights: one integrator step on the view's device scores."""
-    if not bool(valid_L.all()):   # the weights are relative to each other: hold them all while a layer is out
-        return False
-    lo, hi = ctl.cfg.weight_range
-    ctl.log_w_L = integral_weights(ctl.log_w_L, device_scores(view.pressure_LG, view.window_pressure()),
-                                   gain=ctl.cfg.gain, w_min=lo, w_max=hi)
-    return True
-
-
-def _bias_step(ctl: "AuxController", view, valid_L: torch.Tensor) -> bool:
-    """The selection bias: one sign step from the last step's routes and the window pressure."""
-    counts_LE = torch.where(valid_L[:, None], view.last.routed_LE, 0.0)   # a layer with no counts holds its bias
-    cross_LG = view.window_pressure()
-    ctl.bias_LE = bias_update(ctl.bias_LE, counts_LE, cross_LG, view.expert_device_mean(cross_LG),
-                              rate=ctl.cfg.bias_rate, device_weight=DEVICE_WEIGHT, mask_LE=view.mask_LE)
-    return True
+        if self.uses_bias:      # one sign step from the last step's routes and the window pressure
+            counts_LE = torch.where(valid_L[:, None], view.last.routed_LE, 0.0)   # no counts: the layer holds its bias
+            cross_LG = view.window_pressure()
+            ctl.bias_LE = bias_update(ctl.bias_LE, counts_LE, cross_LG, view.expert_device_mean(cross_LG),
+                                      rate=ctl.cfg.bias_rate, device_weight=DEVICE_WEIGHT, mask_LE=view.mask_LE)
+        # one integrator step of the device-loss weights, relative to each other: all held while a layer is out
+        if weighed := self.uses_device_loss and bool(valid_L.all()):
+            lo, hi = ctl.cfg.weight_range
+            ctl.log_w_L = integral_weights(ctl.log_w_L, device_scores(view.pressure_LG, view.window_pressure()),
+                                           gain=ctl.cfg.gain, w_min=lo, w_max=hi)
+        return self.uses_bias or weighed
 
 
 POLICIES: dict[str, AuxPolicy] = {p.name: p for p in (
@@ -185,9 +170,7 @@ class AuxController:
 
     def device_loss_weights(self) -> torch.Tensor:
         """Weight of each layer's device-level balance loss [L] (zeros when the policy has none)."""
-        if not self.policy.uses_device_loss:
-            return torch.zeros_like(self.log_w_L)
-        return self.log_w_L.exp()
+        return self.log_w_L.exp() if self.policy.uses_device_loss else torch.zeros_like(self.log_w_L)
 
     def update(self, view, valid_L: torch.Tensor | None = None) -> bool:
         """One control step from the (reduced, identical) view; returns whether anything changed.

@@ -244,8 +244,9 @@ class LayerTally:
 
         def count(routes_TK: list, into: torch.Tensor, start: int, stride: int) -> torch.Tensor:
             """Add 1 to `into` at start + id + layer * stride for each route (a dropped one, -1, at start - 1)."""
-            if N == 1:
-                slot_R = _cat_routes(routes_TK).add_(start)
+            if N == 1:      # token-major: one copy when K agrees
+                slot_R = (torch.cat(routes_TK).reshape(-1) if len({r.shape[1] for r in routes_TK}) == 1
+                          else torch.cat([r.reshape(-1) for r in routes_TK])).add_(start)
             else:       # every layer's routes alike in shape (`take_all`)
                 slot_R = (torch.stack(routes_TK).view(N, -1) + torch.arange(N, device=at)[:, None] * stride).view(-1)
                 slot_R.add_(start)
@@ -263,8 +264,7 @@ class LayerTally:
                 kept_NE = counts_NE if kept_NE is None else kept_NE + counts_NE
         # Step 2: route by route, the devices, unless one map serves every forward
         device_E = by.device_E[0] if all(d is by.device_E[0] for d in by.device_E) else None
-        by_route = bool(lay.num_devices) and device_E is None
-        if by_route:
+        if by_route := bool(lay.num_devices) and device_E is None:
             count([device_TK if map_E is None else torch.cat([map_E, map_E.new_full((1, ), -1)])[expert_TK]
                    for device_TK, map_E, expert_TK in zip(by.device_TK, by.device_E, by.expert_TK)],
                   row, lay.start["device"], lay.width)
@@ -274,8 +274,7 @@ class LayerTally:
             ([kept_NE] if lay.num_devices and device_E is not None else [])
         values.append(_constant(at, len(layers[0]), (N, 1)))
         fields = ["forwards"]
-        host_tokens = sum(by.host_tokens[:len(layers[0])])     # the same in every layer (`take_all`)
-        if host_tokens:
+        if host_tokens := sum(by.host_tokens[:len(layers[0])]):     # the same in every layer (`take_all`)
             values.append(_constant(at, host_tokens, (N, 1)))
             fields.append("tokens")
         for name, given in (("tokens", by.tokens), ("nonfinite", by.nonfinite)):
@@ -288,8 +287,7 @@ class LayerTally:
             sums_NX = torch.cat(sums).view(N, -1)
             values.append(torch.count_nonzero(sums_NX - sums_NX, dim=1).view(N, 1).to(at))
             fields.append("nonfinite")
-        aux = [a for a in by.l_aux if a is not None]
-        if aux:
+        if aux := [a for a in by.l_aux if a is not None]:
             values.append(torch.stack(aux).view(N, -1).to(at))
             fields += ["aux"] * (len(aux) // N)
         row.index_add_(0, self._slots(at, device_E, tuple(fields), N), torch.cat(values, dim=1).view(-1))
@@ -376,13 +374,6 @@ def _constant(device: torch.device, value: float, shape: tuple[int, ...] = (1, )
 def _scalar(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """A one-element tensor as 0-dim (a view; the common 0-dim case with no op), None as None."""
     return t if t is None or t.dim() == 0 else t.reshape(())
-
-
-def _cat_routes(parts_TK: list[torch.Tensor]) -> torch.Tensor:
-    """[T_i, K] route tensors (views of any strides) -> [sum T_i * K], token-major: one copy when K agrees."""
-    if len({p.shape[1] for p in parts_TK}) == 1:
-        return torch.cat(parts_TK).reshape(-1)
-    return torch.cat([p.reshape(-1) for p in parts_TK])
 
 
 def logit_sums(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -54,12 +54,11 @@ class LoadView:
                  window: int = 5, warmup_batches: int = 4, expert_to_device_E: torch.Tensor | None = None):
         if num_layers < 1:
             raise ValueError(f"num_layers ({num_layers}) must be >= 1")
-        experts_L, devices_L = _per_layer(num_experts, num_layers, "num_experts"), \
-            _per_layer(num_devices, num_layers, "num_devices")
+        self.experts_L = experts_L = _per_layer(num_experts, num_layers, "num_experts")
+        self.devices_L = devices_L = _per_layer(num_devices, num_layers, "num_devices")
         self.L, self.E, self.G = int(num_layers), int(experts_L.max()), int(devices_L.max())
         if bool((self.G % devices_L).any()):
             raise ValueError(f"every layer's EP size must divide the largest ({self.G}), got {devices_L.tolist()}")
-        self.experts_L, self.devices_L = experts_L, devices_L
         self.copies_L = self.G // devices_L                         # copies of each layer's EP group in the view
         self.mask_LE = torch.arange(self.E)[None, :] < experts_L[:, None]
         self.expert_to_device_LE = self._checked_map(expert_to_device_E)
@@ -118,7 +117,6 @@ class LoadView:
             out_LE += torch.where(has_L[:, None], x_LG.gather(1, device_LE), 0.0)
         return torch.where(self.mask_LE, out_LE / self.copies_L[:, None], 0.0)
 
-    # ------------------------------------------------------------------ update
     def expert_to_device_load(self, per_expert_LE: torch.Tensor) -> torch.Tensor:
         """Sum per-expert load onto the devices holding the experts. [L, E] -> [L, G]
 
@@ -177,7 +175,6 @@ class LoadView:
         self.last, self.last_load_LG = tally, load_LG
         return valid_L
 
-    # ------------------------------------------------------------------ reads
     @property
     def swing_LE(self) -> torch.Tensor:
         """[L, E] how far each expert's routed count swings from step to step around its heat (the
@@ -202,10 +199,8 @@ class LoadView:
         """Metrics of the last step and of the EMA view, as Python numbers.
 
         Device metrics are of the step's device load as the view took it (kept routes, or the tally's own
-        device load); expert metrics of
-        the routed demand. A layer with non-finite router logits this step routed garbage: its
-        per-layer numbers are None (JSON null) and the aggregates leave it out
-        (`nonfinite_layer_ids` lists them)."""
+        device load); expert metrics of the routed demand. A layer with non-finite router logits this step routed
+        garbage: its per-layer numbers are None (JSON null) and the aggregates leave it out (`nonfinite_layer_ids`)."""
         last = self.last
         bad_L = last.nonfinite_L > 0
         good_L = ~bad_L
@@ -235,7 +230,6 @@ class LoadView:
         out["steps"] = self.steps
         return out
 
-    # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, object]:
         return {"shape": (self.L, self.E, self.G), "heat_LE": self.heat_LE.clone(),
                 "pressure_LG": self.pressure_LG.clone(), "updates_L": self.updates_L.clone(),

@@ -131,8 +131,7 @@ class DeepSpeedMonitorLogger(BalanceLogger):
         self.heatmap = getattr(monitor, "wandb_monitor", None) is not None
 
     def log(self, record: dict[str, Any], step: int) -> None:
-        events = [(k, v, step) for k, v in flatten_record(record).items()]
-        self.monitor.write_events(events)
+        self.monitor.write_events([(k, v, step) for k, v in flatten_record(record).items()])
         if self.heatmap and R.PRESSURE in record:
             import wandb  # lazy: only when DeepSpeed's wandb monitor is on
             if wandb.run is not None:

@@ -217,10 +217,8 @@ def heatmap_figure(pressure_LG, title: str = "device pressure", ax=None, spread:
     values = _over_layer_mean(pressure_LG)
     spread = _spread([values]) if spread is None else spread
     im = ax.imshow(values, aspect="auto", cmap="RdBu_r", vmin=1 - spread, vmax=1 + spread, interpolation="nearest")
-    ax.set_xlabel("EP rank (device)")
-    ax.set_ylabel("MoE layer")
-    ax.set_xticks(range(0, G, max(1, G // 16)))
-    ax.set_yticks(range(0, L, max(1, L // 24)))
+    ax.set(xlabel="EP rank (device)", ylabel="MoE layer", xticks=range(0, G, max(1, G // 16)),
+           yticks=range(0, L, max(1, L // 24)))
     ax.set_title(title, fontsize="medium")
     ax.figure.colorbar(im, ax=ax, label="load / layer mean (1 = balanced)")
     if fig is not None:

@@ -187,8 +187,7 @@ def replica_counts(load_LE: torch.Tensor, slots_L: torch.Tensor | int, max_repli
     per_rep_LE = torch.where(cnt_LE < max_replicas, rel_LE / cnt_LE, -1.0)
     rank_LE = torch.argsort(torch.argsort(per_rep_LE, dim=1, descending=True), dim=1)
     score = torch.where((rank_LE < room_L[:, None]) & (per_rep_LE >= 0), per_rep_LE, -1.0).flatten()
-    take = max(0, min(room_total, int((score >= 0).sum())))
-    if take:
+    if take := max(0, min(room_total, int((score >= 0).sum()))):
         cnt_LE.view(-1)[torch.topk(score, take).indices] += 1
     return cnt_LE
 
@@ -302,10 +301,9 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
     slot_budget: total physical slots over all layers (L*E <= budget <= L*G*S); None fills every slot.
     refine_rounds: rounds of every local search (0 = greedy only); None: fewer on larger inputs.
     dispatch: how the runtime splits an expert's tokens over its replicas (a name of `DISPATCH`, or its model).
-    "steered" (ours, `steering.steer`):
-    plans for the slowest device after steering. "uniform" (vLLM, SGLang, EPLB, AutoEP's dropless layer with our
-    `view` split: evenly): the counts may change in the search. "padded" (DeepSpeed's MOELayer: evenly, every
-    slot padded to the largest): the counts stay, swaps balance.
+    "steered" (ours, `steering.steer`): plans for the slowest device after steering. "uniform" (vLLM, SGLang, EPLB,
+    AutoEP's dropless layer with our `view` split: evenly): the counts may change in the search. "padded"
+    (DeepSpeed's MOELayer: evenly, every slot padded to the largest): the counts stay, swaps balance.
     node_spread: True: a rule (each expert's replicas on as many nodes as they can be); False: ignored; a float
     w >= 0: w x the layer's mean device load per unit of `cross_node_fraction` (the expected share of routes
     that leave their node), weighed against the slowest device when each layer picks its candidate.
@@ -453,8 +451,7 @@ def _node_coverage(phy_CLP: np.ndarray, node_G: np.ndarray, S: int, E: int) -> n
 def cross_node_fraction(phy_NP: np.ndarray, load_NE: np.ndarray, node_G: np.ndarray, S: int) -> np.ndarray:
     """[N] expected fraction of routes that leave their node when tokens start evenly over the nodes and
     go to a replica on their own node whenever their expert has one there."""
-    nodes = int(node_G.max()) + 1
-    covered_NE = SlotCounts.nodes(phy_NP, node_G, S, load_NE.shape[1]).groups_holding() / nodes
+    covered_NE = SlotCounts.nodes(phy_NP, node_G, S, load_NE.shape[1]).groups_holding() / (int(node_G.max()) + 1)
     total = load_NE.sum(1)
     return np.where(total > 0, (load_NE * (1 - covered_NE)).sum(1) / np.where(total > 0, total, 1), 0.0)
 
@@ -582,9 +579,8 @@ def is_legal(plan: Placement) -> bool:
 
 def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Tensor | None = None,
                previous: Placement | None = None) -> Placement:
-    """Step 4: a Placement from phy2log [L, P] (-1 = empty): log2phy [L, E, R] (its inverse), logcnt
-    [L, E]; with load_LE [L, E] the expected load per device with an even split; with `previous`
-    the weight moves against it."""
+    """Step 4: a Placement from phy2log [L, P] (-1 = empty): log2phy [L, E, R] (its inverse), logcnt [L, E]; with
+    load_LE [L, E] the expected load per device with an even split; with `previous` the weight moves against it."""
     phy2log = integer_tensor("phy2log", phy2log, "[layers, slots]")
     L, P = phy2log.shape
     if L < 1 or P != G * S or bool((phy2log < -1).any()) or bool((phy2log >= E).any()):

@@ -58,12 +58,11 @@ def refine_for_steering(phy_LP: np.ndarray, load_LE: np.ndarray, G: int, S: int,
     to a slot q of one of its `partners` least loaded devices:
       swap     a and the expert b in q (or the empty slot q) trade places;
       replace  q's expert b, which keeps another replica, becomes a second copy of a.
-    The best K moves of each layer by a cheap estimate (`_screen`; a round steers about `work` slots) are
-    confirmed by steering them (`_confirm`); the best is kept when it lowers the slowest device (ties: the sum
-    of squared device loads), else the layer stops. With `previous` (was: its replicas, `SlotCounts`) each
-    weight move adds `stickiness` x the mean device load / P. No move puts two replicas of an expert on one
-    device or takes an expert off a node it alone covered; a layer whose moves did not pay after all returns
-    to the greedy plan (`_settle`)."""
+    The best K moves of each layer by a cheap estimate (`_screen`; a round steers about `work` slots) are confirmed by
+    steering them (`_confirm`); the best is kept when it lowers the slowest device (ties: the sum of squared device
+    loads), else the layer stops. With `previous` (was: its replicas, `SlotCounts`) each weight move adds `stickiness` x
+    the mean device load / P. No move puts two replicas of an expert on one device or takes an expert off a node it
+    alone covered; a layer whose moves did not pay after all returns to the greedy plan (`_settle`)."""
     L, P = phy_LP.shape
     search = _Search(load_LE, G, S, node_G, was, iters, work)
     move_cost_L = stickiness * search.mean_L / P              # moving every slot: stickiness x the mean load

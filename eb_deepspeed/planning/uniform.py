@@ -17,11 +17,10 @@ ONE_AT_A_TIME = 256   # `uniform_counts` hands out up to this many extra replica
 
 
 def uniform_counts(load_LE: np.ndarray, slots: int, max_replicas: int) -> np.ndarray:
-    """cnt_LE [L, E] int64: every expert once, then `slots - E` extra replicas per layer, each to the expert
-    whose share (load / count) is largest (ties: the lowest expert), at most `max_replicas` each: the D'Hondt
-    apportionment of load_LE >= 0. One at a time for up to ONE_AT_A_TIME of them; for more, the value of the
-    last quotient load_e / c taken is found by bisection on its bits (exact) and the ties at it go to the
-    lowest experts: the same counts."""
+    """cnt_LE [L, E] int64: every expert once, then `slots - E` extra replicas per layer, each to the expert whose share
+    (load / count) is largest (ties: the lowest expert), at most `max_replicas` each: the D'Hondt apportionment of
+    load_LE >= 0. One at a time for up to ONE_AT_A_TIME of them; for more, the value of the last quotient load_e / c
+    taken is found by bisection on its bits (exact) and the ties at it go to the lowest experts: the same counts."""
     L, E = load_LE.shape
     extra = min(slots, E * max_replicas) - E
     cnt = np.ones((L, E), dtype=np.int64)

@@ -85,7 +85,6 @@ class AutoEPBalance:
         router.gate.register_forward_hook(self._keep_logits)
         router.register_forward_hook(self._after_router)
 
-    # ------------------------------------------------------------------ hooks
     def _before_router(self, router, args):
         """With a bias: the router's `expert_bias` argument becomes a [T, E] tensor that `_keep_logits` fills."""
         if self.controls.bias_E is None:

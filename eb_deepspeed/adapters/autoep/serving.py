@@ -31,7 +31,7 @@ from ..serving.store import flat_state, unflatten_into
 from .layer import find_autoep_layers
 from .routes import AutoEPRoutes
 
-__all__ = ["AutoEPStore", "init_autoep_inference"]
+__all__ = ["init_autoep_inference"]
 
 
 def has_autoep_layers(model: torch.nn.Module) -> bool:

@@ -193,6 +193,5 @@ class CrossLayerGate(TopKGate):
         if sparse_routes:
             empty_KT = torch.zeros(K, 0, dtype=torch.int32, device=dev)
             return (l_aux, capacity, E, empty_KT, empty_KT.clone(), torch.zeros(K, 0, device=dev), exp_counts_E)
-        C = int(capacity)
-        combine_TEC = torch.zeros(0, E, C, device=dev)
+        combine_TEC = torch.zeros(0, E, int(capacity), device=dev)
         return l_aux, combine_TEC, combine_TEC.bool(), exp_counts_E

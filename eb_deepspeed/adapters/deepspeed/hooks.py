@@ -158,8 +158,7 @@ def wrap_checkpointing(engine, balancer: Balancer, hook: StepHook) -> None:
             balancer.load_state_dict(state)
         return load_path, client_state
 
-    engine.save_checkpoint = save_checkpoint
-    engine.load_checkpoint = load_checkpoint
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
 
 
 def _universal(engine) -> bool:
@@ -197,8 +196,7 @@ def mark_incomplete(folder: str) -> None:
     """Put `INCOMPLETE` in a checkpoint tag's folder (before anything of the tag is written)."""
     os.makedirs(folder, exist_ok=True)
     write_atomically(os.path.join(folder, INCOMPLETE), "a save_checkpoint into this folder has not finished (see "
-                                                       "eb_deepspeed's docs/reliability.md); eb_deepspeed refuses "
-                                                       "to load it\n")
+                     "eb_deepspeed's docs/reliability.md); eb_deepspeed refuses to load it\n")
 
 
 def mark_complete(save_dir: str, tag: str, save_latest: bool = True) -> None:
@@ -227,8 +225,7 @@ def on_rank0_for_all(work, what: str) -> None:
             work()
         except OSError as e:
             problem = f"easybalance: {what} failed on rank 0 ({e.strerror or e}: {getattr(e, 'filename', '')})"
-    problem = shared_problem(problem)
-    if problem:
+    if problem := shared_problem(problem):
         raise OSError(problem)
 
 

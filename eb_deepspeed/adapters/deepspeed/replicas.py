@@ -157,8 +157,7 @@ class ReplicaGate(CrossLayerGate, ServedTable):
     def _agreed_tokens(self, T: int, device) -> int:
         """The most tokens on any rank of the EP group in this forward: agreed by the first replicated layer
         (every rank runs the layers in the same order) and kept in `routing.tokens` for the rest."""
-        kept = self.routing.tokens
-        if kept:
+        if kept := self.routing.tokens:
             return kept[0]
         agreed = torch.full((1, ), T, dtype=torch.long, device=device)
         if self.G > 1:

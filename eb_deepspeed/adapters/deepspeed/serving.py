@@ -136,8 +136,7 @@ def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[st
     `mp_rank_00_model_states.pt`, and each local expert module j of MoE layer l from the file of the expert it holds,
     `layer_{l}_expert_{e}_mp_rank_00_model_states.pt` (read with weights_only=True): DeepSpeed's layout, expert
     EP-rank * local experts + j. Works for a plain DeepSpeed model whose layers have their EP groups."""
-    problem = incomplete_problem(ckpt_dir, tag)
-    if problem:
+    if problem := incomplete_problem(ckpt_dir, tag):
         raise refuse(ckpt_dir, problem)
     tag = str(tag) if tag is not None else latest_tag(ckpt_dir)
     if tag is None:
@@ -171,8 +170,7 @@ def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[st
 
 
 def check_one_serving_shape(model: torch.nn.Module) -> None:
-    """Serving plans one slot layout for all layers: refuse MoE layers that differ in num_experts or ep_size
-    (PR-MoE) with a clear error. `init_inference` calls it before any DeepSpeed state is touched."""
+    """One slot layout serves all layers: refuse MoE layers that differ in num_experts or ep_size (PR-MoE)."""
     moes = find_moe_layers(model)
     if len({(m.num_experts, m.ep_size) for _, m in moes}) > 1:
         layers = ", ".join(f"{name}: {m.num_experts} experts, ep_size {m.ep_size}" for name, m in moes)
@@ -199,8 +197,7 @@ def _inference_keys(ds_config: dict) -> dict:
     fields = DeepSpeedInferenceConfig.model_fields
     accepted = set(fields) | {f.alias for f in fields.values() if f.alias}
     training = {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)} | set(TRAINING_SECTIONS)
-    dropped = sorted(k for k in ds_config if k not in accepted and k in training)
-    if dropped:
+    if dropped := sorted(k for k in ds_config if k not in accepted and k in training):
         warnings.warn(f"init_inference: left out of DeepSpeed's inference config the training settings it does "
                       f"not take: {', '.join(dropped)}")
     return {k: v for k, v in ds_config.items() if k not in dropped}

@@ -9,8 +9,7 @@ __all__ = ["init_inference"]
 
 
 def init_inference(model: torch.nn.Module, config=None, **kwargs):
-    """Serve `model` with the `easybalance` block of `config` (a dict or JSON path; the ds_config one trains with
-    works too).
+    """Serve `model` with the `easybalance` block of `config` (a dict or JSON path; the training ds_config works).
 
     A Hugging Face model that AutoEP converted: pass the engine `deepspeed.initialize` returned (or its module);
     returns the module in eval mode with `serving` (the `ServingEngine`) and, with an enabled block, `easybalance`

@@ -138,7 +138,6 @@ class ServingEngine(Placer):
             warnings.warn(f"easybalance.inference.topology: {note}")
         return logger
 
-    # ------------------------------------------------------------------ per batch
     def before_batch(self, inputs: tuple) -> None:
         """A new forward: the gates agree on its tokens again."""
         self.routing.tokens = []
@@ -217,7 +216,6 @@ class ServingEngine(Placer):
         for layer in range(self.L):
             self.store.serve(layer, placement)
 
-    # ------------------------------------------------------------------ weight moves
     def apply(self, plan: Placement) -> bool:
         """Move weights for `plan` and flip every rank to it, or keep the old placement everywhere."""
         if plan.phy2log.shape[0] != self.L or plan.num_experts != self.E or plan.num_devices != self.G \
