@@ -1,7 +1,7 @@
 """Training-time replicas on AutoEP, each micro-batch's slots filled from its own counts, side by side.
 
     python -m benchmarks.train_replicas [--steps 60] [--interval 3] [--shift 5] [--json]     # ~3 min, 4 ranks
-    python -m benchmarks.train_replicas --replay [--json]           # real counts (ESFT), EP 8-64; ~4 min, one process
+    python -m benchmarks.train_replicas --replay [--json]           # real counts (ESFT), EP 8-64; ~11 min, one process
     python -m benchmarks.train_replicas --price [--json]            # break-even routes per link; torch ops
 
 The job: one 4-rank launch of the main job's tiny HF Mixtral (4 layers, 8 experts, top-2, hidden 64) under AutoEP
@@ -19,7 +19,7 @@ homes permuted on the last 16 micro-batches, every split exact (`planning.steeri
 balancedness of the micro-batches (their layers' summed mean load over their summed busiest rank's), for: the
 permutation, replicas planned on the last 16 (`plan_placement` with H + R slots, the interval plan this replaced),
 replicas chosen from each micro-batch's own counts (ours, homes kept), and the full plan on the micro-batch's own
-counts, homes too (a bound no runtime reaches: it would move every expert every micro-batch).
+counts, homes too (no runtime can follow it: it would move every expert every micro-batch).
 
 The price: the routes a copy must take off the busiest rank per micro-batch to pay for its transfer (bf16 weights
 out, bf16 gradients back, at `DEVICE_FLOPS`), per link; the torch ops per layer and micro-batch that the choice and

@@ -9,9 +9,10 @@ from conftest import ROOT
 pytestmark = pytest.mark.distributed
 
 # every DeepSpeed-MoE config in configs/ (megatron_cpu.json is the Megatron-Core example's, run by
-# tests/test_quickstart.py; train_hf_cpu_2rank.json the HF AutoEP example's, run by tests/test_hf_job.py)
-CONFIGS = sorted(c for c in os.listdir(os.path.join(ROOT, "configs")) if c not in ("megatron_cpu.json",
-                                                                                  "train_hf_cpu_2rank.json"))
+# tests/test_quickstart.py; train_hf_cpu_2rank.json the HF AutoEP example's, run by tests/test_hf_job.py;
+# trainer_cpu_2rank.json the Trainer example's, run by tests/test_trainer.py)
+OTHERS = ("megatron_cpu.json", "train_hf_cpu_2rank.json", "trainer_cpu_2rank.json")
+CONFIGS = sorted(c for c in os.listdir(os.path.join(ROOT, "configs")) if c not in OTHERS)
 TRAIN = [c for c in CONFIGS if c.startswith("train_")]
 SERVE = [c for c in CONFIGS if c.startswith("infer_")]
 

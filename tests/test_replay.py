@@ -148,10 +148,9 @@ def test_esft_logs_become_per_sample_counts_and_load_back_from_the_npz(tmp_path)
     assert torch.all(stream.sum(2) % 2 == 0)              # sums of whole samples (2 or 4 routes each)
 
 
-def test_a_replicas_price_counts_its_bytes_once_per_step_and_its_savings_per_micro_batch():
-    from benchmarks.replica_price import PARAMS, price
-    one, eight = price(1), price(8)
-    for name, link in one["links"].items():
-        assert link["bytes_per_step"] == eight["links"][name]["bytes_per_step"] == PARAMS * 6   # bf16 out, fp32 back
-        assert eight["links"][name]["saved_over_cost"] == pytest.approx(8 * link["saved_over_cost"], rel=0.01)
-    assert one["busiest_routes"]["1 replica slot"] < one["busiest_routes"]["permutation"]
+def test_the_training_replay_ranks_slots_from_each_micro_batchs_counts_above_the_interval_plan_and_the_permutation():
+    from benchmarks.train_replicas import replay
+    out = replay(devices=(16, ), slots=(1, ), stride=40)              # 5 ESFT micro-batches
+    row = out["ep16_r1"]
+    assert row["permutation"] < row["interval"] < row["per_micro_batch"] <= 1.0, row
+    assert out["targets"]["beats_interval_everywhere"]
