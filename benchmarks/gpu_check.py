@@ -17,6 +17,9 @@ Measured on `--device`, side by side in one run:
     `torch.cuda.set_sync_debug_mode("warn")` hooked minus plain, on cpu `benchmarks.sync_audit` (run on cuda
     too: `host_syncs.audit_ours`); `observe_parity`: observe-mode hooks against none, routes, gate values and
     output bit for bit (torch.equal), every route counted.
+  * training replicas' per-micro-batch work (`replicas`): `choose_replicas` + the exact split of one layer (64
+    experts over 32 ranks, one slot; quick: 8 over 4), eager and, on cuda, compiled whole with CUDA graphs
+    (`mode="reduce-overhead"`), over one AutoEP layer's forward + backward above (target <= 0.05).
 `--quick`: small sizes (AutoEP: hidden 64, 8 experts, top-2, 256 tokens; fp32 on cpu), the suite's smoke run.
 `launch/gpu_check.sh` sets up and runs it (`--cpu` for this machine).
 """
@@ -246,6 +249,38 @@ def autoep_check(device: str = "cuda", quick: bool = False) -> dict:
                         "autoep_observe_parity": bool(same and parity["routes_counted"] == routes)}}
 
 
+def replica_choice(device: str, layer_ms: float, quick: bool = False) -> dict:
+    """One layer's replica choice and exact split per micro-batch, timed against one AutoEP layer (module doc)."""
+    from eb_deepspeed.planning.replicas import choose_replicas, copies
+    from eb_deepspeed.planning.steering import split
+    E, G = (8, 4) if quick else (64, 32)
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    counts_LE = ((torch.rand(1, E, generator=g) ** 3) * 250 * E).long().to(dev)     # a skewed micro-batch
+    home_LE = (torch.arange(E) // (E // G))[None].to(dev)
+
+    def choose_and_split(c, h):
+        return split(c, copies(h, choose_replicas(c, h, G, 1), G))
+    variants = {"eager": choose_and_split}
+    if dev.type == "cuda":
+        variants["compiled"] = torch.compile(choose_and_split, fullgraph=True, mode="reduce-overhead")
+    ms = {}
+    for name, fn in variants.items():
+        for _ in range(3):
+            fn(counts_LE, home_LE)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn(counts_LE, home_LE)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        ms[name] = round((time.perf_counter() - t0) / 20 * 1e3, 3)
+    ratio = min(ms.values()) / layer_ms
+    return {"experts": E, "ranks": G, "slots": 1, "ms": ms, "layer_forward_backward_ms": round(layer_ms, 3),
+            "ratio": round(ratio, 4), "targets": {"replica_choice_le_0.05_of_layer": bool(ratio <= 0.05)}}
+
+
 def gpu_check(device: str = "cuda", quick: bool = False) -> dict:
     from .bench import bench_gate, bench_steering
     t0 = time.time()
@@ -258,12 +293,13 @@ def gpu_check(device: str = "cuda", quick: bool = False) -> dict:
     steering = bench_steering(tokens=tokens, hidden=hidden, repeats=3 if quick else 7, device=device)
     parity = bf16_parity(device, tokens=tokens, hidden=hidden)
     autoep = autoep_check(device, quick)
+    replicas = replica_choice(device, autoep["plain_ms"] / autoep["layers"], quick)
     return {"benchmark": "gpu_check", **info, "quick": quick, "gate": gate, "steering": steering, "bf16": parity,
-            "autoep": autoep, "seconds": round(time.time() - t0, 1),
+            "autoep": autoep, "replicas": replicas, "seconds": round(time.time() - t0, 1),
             "targets": {"gate_ratio_le_1.05": gate["targets"]["gate_ratio_le_1.05"],
                         "steering_ratio_le_0.02": bool(steering["ratio"] <= 0.02),
                         "bf16_parity": parity["same_routes"] and parity["same_gate_values"],
-                        **autoep["targets"]}}
+                        **autoep["targets"], **replicas["targets"]}}
 
 
 def main(argv=None) -> int:

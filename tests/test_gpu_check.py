@@ -24,7 +24,8 @@ def test_the_gpu_check_runs_on_cpu_and_writes_one_json_with_its_targets(tmp_path
     result = run("--cpu", "--quick", "--out", out)
     assert result["device"] == "cpu" and result["quick"]
     assert set(result["targets"]) == {"gate_ratio_le_1.05", "steering_ratio_le_0.02", "bf16_parity",
-                                      "autoep_overhead_le_1.03", "autoep_syncs_0", "autoep_observe_parity"}
+                                      "autoep_overhead_le_1.03", "autoep_syncs_0", "autoep_observe_parity",
+                                      "replica_choice_le_0.05_of_layer"}
     assert result["bf16"]["same_routes"] and result["bf16"]["same_gate_values"]   # bf16 parity holds on CPU too
     # each ratio is the one its own timings give (the gate: the geometric mean of its rows')
     for row in result["gate"]["rows"]:
@@ -43,6 +44,9 @@ def test_the_gpu_check_runs_on_cpu_and_writes_one_json_with_its_targets(tmp_path
     ratio = autoep["overhead_ratio"]
     assert math.isfinite(ratio) and ratio > 0
     assert ratio == pytest.approx(autoep["ours_ms"] / autoep["plain_ms"], rel=0.01)
+    replicas = result["replicas"]             # the per-micro-batch replica choice, timed against one AutoEP layer
+    assert set(replicas["ms"]) == {"eager"} and replicas["ratio"] == pytest.approx(
+        replicas["ms"]["eager"] / replicas["layer_forward_backward_ms"], rel=0.01)
     with open(out) as f:
         assert json.load(f) == result
 
