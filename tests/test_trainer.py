@@ -75,7 +75,7 @@ def test_a_trainer_checkpoint_of_placed_experts_resumes_as_the_uninterrupted_run
 
 def test_trainers_own_optimizer_with_accumulation_and_replica_slots_trains_as_plain_autoep(tmp_path):
     # ZeRO 0: DeepSpeed takes the Trainer's AdamW as it is (ZeRO 1/2 need the ds_config's optimizer, plain AutoEP's
-    # own assertion: docs/trainer.md); a replica slot a rank, filled every micro-batch
+    # own assertion: docs/training.md); a replica slot a rank, filled every micro-batch
     args = ("--steps", "6", "--accum", "2", "--hf-optimizer")
     plain = finetune(tmp_path, "hf_plain", None, *args, zero=0)
     placed = finetune(tmp_path, "hf_placed", {"mode": "observe", "train_placement": {"replica_slots": 1}}, *args,
