@@ -237,3 +237,26 @@ def test_the_held_out_table_judges_each_plan_on_a_workload_it_did_not_see_and_ke
     from eb_deepspeed.planning import placement
     assert {"ours_even_heat_alone", "ours_even_uncapped"} <= set(row) and placement.HEDGE_COST == 0.02   # restored
     assert held_out_row(workloads, 4, 3) == row                                   # deterministic
+
+
+def test_python_m_eb_deepspeed_run_runs_the_script_as_python_would_after_one_idempotent_patch(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, deepspeed, eb_deepspeed\n"
+        "wrapped = deepspeed.initialize\n"
+        "eb_deepspeed.patch_deepspeed()                  # a second patch changes nothing\n"
+        "import transformers.trainer as t\n"
+        "from eb_deepspeed.adapters.deepspeed.trainer import BalanceCallback\n"
+        "print(repr((__name__, sys.argv[1:], wrapped is deepspeed.initialize, wrapped.easybalance,\n"
+        "            wrapped.__wrapped__.__module__, t.DEFAULT_CALLBACKS.count(BalanceCallback))))\n")
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, "-m", "eb_deepspeed.run", "--local_rank=1", str(script), "--lr", "1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    name, argv, same, marked, inner, callbacks = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    # __main__, the launcher's --local_rank first as `deepspeed --module` passes it, DeepSpeed's own initialize
+    # wrapped once, the Trainer's callback registered once
+    assert (name, argv, same, marked, inner, callbacks) == ("__main__", ["--local_rank=1", "--lr", "1"], True, True,
+                                                            "deepspeed", 1)
+    usage = subprocess.run([sys.executable, "-m", "eb_deepspeed.run"], capture_output=True, text=True, env=env)
+    assert usage.returncode != 0 and "usage: python -m eb_deepspeed.run SCRIPT" in usage.stderr
