@@ -59,12 +59,12 @@ def test_trainer_with_the_block_in_observe_is_plain_trainer_and_balance_unedited
     assert "train/loss" in keys and "train/easybalance_layer_03/expert_max_over_mean" in keys
 
 
-@pytest.mark.parametrize("slots", [0, 1])
-def test_a_trainer_checkpoint_of_placed_experts_resumes_as_the_uninterrupted_run(tmp_path, slots):
-    block = {"mode": "observe", "warmup_batches": 1, "train_placement": {"interval": 2, "replica_slots": slots}}
+def test_a_trainer_checkpoint_of_placed_experts_resumes_as_the_uninterrupted_run(tmp_path):
+    # homes re-placed before the save (replica slots hold nothing a checkpoint keeps: the next test trains with one)
+    block = {"mode": "observe", "warmup_batches": 1, "train_placement": {"interval": 2}}
     whole = finetune(tmp_path, "whole", block, "--steps", "8", "--save-steps", "4")
     assert (tmp_path / "whole" / "checkpoint-4" / "model.safetensors").exists()     # the model's weights too
-    assert whole["replans"] >= 1 or slots                 # the experts were re-placed before the save
+    assert whole["replans"] >= 1                          # the experts were re-placed before the save
     resumed = finetune(tmp_path, "resumed", block, "--steps", "8", "--resume",
                        str(tmp_path / "whole" / "checkpoint-4"))
     later = {step: loss for step, loss in whole["losses"] if step > 4}
