@@ -38,7 +38,9 @@ class _Gate:
         self.device = device
 
 
-class _OpCount(torch.overrides.TorchFunctionMode):
+class OpCount(torch.overrides.TorchFunctionMode):
+    """Counts the torch calls made inside it (`n`): the ops a piece of host code launches."""
+
     def __init__(self):
         super().__init__()
         self.n = 0
@@ -110,11 +112,11 @@ def bench_scale(layers: int = 61, experts: int = 256, devices: int = 64, tokens:
         step()
         samples.append((time.perf_counter() - t0) * 1e3)
     step_ms = statistics.median(samples)
-    ops = _OpCount()
+    ops = OpCount()
     with ops:
         record()
     record_ops = ops.n / layers
-    ops = _OpCount()
+    ops = OpCount()
     with ops:
         step()
     width = balancer.gather().shape[1]

@@ -23,7 +23,7 @@ counts, homes too (no runtime can follow it: it would move every expert every mi
 
 The price: the routes a copy must take off the busiest rank per micro-batch to pay for its transfer (bf16 weights
 out, bf16 gradients back, at `DEVICE_FLOPS`), per link; the torch ops per layer and micro-batch that the choice and
-the split add (the runtime's table split for comparison), and the kernels inductor makes of them.
+the split add (torch calls, as `benchmarks.scale` counts them), and the kernels inductor makes of them.
 """
 from __future__ import annotations
 
@@ -165,19 +165,10 @@ def replay(devices=(8, 16, 32, 64), slots=(1, 2), window: int = 16, stride: int 
 def price() -> dict:
     """Break-even routes per link (module doc) and the ops the choice and the split add per layer and micro-batch."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
     from eb_deepspeed.adapters.moves import DEVICE_FLOPS
     from eb_deepspeed.planning.replicas import choose_replicas, copies
     from eb_deepspeed.planning.steering import split
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += 1
-            return func(*args, **(kwargs or {}))
+    from .scale import OpCount
     # a route takes 6 FLOPs per expert parameter; a copy sends 2 bytes per parameter out (bf16 weights) and 2 back
     # (bf16 gradients): the expert's size cancels
     out = {"break_even_routes": {link: round(DEVICE_FLOPS["cuda"] * 4 / (6 * bw)) for link, bw in LINKS.items()}}
@@ -189,9 +180,9 @@ def price() -> dict:
         counts = {}
         for name, fn in (("choice", lambda: choose_replicas(c_E[None], home_E[None], G, 1)),
                          ("split", lambda: split(c_E[None], copies(home_E[None], torch.full((1, G, 1), -1), G)))):
-            with Count() as c:
+            with OpCount() as c:
                 fn()
-            counts[name] = c.ops
+            counts[name] = c.n
         out[f"ops_E{E}_G{G}"] = counts
     import torch._inductor.metrics as metrics
     metrics.reset()
