@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_moe import hf_moe_model  # noqa: E402
-from moe_lm import StdlibCorpus  # noqa: E402
+from moe_lm import StdlibCorpus, run_and_exit  # noqa: E402
 
 
 class Windows(torch.utils.data.Dataset):
@@ -104,4 +104,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)     # leaves before the interpreter's teardown, where a gloo thread can abort a finished rank
