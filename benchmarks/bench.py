@@ -324,7 +324,7 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
     in this process, side by side (target: steering <= 2 % of the layer).
     """
     from eb_deepspeed.planning.flows import steered_load
-    from eb_deepspeed.planning.placement import plan_placement
+    from eb_deepspeed.planning.placement import expected_device_load, plan_placement
 
     g = torch.Generator().manual_seed(0)
     load_LE = torch.rand(layers, experts, generator=g).pow(-1 / 1.2)
@@ -340,7 +340,7 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
     plan, plan_med = timed()
     uniform, uniform_med = timed(dispatch="uniform")
     greedy, greedy_med = timed(refine_rounds=0)   # no local search (steps 3 and 3u), side by side
-    greedy_steered_LG = steered_load(greedy, load_LE, iters=16)
+    steered_LG, greedy_steered_LG = steered_load(plan, load_LE), steered_load(greedy, load_LE)    # one judge
 
     steering = bench_steering(tokens=tokens, hidden=hidden, experts=steer_experts, devices=steer_devices, k=k,
                               repeats=repeats)
@@ -348,9 +348,9 @@ def bench_plan(layers: int = 61, experts: int = 256, devices: int = 64, slots: i
     return {"benchmark": "plan", "threads": torch.get_num_threads(),
             "planner": {"layers": layers, "experts": experts, "devices": devices, "slots_per_device": slots,
                         "nodes": nodes, "median_ms": round(plan_med, 2), "target_ms": 100,
-                        "balancedness_steered": round(_balancedness(plan.steered_load_LG), 4),
+                        "balancedness_steered": round(_balancedness(steered_LG), 4),
                         "uniform_median_ms": round(uniform_med, 2),
-                        "uniform_balancedness_even_split": round(_balancedness(uniform.device_load_LG), 4),
+                        "uniform_balancedness_even_split": round(_balancedness(expected_device_load(load_LE, uniform)), 4),
                         "greedy_only_median_ms": round(greedy_med, 2),
                         "greedy_only_balancedness_steered": round(_balancedness(greedy_steered_LG), 4)},
             "steering": steering,

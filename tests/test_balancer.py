@@ -20,7 +20,7 @@ class ToyGate:
         self.controls = LayerControls(E)
 
     def forward(self, experts_T: torch.Tensor) -> None:
-        self.tally.add_routes(experts_T[:, None], nonfinite=torch.tensor(0), l_aux=torch.tensor(1.0))
+        self.tally.add_routes(experts_T[:, None], l_aux=torch.tensor(1.0))
 
 
 def shape(layers=None, num_layers=None, G=2):
@@ -358,7 +358,7 @@ def test_a_skipped_batch_can_be_discarded_whole_or_just_its_last_forward():
 
 def nan_forward(gate, tokens=8):
     """What a gate counts when its logits were NaN: every token on expert 0 (argmax of NaN), all non-finite."""
-    gate.tally.add_routes(torch.zeros(tokens, 1, dtype=torch.long), nonfinite=torch.tensor(tokens),
+    gate.tally.add_routes(torch.zeros(tokens, 1, dtype=torch.long), logit_sums_T=torch.full((tokens,), float("nan")),
                           l_aux=torch.tensor(float("nan")))
 
 

@@ -106,7 +106,7 @@ class SizedGate:
         self.controls = LayerControls(experts)
 
     def forward(self, experts_T, devices_T=None):
-        self.tally.add_routes(experts_T[:, None], nonfinite=torch.tensor(0), l_aux=torch.tensor(1.0),
+        self.tally.add_routes(experts_T[:, None], l_aux=torch.tensor(1.0),
                               device_TK=None if devices_T is None else devices_T[:, None])
 
 
@@ -167,7 +167,8 @@ def test_gates_of_smaller_ep_groups_tally_their_copy_and_the_view_takes_the_exac
 
 def test_a_short_row_widens_into_the_padded_layout_field_by_field():
     tally = LayerTally(2, 2)
-    tally.add_routes(torch.tensor([[0, 0], [1, -1]]), routed_E=torch.tensor([2.0, 1.0]), nonfinite=torch.tensor(1),
+    tally.add_routes(torch.tensor([[0, 0], [1, -1]]), routed_E=torch.tensor([2.0, 1.0]),
+                     logit_sums_T=torch.tensor([0.0, float("inf")]),
                      l_aux=torch.tensor(0.5), device_TK=torch.tensor([[1, 1], [0, -1]]))
     wide = Tally.unpack(widen_row(tally.take(), 2, 5, 2)[None], 5, 2)
     assert wide.routed_LE.tolist() == [[2.0, 1.0, 0.0, 0.0, 0.0]] and wide.kept_LE.tolist() == [[2.0, 1.0, 0, 0, 0]]

@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from eb_deepspeed.planning.flows import steer_flows
+from eb_deepspeed.planning.flows import steer_flows, steered_load
 from benchmarks.exact import brute_force_optimum, steered_max_load
-from eb_deepspeed.planning.placement import plan_placement, replica_counts, static_placement
+from eb_deepspeed.planning.placement import expected_device_load, plan_placement, static_placement
 from benchmarks.bench import pareto_loads
 
 pytestmark = pytest.mark.unit
@@ -58,8 +58,8 @@ def test_the_planner_is_within_5_percent_of_the_brute_force_optimum_on_tiny_inpu
     ours = steered_max_load(plan.holds_mask()[0].tolist(), load[0].tolist())
     best = brute_force_optimum(load[0].tolist(), G, S)
     assert ours <= 1.05 * best + 1e-9, (load.tolist(), ours, best)
-    # the split the planner reports is the steered one: its slowest device is the exact value
-    assert float(plan.steered_load_LG.max()) == pytest.approx(ours, rel=0.01)
+    # the planner's steered split (`flows.steered_load`) finds the exact value of its slowest device
+    assert float(steered_load(plan, load).max()) == pytest.approx(ours, rel=0.01)
 
 
 def test_a_cold_expert_bridging_two_hot_devices_is_found():
@@ -106,18 +106,16 @@ def test_replanning_from_a_layout_with_fewer_slots_per_device_counts_its_moves()
     static = static_placement(2, 16, 4)
     plan = plan_placement(load, 4, 5, previous=static)
     check_properties(plan, 16, 4, 5)
-    assert plan.moves == int((plan.holds_mask() & ~static.holds_mask()).sum()) > 0
+    assert bool((plan.holds_mask() & ~static.holds_mask()).any())
 
 
-@pytest.mark.parametrize("L, E, G, S, nodes, budget, seed", [(6, 16, 8, 3, 2, None, 7), (5, 32, 8, 5, 2, 5 * 32 + 40, 2),
-                                                             (4, 12, 4, 4, 1, None, 7)])
-def test_refining_never_makes_the_steered_slowest_device_worse(L, E, G, S, nodes, budget, seed):
+@pytest.mark.parametrize("L, E, G, S, nodes, seed", [(6, 16, 8, 3, 2, 7), (5, 32, 8, 5, 2, 2), (4, 12, 4, 4, 1, 7)])
+def test_refining_never_makes_the_steered_slowest_device_worse(L, E, G, S, nodes, seed):
     # milder skew: no single expert sets the bound, so there is room to gain (each case has such layers)
     load = skewed(L, E, seed).sqrt()
-    greedy = plan_placement(load, G, S, num_nodes=nodes, slot_budget=budget, refine_rounds=0)
-    plan = plan_placement(load, G, S, num_nodes=nodes, slot_budget=budget)
+    greedy = plan_placement(load, G, S, num_nodes=nodes, refine_rounds=0)
+    plan = plan_placement(load, G, S, num_nodes=nodes)
     check_properties(plan, E, G, S)
-    assert bool((plan.logcnt.sum(1) == greedy.logcnt.sum(1)).all())  # the same slots per layer (budget kept)
     # steer both plans with the planner's own water filling, run long enough to converge
     def steered_max(p):
         x = steer_flows(np.ones((L, G * S)), p.phy2log.numpy(), load.double().numpy(), S, 400)
@@ -129,7 +127,6 @@ def test_refining_never_makes_the_steered_slowest_device_worse(L, E, G, S, nodes
     room = before > bound * (1 + 1e-3)                          # layers the greedy plan left above the bound
     assert room.any()
     assert (ours[room] - bound[room]).sum() < 0.8 * (before[room] - bound[room]).sum()
-    assert np.allclose(plan.steered_load_LG.amax(1).numpy(), ours, rtol=0.01)   # the reported split is close
     if nodes > 1:   # moves never crowd an expert's copies onto fewer nodes than the greedy plan left them
         def crowded(p):
             node_of = p.expert_devices() // (G // nodes)
@@ -150,18 +147,6 @@ def test_the_steered_split_matches_the_exact_optimum_and_keeps_every_token():
         assert x.reshape(3, 3).sum(1).max() == pytest.approx(exact, rel=1e-4)
 
 
-def test_a_global_slot_budget_goes_to_the_more_skewed_layers():
-    L, E, G, S = 2, 8, 4, 4
-    load = torch.stack([torch.tensor([40.0, 1, 1, 1, 1, 1, 1, 1]), torch.ones(E)])
-    budget = L * E + 3
-    plan = plan_placement(load, G, S, slot_budget=budget)
-    check_properties(plan, E, G, S)
-    assert int(plan.logcnt.sum()) == budget
-    assert int(plan.logcnt[0].sum()) > int(plan.logcnt[1].sum())  # the skewed layer got the extra slots
-    assert int(plan.logcnt[0, 0]) == G                              # the hot expert on every device
-    assert replica_counts(load, G * S, G, budget).sum() == budget
-
-
 def test_replicas_spread_across_nodes_first():
     load = torch.tensor([[30.0, 30.0] + [1.0] * 14])
     plan = plan_placement(load, num_devices=8, slots_per_device=3, num_nodes=4)
@@ -175,13 +160,13 @@ def test_replanning_from_previous_moves_few_weights_for_the_same_balance():
     L, E, G, S = 8, 32, 8, 5
     load = skewed(L, E, 1)
     first = plan_placement(load, G, S, num_nodes=2)
-    assert plan_placement(load, G, S, num_nodes=2, previous=first).moves == 0
+    moves = lambda p: int((p.holds_mask() & ~first.holds_mask()).sum())
+    assert moves(plan_placement(load, G, S, num_nodes=2, previous=first)) == 0
     drifted = load * (1 + 0.1 * torch.rand(L, E, generator=torch.Generator().manual_seed(3)))
     sticky = plan_placement(drifted, G, S, num_nodes=2, previous=first)
     fresh = plan_placement(drifted, G, S, num_nodes=2)
-    fresh_moves = int((fresh.holds_mask() & ~first.holds_mask()).sum())
-    assert sticky.moves < 0.5 * fresh_moves
-    bal = lambda p: float((p.device_load_LG.mean(1) / p.device_load_LG.amax(1)).mean())
+    assert moves(sticky) < 0.5 * moves(fresh)
+    bal = lambda p: float((expected_device_load(drifted, p).mean(1) / expected_device_load(drifted, p).amax(1)).mean())
     assert bal(sticky) >= bal(fresh) - 0.02
 
 
@@ -189,7 +174,6 @@ def test_replanning_from_previous_moves_few_weights_for_the_same_balance():
     (dict(load_LE=torch.ones(1, 9), num_devices=2, slots_per_device=4), r"num_devices \* slots_per_device \(2 \* 4 = 8\) must be >= num_experts \(9\)"),
     (dict(load_LE=torch.ones(1, 4), num_devices=3, slots_per_device=2, num_nodes=2), r"num_nodes \(2\) must divide num_devices \(3\)"),
     (dict(load_LE=-torch.ones(1, 4), num_devices=2, slots_per_device=2), "must be finite and non-negative"),
-    (dict(load_LE=torch.ones(2, 4), num_devices=2, slots_per_device=4, slot_budget=7), r"slot_budget \(7\) must be in \[layers \* experts, layers \* slots\] = \[8, 16\]"),
     (dict(load_LE=torch.ones(4), num_devices=2, slots_per_device=2), r"load_LE must be \[layers, experts\]"),
     (dict(load_LE=torch.ones(1, 4), num_devices=2, slots_per_device=2, refine_rounds=-1),
      r"refine_rounds \(-1\) must be >= 0 or None"),
@@ -212,7 +196,7 @@ def test_under_a_padded_split_replicas_go_to_the_expert_that_swings_and_the_mean
     assert hedged.logcnt.tolist() == [[2, 1, 2, 1]]                 # by load + HEDGE x swing: 10, 6, 11, 1
     # the mean load laid out as evenly as those counts allow: both devices hold a copy of 0 and of 2, the third
     # slots take 6 and 1 (the price in sample of hedging a cold expert: 11.5 against 9 for the plain plan)
-    assert sorted(hedged.device_load_LG[0].tolist()) == [6.5, 11.5]
+    assert sorted(expected_device_load(load, hedged)[0].tolist()) == [6.5, 11.5]
     assert torch.equal(plan_placement(load, 2, 3, dispatch="steered", swing_LE=swing).phy2log,
                        plan_placement(load, 2, 3, dispatch="steered").phy2log)   # steering splits as batches come
 
@@ -351,8 +335,8 @@ def test_the_sparse_replica_tables_plan_exactly_as_the_dense_ones(monkeypatch, d
     from eb_deepspeed.planning import slots
     load = skewed(4, 24, 5)
     previous = plan_placement(skewed(4, 24, 6), 8, 4, num_nodes=2)
-    dense = plan_placement(load, 8, 4, num_nodes=2, previous=previous, dispatch=dispatch, node_spread=True)
+    dense = plan_placement(load, 8, 4, num_nodes=2, previous=previous, dispatch=dispatch)
     monkeypatch.setattr(slots, "DENSE_PER_SLOT", 0)
     monkeypatch.setattr(slots, "DENSE_ANYWAY", 0)
-    sparse = plan_placement(load, 8, 4, num_nodes=2, previous=previous, dispatch=dispatch, node_spread=True)
-    assert torch.equal(dense.phy2log, sparse.phy2log) and dense.moves == sparse.moves
+    sparse = plan_placement(load, 8, 4, num_nodes=2, previous=previous, dispatch=dispatch)
+    assert torch.equal(dense.phy2log, sparse.phy2log)

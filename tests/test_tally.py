@@ -7,10 +7,15 @@ import random
 import pytest
 import torch
 
-from eb_deepspeed.core.tally import Tally, TallyLayout, LayerTally, logit_sums, nonfinite_tokens
+from eb_deepspeed.core.tally import Tally, TallyLayout, LayerTally, logit_sums
 
 pytestmark = pytest.mark.unit
 E, G = 6, 3
+
+
+def nonfinite_tokens(logits_TE):
+    """Tokens whose router logits hold a NaN or Inf, counted directly (the reference for the tally's fold)."""
+    return (~torch.isfinite(logits_TE).all(1)).sum()
 
 
 class OneAtATime:
@@ -84,10 +89,7 @@ def random_forward(g: torch.Generator, kind: str, device_E: torch.Tensor):
         kwargs["device_TK"] = device_TK
     if kind == "dropless":                              # the gate's own counts: every route kept
         kwargs["kept_E"] = routed_E
-    if T % 2:                                           # non-finite tokens counted at the fold, or by the caller
-        kwargs["logit_sums_T"] = logit_sums(logits_TE)
-    else:
-        kwargs["nonfinite"] = nonfinite_tokens(logits_TE)
+    kwargs["logit_sums_T"] = logit_sums(logits_TE)      # non-finite tokens counted at the fold
     reference = (routed_E, expert_TK.reshape(-1), tokens, nonfinite_tokens(logits_TE), l_aux, device_TK.reshape(-1))
     return expert_TK, kwargs, reference
 

@@ -120,7 +120,7 @@ def _greedy_eplb(load_LE: torch.Tensor, G: int, S: int) -> Placement:
             used[d] += 1
             dev_load[d] += w
             holds[d].add(e)
-    return index_maps(phy, E, G, S, load_LE)
+    return index_maps(phy, E, G, S)
 
 
 def _candidate_rebalance(load_G: torch.Tensor, predicted_G: torch.Tensor, movable: float,

@@ -139,7 +139,6 @@ class _Forward(NamedTuple):
     kept_E: Optional[torch.Tensor]           # [E] kept routes per expert, counted by the gate (None: from the routes)
     tokens: Optional[torch.Tensor]           # [] tokens seen, given as a tensor
     host_tokens: float                       # tokens seen, given as a number (else 0)
-    nonfinite: Optional[torch.Tensor]        # [] tokens with non-finite router logits, counted by the caller
     logit_sums_T: Optional[torch.Tensor]     # [T] per-token sums of the router logits, counted at the fold
     l_aux: Optional[torch.Tensor]            # [] the unweighted aux loss
 
@@ -168,31 +167,25 @@ class LayerTally:
         self.generation = 0             # rows taken or discarded so far (a reader's "new step" signal)
 
     def add_routes(self, expert_TK: torch.Tensor, *, routed_E: Optional[torch.Tensor] = None,
-                   nonfinite: Optional[torch.Tensor] = None, logits_TE: Optional[torch.Tensor] = None,
                    logit_sums_T: Optional[torch.Tensor] = None, l_aux: Optional[torch.Tensor] = None, tokens=None,
                    valid_T: Optional[torch.Tensor] = None, device_TK: Optional[torch.Tensor] = None,
-                   device_E: Optional[torch.Tensor] = None, kept_E: Optional[torch.Tensor] = None,
-                   layer: int = 0) -> None:
+                   device_E: Optional[torch.Tensor] = None, kept_E: Optional[torch.Tensor] = None) -> None:
         """Add one forward's routes, given by token (no host sync): what every adapter's gate calls.
 
         Args:
             expert_TK: [T, K] int expert of each route, -1 where none (dropped by the capacity limit, or fewer than K).
             routed_E: [E] route requests before the capacity limit (None: the routes of expert_TK, dropless).
-            nonfinite / logits_TE / logit_sums_T: how tokens with NaN/Inf router logits are counted: a 0-dim
-                count, or the logits [T, E] to count here, or their per-token sums [T] (`logit_sums`, taken
-                before gating changed the logits) to count at the fold.
+            logit_sums_T: [T] per-token sums of the router logits (`logit_sums`, taken before gating changed the
+                logits): tokens with NaN/Inf logits are counted from them at the fold.
             l_aux: the layer's unweighted aux loss (None: 0). tokens: tokens seen (None: T, or the valid ones).
             valid_T: [T] bool, False for padding: those routes are left out everywhere (the caller's routed_E
                 and kept_E must leave them out too).
             device_TK / device_E: the view device of each route [T, K] (-1 where dropped), or of every route of
                 each expert [E] (cheaper); only with a layout that has devices.
-            kept_E: [E] kept routes per expert when the gate has them (None: counted from expert_TK).
-            layer: the layer's index, for messages."""
+            kept_E: [E] kept routes per expert when the gate has them (None: counted from expert_TK)."""
         T = expert_TK.shape[0]
-        if logits_TE is not None or valid_T is not None or routed_E is None:     # else nothing to compute
+        if valid_T is not None or routed_E is None:     # else nothing to compute
             with torch.no_grad():
-                if logits_TE is not None and nonfinite is None and logit_sums_T is None:
-                    logit_sums_T = logit_sums(logits_TE)
                 if valid_T is not None:
                     valid_T1 = valid_T.reshape(T, 1).to(torch.bool)
                     expert_TK = torch.where(valid_T1, expert_TK, -1)
@@ -216,7 +209,7 @@ class LayerTally:
         tensor_tokens = isinstance(tokens, torch.Tensor)
         self._pending.append(_Forward(routed_E, expert_TK, device_TK, device_E, kept_E,
                                       _scalar(tokens) if tensor_tokens else None, 0 if tensor_tokens else tokens,
-                                      _scalar(nonfinite), logit_sums_T, _scalar(l_aux)))
+                                      logit_sums_T, _scalar(l_aux)))
         self._last_pending = True
 
     def _fold(self) -> None:
@@ -277,11 +270,9 @@ class LayerTally:
         if host_tokens := sum(by.host_tokens[:len(layers[0])]):     # the same in every layer (`take_all`)
             values.append(_constant(at, host_tokens, (N, 1)))
             fields.append("tokens")
-        for name, given in (("tokens", by.tokens), ("nonfinite", by.nonfinite)):
-            given = [t for t in given if t is not None]
-            if given:
-                values.append(per_layer(given).to(at))
-                fields.append(name)
+        if given := [t for t in by.tokens if t is not None]:
+            values.append(per_layer(given).to(at))
+            fields.append("tokens")
         sums = [s for s in by.logit_sums_T if s is not None]
         if sums:     # x - x is 0 for a finite x, NaN for a NaN or an Inf
             sums_NX = torch.cat(sums).view(N, -1)
@@ -352,7 +343,7 @@ def take_all(tallies: list[LayerTally], device: torch.device | str) -> Optional[
     fields and routes shape, no devices, no row folded earlier; then one fold for all layers, with `take`'s sums."""
     def signature(f: _Forward) -> tuple:
         return (f.expert_TK.shape, f.kept_E is None, f.kept_E is f.routed_E, f.tokens is None, f.host_tokens,
-                f.nonfinite is None, f.logit_sums_T is None, f.l_aux is None)
+                f.logit_sums_T is None, f.l_aux is None)
     if not tallies or not tallies[0]._pending:
         return None
     lay, n, first = tallies[0].layout, len(tallies[0]._pending), tallies[0]._pending[0]
@@ -380,13 +371,6 @@ def logit_sums(logits_TE: torch.Tensor) -> torch.Tensor:
     """Per-token sums of the router logits [T, E] -> [T], no autograd node: a sum is non-finite iff its row
     holds a NaN or Inf, so the tally counts non-finite tokens from these at the fold (`add_routes`)."""
     return (logits_TE.detach() if logits_TE.requires_grad else logits_TE).sum(dim=1)
-
-
-def nonfinite_tokens(logits_TE: torch.Tensor) -> torch.Tensor:
-    """0-dim count of tokens whose router logits hold a NaN or Inf [T, E] -> [] (a row sum is non-finite iff
-    the row holds one: one reduction, no [T, E] mask). No autograd node."""
-    with torch.no_grad():
-        return (~torch.isfinite(logits_TE.sum(dim=1))).sum()
 
 
 def route_counts(expert_TK: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -147,9 +147,6 @@ class LoadView:
         fields are views into it: hand over a buffer no one else writes). num_devices: G when the tally
         holds `device_LG`, else 0."""
         tally = Tally.unpack(packed_LW, self.E, num_devices)
-        if packed_LW.dtype != torch.float64 or packed_LW.device.type != "cpu":
-            raise ValueError(f"a packed tally for the view must be CPU float64, got {packed_LW.dtype} on "
-                             f"{packed_LW.device}")
         padded_LE = ~self.mask_LE
         if bool(padded_LE.any()) and any(bool(t[padded_LE].ne(0).any()) for t in (tally.routed_LE, tally.kept_LE)):
             raise ValueError(f"a tally counted routes to experts a layer does not have (experts per layer "

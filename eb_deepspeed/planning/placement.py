@@ -7,12 +7,10 @@ P physical slots per layer (G * S; slot p lives on device p // S), R max replica
     plan.phy2log   # [L, P] logical expert in each physical slot, -1 = empty
     plan.log2phy   # [L, E, R] physical slots of each expert's replicas, -1 padded (R = the most replicas)
     plan.logcnt    # [L, E] replica count per expert
-    plan.moves     # replicas placed where `previous` did not hold that expert (weight copies)
-    plan.steered_load_LG   # [L, G] expected tokens per device once steering splits them over replicas (steered)
 
 `plan_placement` is the one entry point; its steps, each a function, numbered as in EPLB (u: `uniform.py`):
 1u. `uniform.count_variants`: replica counts that minimise the largest share (D'Hondt), and a few neighbours
-    on small inputs; with `slot_budget`, `replica_counts`.
+    on small inputs.
 2.  `assign_replicas`: replicas in descending share, each to the least loaded device that may take it.
 3u. `uniform.refine_uniform`: local moves off each layer's slowest device, scored under the even split.
 3.  `refine.refine_for_steering` (steered only): local moves scored after steering (`flows.steer_flows`),
@@ -28,9 +26,10 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from ..core.metrics import max_over_mean
 from .flows import steer_flows, steered_load
 from .refine import refine_for_steering
-from .slots import SlotCounts, checked_load, holds_mask, integer_tensor, is_integer, is_real, real_tensor
+from .slots import SlotCounts, checked_load, holds_mask, integer_tensor, is_integer, real_tensor
 from .uniform import count_variants, even_split_loads, refine_uniform, slot_shares
 
 # Sizes the planner takes: its memory is linear in layers x slots, step 2's time in layers x slots x devices.
@@ -70,9 +69,6 @@ class Placement:
     logcnt: torch.Tensor        # [L, E] long
     num_devices: int
     slots_per_device: int
-    moves: int = 0              # weight copies against `previous` (0 without one)
-    device_load_LG: torch.Tensor | None = None  # expected load per device, even split over replicas
-    steered_load_LG: torch.Tensor | None = None  # expected load per device after steering (refined plans)
 
     def __post_init__(self):
         _check_maps(self, "Placement")
@@ -110,11 +106,7 @@ class Dispatch:
 
     def ratio(self, heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
         """[L] the skew `replan_threshold` is compared with: the largest slot or the busiest device over the mean."""
-        if self.padded:
-            return expected_slot_ratio(heat_LE, plan)
-        load_LG = self.device_load(heat_LE, plan)
-        mean_L = load_LG.mean(1)
-        return torch.where(mean_L > 0, load_LG.amax(1) / mean_L.clamp_min(1e-300), torch.ones_like(mean_L))
+        return expected_slot_ratio(heat_LE, plan) if self.padded else max_over_mean(self.device_load(heat_LE, plan))
 
 
 DISPATCH = {d.name: d for d in (Dispatch("steered", steered=True), Dispatch("uniform"), Dispatch("padded", padded=True))}
@@ -133,9 +125,7 @@ def static_placement(num_layers: int, num_experts: int, num_devices: int) -> Pla
             raise ValueError(f"{name} ({value!r}) must be an integer >= 1")
     if num_experts % num_devices:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by num_devices ({num_devices})")
-    if num_experts > MAX_SLOTS or num_layers * num_experts > MAX_LAYER_SLOTS:
-        raise ValueError(f"{num_layers} layers x {num_experts} slots is more than the planner takes ({MAX_SLOTS} slots "
-                         f"per layer, {MAX_LAYER_SLOTS} in all)")
+    check_plan_size(num_layers, num_experts, num_devices)
     return trivial_placement(num_layers, num_experts, num_devices, num_experts // num_devices)
 
 
@@ -149,52 +139,11 @@ def trivial_placement(num_layers: int, num_experts: int, num_devices: int, slots
     return index_maps(phy, num_experts, num_devices, slots_per_device)
 
 
-def replica_counts(load_LE: torch.Tensor, slots_L: torch.Tensor | int, max_replicas: int,
-                   slot_budget: int | None = None, iters: int = 40) -> torch.Tensor:
-    """Step 1: replica count per expert [L, E] (each in [1, max_replicas]); slots_L: slots each layer may fill.
-
-    Without a budget: each layer's slots apportioned to its experts by load (largest remainder). With a budget:
-    one global threshold tau on load relative to the layer mean (bisection), then the few slots the ceil cannot
-    hit exactly to the highest relative load per replica."""
-    load_LE = real_tensor("load_LE", load_LE, "[layers, experts]")
+def replica_counts(load_LE: np.ndarray, slots: int, max_replicas: int) -> np.ndarray:
+    """Step 1 (steered, small inputs): replica count per expert [L, E]: min(slots, E x max_replicas) apportioned to
+    the experts by load (largest remainder), each in [1, max_replicas]."""
     L, E = load_LE.shape
-    slots_L = torch.as_tensor(slots_L, dtype=torch.long).expand(L)
-    cap_L = torch.minimum(slots_L, torch.full_like(slots_L, E * max_replicas))
-    if slot_budget is None:
-        return torch.from_numpy(_apportion(load_LE.numpy(), cap_L.numpy(), max_replicas))
-
-    rel_LE = load_LE / load_LE.mean(1, keepdim=True).clamp_min(1e-12) + 1e-9
-
-    def counts(tau_L1):
-        return torch.ceil(rel_LE / tau_L1).clamp(1, max_replicas).long()
-
-    # per-layer tau that fills at most cap_L slots, then one global tau for the budget
-    lo = torch.full((L, 1), 1e-6, dtype=torch.float64)
-    hi = torch.full((L, 1), float(rel_LE.max()) + 1.0, dtype=torch.float64)
-    for _ in range(iters):
-        mid = (lo * hi).sqrt()
-        over = counts(mid).sum(1, keepdim=True) > cap_L[:, None]
-        lo, hi = torch.where(over, mid, lo), torch.where(over, hi, mid)
-    tau_L1 = hi
-    lo_t, hi_t = torch.tensor(1e-6, dtype=torch.float64), torch.tensor(float(rel_LE.max()) + 1.0)
-    for _ in range(iters):
-        mid = (lo_t * hi_t).sqrt()
-        over = counts(torch.maximum(tau_L1, mid)).sum() > slot_budget
-        lo_t, hi_t = torch.where(over, mid, lo_t), torch.where(over, hi_t, mid)
-    cnt_LE = counts(torch.maximum(tau_L1, hi_t))
-    room_L = cap_L - cnt_LE.sum(1)
-    room_total = slot_budget - int(cnt_LE.sum())
-    per_rep_LE = torch.where(cnt_LE < max_replicas, rel_LE / cnt_LE, -1.0)
-    rank_LE = torch.argsort(torch.argsort(per_rep_LE, dim=1, descending=True), dim=1)
-    score = torch.where((rank_LE < room_L[:, None]) & (per_rep_LE >= 0), per_rep_LE, -1.0).flatten()
-    if take := max(0, min(room_total, int((score >= 0).sum()))):
-        cnt_LE.view(-1)[torch.topk(score, take).indices] += 1
-    return cnt_LE
-
-
-def _apportion(load_LE: np.ndarray, slots_L: np.ndarray, max_replicas: int) -> np.ndarray:
-    """Largest-remainder apportionment of slots_L[l] replicas over experts by load, each in [1, max]."""
-    L, E = load_LE.shape
+    slots_L = np.full(L, min(slots, E * max_replicas))
     load = load_LE + 1e-12
     quota = load / load.sum(1, keepdims=True) * slots_L[:, None]
     cnt = np.clip(np.floor(quota), 1, max_replicas).astype(np.int64)
@@ -290,52 +239,43 @@ def assign_replicas(load_LE: torch.Tensor, cnt_LE: torch.Tensor, G: int, S: int,
 
 
 def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: int, *, num_nodes: int = 1,
-                   previous: Placement | None = None, slot_budget: int | None = None,
-                   refine_rounds: int | None = None, dispatch: str | Dispatch = "steered",
-                   node_spread: bool | None = None, swing_LE: torch.Tensor | None = None) -> Placement:
+                   previous: Placement | None = None, refine_rounds: int | None = None,
+                   dispatch: str | Dispatch = "steered", swing_LE: torch.Tensor | None = None) -> Placement:
     """Plan replicas and their devices for every layer at once (see the module doc).
 
     load_LE: [L, E] expected tokens per layer and logical expert (e.g. the view's heat).
     num_nodes must divide num_devices (device d on node d // (G / num_nodes)).
     previous: the placement serving now; weight moves away from it are priced (`STICKINESS`).
-    slot_budget: total physical slots over all layers (L*E <= budget <= L*G*S); None fills every slot.
     refine_rounds: rounds of every local search (0 = greedy only); None: fewer on larger inputs.
     dispatch: how the runtime splits an expert's tokens over its replicas (a name of `DISPATCH`, or its model).
     "steered" (ours, `steering.steer`): plans for the slowest device after steering. "uniform" (vLLM, SGLang, EPLB,
     AutoEP's dropless layer with our `view` split: evenly): the counts may change in the search. "padded"
     (DeepSpeed's MOELayer: evenly, every slot padded to the largest): the counts stay, swaps balance.
-    node_spread: True: a rule (each expert's replicas on as many nodes as they can be); False: ignored; a float
-    w >= 0: w x the layer's mean device load per unit of `cross_node_fraction` (the expected share of routes
-    that leave their node), weighed against the slowest device when each layer picks its candidate.
-    None = SPREAD_WEIGHT for "steered" (steering keeps tokens node-local), False otherwise.
+    Nodes: "steered" weighs SPREAD_WEIGHT x the mean device load per unit of `cross_node_fraction` against the
+    slowest device (steering keeps tokens node-local); "uniform" and "padded" ignore them.
     swing_LE: [L, E] how far each expert's load swings from batch to batch (a standard deviation, the view's
     `swing_LE`), or None: "uniform" and "padded" then give replica counts by load + HEDGE x swing and keep
     them in the search; "steered" splits each batch as it comes and ignores it.
     Raises TypeError / ValueError naming the argument; never returns a placement that leaves an expert out or
     puts two replicas of one expert on one device."""
     load_LE, G, S, dispatch, previous = _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
-                                              slot_budget, refine_rounds, dispatch, node_spread)
+                                              refine_rounds, dispatch)
     if swing_LE is not None:
         swing_LE = real_tensor("swing_LE", swing_LE, "[layers, experts]")
         if swing_LE.shape != load_LE.shape:
             raise ValueError(f"swing_LE must have load_LE's shape {tuple(load_LE.shape)}, got {tuple(swing_LE.shape)}")
-    if node_spread is None:
-        node_spread = SPREAD_WEIGHT if dispatch.steered else False
     # The penalties of the search are absolute (a forbidden device costs 1e30): plan in units where the
     # largest load is 1 when loads are far from that, and report the loads in the caller's units.
     peak = float(load_LE.max())
     scale = 2.0 ** math.frexp(peak)[1] if peak > 0 and not 1e-6 <= peak <= 1e12 else 1.0   # exact division
-    task = _Task(load_LE / scale, G, S, num_nodes, previous, slot_budget, refine_rounds, dispatch, node_spread,
+    task = _Task(load_LE / scale, G, S, num_nodes, previous, refine_rounds, dispatch,
                  None if swing_LE is None else swing_LE / scale)
     # Steps 1-3: each layer's candidates; `previous` is one where it can be.
     cands, x_LP = _steered_candidates(task) if dispatch.steered else (_uniform_candidates(task), None)
     # Step 4: each layer's best candidate, and its index maps.
-    weight = 0.0 if isinstance(node_spread, bool) else float(node_spread)
-    phy, x_LP = _choose(task, np.stack(cands + _kept_previous(task, cands)), dispatch, weight, x_LP)
-    plan = index_maps(torch.from_numpy(np.ascontiguousarray(phy)), task.E, G, S, task.load_LE, previous)
-    plan.device_load_LG = plan.device_load_LG * scale
-    if x_LP is not None:
-        plan.steered_load_LG = torch.from_numpy(x_LP.reshape(task.L, G, S).sum(2)) * scale
+    weight = SPREAD_WEIGHT if dispatch.steered else 0.0
+    phy = _choose(task, np.stack(cands + _kept_previous(task, cands)), dispatch, weight, x_LP)[0]
+    plan = index_maps(torch.from_numpy(np.ascontiguousarray(phy)), task.E, G, S)
     assert is_legal(plan), "an expert was left without a replica, or a device holds two replicas of one expert"
     return plan
 
@@ -348,10 +288,8 @@ class _Task:
     S: int
     num_nodes: int
     previous: Placement | None
-    slot_budget: int | None
     refine_rounds: int | None
     dispatch: Dispatch
-    node_spread: bool | float
     swing_LE: torch.Tensor | None = None
     hedge: bool | None = None       # replica counts by load + HEDGE x swing (True) or load alone (False); None: both
 
@@ -361,9 +299,9 @@ class _Task:
         self.load = self.load_LE.numpy()
         self.node_G = np.arange(self.G) // (self.G // self.num_nodes)
         self.none_G = np.zeros(self.G, dtype=np.int64)
-        # where spread is weighed (not a rule), plans without spread are candidates too
-        self.weighed = not isinstance(self.node_spread, bool) and self.num_nodes > 1
-        self.spread_G = self.none_G if self.node_spread is False else self.node_G
+        # steered: spread is weighed, and plans without spread are candidates too
+        self.weighed = self.dispatch.steered and self.num_nodes > 1
+        self.spread_G = self.node_G if self.dispatch.steered else self.none_G
         self.was = None if self.previous is None else _replicas(self.previous)
         self.small = self.L * self.P <= EXTRA_WORK
 
@@ -390,8 +328,7 @@ def _uniform_candidates(t: _Task) -> list[np.ndarray]:
     L, P, n = t.L, t.P, len(nodes_list)
     by = t.load_LE + HEDGE * t.swing_LE if hedged else t.load_LE
     tries = 1 if fixed_counts else int(np.clip((1 << 15) // (n * L * P), 1, 4))
-    variants = ([replica_counts(by, P, t.G, t.slot_budget).numpy()] if t.slot_budget is not None
-                else count_variants(by.numpy(), P, t.G, tries))
+    variants = count_variants(by.numpy(), P, t.G, tries)
     V = len(variants)
     load_N = np.tile(t.load, (n * V, 1))
     node_NG = np.repeat(np.stack(nodes_list), V * L, 0)
@@ -420,32 +357,18 @@ def _steered_candidates(t: _Task) -> tuple[list[np.ndarray], np.ndarray | None]:
     first, x_LP = refine(uni[0].copy()) if rounds > 0 else (uni[0], None)
     if not t.small:
         return [first], x_LP
-    phy = assign_replicas(t.load_LE, replica_counts(t.load_LE, t.P, t.G, t.slot_budget), t.G, t.S, t.spread_G,
+    phy = assign_replicas(t.load_LE, torch.from_numpy(replica_counts(t.load, t.P, t.G)), t.G, t.S, t.spread_G,
                           t.was, STICKINESS)
     return [first, refine(phy)[0] if rounds > 0 else phy] + uni[1:], x_LP
 
 
 def _kept_previous(task: _Task, cands: list[np.ndarray]) -> list[np.ndarray]:
-    """Keeping a layer as it is moves nothing: [`previous`] as a candidate where it obeys this call's rules (not
-    under a slot budget, which counts slots over all layers; with the spread rule, only on layers where it covers
-    as many nodes as the plan's own candidate; elsewhere the first candidate), [] where it cannot be one."""
+    """Keeping a layer as it is moves nothing: [`previous`] as a candidate where it has this call's slots per device
+    and is legal, [] where it cannot be one."""
     previous = task.previous
-    if previous is None or previous.slots_per_device != task.S or not is_legal(previous) \
-            or task.slot_budget is not None:
+    if previous is None or previous.slots_per_device != task.S or not is_legal(previous):
         return []
-    keep_LP = previous.phy2log.numpy().astype(np.int64)
-    if task.node_spread is True and task.num_nodes > 1:
-        own = np.stack(cands)
-        covered = _node_coverage(np.concatenate([own, keep_LP[None]]), task.node_G, task.S, task.E)
-        ok_L = covered[-1] >= covered[:-1].max(0)
-        keep_LP = np.where(ok_L[:, None], keep_LP, own[0])
-    return [keep_LP]
-
-
-def _node_coverage(phy_CLP: np.ndarray, node_G: np.ndarray, S: int, E: int) -> np.ndarray:
-    """[C, L] the (expert, node) pairs each candidate layer covers."""
-    C, L, P = phy_CLP.shape
-    return SlotCounts.nodes(phy_CLP.reshape(C * L, P), node_G, S, E).groups_holding().sum(1).reshape(C, L)
+    return [previous.phy2log.numpy().astype(np.int64)]
 
 
 def cross_node_fraction(phy_NP: np.ndarray, load_NE: np.ndarray, node_G: np.ndarray, S: int) -> np.ndarray:
@@ -494,8 +417,7 @@ def _choose(t: _Task, phy_CLP: np.ndarray, dispatch: Dispatch, spread_weight: fl
     return phy_CLP[pick, rows], None if x_NP is None else x_NP.reshape(C, L, P)[pick, rows]
 
 
-def _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous, slot_budget, refine_rounds, dispatch,
-                    node_spread):
+def _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous, refine_rounds, dispatch):
     """`plan_placement`'s arguments checked: (load_LE float64 [L, E], G, S, previous with clean index maps or
     None); TypeError / ValueError naming the argument and what is valid."""
     load_LE = real_tensor("load_LE", load_LE, "[layers, experts]")
@@ -503,8 +425,8 @@ def _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
         raise ValueError(f"load_LE must be [layers, experts] with at least one of each, got shape {tuple(load_LE.shape)}")
     L, E = load_LE.shape
     for name, value in (("num_devices", num_devices), ("slots_per_device", slots_per_device), ("num_nodes", num_nodes),
-                        ("refine_rounds", refine_rounds), ("slot_budget", slot_budget)):
-        optional = name in ("refine_rounds", "slot_budget")
+                        ("refine_rounds", refine_rounds)):
+        optional = name == "refine_rounds"
         if not is_integer(value) and not (optional and value is None):
             raise ValueError(f"{name} ({value!r}) must be an integer" + (" or None" if optional else ""))
     G, S = int(num_devices), int(slots_per_device)
@@ -517,18 +439,11 @@ def _checked_inputs(load_LE, num_devices, slots_per_device, num_nodes, previous,
     check_plan_size(L, P, G)
     if num_nodes < 1 or G % num_nodes:
         raise ValueError(f"num_nodes ({num_nodes}) must divide num_devices ({G})")
-    if slot_budget is not None and not L * E <= slot_budget <= L * P:
-        raise ValueError(f"slot_budget ({slot_budget}) must be in [layers * experts, layers * slots] = "
-                         f"[{L * E}, {L * P}]")
     if refine_rounds is not None and refine_rounds < 0:
         raise ValueError(f"refine_rounds ({refine_rounds}) must be >= 0 or None")
     if not isinstance(dispatch, Dispatch) and (not isinstance(dispatch, str) or dispatch not in DISPATCH):
         raise ValueError(f"dispatch ({dispatch!r}) must be one of {list(DISPATCH)}")
     dispatch = DISPATCH.get(dispatch, dispatch) if isinstance(dispatch, str) else dispatch
-    if not (node_spread is None or isinstance(node_spread, bool)
-            or (is_real(node_spread) and 0.0 <= float(node_spread) < math.inf)):
-        raise ValueError(f"node_spread ({node_spread!r}) must be True, False, None or a weight >= 0 (a fraction of "
-                         "the mean device load per unit of cross-node route fraction)")
     return load_LE, G, S, dispatch, None if previous is None else _checked_previous(previous, L, E, G)
 
 
@@ -550,7 +465,7 @@ def _checked_previous(previous, L: int, E: int, G: int) -> Placement:
 
 def _check_maps(plan: Placement, who: str) -> None:
     """Integer index maps of matching shapes and positive integer sizes (their values are not read)."""
-    for name, least in (("num_devices", 1), ("slots_per_device", 1), ("moves", 0)):
+    for name, least in (("num_devices", 1), ("slots_per_device", 1)):
         value = getattr(plan, name)
         if not is_integer(value) or value < least:
             raise ValueError(f"{who}.{name} ({value!r}) must be an integer >= {least}")
@@ -577,8 +492,7 @@ def is_legal(plan: Placement) -> bool:
     return bool((plan.logcnt >= 1).all()) and int(_replicas(plan).triples()[3].max(initial=0)) <= 1
 
 
-def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Tensor | None = None,
-               previous: Placement | None = None) -> Placement:
+def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int) -> Placement:
     """Step 4: a Placement from phy2log [L, P] (-1 = empty): log2phy [L, E, R] (its inverse), logcnt [L, E]; with
     load_LE [L, E] the expected load per device with an even split; with `previous` the weight moves against it."""
     phy2log = integer_tensor("phy2log", phy2log, "[layers, slots]")
@@ -598,12 +512,7 @@ def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int, load_LE: torch.Ten
     valid = sorted_exp >= 0
     li = torch.arange(L)[:, None].expand(L, P)
     log2phy[li[valid], sorted_exp[valid], rank[valid]] = order[valid]
-    plan = Placement(phy2log=phy2log, log2phy=log2phy, logcnt=logcnt, num_devices=G, slots_per_device=S)
-    if load_LE is not None:
-        plan.device_load_LG = _slot_loads(load_LE, plan).view(L, G, S).sum(2)
-    if previous is not None:
-        plan.moves = int(_replicas(plan).new_pairs(_replicas(previous)).sum())
-    return plan
+    return Placement(phy2log=phy2log, log2phy=log2phy, logcnt=logcnt, num_devices=G, slots_per_device=S)
 
 
 def with_prefix(plan: Placement, previous: Placement | None = None, node_G: np.ndarray | None = None) -> Placement | None:
@@ -647,7 +556,7 @@ def with_prefix(plan: Placement, previous: Placement | None = None, node_G: np.n
                 phy[layer, g, S - free_G[g]] = e
                 free_G[g] -= 1
                 holds_GE[g, e] = True
-    return index_maps(torch.from_numpy(phy.reshape(L, G * S)), E, G, S, previous=previous)
+    return index_maps(torch.from_numpy(phy.reshape(L, G * S)), E, G, S)
 
 
 def prefix_placement(plan: Placement) -> Placement:
@@ -686,11 +595,7 @@ def choose_placement(heat_LE: torch.Tensor, current: Placement, home: Placement,
 def expected_slot_ratio(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:
     """[L] max / mean of the expected load per physical slot, each expert's routes heat_LE [L, E] split evenly
     over its replicas (under padded dispatch, DeepSpeed's: capacity over ideal)."""
-    heat_LE = checked_load("heat_LE", heat_LE, plan)
-    L, P = plan.phy2log.shape
-    mean_L = heat_LE.sum(1) / P
-    return torch.where(mean_L > 0, _slot_loads(heat_LE, plan).amax(1) / mean_L.clamp_min(1e-300),
-                       torch.ones(L, dtype=torch.float64))
+    return max_over_mean(_slot_loads(checked_load("heat_LE", heat_LE, plan), plan))
 
 
 def expected_padded_cost(heat_LE: torch.Tensor, plan: Placement) -> torch.Tensor:

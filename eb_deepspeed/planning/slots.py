@@ -229,7 +229,3 @@ def is_integer(value) -> bool:
     """A Python or NumPy integer, not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
-
-def is_real(value) -> bool:
-    """A Python or NumPy real number (NaN and inf included), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))

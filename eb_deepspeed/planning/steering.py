@@ -6,7 +6,7 @@ Shape legend: L layers (independent splits side by side), G EP ranks (devices), 
 expert.
 
     n_LGE = split(counts_LE, holds_LGE)                # routes of each expert each rank computes
-    mine_ER = rank_share(counts_GE, n_ER, rank)        # the part of a split this rank sends
+    mine_ER = rank_share(counts_GE, n_ER)[rank]        # the part of a split this rank sends
     split_GER = steer(counts_GE, devices_ER)           # both at once, for every source rank
 
 Water filling: an expert's routes go to its copies so that the sum of squared device loads is least (a flow
@@ -105,8 +105,7 @@ def rounds_needed(holds_GE: torch.Tensor) -> int:
     return rounds
 
 
-def rank_share(counts_GE: torch.Tensor, n_ER: torch.Tensor, rank: int | None = None,
-               devices_ER: torch.Tensor | None = None) -> torch.Tensor:
+def rank_share(counts_GE: torch.Tensor, n_ER: torch.Tensor, devices_ER: torch.Tensor | None = None) -> torch.Tensor:
     """The part of the split n_ER [E, R] (routes per copy, summing to counts_GE.sum(0)) that `rank` sends, [E, R]
     (None: every rank's, [G, E, R]): each expert's routes are laid out rank after rank, its copies take them in
     order, and a rank's part of a copy is the overlap. counts_GE: [G, E] every rank's routes per expert. devices_ER
@@ -117,10 +116,8 @@ def rank_share(counts_GE: torch.Tensor, n_ER: torch.Tensor, rank: int | None = N
         ends_GER = own_GER.cumsum(2)
         kept_GER = torch.minimum(counts_GE[..., None], ends_GER) - torch.minimum(counts_GE[..., None], ends_GER - own_GER)
         out = kept_GER + rank_share(counts_GE - kept_GER.sum(2), n_ER - kept_GER.sum(0))
-        return out if rank is None else out[rank]
+        return out
     lo_GE = counts_GE.cumsum(0) - counts_GE
-    if rank is not None:
-        lo_GE, counts_GE = lo_GE[rank], counts_GE[rank]
     ends_ER = n_ER.cumsum(1)
     lo, hi = lo_GE[..., None], (lo_GE + counts_GE)[..., None]
     return (torch.minimum(hi, ends_ER) - torch.maximum(lo, ends_ER - n_ER)).clamp_min(0)

@@ -140,8 +140,7 @@ class AutoEPBalance:
             l_aux = expert_balance_loss(probs_TE, routed_E, self.k, valid_T)
         if counting:
             self.tally.add_routes(selected_TK, routed_E=routed_E, logit_sums_T=choice_sums(router, logits_TE), l_aux=l_aux,
-                                  valid_T=valid_T, device_TK=self.ranks_of() if self.ranks_of else None,
-                                  layer=self.layer_index)
+                                  valid_T=valid_T, device_TK=self.ranks_of() if self.ranks_of else None)
         if not attaching:
             return None
         loss = l_aux + ctl.device_loss(probs_TE, routed_E, self.k, valid_T)

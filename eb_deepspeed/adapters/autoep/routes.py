@@ -63,7 +63,7 @@ class AutoEPRoutes(ServedTable):
         if self.routing.recording and T > 0:
             ranks = {"device_E": self.on_device(counts_E.device)[2]} if home else {"device_TK": slot_TK // self.S}
             self.tally.add_routes(selected_TK, routed_E=counts_E, kept_E=counts_E, logit_sums_T=logit_sums_T,
-                                  tokens=T, layer=self.layer_index, **ranks)
+                                  tokens=T, **ranks)
         self._routed = None if home else (slot_TK, counts_P)
 
     def _hand_over(self, router, args, output):

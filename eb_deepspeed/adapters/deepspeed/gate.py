@@ -30,7 +30,7 @@ from deepspeed.moe import sharded_moe as dsm
 from deepspeed.moe.sharded_moe import TopKGate
 
 from ...core.controls import LayerControls
-from ...core.tally import LayerTally, in_backward, nonfinite_tokens, routes_from_mask
+from ...core.tally import LayerTally, in_backward, logit_sums, routes_from_mask
 
 __all__ = ["CrossLayerGate"]
 
@@ -85,7 +85,7 @@ class CrossLayerGate(TopKGate):
         self.route_device_E: Optional[torch.Tensor] = None
 
     @classmethod
-    def from_topk_gate(cls, gate: TopKGate, layer_index: int) -> "CrossLayerGate":
+    def from_topk_gate(cls, gate: TopKGate, layer_index: int, **extra) -> "CrossLayerGate":
         """Wrap an existing TopKGate, sharing its `wg` parameter (same object, same name in checkpoints).
 
         Building the new gate initialises a throw-away `wg` inside a forked RNG, so swapping gates
@@ -96,7 +96,7 @@ class CrossLayerGate(TopKGate):
         with torch.random.fork_rng(devices=[]):
             new = cls(model_dim, num_experts, gate.k, gate.capacity_factor, gate.eval_capacity_factor,
                       gate.min_capacity, gate.noisy_gate_policy, gate.drop_tokens, gate.use_rts, gate.ep_group,
-                      getattr(gate, "top2_2nd_expert_sampling", True), layer_index=layer_index)
+                      getattr(gate, "top2_2nd_expert_sampling", True), layer_index=layer_index, **extra)
         new.wg = gate.wg
         new.wall_clock_breakdown = gate.wall_clock_breakdown
         new.train(gate.training)
@@ -128,7 +128,7 @@ class CrossLayerGate(TopKGate):
             recording = self.training and not in_backward()
             # Counted before gating (top2gating adds Gumbel noise to the logits in place), with no autograd node
             # (checkpointing compares saved tensors with the re-run).
-            nonfinite = nonfinite_tokens(logits_TE) if recording else None
+            sums_T = logit_sums(logits_TE) if recording else None
             capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
             # Softmax is monotone: top-k of logits + b is top-k of softmax(logits + b).
             biased = ctl.bias_E is not None
@@ -136,22 +136,14 @@ class CrossLayerGate(TopKGate):
             device_loss = ctl.device_loss_weight > 0 and self.training
             if device_loss:     # before gating: top2gating adds Gumbel noise to selection_TE in place
                 clean_TE = logits_TE.clone() if selection_TE is logits_TE and self.k == 2 else logits_TE
-            if self.k == 1:
-                gate_output = dsm.top1gating(selection_TE, capacity_factor, self.min_capacity, used_token,
-                                             self.noisy_gate_policy if self.training else None, self.drop_tokens,
-                                             self.use_rts, self.ep_group, sparse_routes, use_tutel)
-            elif self.k == 2:
-                # top2gating adds its Gumbel noise to the logits in place: hand it a copy when biased
-                gate_output = dsm.top2gating(selection_TE.clone() if biased else selection_TE,
-                                             capacity_factor, self.min_capacity, self.drop_tokens,
-                                             self.ep_group, self.top2_2nd_expert_sampling, sparse_routes)
-            else:
-                gate_output = dsm.topkgating(selection_TE, self.k, capacity_factor, self.min_capacity,
-                                             self.drop_tokens, self.ep_group, sparse_routes=sparse_routes)
+            # top2gating adds its Gumbel noise to the logits in place: hand it a copy when biased
+            gate_output = self._gating(selection_TE.clone() if biased and self.k == 2 else selection_TE,
+                                       capacity_factor, self.min_capacity, used_token, self.drop_tokens, self.ep_group,
+                                       sparse_routes, use_tutel, self.noisy_gate_policy if self.training else None)
             if biased:
                 gate_output = unbias_gate_output(gate_output, logits_TE, selection_TE, self.k, sparse_routes)
             if recording:
-                self._record_output(gate_output, sparse_routes, T, used_token, nonfinite)
+                self._record_output(gate_output, sparse_routes, T, used_token, sums_T)
 
             if device_loss:
                 probs_TE = F.softmax(clean_TE, dim=1)
@@ -163,7 +155,19 @@ class CrossLayerGate(TopKGate):
             self.gate_time = self.timers(dsm.TOPK_GATE_TIMER).elapsed(reset=False)
         return gate_output
 
-    def _record_output(self, gate_output, sparse_routes: bool, T: int, used_token, nonfinite) -> None:
+    def _gating(self, selection_TE, capacity_factor, min_capacity, used_token, drop_tokens, ep_group, sparse_routes,
+                use_tutel=False, noisy=None):
+        """DeepSpeed's own gating function for this k."""
+        if self.k == 1:
+            return dsm.top1gating(selection_TE, capacity_factor, min_capacity, used_token, noisy, drop_tokens,
+                                  self.use_rts, ep_group, sparse_routes, use_tutel)
+        if self.k == 2:
+            return dsm.top2gating(selection_TE, capacity_factor, min_capacity, drop_tokens, ep_group,
+                                  self.top2_2nd_expert_sampling, sparse_routes)
+        return dsm.topkgating(selection_TE, self.k, capacity_factor, min_capacity, drop_tokens, ep_group,
+                              sparse_routes=sparse_routes)
+
+    def _record_output(self, gate_output, sparse_routes: bool, T: int, used_token, sums_T) -> None:
         if sparse_routes:
             # (l_aux, capacity, E, indices_KT, locations_KT, gates_KT, exp_counts_E); -1 = dropped route.
             expert_TK, exp_counts_E = gate_output[3].t(), gate_output[6]
@@ -174,9 +178,8 @@ class CrossLayerGate(TopKGate):
         device_TK = None
         if self.route_device_E is not None:     # -1 (dropped) stays -1: it lands on the scratch slot
             device_TK = torch.where(expert_TK >= 0, self.route_device_E[expert_TK.long().clamp_min(0)], -1)
-        self.tally.add_routes(expert_TK, routed_E=exp_counts_E, nonfinite=nonfinite, l_aux=gate_output[0],
-                              tokens=used_token.sum() if used_token is not None else T, device_TK=device_TK,
-                              layer=self.layer_index)
+        self.tally.add_routes(expert_TK, routed_E=exp_counts_E, logit_sums_T=sums_T, l_aux=gate_output[0],
+                              tokens=used_token.sum() if used_token is not None else T, device_TK=device_TK)
 
     def _empty_output(self, logits_TE: torch.Tensor, sparse_routes: bool):
         """A well-formed gate result for zero tokens (DeepSpeed's gating asserts on it)."""

@@ -28,13 +28,13 @@ __all__ = ["ReplicaGate"]
 class ReplicaGate(CrossLayerGate, ServedTable):
     """CrossLayerGate over physical slots: logical routing, replica split, one agreed capacity."""
 
-    def __init__(self, model_dim: int, num_experts: int, k: int, num_devices: int, slots_per_device: int, *,
-                 table: SlotTable, routing: Optional[Routing] = None, **gate_kwargs):
-        super().__init__(model_dim, num_experts, k, **gate_kwargs)
+    def __init__(self, *args, num_devices: int, slots_per_device: int, table: SlotTable,
+                 routing: Optional[Routing] = None, **gate_kwargs):
+        super().__init__(*args, **gate_kwargs)
         self.routing = routing or Routing()
         self.G = int(num_devices)
         self.set_table(table, slots_per_device)
-        self.tally = LayerTally(num_experts, self.G)
+        self.tally = LayerTally(self.num_experts, self.G)
         self.controls = None        # serving takes no training controls
         self._capacity_value = 0    # the capacity the EP group agreed on for the last batch (`last_capacity`)
 
@@ -45,20 +45,11 @@ class ReplicaGate(CrossLayerGate, ServedTable):
     @classmethod
     def from_gate(cls, gate, num_devices: int, slots_per_device: int, *, table: SlotTable,
                   routing: Optional[Routing] = None) -> "ReplicaGate":
-        """A replica gate sharing `gate`'s router weight (DeepSpeed's TopKGate or a CrossLayerGate)."""
-        num_experts, model_dim = gate.wg.weight.shape
-        with torch.random.fork_rng(devices=[]):     # the throw-away wg draws no number of the caller's
-            new = cls(model_dim, num_experts, gate.k, num_devices, slots_per_device, table=table, routing=routing,
-                      capacity_factor=gate.capacity_factor, eval_capacity_factor=gate.eval_capacity_factor,
-                      min_capacity=gate.min_capacity, noisy_gate_policy=gate.noisy_gate_policy,
-                      drop_tokens=gate.drop_tokens, use_rts=gate.use_rts, ep_group=gate.ep_group,
-                      top2_2nd_expert_sampling=getattr(gate, "top2_2nd_expert_sampling", True),
-                      layer_index=getattr(gate, "layer_index", 0))
-        new.wg = gate.wg
+        """A replica gate sharing `gate`'s router weight (DeepSpeed's TopKGate or a CrossLayerGate), in eval mode."""
+        new = cls.from_topk_gate(gate, getattr(gate, "layer_index", 0), num_devices=num_devices,
+                                 slots_per_device=slots_per_device, table=table, routing=routing)
         new.on_device(new.wg.weight.device)
-        new.wall_clock_breakdown = gate.wall_clock_breakdown
-        new.eval()
-        return new
+        return new.eval()
 
     def forward(self, input: torch.Tensor, used_token: torch.Tensor = None, sparse_routes: bool = False,
                 use_tutel: bool = False):  # type: ignore[override]
@@ -92,7 +83,7 @@ class ReplicaGate(CrossLayerGate, ServedTable):
         if self.routing.recording and T > 0:     # the kept routes' experts and EP ranks (slot -1: dropped, rank -1)
             self.tally.add_routes(torch.where(slot_KT >= 0, expert_KT, -1).t(), routed_E=counts_E,
                                   logit_sums_T=logit_sums_T, l_aux=l_aux, device_TK=(slot_KT // self.S).t(),
-                                  tokens=used_token.sum() if used_token is not None else T, layer=self.layer_index)
+                                  tokens=used_token.sum() if used_token is not None else T)
         return (l_aux, capacity, self.P, slot_KT.int(), location_KT.int(), gates_KT, counts_E)
 
     def _home_forward(self, logits_TE, used_token, logit_sums_T):
@@ -114,23 +105,15 @@ class ReplicaGate(CrossLayerGate, ServedTable):
         if self.routing.recording:     # one slot each and no drops: kept = routed, every route of expert e on its slot's rank
             self.tally.add_routes(expert_KT.t(), routed_E=counts_E, kept_E=counts_E,
                                   device_E=self.on_device(counts_E.device)[2], logit_sums_T=logit_sums_T, l_aux=l_aux,
-                                  tokens=used_token.sum() if used_token is not None else logits_TE.shape[0],
-                                  layer=self.layer_index)
+                                  tokens=used_token.sum() if used_token is not None else logits_TE.shape[0])
         return out
 
     def _logical_routes(self, logits_TE, used_token, ep_group=None):
         """DeepSpeed's gating on the logical experts without a capacity limit (with `ep_group`, the capacity is
         agreed across it as DeepSpeed does; without, its capacity is not used, so min_capacity 0: a rank with
         fewer tokens than min_capacity must not assert while its peers wait in a collective)."""
-        min_capacity = self.min_capacity if ep_group is not None else 0
-        if self.k == 1:
-            return dsm.top1gating(logits_TE, self.eval_capacity_factor, min_capacity, used_token, None, False,
-                                  self.use_rts, ep_group, True, False)
-        if self.k == 2:
-            return dsm.top2gating(logits_TE, self.eval_capacity_factor, min_capacity, False, ep_group,
-                                  self.top2_2nd_expert_sampling, True)
-        return dsm.topkgating(logits_TE, self.k, self.eval_capacity_factor, min_capacity, False, ep_group,
-                              sparse_routes=True)
+        return self._gating(logits_TE, self.eval_capacity_factor, self.min_capacity if ep_group is not None else 0,
+                            used_token, False, ep_group, True)
 
     @property
     def last_capacity(self) -> int:

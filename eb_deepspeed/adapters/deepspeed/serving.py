@@ -52,8 +52,6 @@ class MoEStore:
     def __init__(self, module: torch.nn.Module):
         self.module = module
         named = find_moe_layers(module)
-        if not named:
-            raise ValueError("init_inference: the model has no deepspeed.moe.layer.MoE layers")
         check_one_serving_shape(module)
         self.names = [name for name, _ in named]
         self.moes = [m for _, m in named]
@@ -170,8 +168,12 @@ def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[st
 
 
 def check_one_serving_shape(model: torch.nn.Module) -> None:
-    """One slot layout serves all layers: refuse MoE layers that differ in num_experts or ep_size (PR-MoE)."""
+    """One slot layout serves all layers: refuse a model without MoE layers, or whose MoE layers differ in
+    num_experts or ep_size (PR-MoE)."""
     moes = find_moe_layers(model)
+    if not moes:
+        raise ValueError("init_inference: the model has no deepspeed.moe.layer.MoE layers (an AutoEP-converted model "
+                         "is served by eb_deepspeed.init_inference, in AutoEP's own layers)")
     if len({(m.num_experts, m.ep_size) for _, m in moes}) > 1:
         layers = ", ".join(f"{name}: {m.num_experts} experts, ep_size {m.ep_size}" for name, m in moes)
         raise ValueError(f"init_inference: serving needs every MoE layer to have the same num_experts and ep_size "
@@ -215,10 +217,6 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     All-to-All requires. (`eb_deepspeed.init_inference` sends AutoEP-converted models elsewhere, the rest here.)"""
     import deepspeed
 
-    from ..autoep.layer import find_autoep_layers
-    if find_autoep_layers(getattr(model, "module", model)):
-        raise ValueError("init_inference: an AutoEP-converted model; eb_deepspeed.init_inference serves it in "
-                         "AutoEP's own layers (this one builds on deepspeed.init_inference, which has no AutoEP path)")
     eb_config = EasyBalanceConfig.from_ds_config(config)
     ds_config = _inference_keys(strip_block(config) or {})
     check_one_serving_shape(model)      # before DeepSpeed (and its process group) is touched

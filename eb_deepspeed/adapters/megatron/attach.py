@@ -94,10 +94,10 @@ def attach(model, config: Any, *, optimizer=None) -> Optional[Balancer]:
         if len(experts) > 1:
             raise ValueError(f"every MoE layer must have the same num_moe_experts for the cross-layer view, "
                              f"got {experts}")
-        for index, router in enumerate(routers):
+        for router in routers:
             if not isinstance(router, EBRouter):
                 router.__class__ = EBRouter
-            router.eb_init(index)
+            router.eb_init()
         return ModelShape.uniform(len(routers), experts[0], G)
 
     def hook(balancer: Balancer) -> None:

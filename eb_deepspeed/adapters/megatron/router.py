@@ -22,7 +22,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from ...core.controls import LayerControls
-from ...core.tally import LayerTally, in_backward, routes_from_mask
+from ...core.tally import LayerTally, in_backward, logit_sums, routes_from_mask
 
 __all__ = ["EBRouter", "eb_router_spec"]
 
@@ -65,10 +65,9 @@ class EBRouter(TopKRouter):
         super().__init__(*args, **kwargs)
         self.eb_init()
 
-    def eb_init(self, layer_index: int = 0) -> None:
+    def eb_init(self) -> None:
         """Give a router (built as TopKRouter or EBRouter) its tally and controls."""
         self.num_experts = int(self.config.num_moe_experts)
-        self.layer_index = layer_index
         self.tally = LayerTally(self.num_experts)
         self.controls = LayerControls(self.num_experts)
 
@@ -106,7 +105,7 @@ class EBRouter(TopKRouter):
                 demand_TE = demand_TE & valid_T[:, None]
             # Megatron attaches its aux losses to the probabilities; the tally's aux field stays 0 here
             self.tally.add_routes(routes_from_mask(routing_map_TE, self.topk), routed_E=demand_TE.sum(0),
-                                  logits_TE=logits_TE, valid_T=valid_T, layer=self.layer_index)
+                                  logit_sums_T=logit_sums(logits_TE), valid_T=valid_T)
 
     def _biased_routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor]):
         """Megatron's own routing (`TopKRouter.routing`: z-loss, score function, scaling, capacity dropping, aux
