@@ -24,6 +24,7 @@ from eb_deepspeed.core.balancer import Balancer, ModelShape
 from eb_deepspeed.core.config import EasyBalanceConfig
 from eb_deepspeed.core.controls import LayerControls
 from eb_deepspeed.core.tally import LayerTally
+from .sim.model import tally_of
 
 __all__ = ["bench_scale"]
 
@@ -85,8 +86,7 @@ def bench_scale(layers: int = 61, experts: int = 256, devices: int = 64, tokens:
     # a skewed routing, the same shape on meta (what the hooks hand over) and on the host (to feed the view)
     expert_TK = torch.randint(0, experts, (tokens, k), generator=g).to(meta)
     counts_LE = torch.distributions.Dirichlet(torch.full((experts, ), 0.3)).sample((layers, )) * tokens * k
-    from eb_deepspeed.core.tally import Tally
-    host_packed_LW = Tally.build(counts_LE.to(torch.float64), tokens_L=torch.full((layers, ), float(tokens))).pack()
+    host_packed_LW = tally_of(counts_LE.to(torch.float64), tokens_L=torch.full((layers, ), float(tokens))).pack()
 
     routed_E = torch.zeros(experts, device=meta)       # what the gates hand over with the routes
     sums_T, l_aux = torch.zeros(tokens, device=meta), torch.zeros((), device=meta)

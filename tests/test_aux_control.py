@@ -5,7 +5,7 @@ import torch
 from eb_deepspeed import EasyBalanceConfig, LoadView
 from eb_deepspeed.core.policies import (POLICIES, AuxController, bias_update, clip_mean_one, device_scores,
                                         integral_weights)
-from eb_deepspeed.core.tally import Tally
+from benchmarks.sim.model import tally_of
 
 pytestmark = pytest.mark.unit
 
@@ -69,7 +69,7 @@ def test_bias_update_is_a_sign_step_re_centred_with_a_device_term():
 def _view(steps, routed_LE, warmup=2):
     view = LoadView(2, 4, 2, warmup_batches=warmup)
     for _ in range(steps):
-        view.update(Tally.build(routed_LE, tokens_L=8.0))
+        view.update(tally_of(routed_LE, tokens_L=8.0))
     return view
 
 

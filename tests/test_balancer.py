@@ -7,6 +7,7 @@ import torch
 from eb_deepspeed.core import Balancer, EasyBalanceConfig, LayerControls, LayerTally, ModelShape, Tally
 from eb_deepspeed.core import record as R
 from eb_deepspeed.core.balancer import check_agreement
+from benchmarks.sim.model import tally_of
 
 pytestmark = pytest.mark.unit
 E = 4
@@ -331,7 +332,7 @@ def test_a_state_of_the_earlier_aux_format_restores_its_bias_and_weights():
 def test_device_metrics_are_of_the_device_load_the_view_took():
     from eb_deepspeed.core import LoadView
     view = LoadView(1, E, 2)
-    view.update(Tally.build([[4.0, 0, 0, 0]], device_LG=torch.tensor([[2.0, 2.0]])))
+    view.update(tally_of([[4.0, 0, 0, 0]], device_LG=torch.tensor([[2.0, 2.0]])))
     assert view.metrics()["device_max_over_mean"] == [1.0] and view.metrics()["expert_max_over_mean"] == [4.0]
 
 

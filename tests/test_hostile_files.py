@@ -1,4 +1,4 @@
-"""Hostile input files: every reader of `eb report`, `eb plan`, traces, plan files and ds_configs reads
+"""Hostile input files: every reader of `eb report`, `eb plan`, traces, sweep files and ds_configs reads
 only regular files, in bounded memory, and turns what it refuses into one clear error (exit 2 from `eb`).
 
 The cases that would hang or fill the memory of an unguarded reader (a FIFO, a link to /dev/zero) run `eb`
@@ -19,7 +19,6 @@ import torch
 from eb_deepspeed import load_trace
 from eb_deepspeed.core.config import ConfigError, EasyBalanceConfig
 from eb_deepspeed.observe.report import read_log
-from eb_deepspeed.planning.export import placement_json, read_placement_json, trivial_placement
 from eb_deepspeed.tools.cli import main as eb_main
 from benchmarks.__main__ import main as bench_main
 
@@ -48,7 +47,6 @@ def write_log(run, lines):
 READERS = r"""
 import contextlib, io, json, sys
 from eb_deepspeed.core.config import ConfigError, EasyBalanceConfig
-from eb_deepspeed.planning.export import read_placement_json
 from eb_deepspeed.tools.cli import main
 from benchmarks.__main__ import main as bench_main
 d, out = sys.argv[1], {}
@@ -60,8 +58,7 @@ for name, argv in {"eb report": ["report", f"{d}/run"], "eb plan LOG": ["plan", 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         out[name] = [(bench_main if name.startswith("eb bench") else main)(argv), err.getvalue()]
-for name, read, error in (("plan file", read_placement_json, ValueError),
-                          ("ds_config", EasyBalanceConfig.from_ds_config, ConfigError)):
+for name, read, error in (("ds_config", EasyBalanceConfig.from_ds_config, ConfigError), ):
     try:
         read(f"{d}/doc.json")
         out[name] = [0, ""]
@@ -80,7 +77,7 @@ def _limited():
 def test_every_reader_refuses_a_fifo_or_a_link_to_a_device_without_hanging(tmp_path, kind, message):
     (tmp_path / "run").mkdir()
     paths = {"run/balance.jsonl": ("eb report", "eb plan LOG"), "dump.pt": ("eb plan PT", ),
-             "doc.json": ("eb bench --from", "plan file", "ds_config")}
+             "doc.json": ("eb bench --from", "ds_config")}
     for name in paths:
         os.mkfifo(tmp_path / name) if kind == "fifo" else (tmp_path / name).symlink_to("/dev/zero")
     # a child process, limited in time and address space: an unguarded reader fails the test, not the test run
@@ -169,16 +166,13 @@ def test_a_stored_view_that_claims_more_counts_than_its_storage_is_refused_befor
         load_trace(str(tmp_path / "passes.pt"))
 
 
-@pytest.mark.parametrize("reader", ["plan", "ds_config", "sweep"])
+@pytest.mark.parametrize("reader", ["ds_config", "sweep"])
 def test_a_json_document_larger_than_64_mib_is_refused_before_reading(tmp_path, reader, capsys):
     path = tmp_path / "doc.json"
     with open(path, "wb") as f:
         f.truncate(MAX_JSON_BYTES + 1)                # sparse
     message = r"doc.json holds 67108865 bytes, more than the 64 MiB"
-    if reader == "plan":
-        with pytest.raises(ValueError, match=message):
-            read_placement_json(str(path))
-    elif reader == "ds_config":
+    if reader == "ds_config":
         with pytest.raises(ConfigError, match=message):
             EasyBalanceConfig.from_ds_config(str(path))
     else:
@@ -221,52 +215,13 @@ def test_nan_infinity_and_the_largest_floats_as_the_writer_logs_them_render_as_g
         assert eb_main(["report", str(run)]) == 0
 
 
-def test_an_integer_of_thousands_of_digits_in_a_ds_config_or_plan_is_an_error_naming_the_file(tmp_path):
+def test_an_integer_of_thousands_of_digits_in_a_ds_config_is_an_error_naming_the_file(tmp_path):
     (tmp_path / "doc.json").write_text('{"easybalance": {"window": ' + "7" * 5000 + "}}")   # past int()'s 4300
     with pytest.raises(ConfigError, match=r"doc.json: not a JSON DeepSpeed config \(Exceeds the limit"):
         EasyBalanceConfig.from_ds_config(str(tmp_path / "doc.json"))
-    with pytest.raises(ValueError, match=r"doc.json: not an eb_deepspeed plan \(JSON\) \(Exceeds the limit"):
-        read_placement_json(str(tmp_path / "doc.json"))
 
 
-# ---- 4. plan files: integers only, named by their JSON path ----
-
-def plan_doc():
-    return json.loads(json.dumps(placement_json(trivial_placement(2, 4, 2, 3))))     # L 2, E 4, G 2, S 3
-
-
-@pytest.mark.parametrize("change, message", [
-    (lambda d: d.update(num_devices=True), r"num_devices \(true\) must be an integer in \[1, 2\^31\)"),
-    (lambda d: d.update(num_devices=2.5), r"num_devices \(2.5\) must be an integer"),
-    (lambda d: d.update(slots_per_device=3.0), r"slots_per_device \(3.0\) must be an integer"),
-    (lambda d: d.update(num_experts="4"), r"num_experts \(\"4\"\) must be an integer"),
-    (lambda d: d.update(num_experts=7), r"num_experts \(7\) must be <= num_devices x slots_per_device \(2 x 3\)"),
-    (lambda d: d.update(num_layers=3), r"num_layers \(3\) must match the 2 rows of phy2log"),
-    (lambda d: d["phy2log"][1].__setitem__(2, True), r"phy2log\[1\]\[2\] \(true\) must be an integer expert id in "
-                                                     r"\[-1, 4\)"),
-    (lambda d: d["phy2log"][0].__setitem__(1, 1.5), r"phy2log\[0\]\[1\] \(1.5\) must be an integer expert id"),
-    (lambda d: d["phy2log"][0].__setitem__(1, 1.0), r"phy2log\[0\]\[1\] \(1.0\) must be an integer expert id"),
-    (lambda d: d["phy2log"][0].__setitem__(1, 10 ** 40), r"phy2log\[0\]\[1\] \(10{40}\) must be an integer"),
-    (lambda d: d["phy2log"][0].pop(), r"phy2log\[0\] must be a list of 6 expert ids .* got 5 entries"),
-    (lambda d: d.update(phy2log=[]), r"phy2log \(list\) must be a non-empty list"),
-    (lambda d: d["logcnt"][0].__setitem__(2, True), "logcnt does not match phy2log"),   # expert 2: 1 replica
-    (lambda d: d["log2phy"][0][0].__setitem__(0, 0.0), "log2phy does not match phy2log"),
-])
-def test_a_plan_file_with_booleans_fractions_or_strings_for_integers_is_refused_naming_the_json_path(
-        tmp_path, change, message):
-    doc = plan_doc()
-    change(doc)
-    (tmp_path / "plan.json").write_text(json.dumps(doc))
-    with pytest.raises(ValueError, match=rf"plan.json: {message}"):
-        read_placement_json(str(tmp_path / "plan.json"))
-
-
-def test_an_untouched_plan_file_still_reads_back(tmp_path):
-    (tmp_path / "plan.json").write_text(json.dumps(plan_doc()))
-    assert placement_json(read_placement_json(str(tmp_path / "plan.json"))) == plan_doc()
-
-
-# ---- 5. nesting: a ConfigError or ValueError naming the file, never a RecursionError ----
+# ---- 4. nesting: a ConfigError or ValueError naming the file, never a RecursionError ----
 
 DEEP = ["[" * 100_000 + "]" * 100_000, '{"easybalance": ' + '{"a": ' * 100_000 + "1" + "}" * 100_001,
         '{"easybalance": {"aux": ' + "[" * 150 + "]" * 150 + "}}"]
@@ -292,10 +247,8 @@ def test_a_deeply_nested_ds_config_dict_is_a_config_error_naming_where():
 
 
 @pytest.mark.parametrize("text", DEEP[:2], ids=["list", "object"])
-def test_deeply_nested_plan_and_sweep_files_are_clear_errors(tmp_path, text, capsys):
+def test_deeply_nested_sweep_files_are_clear_errors(tmp_path, text, capsys):
     (tmp_path / "doc.json").write_text(text)
-    with pytest.raises(ValueError, match=r"doc.json: not an eb_deepspeed plan \(JSON\) \(nested too deeply"):
-        read_placement_json(str(tmp_path / "doc.json"))
     assert bench_main(["train", "--sweep", "--from", str(tmp_path / "doc.json"),
                     "--out", str(tmp_path / "out")]) == 2
     assert "doc.json: not a saved sweep result (JSON) (nested too deeply" in capsys.readouterr().err

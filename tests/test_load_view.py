@@ -4,6 +4,7 @@ import torch
 
 from eb_deepspeed import LoadView
 from eb_deepspeed.core.tally import Tally
+from benchmarks.sim.model import tally_of
 
 pytestmark = pytest.mark.unit
 E = 4  # experts 0, 1 on device 0; experts 2, 3 on device 1
@@ -11,7 +12,7 @@ E = 4  # experts 0, 1 on device 0; experts 2, 3 on device 1
 
 def tally(routed, kept=None, tokens=None, nonfinite=0.0):
     """One layer's tally from readable parts (a [1, E] Tally)."""
-    return Tally.build([routed], kept_LE=None if kept is None else [kept], tokens_L=tokens, nonfinite_L=nonfinite)
+    return tally_of([routed], kept_LE=None if kept is None else [kept], tokens_L=tokens, nonfinite_L=nonfinite)
 
 
 def stack(*rows):
@@ -106,7 +107,7 @@ def test_corrupt_tallies_are_refused_without_changing_the_view():
     with pytest.raises(ValueError, match="tallies must be finite and non-negative"):
         view.update(bad)
     with pytest.raises(ValueError, match="tallies must be finite and non-negative"):
-        view.update(Tally.build([[1, 1, 1, 1]], device_LG=torch.tensor([[1.0, -2.0]])))
+        view.update(tally_of([[1, 1, 1, 1]], device_LG=torch.tensor([[1.0, -2.0]])))
     with pytest.raises(ValueError, match=r"tally is for \(layers, experts\) = \(1, 3\), the view has \(1, 4\)"):
         view.update(tally([1, 1, 1]))
     with pytest.raises(ValueError, match=r"a packed tally must be \[layers, 14\] for 4 experts, got \(1, 3\)"):
@@ -136,7 +137,7 @@ def test_update_does_not_modify_the_callers_tally():
 def test_a_device_load_given_with_the_tally_replaces_the_expert_to_device_sum():
     # replicated placements: experts are not where expert_to_device_E says, the adapter knows the real load
     view = LoadView(1, E, 2)
-    view.update(Tally.build([[4, 0, 0, 0]], device_LG=torch.tensor([[2.0, 2.0]])))
+    view.update(tally_of([[4, 0, 0, 0]], device_LG=torch.tensor([[2.0, 2.0]])))
     assert view.pressure_LG.tolist() == [[2.0, 2.0]] and view.heat_LE.tolist() == [[4.0, 0.0, 0.0, 0.0]]
 
 
@@ -145,7 +146,7 @@ def test_state_dict_round_trip_restores_the_view_exactly():
     g = torch.Generator().manual_seed(0)
     for _ in range(5):
         routed = torch.randint(0, 50, (3, E), generator=g).double()
-        view.update(Tally.build(routed))
+        view.update(tally_of(routed))
     restored = LoadView(3, E, 2, ema_alpha=0.3)
     restored.load_state_dict(view.state_dict())
     assert torch.equal(restored.pressure_LG, view.pressure_LG) and torch.equal(restored.heat_LE, view.heat_LE)
@@ -157,8 +158,8 @@ def test_state_dict_round_trip_restores_the_view_exactly():
 @pytest.mark.parametrize("devices", [1, 4])
 def test_a_state_of_another_ep_size_keeps_the_expert_heat_and_rebuilds_the_device_pressure(devices):
     view = LoadView(2, E, 2)
-    view.update(Tally.build([[8.0, 4, 2, 2], [1.0, 1, 1, 5]], device_LG=[[12.0, 4], [2, 6]]))
-    view.update(Tally.build([[6.0, 4, 2, 4], [1.0, 3, 1, 3]], device_LG=[[10.0, 6], [4, 4]]))
+    view.update(tally_of([[8.0, 4, 2, 2], [1.0, 1, 1, 5]], device_LG=[[12.0, 4], [2, 6]]))
+    view.update(tally_of([[6.0, 4, 2, 4], [1.0, 3, 1, 3]], device_LG=[[10.0, 6], [4, 4]]))
     resumed = LoadView(2, E, devices)
     state = view.state_dict()
     assert resumed.why_unfit(state) is None
@@ -186,9 +187,9 @@ def test_bad_shapes_are_refused_with_the_numbers():
 
 def test_a_tally_with_device_columns_feeds_the_pressure_and_survives_a_checkpoint():
     view = LoadView(1, E, 2)
-    view.update(Tally.build([[4.0, 0, 0, 0]], device_LG=[[1.0, 3.0]]))   # a replica of expert 0 on device 1
+    view.update(tally_of([[4.0, 0, 0, 0]], device_LG=[[1.0, 3.0]]))   # a replica of expert 0 on device 1
     assert view.pressure_LG.tolist() == [[1.0, 3.0]] and view.heat_LE.tolist() == [[4.0, 0.0, 0.0, 0.0]]
-    packed = Tally.build([[4.0, 0, 0, 0]], device_LG=[[1.0, 3.0]]).pack()
+    packed = tally_of([[4.0, 0, 0, 0]], device_LG=[[1.0, 3.0]]).pack()
     assert packed.shape == (1, 2 * (E + 1) + (2 + 1) + 4)
     assert Tally.unpack(packed, E, 2).device_LG.tolist() == [[1.0, 3.0]]
     restored = LoadView(1, E, 2)

@@ -8,6 +8,7 @@ from eb_deepspeed.core import metrics as M
 from eb_deepspeed.core.policies import bias_update
 from eb_deepspeed.core.tally import TallyLayout, widen_row
 from eb_deepspeed.core.view import LoadView
+from benchmarks.sim.model import tally_of
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +27,7 @@ def test_layers_of_2_4_and_8_experts_share_one_view_over_their_devices():
     # DeepSpeed's contiguous layout per layer: expert e of layer l on rank e // (E_l / 2)
     assert [view.layer_map(i).tolist() for i in range(3)] == [[0, 1], [0, 0, 1, 1], [0] * 4 + [1] * 4]
     routed = [[6, 2], [1, 2, 3, 6], [1, 1, 1, 1, 1, 1, 1, 9]]
-    valid = view.update(Tally.build(padded(routed, 8)))
+    valid = view.update(tally_of(padded(routed, 8)))
     assert valid.tolist() == [True, True, True]
     assert view.pressure_LG.tolist() == [[6.0, 2.0], [3.0, 9.0], [4.0, 12.0]]
     metrics = view.metrics()
@@ -42,10 +43,10 @@ def test_layers_of_2_4_and_8_experts_share_one_view_over_their_devices():
 
 def test_a_tally_that_counts_a_layer_s_missing_experts_is_refused_and_changes_nothing():
     view = LoadView(2, [2, 4], 2)
-    view.update(Tally.build(padded([[1, 1], [1, 1, 1, 1]], 4)))
+    view.update(tally_of(padded([[1, 1], [1, 1, 1, 1]], 4)))
     before = view.state_dict()
     with pytest.raises(ValueError, match=r"experts a layer does not have \(experts per layer \[2, 4\]\)"):
-        view.update(Tally.build(padded([[1, 1, 5], [1, 1, 1, 1]], 4)))
+        view.update(tally_of(padded([[1, 1, 5], [1, 1, 1, 1]], 4)))
     after = view.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before if isinstance(before[k], torch.Tensor))
     assert view.steps == 1
@@ -56,11 +57,11 @@ def test_a_smaller_ep_group_is_copied_across_the_view_devices():
     view = LoadView(2, [2, 4], [1, 2])
     assert view.G == 2 and view.copies_L.tolist() == [2, 1]
     # without device tallies a copied layer's load is split evenly over its copies
-    view.update(Tally.build(padded([[6, 2], [1, 2, 3, 6]], 4)))
+    view.update(tally_of(padded([[6, 2], [1, 2, 3, 6]], 4)))
     assert view.pressure_LG.tolist() == [[4.0, 4.0], [3.0, 9.0]]
     # with them (each rank tallies its own copy) the exact load: rank 0 routed 7 tokens, rank 1 one
     exact = LoadView(2, [2, 4], [1, 2])
-    exact.update(Tally.build(padded([[6, 2], [1, 2, 3, 6]], 4), device_LG=[[7.0, 1.0], [3.0, 9.0]]))
+    exact.update(tally_of(padded([[6, 2], [1, 2, 3, 6]], 4), device_LG=[[7.0, 1.0], [3.0, 9.0]]))
     assert exact.pressure_LG.tolist() == [[7.0, 1.0], [3.0, 9.0]]
     # an expert with copies: the mean of its devices; padded experts 0
     x_LG = torch.tensor([[1.0, 3.0], [5.0, 7.0]])

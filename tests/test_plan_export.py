@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from eb_deepspeed.planning.export import (balance_table, placement_json, read_placement_json, sglang_mapping,
+from eb_deepspeed.planning.export import (balance_table, placement_json, sglang_mapping,
                                           trivial_placement)
 from eb_deepspeed.planning.placement import index_maps, plan_placement
 from benchmarks.bench import pareto_loads
@@ -16,6 +16,12 @@ from eb_deepspeed.tools.cli import main
 from sglang_format import read_init_expert_location
 
 pytestmark = pytest.mark.unit
+
+
+def read_plan(path):
+    """Our plan file back as a Placement: its index maps rebuilt from phy2log (as docs/serving.md shows)."""
+    doc = json.loads(open(path).read())
+    return index_maps(torch.tensor(doc["phy2log"]), doc["num_experts"], doc["num_devices"], doc["slots_per_device"])
 
 
 def _sglang_stat_dump(path, steps=5, layers=4, experts=16, dense_first=True, seed=0):
@@ -40,7 +46,7 @@ def test_a_plan_from_an_sglang_dump_loads_in_sglangs_parser_and_dispatches_on_ou
     printed = capsys.readouterr().out
     assert "before (slot p holds expert p % E)" in printed and "planned (dispatch=uniform)" in printed
     meta = read_init_expert_location(str(sg), num_layers=L, num_logical=E, ep_size=G, gpus_per_node=2)
-    ours = read_placement_json(str(out))
+    ours = read_plan(out)
     assert meta["physical_to_logical_map"].tolist() == ours.phy2log.tolist()
     assert meta["num_local_physical_experts"] == ours.slots_per_device == (E + 4) // G
     assert bool((meta["logical_to_all_physical_map_num_valid"] == ours.logcnt).all())
@@ -69,20 +75,13 @@ def test_sglangs_parser_refuses_what_we_must_never_write(tmp_path):
         sglang_mapping(empty)
 
 
-def test_our_plan_file_round_trips_and_refuses_tampering(tmp_path):
+def test_our_plan_file_round_trips(tmp_path):
     plan = plan_placement(pareto_loads(3, 12, 2), 4, 4, num_nodes=2)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(placement_json(plan, dispatch="steered", num_nodes=2)))
-    back = read_placement_json(str(path))
+    back = read_plan(path)
     assert back.phy2log.tolist() == plan.phy2log.tolist() and back.log2phy.tolist() == plan.log2phy.tolist()
-    doc = json.loads(path.read_text())
-    doc["phy2log"][0][0] = doc["phy2log"][0][1]          # a device holding two replicas of one expert
-    path.write_text(json.dumps(doc))
-    with pytest.raises(ValueError, match="two on one device|logcnt does not match"):
-        read_placement_json(str(path))
-    path.write_text("{}")
-    with pytest.raises(ValueError, match="not an eb_deepspeed plan"):
-        read_placement_json(str(path))
+    assert json.loads(path.read_text())["logcnt"] == plan.logcnt.tolist()
 
 
 def test_sglang_per_pass_records_and_vllm_style_loads_plan_the_same_as_their_logical_counts(tmp_path):
@@ -99,7 +98,7 @@ def test_sglang_per_pass_records_and_vllm_style_loads_plan_the_same_as_their_log
     for name in ("per_pass_0.pt", "vllm.pt", "stat.pt"):
         assert main(["plan", str(tmp_path / name), "--devices", str(G), "--slots", str(S), "--json",
                      "--out", str(tmp_path / f"{name}.json")]) == 0
-        plans.append(read_placement_json(str(tmp_path / f"{name}.json")).phy2log.tolist())
+        plans.append(read_plan(tmp_path / f"{name}.json").phy2log.tolist())
     assert plans[0] == plans[1] == plans[2]
 
 

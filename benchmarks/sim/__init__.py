@@ -9,11 +9,11 @@ table). Traces are read by the package's own importer, `eb_deepspeed.observe.tra
 from eb_deepspeed.core.topology import TOPOLOGIES, Topology
 from eb_deepspeed.observe.traces import load_trace
 
-from .model import ClusterModel
+from .model import ClusterModel, tally_of
 from .strategies import (STRATEGIES, STRATEGY_LABELS, SimConfig, evaluate_targets, format_table, format_targets,
                          run_table, simulate)
 from .workloads import WORKLOADS, Workload, synthetic_workload, trace_workload
 
 __all__ = ["Topology", "TOPOLOGIES", "ClusterModel", "SimConfig", "STRATEGIES", "STRATEGY_LABELS", "run_table",
            "evaluate_targets", "format_targets", "format_table", "simulate", "load_trace", "Workload", "WORKLOADS",
-           "synthetic_workload", "trace_workload"]
+           "synthetic_workload", "trace_workload", "tally_of"]

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from eb_deepspeed.core.tally import Tally
 from eb_deepspeed.core.topology import TOPOLOGIES, Topology
 
-__all__ = ["ClusterModel", "ARTICLE_WEIGHTS", "hop_cost"]
+__all__ = ["tally_of", "ClusterModel", "ARTICLE_WEIGHTS", "hop_cost"]
 
 # The EasyBalance article's (intra, cross, comm) cost weights per topology (§3.3 / §5.1: 0.3 / 0.5 / 0.2 the usual
 # start; NVLink lowers comm to ~0.1; across a network comm >= 0.4) and a hop inside a node against one across (1).
@@ -83,3 +84,20 @@ class ClusterModel:
                 ready = torch.maximum(ready, finish[l - self.run_ahead].max().expand(G))
             finish[l] = ready + times_LG[l]
         return float(finish[-1].max())
+
+
+def tally_of(routed_LE, kept_LE=None, tokens_L=None, nonfinite_L=None, aux_L=None, forwards_L=None,
+             device_LG=None) -> Tally:
+    """A tally from readable parts (for the simulator and tests, which count elsewhere): kept defaults to routed,
+    tokens to routed / 2 (top-2), forwards to 1, the rest to 0."""
+    def f64(v):
+        return torch.as_tensor(v, dtype=torch.float64)
+    routed_LE = torch.atleast_2d(f64(routed_LE))
+    L = routed_LE.shape[0]
+
+    def per_layer(v, default):
+        return f64(default if v is None else v).expand(L).clone()
+    kept_LE = routed_LE if kept_LE is None else f64(kept_LE).reshape(L, -1)
+    device_LG = None if device_LG is None else f64(device_LG).reshape(L, -1).clone()
+    return Tally(routed_LE.clone(), kept_LE.clone(), per_layer(tokens_L, routed_LE.sum(1) / 2),
+                 per_layer(nonfinite_L, 0.0), per_layer(aux_L, 0.0), per_layer(forwards_L, 1.0), device_LG)

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from eb_deepspeed.core import metrics as M
-from eb_deepspeed.core.tally import Tally
 from eb_deepspeed.core.view import LoadView
 from eb_deepspeed.planning.placement import Placement, index_maps, plan_placement, static_placement
 from eb_deepspeed.planning.steering import steer
 from .model import ARTICLE_WEIGHTS, ClusterModel, hop_cost
 from .workloads import Workload
+from .model import tally_of
 
 __all__ = ["SimConfig", "STRATEGIES", "STRATEGY_LABELS", "simulate", "run_table", "evaluate_targets",
            "format_targets", "format_table"]
@@ -184,7 +184,7 @@ def simulate(workload: Workload, strategy: str | Strategy, cfg: SimConfig | None
         bal_den += float(load_LG.amax(1).sum())
         # the view: sequence-length weighted heat per expert, device pressure from the simulated loads
         heat_step_LE = (counts[n] * workload.weight_G[None, :, None]).sum(1)
-        view.update(Tally.build(heat_step_LE, device_LG=load_LG))
+        view.update(tally_of(heat_step_LE, device_LG=load_LG))
         if progress is not None:
             progress.update(1)
     step = sum(times) / len(times)

@@ -1,8 +1,8 @@
 """Reading files that may be hostile: only regular files (never a device, FIFO or socket, so never a hang or an
 endless read), of bounded size, JSON of bounded depth. Every reader of a user's file (ds_config, balance logs,
-traces, plan files, saved results) opens it through here.
+traces, saved results) opens it through here.
 
-    doc = load_json("plan.json", "an eb_deepspeed plan (JSON)")   # ValueError "plan.json: not ... (why)"
+    doc = load_json("ds.json", "a JSON DeepSpeed config")     # ValueError "ds.json: not a JSON ... (why)"
     with open_regular(path, max_bytes) as f: ...                  # binary, refused unless a regular file"""
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ per-device) field is preceded by one scratch slot, so counting a route of expert
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import NamedTuple, Optional
 
 import torch
@@ -65,23 +65,6 @@ class Tally:
     def zeros(cls, num_layers: int, num_experts: int, num_devices: int = 0) -> "Tally":
         width = TallyLayout(num_experts, num_devices).width
         return cls.unpack(torch.zeros(num_layers, width, dtype=torch.float64), num_experts, num_devices)
-
-    @classmethod
-    def build(cls, routed_LE, kept_LE=None, tokens_L=None, nonfinite_L=None, aux_L=None, forwards_L=None,
-              device_LG=None) -> "Tally":
-        """A tally from readable parts: kept defaults to routed, tokens to routed / 2 (top-2), forwards to 1, the
-        rest to 0. For tests, simulators and adapters that count elsewhere."""
-        f64 = partial(torch.as_tensor, dtype=torch.float64)
-        routed_LE = torch.atleast_2d(f64(routed_LE))
-        L = routed_LE.shape[0]
-
-        def per_layer(v, default):
-            return f64(default if v is None else v).expand(L).clone()
-
-        kept_LE = routed_LE if kept_LE is None else f64(kept_LE).reshape(L, -1)
-        device_LG = None if device_LG is None else f64(device_LG).reshape(L, -1).clone()
-        return cls(routed_LE.clone(), kept_LE.clone(), per_layer(tokens_L, routed_LE.sum(1) / 2),
-                   per_layer(nonfinite_L, 0.0), per_layer(aux_L, 0.0), per_layer(forwards_L, 1.0), device_LG)
 
     @classmethod
     def unpack(cls, packed_LW: torch.Tensor, num_experts: int, num_devices: int = 0) -> "Tally":
