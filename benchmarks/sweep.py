@@ -29,7 +29,7 @@ __all__ = ["SWEEP_POLICIES", "bench_train_sweep", "summarize_sweep", "sweep_stat
 SWEEP_POLICIES = (("fixed", "fixed", ()), ("cross_layer", "cross_layer", ()),
                   ("device_uniform", "cross_layer", ("--aux-weight-range", "1", "1")),
                   ("bias", "bias", ()), ("bias_cross_layer", "bias_cross_layer", ()),
-                  # `aux.batch_scope` (core/losses.py): DeepSpeed's l_aux over the global batch, or per sequence
+                  # `aux.batch_scope`: DeepSpeed's l_aux over the global batch, or per sequence
                   ("global_exact", "fixed", ("--batch-scope", "global_exact")),
                   ("sequence", "fixed", ("--batch-scope", "sequence")))
 # metric -> (where in summary.json, what it is)

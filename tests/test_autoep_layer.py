@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from eb_deepspeed.adapters.autoep import AutoEPBalance, attach_loss, check_versions, expert_to_device
-from eb_deepspeed.core.losses import device_balance_loss
+from eb_deepspeed.core.controls import device_balance_loss
 from eb_deepspeed.core.tally import Tally
 
 pytestmark = pytest.mark.unit

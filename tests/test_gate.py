@@ -101,7 +101,7 @@ def test_the_gate_accumulates_over_micro_batches_and_only_in_training():
 
 
 def test_the_device_loss_is_one_when_devices_are_balanced_and_hand_derived_otherwise():
-    from eb_deepspeed.core.losses import device_balance_loss
+    from eb_deepspeed.core.controls import device_balance_loss
     e2d = torch.tensor([0, 0, 1, 1])
     # uniform router, 2 tokens x top-1 spread one per device: f' = [1, 1], P' = [1/2, 1/2] -> 1
     logits = torch.zeros(2, 4)
@@ -115,7 +115,7 @@ def test_the_device_loss_is_one_when_devices_are_balanced_and_hand_derived_other
 
 
 def test_the_device_loss_weight_adds_the_device_loss_and_pushes_probability_off_the_hot_device():
-    from eb_deepspeed.core.losses import device_balance_loss
+    from eb_deepspeed.core.controls import device_balance_loss
     ds, eb = pair(2, min_capacity=2)
     x = torch.randn(32, M)
     plain = call(eb, x, 0, True)

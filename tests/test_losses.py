@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from eb_deepspeed.core.losses import expert_balance_loss
+from eb_deepspeed.core.controls import expert_balance_loss
 
 pytestmark = pytest.mark.unit
 

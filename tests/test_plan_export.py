@@ -8,9 +8,8 @@ import sys
 import pytest
 import torch
 
-from eb_deepspeed.planning.export import (balance_table, placement_json, sglang_mapping,
-                                          trivial_placement)
-from eb_deepspeed.planning.placement import index_maps, plan_placement
+from eb_deepspeed.planning.export import balance_table, placement_json, sglang_mapping
+from eb_deepspeed.planning.placement import index_maps, plan_placement, trivial_placement
 from benchmarks.bench import pareto_loads
 from eb_deepspeed.tools.cli import main
 from sglang_format import read_init_expert_location

@@ -53,7 +53,7 @@ def test_replica_slots_past_the_planners_slots_a_layer_are_refused_before_any_ex
     model = torch.nn.Sequential(MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=1, k=1))
     config = EasyBalanceConfig.from_block({"mode": "balance", "inference": {"replica_slots": MAX_SLOTS - 3}})
     # 1 rank x (4 home + 65533 replica slots) = 65537 > 65536: refused with the most that fits (65532)
-    with pytest.raises(ValueError, match=r"replica_slots \(65533\).*65536 slots a layer; use at most 65532"):
+    with pytest.raises(ValueError, match=r"replica_slots \(65533\).*65536 slots per layer.*; use at most 65532$"):
         ServingEngine(MoEStore(model), config)
     assert len(model[0].deepspeed_moe.experts.deepspeed_experts) == 4
 
@@ -82,10 +82,12 @@ def test_replica_slots_a_re_plan_could_not_plan_are_refused_at_start_up():
     from eb_deepspeed.adapters.deepspeed.serving import MoEStore
     from eb_deepspeed.adapters.serving.engine import ServingEngine
     from eb_deepspeed.core.config import EasyBalanceConfig
-    # 300 layers x (4 + 60000) slots: within 65536 a layer, past 2^24 in all, which every re-plan would refuse
+    # 300 layers x (4 + 60000) slots: within 65536 a layer, past 2^24 in all, which every re-plan would refuse; what
+    # fits: 2^24 // 300 = 55924 slots a layer, 55920 of them replicas
     model = torch.nn.Sequential(*[MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=1, k=1) for _ in range(300)])
     config = EasyBalanceConfig.from_block({"mode": "balance", "inference": {"replica_slots": 60000}})
-    with pytest.raises(ValueError, match=r"replica_slots \(60000\): 300 layers x 60004 slots .* more than the planner"):
+    with pytest.raises(ValueError, match=r"replica_slots \(60000\): 300 layers x 60004 slots .* more than the planner"
+                                         r".*; use at most 55920$"):
         ServingEngine(MoEStore(model), config)
 
 

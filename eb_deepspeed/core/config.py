@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-from .files import MAX_JSON_DEPTH, json_too_deep, load_json
+from .files import MAX_JSON_DEPTH, clip, json_too_deep, load_json
 from .policies import POLICIES
 from .topology import TOPOLOGIES
 
@@ -54,7 +54,7 @@ class Valid:
 
 
 def _fail(path: str, value: Any, rule: str):
-    raise ConfigError(f"{path} ({_short(value)}) {rule}")
+    raise ConfigError(f"{path} ({clip(repr(value))}) {rule}")
 
 
 def boolean() -> Valid:
@@ -353,7 +353,7 @@ def _unique_keys(pairs: list[tuple[str, Any]], source) -> dict[str, Any]:
 
 def _mapping(value: Any, path: str) -> dict[str, Any]:
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{path} must be a JSON object, got {type(value).__name__} ({_short(value)})")
+        raise ConfigError(f"{path} must be a JSON object, got {type(value).__name__} ({clip(repr(value))})")
     return dict(value)
 
 
@@ -363,9 +363,3 @@ def _reject_unknown(block: Mapping[str, Any], path: str, valid: list[str]) -> No
     if unknown := sorted(set(block) - set(valid)):
         where = ", ".join(f"{path}.{k}" for k in unknown)
         raise ConfigError(f"{where}: unknown key; valid keys: {', '.join(sorted(valid))}")
-
-
-def _short(value: Any) -> str:
-    """repr of a value for a message, cut to 60 characters (a hostile value can be huge)."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

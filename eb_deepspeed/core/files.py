@@ -77,10 +77,15 @@ def json_too_deep(doc: Any, limit: int = MAX_JSON_DEPTH) -> str | None:
             while chain:
                 keys, chain = [chain[0], *keys], chain[1]
             where = "".join(f".{k}" if isinstance(k, str) else f"[{k}]" for k in keys)
-            return where if len(where) <= 60 else where[:57] + "..."
+            return clip(where)
         items = value.items() if isinstance(value, Mapping) else enumerate(value)
         stack.extend((v, depth + 1, (k, chain)) for k, v in items if isinstance(v, containers))
     return None
+
+
+def clip(text: str, limit: int = 60) -> str:
+    """`text` cut to `limit` characters for a message (a hostile value can be huge)."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _mib(nbytes: int) -> str:

@@ -290,19 +290,17 @@ class LoadView:
         if problem is not None:
             raise ValueError(problem)
         change = self.layout_change(state)
-        self.heat_LE = state["heat_LE"].to(torch.float64).clone()
+        kept = ("heat_LE", "drift_L", "var_LE") + (("pressure_LG", "last_load_LG") if change is None else ())
+        for key in kept:         # float64 copies: the view never shares the state's tensors
+            setattr(self, key, state[key].to(torch.float64).clone())
         self.updates_L = state["updates_L"].to(torch.long).clone()
         self.steps = int(state["steps"])
-        self.drift_L = state["drift_L"].to(torch.float64).clone()
-        self.var_LE = state["var_LE"].to(torch.float64).clone()
         if change is not None:
             self.pressure_LG = self.expert_to_device_load(self.heat_LE)
             self.last = Tally.zeros(self.L, self.E)
             self.last_load_LG = torch.zeros(self.L, self.G, dtype=torch.float64)
             return change
-        self.pressure_LG = state["pressure_LG"].to(torch.float64).clone()
         self.last = Tally.unpack(state["last_tally"].to(torch.float64).clone(), self.E, int(state["last_devices"]))
-        self.last_load_LG = state["last_load_LG"].to(torch.float64).clone()
         return None
 
 

@@ -15,7 +15,7 @@ from collections import deque
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ..core import record as R
-from ..core.files import open_regular
+from ..core.files import clip, open_regular
 
 __all__ = ["read_log", "render_report", "render_compare"]
 
@@ -111,7 +111,7 @@ def _parse(raw: bytes) -> tuple[Any, str]:
 def _check_record(record: Any, out_of_range: str, where: str) -> None:
     """A balance record is a JSON object with an integer `step` (in int64) and no number out of range."""
     if out_of_range and isinstance(record, dict):
-        text = out_of_range if len(out_of_range) <= 40 else out_of_range[:37] + "..."
+        text = clip(out_of_range, 40)
         raise ValueError(f"{where}: {_where(record, _OUT_OF_RANGE)} is {text}: out of range (a logged integer has "
                          "at most 20 digits, a number fits a float64; the writer logs NaN and Infinity by name)")
     step = record.get("step") if isinstance(record, dict) else None
@@ -264,10 +264,7 @@ def _panel(ax, series: list[tuple[list, Optional[str]]], key: str, title: str, x
     if "max_over_mean" in key or key == "device_loss_weight":
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
     ax.set_title(title, fontsize="medium")
-    if xlabel:
-        ax.set_xlabel(xlabel)
-    if ylabel:
-        ax.set_ylabel(ylabel)
+    ax.set(xlabel=xlabel or "", ylabel=ylabel or "")       # an axis's labels are "" until set
     ax.grid(alpha=0.3)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ..core.metrics import aggregate_balancedness, balancedness
 from .flows import steered_load
-from .placement import Placement, trivial_placement  # noqa: F401 - eb plan's trivial_placement
+from .placement import Placement
 from .uniform import even_split_loads
 
 __all__ = ["placement_json", "sglang_mapping"]

@@ -16,7 +16,7 @@ P physical slots per layer (G * S; slot p lives on device p // S), R max replica
 3.  `refine.refine_for_steering` (steered only): local moves scored after steering (`flows.steer_flows`),
     from the uniform plan; on small inputs also from the load-proportional greedy plan (`replica_counts`).
 4.  `_choose`: each layer's best candidate under its dispatch (`previous` is one), node spread and weight
-    moves priced; `index_maps`: phy2log, log2phy, logcnt, moves, loads."""
+    moves priced; `index_maps`: phy2log, log2phy, logcnt."""
 from __future__ import annotations
 
 import math
@@ -265,16 +265,19 @@ def plan_placement(load_LE: torch.Tensor, num_devices: int, slots_per_device: in
         if swing_LE.shape != load_LE.shape:
             raise ValueError(f"swing_LE must have load_LE's shape {tuple(load_LE.shape)}, got {tuple(swing_LE.shape)}")
     # The penalties of the search are absolute (a forbidden device costs 1e30): plan in units where the
-    # largest load is 1 when loads are far from that, and report the loads in the caller's units.
+    # largest load is 1 when loads are far from that.
     peak = float(load_LE.max())
     scale = 2.0 ** math.frexp(peak)[1] if peak > 0 and not 1e-6 <= peak <= 1e12 else 1.0   # exact division
     task = _Task(load_LE / scale, G, S, num_nodes, previous, refine_rounds, dispatch,
                  None if swing_LE is None else swing_LE / scale)
-    # Steps 1-3: each layer's candidates; `previous` is one where it can be.
+    # Steps 1-3: each layer's candidates.
     cands, x_LP = _steered_candidates(task) if dispatch.steered else (_uniform_candidates(task), None)
     # Step 4: each layer's best candidate, and its index maps.
     weight = SPREAD_WEIGHT if dispatch.steered else 0.0
-    phy = _choose(task, np.stack(cands + _kept_previous(task, cands)), dispatch, weight, x_LP)[0]
+    # keeping a layer as it is moves nothing: `previous` is a candidate where it has this call's slots and is legal
+    was = previous is not None and previous.slots_per_device == S and is_legal(previous)
+    kept = [previous.phy2log.numpy().astype(np.int64)] if was else []
+    phy = _choose(task, np.stack(cands + kept), dispatch, weight, x_LP)[0]
     plan = index_maps(torch.from_numpy(np.ascontiguousarray(phy)), task.E, G, S)
     assert is_legal(plan), "an expert was left without a replica, or a device holds two replicas of one expert"
     return plan
@@ -360,15 +363,6 @@ def _steered_candidates(t: _Task) -> tuple[list[np.ndarray], np.ndarray | None]:
     phy = assign_replicas(t.load_LE, torch.from_numpy(replica_counts(t.load, t.P, t.G)), t.G, t.S, t.spread_G,
                           t.was, STICKINESS)
     return [first, refine(phy)[0] if rounds > 0 else phy] + uni[1:], x_LP
-
-
-def _kept_previous(task: _Task, cands: list[np.ndarray]) -> list[np.ndarray]:
-    """Keeping a layer as it is moves nothing: [`previous`] as a candidate where it has this call's slots per device
-    and is legal, [] where it cannot be one."""
-    previous = task.previous
-    if previous is None or previous.slots_per_device != task.S or not is_legal(previous):
-        return []
-    return [previous.phy2log.numpy().astype(np.int64)]
 
 
 def cross_node_fraction(phy_NP: np.ndarray, load_NE: np.ndarray, node_G: np.ndarray, S: int) -> np.ndarray:
@@ -493,8 +487,7 @@ def is_legal(plan: Placement) -> bool:
 
 
 def index_maps(phy2log: torch.Tensor, E: int, G: int, S: int) -> Placement:
-    """Step 4: a Placement from phy2log [L, P] (-1 = empty): log2phy [L, E, R] (its inverse), logcnt [L, E]; with
-    load_LE [L, E] the expected load per device with an even split; with `previous` the weight moves against it."""
+    """Step 4: a Placement from phy2log [L, P] (-1 = empty): log2phy [L, E, R] (its inverse), logcnt [L, E]."""
     phy2log = integer_tensor("phy2log", phy2log, "[layers, slots]")
     L, P = phy2log.shape
     if L < 1 or P != G * S or bool((phy2log < -1).any()) or bool((phy2log >= E).any()):

@@ -40,8 +40,10 @@ def water_fill(c_LE: torch.Tensor, ranks_LME: torch.Tensor, x_LGE: torch.Tensor,
                fixed_LG: torch.Tensor | float = 0.0) -> torch.Tensor:
     """`rounds` rounds of water filling from x_LGE [L, G, E] (each expert's routes on each rank, float64, summing to
     c_LE [L, E] over G, zero where no copy) over its copies ranks_LME [L, M, E] (the ranks holding each expert, G
-    pads: a level is a sort of M); fixed_LG: each rank's routes of experts not in the fill."""
+    pads: a level is a sort of M; or holds_LGE, bool: M = G); fixed_LG: each rank's routes of experts not filled."""
     L, G, E = x_LGE.shape
+    if ranks_LME.dtype == torch.bool:        # fixed shapes, no host read
+        ranks_LME = torch.where(ranks_LME, torch.arange(G, device=x_LGE.device)[:, None], G)
     x = torch.where(ranks_LME < G, x_LGE.gather(1, ranks_LME.clamp_max(G - 1)), 0.0)     # [L, M, E] on each copy
     # rank G: the padding's, loaded far above any level (it takes nothing)
     load = torch.cat((x_LGE.sum(2) + fixed_LG, x.new_full((L, 1), torch.finfo(x.dtype).max / 4)), 1)
@@ -60,12 +62,6 @@ def water_fill(c_LE: torch.Tensor, ranks_LME: torch.Tensor, x_LGE: torch.Tensor,
     return x.new_zeros(L, G + 1, E).scatter_(1, ranks_LME, x)[:, :G]
 
 
-def dense_ranks(holds_LGE: torch.Tensor) -> torch.Tensor:
-    """ranks_LME with M = G: rank g where it holds a copy of the expert, G where not (fixed shapes, no host read)."""
-    G = holds_LGE.shape[1]
-    return torch.where(holds_LGE, torch.arange(G, device=holds_LGE.device)[:, None], G)
-
-
 def split(counts_LE: torch.Tensor, holds_LGE: torch.Tensor, rounds: int = ROUNDS,
           copies: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """n_LGE [L, G, E] (long): the routes of each expert (counts_LE [L, E], every rank's) that each rank holding a
@@ -75,7 +71,7 @@ def split(counts_LE: torch.Tensor, holds_LGE: torch.Tensor, rounds: int = ROUNDS
     c = counts_LE.to(torch.float64)
     x = holds_LGE * (c / holds_LGE.sum(1).clamp_min(1)).unsqueeze(1)
     if copies is None:
-        x = water_fill(c, dense_ranks(holds_LGE), x, rounds)
+        x = water_fill(c, holds_LGE, x, rounds)
     else:
         flex_F, ranks_MF = copies
         x = x.index_copy(2, flex_F, water_fill(c[:, flex_F], ranks_MF.expand(len(x), -1, -1), x[:, :, flex_F],

@@ -44,9 +44,8 @@ def _refuse_overwriting_inputs(source: str, outputs: list) -> None:
 
 
 def _plan(args) -> int:
-    from ..planning.export import (balance_table, format_balance_table, placement_json, sglang_mapping,
-                                   trivial_placement)
-    from ..planning.placement import plan_placement
+    from ..planning.export import balance_table, format_balance_table, placement_json, sglang_mapping
+    from ..planning.placement import plan_placement, trivial_placement
     from ..observe.traces import load_total
 
     _refuse_overwriting_inputs(args.load, [args.out, args.sglang])
@@ -144,9 +143,10 @@ def _plan_parser(sub) -> None:
                                 "torch.save'd vLLM EPLB load (expert_load_window + physical_to_logical_map), or "
                                 "the benchmarks' counts (.npz of [samples, layers, experts] arrays, benchmarks/data)")
     p.add_argument("--devices", type=counting, required=True, help="EP ranks (SGLang: ep_size)")
-    p.add_argument("--slots", type=counting, default=None, help="physical expert slots per device")
-    p.add_argument("--redundant", type=non_negative, default=None,
-                   help="redundant experts per layer (SGLang: --ep-num-redundant-experts); instead of --slots")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--slots", type=counting, default=None, help="physical expert slots per device")
+    size.add_argument("--redundant", type=non_negative, default=None,
+                      help="redundant experts per layer (SGLang: --ep-num-redundant-experts); instead of --slots")
     p.add_argument("--nodes", type=counting, default=1, help="nodes the devices span (must divide --devices)")
     p.add_argument("--dispatch", choices=["uniform", "steered", "padded"], default="uniform",
                    help="how the serving runtime splits an expert's tokens over its replicas: evenly (SGLang, vLLM), "
@@ -166,8 +166,6 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("eb report takes one RUN_DIR (or --compare RUN_A RUN_B ...)")
     if args.command == "report" and args.compare and len(args.run_dir) < 2:
         parser.error("eb report --compare needs two or more RUN_DIRs")
-    if args.command == "plan" and (args.slots is None) == (args.redundant is None):
-        parser.error("eb plan needs exactly one of --slots S or --redundant R")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ...core.controls import LayerControls
-from ...core.losses import expert_balance_loss
+from ...core.controls import expert_balance_loss
 from ...core.tally import LayerTally, in_backward, logit_sums, route_counts
 
 __all__ = ["AutoEPBalance"]

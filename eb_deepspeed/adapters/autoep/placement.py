@@ -50,7 +50,6 @@ class TrainPlacement(Placer):
 
     def __init__(self, engine, layers: list, gates: list, balancer, interval: int, topology: str = "pcie",
                  replica_slots: int = 0):
-        assert engine.zero_optimization_stage() < 3, "refused by initialize: ZeRO 3 partitions each expert's weights"
         _check_engine(engine, layers)
         self.engine, self.layers, self.balancer = engine, layers, balancer
         self.interval, self.topology = int(interval), topology
@@ -112,20 +111,14 @@ class TrainPlacement(Placer):
         if not module.training or step == self._checked_step:
             return
         self._checked_step = step
-        if step > 0 and step % self.interval == 0:
-            self.maybe_move()
-
-    def maybe_move(self) -> bool:
-        """Re-plan from the view (warmed up) and move when it pays; every rank together. True when it moved."""
-        view = self.balancer.view
-        if not view.ready:
-            return False
-        heat_LE = view.heat_LE / max(1, dist.get_world_size() // self.G if dist_ready() else 1)   # per EP group
+        if step == 0 or step % self.interval or not self.balancer.view.ready:
+            return
+        # re-plan from the view's heat (per EP group) and move when it pays; every rank together
+        heat_LE = self.balancer.view.heat_LE / max(1, dist.get_world_size() // self.G if dist_ready() else 1)
         choice = choose_placement(heat_LE, self.resident, self.home, 1.0, self.plan, dispatch=SPLIT,
                                   move_cost=self.move_cost, horizon=self.interval, min_gain=TRAIN_MIN_GAIN)
-        if choice is None or choice is self.resident or torch.equal(choice.phy2log, self.resident.phy2log):
-            return False
-        return self.apply(choice)
+        if choice is not None and not torch.equal(choice.phy2log, self.resident.phy2log):
+            self.apply(choice)
 
     def plan(self, heat_LE: torch.Tensor) -> Placement:
         """The homes for the view's heat: a permutation of each layer's experts over the ranks."""

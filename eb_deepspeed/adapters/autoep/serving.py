@@ -26,8 +26,7 @@ from ...core.config import EasyBalanceConfig
 from ...planning.placement import Placement
 from ..common import dist_ready
 from ..routing import Routing, SlotTable
-from ..serving.engine import ServingEngine
-from ..serving.store import flat_state, unflatten_into
+from ..serving.engine import ServingEngine, flat_state, unflatten_into
 from .layer import find_autoep_layers
 from .routes import AutoEPRoutes
 
@@ -43,7 +42,7 @@ def has_autoep_layers(model: torch.nn.Module) -> bool:
 
 
 class AutoEPStore:
-    """The slot store (`adapters.serving.store.SlotStore`) of a model's AutoEP layers.
+    """The slot store (`adapters.serving.engine.SlotStore`) of a model's AutoEP layers.
 
     engine: the DeepSpeed engine whose checkpoint code reads and writes AutoEP's files (None: no checkpoints)."""
 

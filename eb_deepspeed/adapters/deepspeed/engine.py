@@ -27,7 +27,7 @@ from ...core.config import EasyBalanceConfig, read_json, strip_block
 from .. import common
 from ..common import dist_ready, join_startup_off
 from .gate import CrossLayerGate
-from .hooks import STATE_KEY, StepHook, is_pipeline, reduce_for, wrap_checkpointing
+from .hooks import StepHook, is_pipeline, reduce_for, wrap_checkpointing
 
 __all__ = ["initialize", "patch_deepspeed", "swap_gates", "find_moe_layers", "attach"]
 

@@ -33,8 +33,7 @@ from ...core.config import EasyBalanceConfig, strip_block
 from ...planning.placement import Placement
 from ..common import dist_rank, dist_ready
 from ..routing import Routing, SlotTable
-from ..serving.engine import ServingEngine
-from ..serving.store import flat_state, unflatten_into
+from ..serving.engine import ServingEngine, flat_state, unflatten_into
 from .engine import check_world_size, find_moe_layers
 from .hooks import incomplete_problem, latest_tag, mark_complete, mark_incomplete, on_rank0_for_all, refuse
 from .replicas import ReplicaGate
@@ -45,7 +44,7 @@ EXPERTS_PREFIX = ".deepspeed_moe.experts.deepspeed_experts."
 
 
 class MoEStore:
-    """The slot store (`adapters.serving.store.SlotStore`) of a model's `deepspeed.moe.layer.MoE` layers."""
+    """The slot store (`adapters.serving.engine.SlotStore`) of a model's `deepspeed.moe.layer.MoE` layers."""
 
     padded = True       # DeepSpeed's MOELayer pads every slot to the capacity
 

@@ -77,10 +77,12 @@ class EBRouter(TopKRouter):
         else:
             probs, routing_map = self._biased_routing(logits, padding_mask)
         flat = logits.reshape(-1, self.num_experts)
+        # the tokens that count (padding: False), for the tally and the device loss of a training forward
+        valid_T = None if padding_mask is None or not self.training else ~padding_mask.reshape(-1).to(torch.bool)
         if self.controls.device_loss_weight > 0 and self.training and torch.is_grad_enabled():
-            probs = self._attach_device_loss(flat, probs, routing_map, padding_mask)
+            probs = self._attach_device_loss(flat, probs, routing_map, valid_T)
         if self.training and not in_backward():
-            self._record(flat, routing_map, padding_mask)
+            self._record(flat, routing_map, valid_T)
         return probs, routing_map
 
     def _demand(self, logits_TE: torch.Tensor) -> torch.Tensor:
@@ -96,9 +98,8 @@ class EBRouter(TopKRouter):
             top_TK = scores.topk(self.topk, dim=1).indices
             return torch.zeros_like(logits_TE, dtype=torch.bool).scatter(1, top_TK, True)
 
-    def _record(self, logits_TE, routing_map_TE, padding_mask) -> None:
+    def _record(self, logits_TE, routing_map_TE, valid_T) -> None:
         with torch.no_grad():
-            valid_T = None if padding_mask is None else ~padding_mask.reshape(-1).to(torch.bool)
             # with capacity dropping the routing map holds the kept routes; the demand is the top-k choice
             demand_TE = routing_map_TE if self.config.moe_expert_capacity_factor is None else self._demand(logits_TE)
             if valid_T is not None:
@@ -124,8 +125,7 @@ class EBRouter(TopKRouter):
         finally:
             self.router_replay = None
 
-    def _attach_device_loss(self, logits_TE, probs, routing_map_TE, padding_mask):
-        valid_T = None if padding_mask is None else ~padding_mask.reshape(-1).to(torch.bool)
+    def _attach_device_loss(self, logits_TE, probs, routing_map_TE, valid_T):
         probs_TE = torch.softmax(logits_TE.float(), dim=-1) if self.score_function == "softmax" \
             else torch.sigmoid(logits_TE.float())
         kept = routing_map_TE if valid_T is None else routing_map_TE & valid_T[:, None]

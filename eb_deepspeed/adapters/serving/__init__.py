@@ -1,4 +1,4 @@
-"""Serving: one framework-neutral engine (`engine.ServingEngine`) over a runtime's slot store (`store.SlotStore`),
+"""Serving: one framework-neutral engine (`engine.ServingEngine`) over a runtime's slot store (`engine.SlotStore`),
 and `init_inference`, the one door (AutoEP's layers: `adapters.autoep.serving`; DeepSpeed's MOELayer:
 `adapters.deepspeed.serving`)."""
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Shape legend: L MoE layers, E logical experts, G EP ranks, S slots per rank, P physical slots (G * S; slot p
 lives on EP rank p // S), H home experts per rank (E / G).
 
-    engine = ServingEngine(store, config)       # the store: DeepSpeed's MOELayers or AutoEP's layers (`store.py`)
+    engine = ServingEngine(store, config)       # the store: DeepSpeed's MOELayers or AutoEP's layers (`SlotStore`)
     ...forward...; engine.after_batch()         # every view_interval batches: tally -> view (-> re-plan)
     engine.placement, engine.replans, engine.save_checkpoint("out"), engine.load_checkpoint("ckpt")
 
@@ -12,14 +12,18 @@ Serving starts in the runtime's own layout (H home experts per rank); an enabled
 [L, W] tally, posted in the background) and, once warm, at most every `replan_interval` batches, when a layer's
 expected skew passes `replan_threshold`, the cheaper of a plan with replicas and the home layout replaces the current
 placement if it beats it by the runtime's `Dispatch` (`choose_placement`); the weights move by `moves.Placer`
-(a failure anywhere keeps every rank's placement), then every rank's gates flip their tables."""
+(a failure anywhere keeps every rank's placement), then every rank's gates flip their tables.
+
+A runtime is served through a `SlotStore`: S_max slots a rank, each one expert's weights, and gates that put each
+logical route on a physical slot by a `routing.SlotTable`; a store only reads and writes slots and serves the tables
+it is given."""
 from __future__ import annotations
 
 import atexit
 import datetime
 import warnings
 import weakref
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,16 +33,58 @@ from ...core.config import EasyBalanceConfig
 from ...core.record import NullLogger
 from ...core.topology import node_map, resolve_topology
 from ...observe.monitor import JsonlLogger
-from ...planning.placement import (MAX_SLOTS, Placement, check_plan_size, choose_placement, plan_placement,
-                                   prefix_placement, runtime_dispatch, static_placement, with_prefix)
+from ...planning.placement import (MAX_LAYER_SLOTS, MAX_SCAN, MAX_SLOTS, Placement, check_plan_size,
+                                   choose_placement, plan_placement, prefix_placement, runtime_dispatch,
+                                   static_placement, with_prefix)
 from ..common import dist_rank, dist_ready, gather_startup, join_startup_off
 from ..moves import Placer, RowMover, slot_moves, transfer, transfer_stall
 from ..routing import Routing
-from .store import SlotStore
 
-__all__ = ["ServingEngine"]
+__all__ = ["ServingEngine", "SlotStore"]
 
 EXIT_WAIT_S = 30     # at exit, how long a view step in flight may wait for its reduce (its peers may be gone)
+
+
+class SlotStore(Protocol):
+    """A runtime's MoE layers as slots. Set at construction: `num_layers`, `num_experts`, `num_devices` (E, G of
+    every layer), `top_k` (per layer), `ep_group`, `device` (where collectives run), `padded` (every slot is
+    padded to the largest: DeepSpeed's MOELayer; else dropless); after `replicate`: `gates`
+    (one per layer, each with a `tally`)."""
+    gates: list
+
+    def replicate(self, slots: int, placement: Placement, routing: Routing) -> None:
+        """Give every layer `slots` (S_max) expert slots per rank, the home experts in the first H, and a gate
+        serving `placement`."""
+
+    def read_slot(self, layer: int, j: int) -> torch.Tensor:
+        """The whole state of this rank's slot j of `layer` as one vector (what a weight move sends)."""
+
+    def write_slot(self, layer: int, j: int, flat: torch.Tensor) -> None:
+        """Load `read_slot`'s vector into slot j."""
+
+    def serve(self, layer: int, placement: Placement) -> None:
+        """Serve `placement` in `layer` from its next forward on (its weights already in place)."""
+
+    def load_home(self, ckpt_dir: str, tag: Optional[str]) -> str:
+        """Load a DeepSpeed checkpoint's experts into the home layout (slots 0 .. H - 1); returns its path."""
+
+    def save_home(self, ckpt_dir: str, tag: str, homes: dict) -> str:
+        """Write DeepSpeed's checkpoint layout with the logical experts ({(layer, e): vector} of this rank's home
+        experts, `ServingEngine.home_states`); returns its path. Collective."""
+
+
+def flat_state(tensors) -> torch.Tensor:
+    """A slot's tensors as one vector (what `read_slot` returns and a weight move sends)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def unflatten_into(tensors, flat: torch.Tensor) -> None:
+    """`flat_state`'s vector back into `tensors`, in place."""
+    at = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[at:at + t.numel()].view_as(t))
+            at += t.numel()
 
 
 class ServingEngine(Placer):
@@ -57,14 +103,11 @@ class ServingEngine(Placer):
             warnings.warn(f'{path} has no effect in serving (mode "{config.mode}")')
         self.R = config.inference.replica_slots if enabled and config.balance else 0
         self.S_max = self.H + self.R
-        if self.G * self.S_max > MAX_SLOTS:      # before any expert is copied
-            raise ValueError(f"easybalance.inference.replica_slots ({self.R}): {self.G} ranks x ({self.H} home + "
-                             f"{self.R} replica slots) is more than the planner's {MAX_SLOTS} slots a layer; use at "
-                             f"most {MAX_SLOTS // self.G - self.H}")
-        try:
-            check_plan_size(self.L, self.G * self.S_max, self.G)     # what a re-plan would refuse mid-serving
+        try:        # before any expert is copied: what a re-plan would refuse mid-serving
+            check_plan_size(self.L, self.G * self.S_max, self.G)
         except ValueError as e:
-            raise ValueError(f"easybalance.inference.replica_slots ({self.R}): {e}") from None
+            fits = min(MAX_SLOTS, MAX_LAYER_SLOTS // self.L, MAX_SCAN // (self.L * self.G)) // self.G - self.H
+            raise ValueError(f"easybalance.inference.replica_slots ({self.R}): {e}; use at most {fits}") from None
         grouped = dist_ready() and self.G > 1
         self.rank = dist.get_rank(store.ep_group) if grouped else 0
         self.ep_ranks = dist.get_process_group_ranks(store.ep_group) if grouped else [dist_rank()]
