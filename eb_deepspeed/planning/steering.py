@@ -27,55 +27,46 @@ ROUNDS = 16       # water-filling rounds per batch at most (docs/benchmarks.md: 
 SETTLED = 1e-3    # a placement's rounds: the fewest whose device loads are within this share of ROUNDS' (test loads)
 
 
-def compact_copies(holds_GE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's copies as a split of many batches reads them (on the host, once per placement): the experts with
-    two or more copies flex_F [F] and their copies' ranks ranks_MF [M, F] (M: the most copies of one, G pads)."""
-    G = holds_GE.shape[0]
-    flex_F = torch.nonzero(holds_GE.sum(0) >= 2).flatten()
-    ranks = torch.where(holds_GE[:, flex_F], torch.arange(G, device=holds_GE.device)[:, None], G).sort(0).values
-    return flex_F, ranks[:max(1, int(holds_GE.sum(0).max()))]
+def flex_experts(holds_GE: torch.Tensor) -> torch.Tensor:
+    """The experts of one layer's placement with two or more copies, flex_F [F]: the only ones a split fills (on the
+    host, once per placement)."""
+    return torch.nonzero(holds_GE.sum(0) >= 2).flatten()
 
 
-def water_fill(c_LE: torch.Tensor, ranks_LME: torch.Tensor, x_LGE: torch.Tensor, rounds: int,
-               fixed_LG: torch.Tensor | float = 0.0) -> torch.Tensor:
+def water_fill(c_LE: torch.Tensor, holds_LGE: torch.Tensor, x_LGE: torch.Tensor, rounds: int,
+               fixed_LG: torch.Tensor | None = None) -> torch.Tensor:
     """`rounds` rounds of water filling from x_LGE [L, G, E] (each expert's routes on each rank, float64, summing to
-    c_LE [L, E] over G, zero where no copy) over its copies ranks_LME [L, M, E] (the ranks holding each expert, G
-    pads: a level is a sort of M; or holds_LGE, bool: M = G); fixed_LG: each rank's routes of experts not filled."""
-    L, G, E = x_LGE.shape
-    if ranks_LME.dtype == torch.bool:        # fixed shapes, no host read
-        ranks_LME = torch.where(ranks_LME, torch.arange(G, device=x_LGE.device)[:, None], G)
-    x = torch.where(ranks_LME < G, x_LGE.gather(1, ranks_LME.clamp_max(G - 1)), 0.0)     # [L, M, E] on each copy
-    # rank G: the padding's, loaded far above any level (it takes nothing)
-    load = torch.cat((x_LGE.sum(2) + fixed_LG, x.new_full((L, 1), torch.finfo(x.dtype).max / 4)), 1)
-    k = torch.arange(1, ranks_LME.shape[1] + 1, dtype=x.dtype, device=x.device).view(1, -1, 1)
+    c_LE [L, E] over G, zero where holds_LGE is False); fixed_LG: each rank's routes of experts not filled."""
+    G = holds_LGE.shape[1]
+    load_LG = x_LGE.sum(2) if fixed_LG is None else x_LGE.sum(2) + fixed_LG
+    far = torch.finfo(torch.float64).max / 4
+    k = torch.arange(1, G + 1, dtype=torch.float64, device=c_LE.device).view(1, G, 1)
     for _ in range(rounds):
         # Step 1: each expert's level over its copies' ranks: the lowest (routes + the k lowest bases) / k
-        base = load.gather(1, ranks_LME.flatten(1)).view_as(x) - x
-        level = base.sort(1).values.cumsum_(1).add_(c_LE.unsqueeze(1)).div_(k).amin(1, keepdim=True)
-        # Step 2: every expert towards its level by the one step that lowers the sum of squares most (the sums per
-        # rank dense, in a fixed order: every rank computes the same)
-        move = (level - base).clamp_min_(0.0).sub_(x)
-        move_LG = x.new_zeros(L, G + 1, E).scatter_(1, ranks_LME, move).sum(2)
-        step = (load * move_LG).sum(1).neg_().div_((move_LG * move_LG).sum(1).clamp_min_(1e-30)).clamp_(0.0, 1.0)
-        x.addcmul_(move, step.view(-1, 1, 1))
-        load = load.addcmul(move_LG, step.view(-1, 1))
-    return x.new_zeros(L, G + 1, E).scatter_(1, ranks_LME, x)[:, :G]
+        base = torch.where(holds_LGE, load_LG.unsqueeze(2) - x_LGE, far)          # no copy: far above any level
+        level = (base.sort(1).values.cumsum(1) + c_LE.unsqueeze(1)).div(k).amin(1, keepdim=True)
+        # Step 2: every expert towards its level by the one step that lowers the sum of squares most
+        move = torch.where(holds_LGE, (level - base).clamp_min(0.0), 0.0) - x_LGE
+        move_LG = move.sum(2)
+        step = ((load_LG * move_LG).sum(1).neg() / (move_LG * move_LG).sum(1).clamp_min(1e-30)).clamp(0.0, 1.0)
+        x_LGE = x_LGE + move * step.view(-1, 1, 1)
+        load_LG = load_LG + move_LG * step.view(-1, 1)
+    return x_LGE
 
 
 def split(counts_LE: torch.Tensor, holds_LGE: torch.Tensor, rounds: int = ROUNDS,
-          copies: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+          flex_F: torch.Tensor | None = None) -> torch.Tensor:
     """n_LGE [L, G, E] (long): the routes of each expert (counts_LE [L, E], every rank's) that each rank holding a
     copy of it (holds_LGE [L, G, E] bool) computes, so that the busiest rank takes as few as it can; sums over G to
-    counts_LE, zero where there is no copy. copies: `compact_copies` of holds shared by the L layers, where the
-    caller has them (only the experts with copies are filled, over their copies)."""
+    counts_LE, zero where there is no copy. flex_F: `flex_experts` of holds shared by the L layers, where the caller
+    has them (only those are filled; the others' routes stay on their one copy)."""
     c = counts_LE.to(torch.float64)
     x = holds_LGE * (c / holds_LGE.sum(1).clamp_min(1)).unsqueeze(1)
-    if copies is None:
+    if flex_F is None:
         x = water_fill(c, holds_LGE, x, rounds)
     else:
-        flex_F, ranks_MF = copies
-        x = x.index_copy(2, flex_F, water_fill(c[:, flex_F], ranks_MF.expand(len(x), -1, -1), x[:, :, flex_F],
-                                               rounds, x.index_fill(2, flex_F, 0.0).sum(2)))
+        x = x.index_copy(2, flex_F, water_fill(c[:, flex_F], holds_LGE[:, :, flex_F], x[:, :, flex_F], rounds,
+                                               x.index_fill(2, flex_F, 0.0).sum(2)))
     # Step 3: whole routes, each expert's split rounded cumulatively over the ranks (float drift to its largest copy)
     ends = torch.minimum(x.clamp_min(0.0).cumsum(1).round(), c.unsqueeze(1))
     n = torch.diff(ends, dim=1, prepend=torch.zeros_like(ends[:, :1])).long()
@@ -92,10 +83,10 @@ def rounds_needed(holds_GE: torch.Tensor) -> int:
     loads = torch.stack([(n_E * 1000 * torch.randn(len(n_E), generator=g).mul(0.5).exp()).long() for _ in range(8)])
     if bool((n_E <= 1).all()):
         return 0
-    copies = compact_copies(holds_GE.cpu())
-    best = split(loads, holds, ROUNDS, copies).sum(2).double()
+    flex_F = flex_experts(holds_GE.cpu())
+    best = split(loads, holds, ROUNDS, flex_F).sum(2).double()
     rounds = 1
-    while rounds < ROUNDS and float((split(loads, holds, rounds, copies).sum(2) - best).abs().max()) > \
+    while rounds < ROUNDS and float((split(loads, holds, rounds, flex_F).sum(2) - best).abs().max()) > \
             SETTLED * float(best.mean()):
         rounds *= 2
     return rounds
@@ -145,6 +136,6 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, rounds: int = ROUND
         torch.tensor(True))[:, :E]
     if not torch.equal(holds_GE.sum(0), (devices_ER >= 0).sum(1)):
         raise ValueError("devices_ER holds two copies of an expert on one device")
-    n_GE = split(counts_GE.sum(0)[None], holds_GE[None], rounds, compact_copies(holds_GE))[0]
+    n_GE = split(counts_GE.sum(0)[None], holds_GE[None], rounds, flex_experts(holds_GE))[0]
     n_ER = torch.where(devices_ER >= 0, n_GE.T.gather(1, devices_ER.clamp_min(0)), 0)     # by copy, the caller's order
     return rank_share(counts_GE, n_ER, devices_ER=devices_ER)
