@@ -38,20 +38,22 @@ def water_fill(c_LE: torch.Tensor, holds_LGE: torch.Tensor, x_LGE: torch.Tensor,
     """`rounds` rounds of water filling from x_LGE [L, G, E] (each expert's routes on each rank, float64, summing to
     c_LE [L, E] over G, zero where holds_LGE is False); fixed_LG: each rank's routes of experts not filled."""
     G = holds_LGE.shape[1]
-    load_LG = x_LGE.sum(2) if fixed_LG is None else x_LGE.sum(2) + fixed_LG
+    x = x_LGE.clone()
+    load_LG = x.sum(2) if fixed_LG is None else x.sum(2) + fixed_LG
     far = torch.finfo(torch.float64).max / 4
     k = torch.arange(1, G + 1, dtype=torch.float64, device=c_LE.device).view(1, G, 1)
     for _ in range(rounds):
         # Step 1: each expert's level over its copies' ranks: the lowest (routes + the k lowest bases) / k
-        base = torch.where(holds_LGE, load_LG.unsqueeze(2) - x_LGE, far)          # no copy: far above any level
-        level = (base.sort(1).values.cumsum(1) + c_LE.unsqueeze(1)).div(k).amin(1, keepdim=True)
-        # Step 2: every expert towards its level by the one step that lowers the sum of squares most
-        move = torch.where(holds_LGE, (level - base).clamp_min(0.0), 0.0) - x_LGE
+        base = torch.where(holds_LGE, load_LG.unsqueeze(2) - x, far)          # no copy: far above any level
+        level = base.sort(1).values.cumsum_(1).add_(c_LE.unsqueeze(1)).div_(k).amin(1, keepdim=True)
+        # Step 2: every expert towards its level by the one step that lowers the sum of squares most (no copy:
+        # below its far base, it moves nothing)
+        move = (level - base).clamp_min_(0.0).sub_(x)
         move_LG = move.sum(2)
-        step = ((load_LG * move_LG).sum(1).neg() / (move_LG * move_LG).sum(1).clamp_min(1e-30)).clamp(0.0, 1.0)
-        x_LGE = x_LGE + move * step.view(-1, 1, 1)
+        step = ((load_LG * move_LG).sum(1).neg_() / (move_LG * move_LG).sum(1).clamp_min_(1e-30)).clamp_(0.0, 1.0)
+        x += move.mul_(step.view(-1, 1, 1))
         load_LG = load_LG + move_LG * step.view(-1, 1)
-    return x_LGE
+    return x
 
 
 def split(counts_LE: torch.Tensor, holds_LGE: torch.Tensor, rounds: int = ROUNDS,

@@ -151,13 +151,17 @@ class Fetch(torch.autograd.Function):
         return (None, *out)
 
 
+def _rows(tensors: list, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of every tensor [N, ...], side by side: [len(index), the tensors' row sizes summed]."""
+    return torch.cat([t[index].reshape(len(index), t[0].numel()) for t in tensors], 1)
+
+
 def _guarded_rows(owner: LayerReplicas, tensors: list, index: torch.Tensor, what: str) -> torch.Tensor:
-    """Rows `index` of every tensor [N, ...], side by side ([len(index), the tensors' row sizes summed]), or, when
-    reading them fails on this rank, zeros of that shape, so that every rank still meets in the all-to-all (no
-    hang); the failure is kept (`owner.failed`) and every rank raises before the optimizer step, so no rank steps
-    on what a failed transfer computed."""
+    """`_rows`, or, when reading them fails on this rank, zeros of the planned shape, so that every rank still
+    meets in the all-to-all (no hang); the failure is kept (`owner.failed`) and every rank raises before the
+    optimizer step, so no rank steps on what a failed transfer computed."""
     try:
-        return torch.cat([t[index].reshape(len(index), t[0].numel()) for t in tensors], 1)
+        return _rows(tensors, index)
     except Exception as e:   # noqa: BLE001 - any failure here, reported on every rank at the step
         owner.failed.append(f"{what} failed on rank {dist.get_rank()}: {type(e).__name__}: {e}")
         width = sum(t[0].numel() for t in tensors)
