@@ -109,8 +109,8 @@ def exact_routes(counts_GE: torch.Tensor, slot_EG: torch.Tensor, P: int, rank: i
     """The exact split of one batch (counts_GE [G, E]: `exchange_counts`) over the copies slot_EG [E, G] (each
     expert's physical slot on each rank, -1: none) on the device (`planning.steering.split`, or the given split
     n_GE [G, E]; every rank computes the same from the same integers; flex_F: `SlotTable.copies_on`'s), each
-    rank filling its own copies first. Returns this rank's routes per copy [E, G] and every rank's routes per physical slot sends_GP [G, P] (row g:
-    what rank g sends; column block g: what rank g receives)."""
+    rank filling its own copies first. Returns this rank's routes per copy [E, G] and every rank's routes per
+    physical slot sends_GP [G, P] (row g: what rank g sends; column block g: what rank g receives)."""
     G = counts_GE.shape[0]
     if n_GE is None:
         n_GE = split(counts_GE.sum(0)[None], (slot_EG.T >= 0)[None], rounds, flex_F)[0]
