@@ -114,3 +114,12 @@ def test_a_checkpoint_with_a_tensor_of_another_size_loads_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"of another size \['1\.weight'\]\); nothing was loaded"):
         load_moe_checkpoint(model, str(tmp_path))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())     # the gate's 7s did not go in
+
+
+def test_the_deepspeed_moe_door_refuses_a_model_without_moe_layers_before_deepspeed_is_touched(monkeypatch):
+    import deepspeed
+
+    from eb_deepspeed.adapters.deepspeed.serving import init_inference
+    monkeypatch.setattr(deepspeed, "init_inference", lambda *a, **k: pytest.fail("DeepSpeed was called"))
+    with pytest.raises(ValueError, match=r"no deepspeed.moe.layer.MoE layers \(an AutoEP-converted model"):
+        init_inference(torch.nn.Sequential(torch.nn.Linear(8, 8)), config={"easybalance": {"mode": "observe"}})
