@@ -368,7 +368,7 @@ def bench_split(experts: int = 256, devices: int = 64, slots: int = 5, layers: i
     for batches drawn from that heat shifted (traffic the plan has not seen): its time (per batch the fastest of
     `repeats`, then the median) and the worst batch's busiest rank over the LP's (`exact.steered_max`)."""
     from eb_deepspeed.planning.placement import plan_placement
-    from eb_deepspeed.planning.steering import flex_experts, rounds_needed, split
+    from eb_deepspeed.planning.steering import fill_of, split
 
     g = torch.Generator().manual_seed(0)
     heat_LE = torch.rand(layers, experts, generator=g).double().pow(-1 / 1.2)
@@ -376,15 +376,15 @@ def bench_split(experts: int = 256, devices: int = 64, slots: int = 5, layers: i
     ms, worst = [], 0.0
     for layer in range(layers):
         holds_GE = plan.holds_mask()[layer]
-        rounds, flex_F = rounds_needed(holds_GE), flex_experts(holds_GE)     # per placement
+        fill = fill_of(holds_GE)                                              # per placement
         for _ in range(batches):
             shifted_E = heat_LE[layer] * torch.rand(experts, generator=g).double().pow(-0.3)
             counts_E = torch.multinomial(shifted_E, tokens, replacement=True, generator=g).bincount(minlength=experts)
-            split(counts_E[None], holds_GE[None], rounds, flex_F)                  # warm-up
+            split(counts_E[None], holds_GE[None], fill)                  # warm-up
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                n_GE = split(counts_E[None], holds_GE[None], rounds, flex_F)[0]
+                n_GE = split(counts_E[None], holds_GE[None], fill)[0]
                 times.append((time.perf_counter() - t0) * 1e3)
             ms.append(min(times))
             load_G = n_GE.sum(1)

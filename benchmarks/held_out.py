@@ -37,7 +37,7 @@ import torch
 
 from eb_deepspeed.planning import placement
 from eb_deepspeed.planning.placement import plan_placement
-from eb_deepspeed.planning.steering import rounds_needed, split
+from eb_deepspeed.planning.steering import fill_of, split
 
 from .eplb_port import rebalance_global
 from .exact import steered_max, uniform_loads
@@ -76,7 +76,7 @@ def _judge(phy_LP: torch.Tensor, counts_LE: torch.Tensor, G: int, S: int) -> dic
     for layer in range(L):
         holds_GE = torch.zeros(G, E + 1, dtype=torch.bool)
         holds_GE[torch.arange(G * S) // S, torch.where(phy_LP[layer] >= 0, phy_LP[layer], E)] = True
-        n_GE = split(counts_LE[layer:layer + 1].long(), holds_GE[None, :, :E], rounds_needed(holds_GE[:, :E]))[0]
+        n_GE = split(counts_LE[layer:layer + 1].long(), holds_GE[None, :, :E], fill_of(holds_GE[:, :E]))[0]
         runtime.append(float(n_GE.sum(1).max()))
     return {"even": _balancedness(uniform_loads(phy_LP, counts_LE, S).max(1), counts_LE, G),
             "runtime": _balancedness(runtime, counts_LE, G),

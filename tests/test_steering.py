@@ -4,7 +4,7 @@ import torch
 
 from benchmarks.exact import steered_max_load
 from eb_deepspeed.planning.placement import plan_placement
-from eb_deepspeed.planning.steering import rank_share, rounds_needed, split, steer
+from eb_deepspeed.planning.steering import Fill, fill_of, rank_share, split, steer
 
 pytestmark = pytest.mark.unit
 
@@ -57,7 +57,7 @@ def holds(devices_ER, G):
 
 def n_of(devices_ER, counts_E, G, rounds=16):
     """The split's routes per copy [E, R], copies as devices_ER orders them."""
-    n_GE = split(counts_E[None], holds(devices_ER, G)[None], rounds)[0]
+    n_GE = split(counts_E[None], holds(devices_ER, G)[None], Fill(rounds))[0]
     return torch.where(devices_ER >= 0, n_GE.T.gather(1, devices_ER.clamp_min(0)), 0)
 
 
@@ -82,15 +82,16 @@ def test_a_placement_takes_the_rounds_its_copies_need_and_no_split_is_worse_for_
     # expert 0 on ranks 0-1, expert 1 on 1-2, expert 2 on 2-3: each level moves its neighbours'
     chained = torch.tensor([[0, 1], [1, 2], [2, 3], [0, -1], [3, -1]]), 4
     wide = random_case(0, G=16, E=32, S=3)[0], 16
-    rounds = [rounds_needed(holds(*case)) for case in (apart, chained, wide)]
+    fills = [fill_of(holds(*case)) for case in (apart, chained, wide)]
+    rounds = [fill.rounds for fill in fills]
     assert rounds[0] == 1 and 1 < rounds[1] <= 16 and rounds[2] > rounds[0]
     g = torch.Generator().manual_seed(3)
-    for (devices_ER, G), r in zip((apart, chained, wide), rounds):
+    for (devices_ER, G), f in zip((apart, chained, wide), fills):
         for _ in range(5):
             counts_E = torch.randint(0, 1000, (devices_ER.shape[0], ), generator=g)
-            loads = [split(counts_E[None], holds(devices_ER, G)[None], n)[0].sum(1).max() for n in (r, 16)]
+            loads = [split(counts_E[None], holds(devices_ER, G)[None], fill)[0].sum(1).max() for fill in (f, Fill())]
             assert float(loads[0]) <= float(loads[1]) * 1.01 + 2       # 16 rounds gain nothing on it
-    assert rounds_needed(holds(torch.tensor([[0], [1]]), 2)) == 0               # no copies to split
+    assert fill_of(holds(torch.tensor([[0], [1]]), 2)).rounds == 0               # no copies to split
 
 
 def test_with_the_copies_ranks_each_rank_fills_its_own_copy_first_and_every_sum_holds():
@@ -135,3 +136,14 @@ def test_the_count_exchange_is_taken_over_at_one_layers_call_site_and_nowhere_el
     assert (plan.input_splits, plan.output_splits) == ([3, 1], [2, 2])           # no exchange: the staged sizes
     assert plan.local_counts_by_source.dtype == torch.int32 and plan.local_counts_by_source.tolist() == [[1, 1], [0, 0]]
     assert routes._splits is None                                 # taken once, by this forward
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_level_reads_only_the_most_copies_lowest_loads_and_splits_as_if_it_read_every_rank(seed):
+    devices_ER, counts_GE = random_case(seed, G=16, E=32, S=4)
+    holds_LGE = holds(devices_ER, 16)[None]
+    fill = fill_of(holds_LGE[0], 16)
+    assert fill.copies == int(holds_LGE.sum(1).max()) and len(fill.flex_F) == int((holds_LGE.sum(1) > 1).sum())
+    n_LGE = split(counts_GE.sum(0)[None], holds_LGE, fill)
+    assert torch.equal(n_LGE, split(counts_GE.sum(0)[None], holds_LGE, fill._replace(copies=None)))   # bit for bit
+    assert fill.copies > 2 and not torch.equal(n_LGE, split(counts_GE.sum(0)[None], holds_LGE, fill._replace(copies=2)))

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..planning.steering import flex_experts, rank_share, rounds_needed, split
+from ..planning.steering import Fill, fill_of, rank_share, split
 
 __all__ = ["SlotTable", "Routing"]
 
@@ -29,17 +29,15 @@ class SlotTable:
     fraction_ER: torch.Tensor
     copies: dict = field(default_factory=dict, repr=False)
 
-    def copies_on(self, S: int, G: int, device) -> tuple[torch.Tensor, int, torch.Tensor]:
+    def copies_on(self, S: int, G: int, device) -> tuple[torch.Tensor, Fill]:
         """The exact split's view of this table on `device` (built once, when a gate is given the table): each
-        expert's slot on each rank slot_EG [E, G] (-1: no copy there), the rounds its split needs, and its
-        `flex_experts`."""
+        expert's slot on each rank slot_EG [E, G] (-1: no copy there) and what its split fills (`fill_of`)."""
         if device not in self.copies:
             E = self.log2phy_ER.shape[0]
             slot_EG = torch.full((E, G + 1), -1, dtype=torch.long)
             slot_EG.scatter_(1, torch.where(self.log2phy_ER >= 0, self.log2phy_ER // S, G), self.log2phy_ER)
-            holds_GE = slot_EG[:, :G].T >= 0
-            self.copies[device] = (slot_EG[:, :G].to(device), rounds_needed(holds_GE),
-                                   flex_experts(holds_GE).to(device))
+            fill = fill_of(slot_EG[:, :G].T >= 0)
+            self.copies[device] = (slot_EG[:, :G].to(device), fill._replace(flex_F=fill.flex_F.to(device)))
         return self.copies[device]
 
     @classmethod
@@ -104,16 +102,16 @@ def exchange_counts(counts_E: torch.Tensor, G: int, ep_group) -> torch.Tensor:
     return counts_GE
 
 
-def exact_routes(counts_GE: torch.Tensor, slot_EG: torch.Tensor, P: int, rank: int, rounds: int = 16,
-                 flex_F: Optional[torch.Tensor] = None, n_GE: Optional[torch.Tensor] = None):
+def exact_routes(counts_GE: torch.Tensor, slot_EG: torch.Tensor, P: int, rank: int, fill: Fill = Fill(),
+                 n_GE: Optional[torch.Tensor] = None):
     """The exact split of one batch (counts_GE [G, E]: `exchange_counts`) over the copies slot_EG [E, G] (each
     expert's physical slot on each rank, -1: none) on the device (`planning.steering.split`, or the given split
-    n_GE [G, E]; every rank computes the same from the same integers; flex_F: `SlotTable.copies_on`'s), each
+    n_GE [G, E]; every rank computes the same from the same integers; fill: `SlotTable.copies_on`'s), each
     rank filling its own copies first. Returns this rank's routes per copy [E, G] and every rank's routes per
     physical slot sends_GP [G, P] (row g: what rank g sends; column block g: what rank g receives)."""
     G = counts_GE.shape[0]
     if n_GE is None:
-        n_GE = split(counts_GE.sum(0)[None], (slot_EG.T >= 0)[None], rounds, flex_F)[0]
+        n_GE = split(counts_GE.sum(0)[None], (slot_EG.T >= 0)[None], fill)[0]
     share_GEG = rank_share(counts_GE, n_GE.T, devices_ER=torch.where(slot_EG >= 0, torch.arange(G, device=slot_EG.device), -1))
     sends_GP = torch.zeros(G, P + 1, dtype=torch.long, device=counts_GE.device)
     sends_GP.scatter_add_(1, torch.where(slot_EG >= 0, slot_EG, P).reshape(1, -1).expand(G, -1), share_GEG.reshape(G, -1))

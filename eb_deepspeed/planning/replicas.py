@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .steering import water_fill
+from .steering import Fill, water_fill
 
 __all__ = ["choose_replicas", "copies"]
 
@@ -58,7 +58,7 @@ def choose_replicas(counts_LE: torch.Tensor, home_LE: torch.Tensor, num_devices:
     for _ in range(waves):
         # Step 1: the split over the copies so far (water filling from the even split); pieces above the mean,
         # rooms below it
-        x_LGE = water_fill(c, holds, holds * (c / holds.sum(1)).unsqueeze(1), rounds)
+        x_LGE = water_fill(c, holds, holds * (c / holds.sum(1)).unsqueeze(1), Fill(rounds))
         load_LG = x_LGE.sum(2)
         excess_LG = (load_LG - mean).clamp_min(0.0)
         room_LG = torch.where(free > 0, (mean - load_LG).clamp_min(0.0), 0.0)

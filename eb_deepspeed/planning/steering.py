@@ -2,8 +2,7 @@
 few as it can, on the device (torch ops of fixed shapes, no host read, no loop over experts, tokens or ranks). One
 split for serving's placements and training's replicas chosen each micro-batch.
 
-Shape legend: L layers (independent splits side by side), G EP ranks (devices), E logical experts, R copies of one
-expert.
+Shape legend: L layers (independent splits side by side), G EP ranks, E logical experts, R copies of one expert.
 
     n_LGE = split(counts_LE, holds_LGE)                # routes of each expert each rank computes
     mine_ER = rank_share(counts_GE, n_ER)[rank]        # the part of a split this rank sends
@@ -12,10 +11,12 @@ expert.
 Water filling: an expert's routes go to its copies so that the sum of squared device loads is least (a flow
 problem's least-squares loads are also its min-max ones). Each round every expert computes its water level over its
 copies' ranks, the others' loads as they are, and all step towards theirs by one exact line search (the moves are
-linear in the step); then whole routes, each expert's split rounded cumulatively over its ranks. A placement's rounds
-are found once, on the host (`rounds_needed`): experts whose copies share no rank settle in one round, a wide
-coupled layer takes all 16."""
+linear in the step); then whole routes. What a placement's split needs is found once, on the host (`fill_of`): the
+experts with two or more copies (the only ones filled), the most copies one has (a level reads that many lowest
+bases), the rounds (experts whose copies share no rank settle in one, a wide coupled layer takes all 16)."""
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -27,71 +28,74 @@ ROUNDS = 16       # water-filling rounds per batch at most (docs/benchmarks.md: 
 SETTLED = 1e-3    # a placement's rounds: the fewest whose device loads are within this share of ROUNDS' (test loads)
 
 
-def flex_experts(holds_GE: torch.Tensor) -> torch.Tensor:
-    """The experts of one layer's placement with two or more copies, flex_F [F]: the only ones a split fills (on the
-    host, once per placement)."""
-    return torch.nonzero(holds_GE.sum(0) >= 2).flatten()
+class Fill(NamedTuple):
+    """What a split fills: `rounds` of water filling, only the experts flex_F [F] (None: all), whose copies are at
+    most `copies` (None: every rank)."""
+    rounds: int = ROUNDS
+    flex_F: Optional[torch.Tensor] = None
+    copies: Optional[int] = None
 
 
-def water_fill(c_LE: torch.Tensor, holds_LGE: torch.Tensor, x_LGE: torch.Tensor, rounds: int,
+def water_fill(c_LE: torch.Tensor, holds_LGE: torch.Tensor, x_LGE: torch.Tensor, fill: Fill,
                fixed_LG: torch.Tensor | None = None) -> torch.Tensor:
-    """`rounds` rounds of water filling from x_LGE [L, G, E] (each expert's routes on each rank, float64, summing to
-    c_LE [L, E] over G, zero where holds_LGE is False); fixed_LG: each rank's routes of experts not filled."""
-    G = holds_LGE.shape[1]
-    x = x_LGE.clone()
-    load_LG = x.sum(2) if fixed_LG is None else x.sum(2) + fixed_LG
-    far = torch.finfo(torch.float64).max / 4
-    k = torch.arange(1, G + 1, dtype=torch.float64, device=c_LE.device).view(1, G, 1)
-    for _ in range(rounds):
-        # Step 1: each expert's level over its copies' ranks: the lowest (routes + the k lowest bases) / k
-        base = torch.where(holds_LGE, load_LG.unsqueeze(2) - x, far)          # no copy: far above any level
-        level = base.sort(1).values.cumsum_(1).add_(c_LE.unsqueeze(1)).div_(k).amin(1, keepdim=True)
-        # Step 2: every expert towards its level by the one step that lowers the sum of squares most (no copy:
-        # below its far base, it moves nothing)
-        move = (level - base).clamp_min_(0.0).sub_(x)
-        move_LG = move.sum(2)
-        step = ((load_LG * move_LG).sum(1).neg_() / (move_LG * move_LG).sum(1).clamp_min_(1e-30)).clamp_(0.0, 1.0)
-        x += move.mul_(step.view(-1, 1, 1))
-        load_LG = load_LG + move_LG * step.view(-1, 1)
-    return x
+    """`fill.rounds` rounds of water filling from x_LGE [L, G, E] (each expert's routes on each rank, float64, summing
+    to c_LE [L, E] over G, zero where holds_LGE is False); fixed_LG: each rank's routes of experts not filled."""
+    C = fill.copies or holds_LGE.shape[1]
+    c, k = c_LE.unsqueeze(1), torch.arange(1, C + 1, dtype=torch.float64, device=c_LE.device).view(1, C, 1)
+    off = torch.zeros_like(x_LGE).masked_fill_(~holds_LGE, torch.finfo(torch.float64).max / 4)  # no copy: far away
+    neg_x = x_LGE.neg()
+    load = x_LGE.sum(2, keepdim=True) if fixed_LG is None else x_LGE.sum(2, keepdim=True) + fixed_LG.unsqueeze(2)
+    for _ in range(fill.rounds):
+        # Step 1: each expert's level: the lowest (routes + its k lowest bases) / k (base: a load less its routes)
+        base = (load + off).add_(neg_x)
+        level = base.topk(C, 1, largest=False).values.cumsum_(1).add_(c).div_(k).amin(1, keepdim=True)
+        # Step 2: all towards their levels (no copy: it moves nothing) by the step least in squared loads (negated)
+        move = (level - base).clamp_min_(0.0).add_(neg_x)
+        move_G = move.sum(2, keepdim=True)
+        step = (load * move_G).sum(1, keepdim=True).div_((move_G * move_G).sum(1, keepdim=True).clamp_min_(1e-30))
+        neg_x.add_(move.mul_(step.clamp_(-1.0, 0.0)))
+        load.sub_(move_G.mul_(step))
+    return neg_x.neg_()
 
 
-def split(counts_LE: torch.Tensor, holds_LGE: torch.Tensor, rounds: int = ROUNDS,
-          flex_F: torch.Tensor | None = None) -> torch.Tensor:
+def split(counts_LE: torch.Tensor, holds_LGE: torch.Tensor, fill: Fill = Fill()) -> torch.Tensor:
     """n_LGE [L, G, E] (long): the routes of each expert (counts_LE [L, E], every rank's) that each rank holding a
     copy of it (holds_LGE [L, G, E] bool) computes, so that the busiest rank takes as few as it can; sums over G to
-    counts_LE, zero where there is no copy. flex_F: `flex_experts` of holds shared by the L layers, where the caller
-    has them (only those are filled; the others' routes stay on their one copy)."""
+    counts_LE, zero where there is no copy. fill: `fill_of` the holds shared by the L layers, where the caller has
+    it (experts outside its flex_F keep their routes on their one copy)."""
+    if fill.flex_F is None:
+        return _split(counts_LE, holds_LGE, fill)
+    one_copy, flex_F = holds_LGE * counts_LE.long().unsqueeze(1), fill.flex_F
+    return one_copy.index_copy_(2, flex_F, _split(counts_LE[:, flex_F], holds_LGE[:, :, flex_F], fill,
+                                                  one_copy.index_fill(2, flex_F, 0).sum(2)))
+
+
+def _split(counts_LE: torch.Tensor, holds_LGE: torch.Tensor, fill: Fill, fixed_LG: torch.Tensor | None = None):
+    """Water filling from the even split, then whole routes: each expert's split rounded cumulatively over the ranks
+    (float drift to its largest copy)."""
     c = counts_LE.to(torch.float64)
-    x = holds_LGE * (c / holds_LGE.sum(1).clamp_min(1)).unsqueeze(1)
-    if flex_F is None:
-        x = water_fill(c, holds_LGE, x, rounds)
-    else:
-        x = x.index_copy(2, flex_F, water_fill(c[:, flex_F], holds_LGE[:, :, flex_F], x[:, :, flex_F], rounds,
-                                               x.index_fill(2, flex_F, 0.0).sum(2)))
-    # Step 3: whole routes, each expert's split rounded cumulatively over the ranks (float drift to its largest copy)
+    x = water_fill(c, holds_LGE, holds_LGE * (c / holds_LGE.sum(1).clamp_min(1)).unsqueeze(1), fill, fixed_LG)
     ends = torch.minimum(x.clamp_min(0.0).cumsum(1).round(), c.unsqueeze(1))
     n = torch.diff(ends, dim=1, prepend=torch.zeros_like(ends[:, :1])).long()
     return n.scatter_add_(1, x.argmax(1, keepdim=True), (counts_LE.long() - n.sum(1)).unsqueeze(1))
 
 
-def rounds_needed(holds_GE: torch.Tensor) -> int:
-    """The fewest rounds (1, 2, 4, ... ROUNDS) whose every device load is within SETTLED of the mean load of ROUNDS'
-    on eight test loads (each expert's copies x a log-normal factor, seeded: every rank finds the same). On the
-    host, once per placement."""
-    holds = holds_GE.cpu()[None].expand(8, -1, -1)
-    g = torch.Generator().manual_seed(0)
+def fill_of(holds_GE: torch.Tensor, rounds: Optional[int] = None) -> Fill:
+    """One layer's placement's `Fill` (on the host, once per placement): its experts with two or more copies, the
+    most copies, and `rounds`, or (None) the fewest rounds (1, 2, 4, ... ROUNDS) whose every device load is within
+    SETTLED of the mean load of ROUNDS' on eight test loads (each expert's copies x a log-normal factor, seeded:
+    every rank finds the same)."""
     n_E = holds_GE.sum(0).cpu()
+    flex_F = torch.nonzero(n_E >= 2).flatten()
+    fill = Fill(rounds if rounds is not None else ROUNDS if len(flex_F) else 0, flex_F, int(n_E.max()))
+    if rounds is not None or not len(flex_F):
+        return fill
+    holds, g = holds_GE.cpu()[None].expand(8, -1, -1), torch.Generator().manual_seed(0)
     loads = torch.stack([(n_E * 1000 * torch.randn(len(n_E), generator=g).mul(0.5).exp()).long() for _ in range(8)])
-    if bool((n_E <= 1).all()):
-        return 0
-    flex_F = flex_experts(holds_GE.cpu())
-    best = split(loads, holds, ROUNDS, flex_F).sum(2).double()
-    rounds = 1
-    while rounds < ROUNDS and float((split(loads, holds, rounds, flex_F).sum(2) - best).abs().max()) > \
-            SETTLED * float(best.mean()):
-        rounds *= 2
-    return rounds
+    best = split(loads, holds, fill).sum(2).double()
+    settled = (fill._replace(rounds=r) for r in (1, 2, 4, 8)
+               if (split(loads, holds, fill._replace(rounds=r)).sum(2) - best).abs().max() <= SETTLED * best.mean())
+    return next(settled, fill)
 
 
 def rank_share(counts_GE: torch.Tensor, n_ER: torch.Tensor, devices_ER: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,7 +116,7 @@ def rank_share(counts_GE: torch.Tensor, n_ER: torch.Tensor, devices_ER: torch.Te
     return (torch.minimum(hi, ends_ER) - torch.maximum(lo, ends_ER - n_ER)).clamp_min(0)
 
 
-def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, rounds: int = ROUNDS) -> torch.Tensor:
+def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor) -> torch.Tensor:
     """The exact split for every source rank: split_GER [G, E, R] (long), rank g's routes to each copy.
 
     counts_GE: [G, E] routes each rank sends to each expert this batch; devices_ER: [E, R] EP rank of each copy,
@@ -138,6 +142,6 @@ def steer(counts_GE: torch.Tensor, devices_ER: torch.Tensor, rounds: int = ROUND
         torch.tensor(True))[:, :E]
     if not torch.equal(holds_GE.sum(0), (devices_ER >= 0).sum(1)):
         raise ValueError("devices_ER holds two copies of an expert on one device")
-    n_GE = split(counts_GE.sum(0)[None], holds_GE[None], rounds, flex_experts(holds_GE))[0]
+    n_GE = split(counts_GE.sum(0)[None], holds_GE[None], fill_of(holds_GE, ROUNDS))[0]
     n_ER = torch.where(devices_ER >= 0, n_GE.T.gather(1, devices_ER.clamp_min(0)), 0)     # by copy, the caller's order
     return rank_share(counts_GE, n_ER, devices_ER=devices_ER)

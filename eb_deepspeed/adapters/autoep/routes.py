@@ -119,8 +119,8 @@ class AutoEPRoutes(ServedTable):
             log2phy_ER, n_GE, rows_2G = self.replicas.route(counts_GE)
             n_ER, sends_GP = exact_routes(counts_GE, log2phy_ER, G * S, rank, n_GE=n_GE)
         else:
-            log2phy_ER, rounds, flex_F = self.table.copies_on(S, G, counts_E.device)
-            (n_ER, sends_GP), rows_2G = exact_routes(counts_GE, log2phy_ER, G * S, rank, rounds, flex_F), None
+            log2phy_ER, fill = self.table.copies_on(S, G, counts_E.device)
+            (n_ER, sends_GP), rows_2G = exact_routes(counts_GE, log2phy_ER, G * S, rank, fill), None
         received_GS = sends_GP[:, rank * S:(rank + 1) * S]
         sizes = torch.stack((sends_GP[rank].view(G, S).sum(1), received_GS.sum(1)))
         self._splits = (sizes if rows_2G is None else torch.cat((sizes, rows_2G)), received_GS)
