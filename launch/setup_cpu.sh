@@ -5,7 +5,7 @@
 # no training job pays for the compile inside its own time limit, and two checkouts never rebuild
 # each other's copy (torch keys a build by its flags, which name the venv).
 # Usage: source launch/setup_cpu.sh   (or bash it; the other launch scripts source it)
-# Sourced, it only exports PATH, DS_ACCELERATOR, WANDB_MODE, TORCH_EXTENSIONS_DIR and the EB_* names
+# Sourced, it only exports PATH, DS_ACCELERATOR, WANDB_MODE, OMP_NUM_THREADS, TORCH_EXTENSIONS_DIR and the EB_* names
 # below: the work runs in a subshell under `set -euo pipefail`, and your shell's options stay as they were.
 EB_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EB_VENV="${EB_VENV:-$EB_ROOT/.venv}"
@@ -13,6 +13,8 @@ EB_VENV="${EB_VENV:-$EB_ROOT/.venv}"
 export PATH="$EB_VENV/bin:$PATH"
 export DS_ACCELERATOR=cpu                       # DeepSpeed's CPU accelerator (gloo backend)
 export WANDB_MODE="${WANDB_MODE:-offline}"      # real W&B run files, no account; `wandb sync` uploads later
+# one thread per rank: the CPU jobs run 2 ranks on 2 cores (torch's thread per core makes a step 1.7-2.6x slower)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$EB_VENV/torch_extensions}"
 
 if ! (

@@ -12,10 +12,9 @@ port="$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); p
 # DeepSpeed's CPU shm comm op leaves a 64 MiB /dev/shm buffer per rank named by the port: remove ours on exit
 trap 'rm -f /dev/shm/deepspeed_allreduce_buffer_*_"$port"_*' EXIT
 # 200 steps (the balanced routes settle by ~120), micro-batch 16 x 64 tokens per rank, 8 held-out batches at the
-# end; one thread per rank (2 ranks on 2 cores: torch's default of one per core makes each step 2.6x slower here)
+# end (one thread per rank: setup_cpu.sh)
 job=(examples/train_hf_moe.py --deepspeed_config configs/train_hf_cpu_2rank.json --steps 200 --micro-batch 16
      --eval-batches 8)
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 deepspeed --num_gpus 2 --master_port "$port" "${job[@]}" --run-dir runs/main_baseline --mode observe "$@"
 deepspeed --num_gpus 2 --master_port "$port" "${job[@]}" --run-dir runs/main --baseline runs/main_baseline "$@"
 echo "plots: $EB_ROOT/runs/main/compare.png (plain AutoEP vs balanced) and runs/main/balance/plots"

@@ -9,7 +9,6 @@ cd "$EB_ROOT"
 port="$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 # DeepSpeed's CPU shm comm op leaves a 64 MiB /dev/shm buffer per rank named by the port: remove ours on exit
 trap 'rm -f /dev/shm/deepspeed_allreduce_buffer_*_"$port"_*' EXIT
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"      # one thread per rank: 2 ranks on 2 cores
 # First the baseline: the same job with easybalance only watching (observe: DeepSpeed's own routing,
 # bit-identical to plain DeepSpeed), then the balanced run, which compares itself with it.
 deepspeed --num_gpus 2 --master_port "$port" examples/train_moe_lm.py \

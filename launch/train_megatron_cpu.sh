@@ -9,6 +9,6 @@ cd "$EB_ROOT"
 port="$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 # DeepSpeed's CPU shm comm op leaves a 64 MiB /dev/shm buffer per rank named by the port: remove ours on exit
 trap 'rm -f /dev/shm/deepspeed_allreduce_buffer_*_"$port"_*' EXIT
-OMP_NUM_THREADS=1 deepspeed --num_gpus 2 --master_port "$port" examples/megatron_train_moe.py \
+deepspeed --num_gpus 2 --master_port "$port" examples/megatron_train_moe.py \
   --config configs/megatron_cpu.json --run-dir runs/megatron "$@"
 echo "plots: $EB_ROOT/runs/megatron/balance/plots   (re-render any time: eb report runs/megatron/balance)"

@@ -13,17 +13,17 @@ pytestmark = pytest.mark.slow
 def test_sourcing_the_setup_reuses_this_checkouts_shm_op_and_leaves_the_callers_shell_options_as_they_were():
     """Sourced in a shell with `set +euo pipefail`: the options come back as they were (before: `set -euo pipefail`
     stayed, so the caller's next failing command closed the terminal); TORCH_EXTENSIONS_DIR is this checkout's,
-    and the op built there (by the set-up that ran the tests) is loaded, not rebuilt."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "EB_VENV")}
+    and the op built there (by the set-up that ran the tests) is loaded, not rebuilt; one thread per rank."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "EB_VENV", "OMP_NUM_THREADS")}
     ext_dir = os.path.join(ROOT, ".venv", "torch_extensions")          # keyed per checkout, not a shared cache
     built = [os.path.join(d, f) for d, _, files in os.walk(ext_dir) for f in files if f.endswith(".so")]
     assert built, f"no compiled op under {ext_dir}"
     before = {path: os.stat(path).st_mtime_ns for path in built}
     script = ('set +euo pipefail; before="$(set +o)"; source launch/setup_cpu.sh >/dev/null; after="$(set +o)"; '
-              '[ "$before" = "$after" ] && echo same-options; false; echo "$TORCH_EXTENSIONS_DIR"')
+              '[ "$before" = "$after" ] && echo same-options; false; echo "$TORCH_EXTENSIONS_DIR $OMP_NUM_THREADS"')
     proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[-2:] == ["same-options", ext_dir]
+    assert proc.stdout.splitlines()[-2:] == ["same-options", f"{ext_dir} 1"]     # one thread per rank
     assert {path: os.stat(path).st_mtime_ns for path in built} == before   # loaded, not rebuilt
 
 
