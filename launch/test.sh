@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up, then run the tests.
 #   bash launch/test.sh            everything: unit, real multi-process DeepSpeed/gloo jobs, the main job
-#   bash launch/test.sh --fast     the unit subset only (pure logic, one process; about 2.5 min on 2 cores)
+#   bash launch/test.sh --fast     the unit subset only (pure logic, one process; about 1.5 min on 2 cores)
 # Other arguments go to pytest (e.g. -k checkpoint, -x).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_cpu.sh"
