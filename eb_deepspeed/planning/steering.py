@@ -59,10 +59,10 @@ def water_fill(c_LE: torch.Tensor, holds_LGE: torch.Tensor, x_LGE: torch.Tensor,
 
 
 def split(counts_LE: torch.Tensor, holds_LGE: torch.Tensor, fill: Fill = Fill()) -> torch.Tensor:
-    """n_LGE [L, G, E] (long): the routes of each expert (counts_LE [L, E], every rank's) that each rank holding a
-    copy of it (holds_LGE [L, G, E] bool) computes, so that the busiest rank takes as few as it can; sums over G to
-    counts_LE, zero where there is no copy. fill: `fill_of` the holds shared by the L layers, where the caller has
-    it (experts outside its flex_F keep their routes on their one copy)."""
+    """n_LGE [L, G, E] (long): the routes of each expert (counts_LE [L, E], integers, every rank's; each expert with
+    routes has a copy) that each rank holding one (holds_LGE [L, G, E] bool) computes, so that the busiest rank takes
+    as few as it can; sums over G to counts_LE, zero where there is no copy. fill: `fill_of` the holds, which the L
+    layers must then share (the experts outside flex_F keep their routes on one copy; flex_F on counts' device)."""
     if fill.flex_F is None:
         return _split(counts_LE, holds_LGE, fill)
     one_copy, flex_F = holds_LGE * counts_LE.long().unsqueeze(1), fill.flex_F
