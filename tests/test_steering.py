@@ -4,7 +4,7 @@ import torch
 
 from benchmarks.exact import steered_max_load
 from eb_deepspeed.planning.placement import plan_placement
-from eb_deepspeed.planning.steering import Fill, fill_of, rank_share, split, steer
+from eb_deepspeed.planning.steering import Fill, fill_of, rank_share, split, steer, water_fill
 
 pytestmark = pytest.mark.unit
 
@@ -146,4 +146,33 @@ def test_a_level_reads_only_the_most_copies_lowest_loads_and_splits_as_if_it_rea
     assert fill.copies == int(holds_LGE.sum(1).max()) and len(fill.flex_F) == int((holds_LGE.sum(1) > 1).sum())
     n_LGE = split(counts_GE.sum(0)[None], holds_LGE, fill)
     assert torch.equal(n_LGE, split(counts_GE.sum(0)[None], holds_LGE, fill._replace(copies=None)))   # bit for bit
+    assert torch.equal(n_LGE, plain_split(counts_GE.sum(0)[None], holds_LGE, fill.flex_F))   # as the plain rounds do
+    c_LF, holds_LGF = counts_GE.sum(0)[None, fill.flex_F].double(), holds_LGE[:, :, fill.flex_F]
+    x_LGF, fixed_LG = holds_LGF * (c_LF / holds_LGF.sum(1)).unsqueeze(1), torch.rand(1, 16) * 100
+    assert torch.equal(water_fill(c_LF, holds_LGF, x_LGF, fill, fixed_LG), plain_fill(c_LF, holds_LGF, x_LGF, fixed_LG))
     assert fill.copies > 2 and not torch.equal(n_LGE, split(counts_GE.sum(0)[None], holds_LGE, fill._replace(copies=2)))
+
+
+def plain_fill(c_LF, holds_LGF, x_LGF, fixed_LG, rounds=16):
+    """The water filling as first written (a full sort of every rank's base each round), the reference."""
+    G, load = holds_LGF.shape[1], x_LGF.sum(2) + fixed_LG
+    k = torch.arange(1, G + 1, dtype=torch.float64).view(1, G, 1)
+    for _ in range(rounds):
+        base = torch.where(holds_LGF, load.unsqueeze(2) - x_LGF, torch.finfo(torch.float64).max / 4)
+        level = (base.sort(1).values.cumsum(1) + c_LF.unsqueeze(1)).div(k).amin(1, keepdim=True)
+        move = (level - base).clamp_min(0.0) - x_LGF
+        move_G = move.sum(2)
+        step = (-(load * move_G).sum(1) / (move_G * move_G).sum(1).clamp_min(1e-30)).clamp(0.0, 1.0)
+        x_LGF, load = x_LGF + move * step.view(-1, 1, 1), load + move_G * step.view(-1, 1)
+    return x_LGF
+
+
+def plain_split(counts_LE, holds_LGE, flex_F):
+    """The split as first written: the flex experts filled by `plain_fill`, every expert rounded."""
+    c = counts_LE.double()
+    x = holds_LGE * (c / holds_LGE.sum(1).clamp_min(1)).unsqueeze(1)
+    h, cf = holds_LGE[:, :, flex_F], c[:, flex_F]
+    x = x.index_copy(2, flex_F, plain_fill(cf, h, x[:, :, flex_F], x.index_fill(2, flex_F, 0.0).sum(2)))
+    ends = torch.minimum(x.clamp_min(0.0).cumsum(1).round(), c.unsqueeze(1))
+    n = torch.diff(ends, dim=1, prepend=torch.zeros_like(ends[:, :1])).long()
+    return n.scatter_add_(1, x.argmax(1, keepdim=True), (counts_LE.long() - n.sum(1)).unsqueeze(1))
