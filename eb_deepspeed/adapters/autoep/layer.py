@@ -21,8 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ...core.controls import LayerControls
-from ...core.controls import expert_balance_loss
+from ...core.controls import LayerControls, expert_balance_loss
 from ...core.tally import LayerTally, in_backward, logit_sums, route_counts
 
 __all__ = ["AutoEPBalance"]
