@@ -298,15 +298,12 @@ def held_out(traces: dict[str, torch.Tensor], G: int, S: int, batch: int = 32, d
     return out
 
 
-def permutation_gain(traces: dict[str, torch.Tensor], devices: list[int], seed: int = 0,
-                     replica_slots: tuple[int, ...] = (1, 2)) -> dict:
-    """Experts re-placed over EP ranks without replicas (a permutation: training-time placement) and with R replica
-    slots per rank (training-time replicas, issue 50) on real loads: {G: {"contiguous", "same_task", "other_tasks",
-    "same_task_r{R}", "other_tasks_r{R}": mean balancedness over the workloads}}. same_task: planned on half of a
-    workload's rows, judged on the other half (fine-tuning on one's own data; absent for one-row workloads);
-    other_tasks: planned on the other workloads, judged on this one's (the traffic changed). Replicas are judged
-    under the exact split (a route computed by whichever copy the batch's counts choose: the LP bound) and, as
-    `..._even`, an expert's routes divided evenly over its copies, each planned for its split."""
+def permutation_gain(traces: dict[str, torch.Tensor], devices: list[int], seed: int = 0) -> dict:
+    """Experts re-placed over EP ranks without replicas (a permutation: training-time placement) on real loads:
+    {G: {"contiguous", "same_task", "other_tasks": mean balancedness over the workloads}}. same_task: planned on half
+    of a workload's rows, judged on the other half (fine-tuning on one's own data; absent for one-row workloads);
+    other_tasks: planned on the other workloads, judged on this one's (the traffic changed). Training's replica
+    slots are chosen per micro-batch: `python -m benchmarks.train_replicas --replay`."""
     g = torch.Generator().manual_seed(seed)
     L, E = next(iter(traces.values())).shape[1:]
     out = {}
@@ -323,10 +320,6 @@ def permutation_gain(traces: dict[str, torch.Tensor], devices: list[int], seed: 
                 if plan_on is None:
                     continue
                 row[where] = _judge(plan_placement(plan_on, G, H, dispatch="uniform").phy2log, judged, G, H)["uniform"][0]
-                for R in replica_slots:
-                    for split, dispatch in (("", "steered"), ("_even", "uniform")):
-                        phy = plan_placement(plan_on, G, H + R, dispatch=dispatch).phy2log
-                        row[f"{where}_r{R}{split}"] = _judge(phy, judged, G, H + R)[dispatch][0]
             rows.append(row)
         out[G] = {key: round(float(np.mean([r[key] for r in rows])), 4) for key in rows[0]}
     # issue 41's target: the busiest rank's share (1 / balancedness) cut by >= 30 % where the layout crowds it
@@ -398,13 +391,11 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="the engine's rule over its settings (sweep_rules), ~9 min")
     p.add_argument("--permutation", type=int, nargs="+", default=None, metavar="G",
                    help="instead: experts permuted over G EP ranks, no replicas (`permutation_gain`)")
-    p.add_argument("--replica-slots", type=int, nargs="*", default=[1, 2], metavar="R",
-                   help="with --permutation: also R replica slots per rank")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.permutation:
         traces = load_counts(args.counts) if args.counts else load_traces(args.traces)
-        print(json.dumps(permutation_gain(traces, args.permutation, args.seed, tuple(args.replica_slots)), indent=1))
+        print(json.dumps(permutation_gain(traces, args.permutation, args.seed), indent=1))
         return 0
     if args.stream:
         from eb_deepspeed.observe.traces import load_trace

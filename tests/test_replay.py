@@ -86,8 +86,7 @@ def test_a_users_own_dump_replays_step_by_step_with_every_rule(tmp_path, capsys)
     assert rules["eb_default"]["time_uniform"] < rules["static"]["time_uniform"]     # cheap copies: moving pays
 
 
-def test_a_permutation_planned_on_a_workloads_own_past_balances_its_future_and_a_replica_where_nothing_moves(
-        tmp_path):
+def test_a_permutation_planned_on_a_workloads_own_past_balances_its_future(tmp_path):
     from benchmarks.replay import permutation_gain
     write_trace(tmp_path / "a.jsonl.gz", "a", hot=0, tokens=80)      # experts 0 and 1 share rank 0 contiguously
     write_trace(tmp_path / "b.jsonl.gz", "b", hot=1, tokens=80, seed=1)
@@ -97,8 +96,6 @@ def test_a_permutation_planned_on_a_workloads_own_past_balances_its_future_and_a
                                1 - gain[G]["contiguous"] / gain[G]["same_task"] >= 0.3 for G in (2, 8)}
     assert gain[2]["same_task"] > gain[2]["contiguous"] + 0.03        # the hot expert with cold ones
     assert gain[8]["same_task"] == gain[8]["contiguous"] == gain[8]["other_tasks"]   # one expert a rank
-    assert gain[8]["same_task_r1"] > gain[8]["same_task"] + 0.1        # a replica slot splits the hot expert
-    assert gain[8]["same_task_r1"] >= gain[8]["same_task_r1_even"]     # the exact split, at least the even one
 
 
 def test_olmoe_counters_become_one_tokens_routes_and_a_pickle_of_anything_else_is_refused(tmp_path):
