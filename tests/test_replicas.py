@@ -43,6 +43,7 @@ def test_a_hot_experts_routes_spread_over_its_copies_until_the_ranks_are_level()
     # priced: copies that would take fewer routes than their transfer costs are not made
     priced = choose_replicas(counts_LE, home_LE, 4, 1, min_routes=1000.0)
     assert bool((priced == -1).all())
+    assert choose_replicas(counts_LE, home_LE, 4, 0).shape == (1, 4, 0)               # no slots: no choice
 
 
 @pytest.mark.slow       # inductor's C++ build on the CPU: about 40 s

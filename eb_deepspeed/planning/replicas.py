@@ -55,7 +55,7 @@ def choose_replicas(counts_LE: torch.Tensor, home_LE: torch.Tensor, num_devices:
     free = torch.full((L, G), R, dtype=torch.long, device=dev)
     mean = c.sum(1, keepdim=True) / G
     layer = torch.arange(L, device=dev)[:, None].expand(L, G)
-    for _ in range(waves):
+    for _ in range(waves if R else 0):                  # no slots: nothing to fill
         # Step 1: the split over the copies so far (water filling from the even split); pieces above the mean,
         # rooms below it
         x_LGE = water_fill(c, holds, holds * (c / holds.sum(1)).unsqueeze(1), Fill(rounds))
