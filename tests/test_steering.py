@@ -40,6 +40,13 @@ def test_a_hot_expert_is_split_so_that_its_two_devices_level():
     assert split[0, 0].tolist() == [225, 175] and device_loads(split, devices_ER, 4).tolist() == [225, 100, 225, 100]
 
 
+def test_a_route_never_lands_where_there_is_no_copy_even_when_float_drift_zeroes_an_experts_share():
+    # 1e17 routes on expert 0 (copies on both ranks) swamp float64: expert 1's 3 routes on its one copy (rank 1)
+    # float to nothing, and the whole routes added back must go to that copy, not to rank 0
+    holds_LGE = torch.tensor([[[True, False], [True, True]]])
+    n_LGE = split(torch.tensor([[10 ** 17, 3]]), holds_LGE)
+    assert n_LGE[0, :, 1].tolist() == [0, 3] and torch.equal(n_LGE.sum(1), torch.tensor([[10 ** 17, 3]]))
+
 @pytest.mark.parametrize("seed", range(8))
 def test_the_busiest_rank_is_within_two_percent_and_a_route_of_the_exact_optimum(seed):
     devices_ER, counts_GE = random_case(seed)

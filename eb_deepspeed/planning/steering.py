@@ -77,7 +77,8 @@ def _split(counts_LE: torch.Tensor, holds_LGE: torch.Tensor, fill: Fill, fixed_L
     x = water_fill(c, holds_LGE, holds_LGE * (c / holds_LGE.sum(1).clamp_min(1)).unsqueeze(1), fill, fixed_LG)
     ends = torch.minimum(x.clamp_min(0.0).cumsum(1).round(), c.unsqueeze(1))
     n = torch.diff(ends, dim=1, prepend=torch.zeros_like(ends[:, :1])).long()
-    return n.scatter_add_(1, x.argmax(1, keepdim=True), (counts_LE.long() - n.sum(1)).unsqueeze(1))
+    largest = torch.where(holds_LGE, x, -1.0).argmax(1, keepdim=True)             # a copy, whatever the drift
+    return n.scatter_add_(1, largest, (counts_LE.long() - n.sum(1)).unsqueeze(1))
 
 
 def fill_of(holds_GE: torch.Tensor, rounds: Optional[int] = None) -> Fill:
