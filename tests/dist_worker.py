@@ -412,8 +412,9 @@ def scenario_disagree(p):
 
 
 def scenario_block_on_off(p):
-    """Rank 0 has the block on, rank 1 off (training), then rank 0 serves with a block and rank 1 without one:
-    each time every rank raises the same error at start-up instead of one waiting for the other."""
+    """Rank 0 has the block on, rank 1 off (training), then rank 0 serves with a block and rank 1 without one, then
+    under `patch_deepspeed` rank 0 calls `deepspeed.initialize` with the block and rank 1 with none (a Trainer's
+    path): each time every rank raises the same error at start-up instead of one waiting for the other."""
     rank = torch.distributed.get_rank()
     log = {"log": {"dir": os.path.join(p["out"], "log")}}
     errors = {}
@@ -427,6 +428,12 @@ def scenario_block_on_off(p):
                                     config={"easybalance": _serve_block(p)} if rank == 0 else None)
     except ValueError as e:
         errors["serve"] = str(e)
+    eb_deepspeed.patch_deepspeed()
+    try:
+        make_engine(make_model(ep_size=2), base_config(**({"easybalance": {"mode": "observe", **log}} if rank == 0
+                                                          else {})), use_eb=False)
+    except ValueError as e:
+        errors["patched"] = str(e)
     return {"errors": errors}
 
 

@@ -202,7 +202,7 @@ def test_a_nan_loss_noted_on_one_rank_is_recorded_and_the_job_goes_on(run_dist):
 def test_ranks_that_disagree_on_whether_the_block_is_on_get_one_error_each_instead_of_a_hang(run_dist):
     ranks = run_dist("block_on_off", 2, timeout=240)
     for rank in ranks:
-        for what in ("train", "serve"):
+        for what in ("train", "serve", "patched"):
             assert "easybalance is enabled on ranks [0] and off on ranks [1]" in rank["errors"].get(what, ""), what
 
 

@@ -243,7 +243,8 @@ def _plain_initialize():
 def patch_deepspeed() -> None:
     """From now on every `deepspeed.initialize` in the process applies its config's `easybalance` block as
     `eb_deepspeed.initialize` does, whoever calls it (Hugging Face Trainer and TRL through Accelerate, Lightning, a
-    script's own); a config without the block is DeepSpeed's call, untouched. With transformers installed, its
+    script's own); a config without the block is DeepSpeed's call plus the start-up all-gather in which every rank
+    confirms its block is off (a rank with a block would wait for it). With transformers installed, its
     Trainers (from then on) also log the balance curves and save placed experts in AutoEP's layout
     (`trainer.BalanceCallback`). Idempotent."""
     import deepspeed
@@ -261,7 +262,7 @@ def patch_deepspeed() -> None:
             config = read_json(config) if config is not None else None
         except ValueError:              # DeepSpeed reads it, and says what is wrong
             config = None
-        return (initialize if isinstance(config, Mapping) and "easybalance" in config else plain)(**given)
+        return (initialize if isinstance(config, Mapping) else plain)(**given)
     balanced_initialize.easybalance = True
     deepspeed.initialize = balanced_initialize
     try:
