@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/finetune")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--save-steps", type=int, default=0, help="a Trainer checkpoint every this many steps (0: none)")
+    p.add_argument("--save-strategy", choices=("steps", "epoch", "best"), default="steps",
+                   help="with --save-steps: when the Trainer saves (best: at a new best eval loss, with --eval-steps)")
+    p.add_argument("--epochs", type=int, default=1, help="the data is this many epochs of --steps")
     p.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     p.add_argument("--report-to", default="none")
     p.add_argument("--trl", action="store_true", help="TRL's SFTTrainer in place of the Trainer")
@@ -70,12 +73,13 @@ def main(argv=None) -> int:
                 evals.append([state.global_step, logs["eval_loss"]])
     training = dict(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=4, learning_rate=1e-3,
                     bf16=args.bf16, gradient_accumulation_steps=args.accum,
-                    logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 1,
+                    logging_steps=1, save_strategy=args.save_strategy if args.save_steps else "no", save_steps=args.save_steps or 1,
                     report_to=args.report_to, deepspeed=ds_config, seed=1234, data_seed=1234, use_cpu=True,
                     dataloader_drop_last=True, save_only_model=False, per_device_eval_batch_size=4,
-                    eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None)
+                    eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
+                    metric_for_best_model="eval_loss" if args.save_strategy == "best" else None)
     evaluation = Windows(16, 64, seed=8, split="val") if args.eval_steps else None
-    data = Windows(4 * 2 * args.accum * args.steps, 64, seed=7)
+    data = Windows(4 * 2 * args.accum * args.steps // args.epochs, 64, seed=7)
     if args.trl:                     # the same windows, already tokenized; a byte tokenizer only for its pad token
         from datasets import Dataset
         from tokenizers import Tokenizer, models

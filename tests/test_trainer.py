@@ -73,6 +73,21 @@ def test_a_trainer_checkpoint_of_placed_experts_resumes_as_the_uninterrupted_run
         assert loss == pytest.approx(later[step], rel=1e-6), step
 
 
+def test_a_trainer_saving_at_epoch_ends_or_new_best_evaluations_saves_placed_experts_home(tmp_path):
+    # the Trainer decides these saves after its step's callbacks: at the epoch's end, after the evaluation
+    block = {"mode": "observe", "warmup_batches": 1, "train_placement": {"interval": 2}}
+    epochs = finetune(tmp_path, "epochs", block, "--steps", "8", "--epochs", "2", "--save-steps", "1",
+                      "--save-strategy", "epoch")
+    best = finetune(tmp_path, "best", block, "--steps", "8", "--save-steps", "1", "--save-strategy", "best",
+                    "--eval-steps", "3")
+    assert epochs["replans"] >= 1 and best["replans"] >= 1
+    assert {p.name for p in (tmp_path / "epochs").glob("checkpoint-*")} == {"checkpoint-4", "checkpoint-8"}
+    assert (tmp_path / "best" / "checkpoint-3" / "model.safetensors").exists()       # the first evaluation: a best
+    plain = finetune(tmp_path, "best_plain", None, "--steps", "8", "--eval-steps", "3")
+    for (_, a), (_, b) in zip(best["losses"], plain["losses"]):     # the trips home and back change nothing
+        assert a == pytest.approx(b, rel=1e-5)
+
+
 def test_trainers_own_optimizer_with_accumulation_and_replica_slots_trains_as_plain_autoep(tmp_path):
     # ZeRO 0: DeepSpeed takes the Trainer's AdamW as it is (ZeRO 1/2 need the ds_config's optimizer, plain AutoEP's
     # own assertion: docs/training.md); a replica slot a rank, filled every micro-batch
