@@ -23,7 +23,7 @@ def test_an_empty_block_enables_balancing_with_the_seed_tuning_table_defaults():
     assert cfg.enabled and cfg.mode == "balance"
     assert cfg.ema_alpha == 0.3 and cfg.inference.topology == "pcie"
     assert 3 <= cfg.warmup_batches <= 5
-    # window "auto": 5 layers for a 32-layer model, 8 for a 61-layer one (seed 000 §5.1)
+    # window null: 5 layers for a 32-layer model, 8 for a 61-layer one (seed 000 §5.1)
     assert cfg.window_for(32) == 5 and cfg.window_for(61) == 8 and cfg.window_for(4) == 5
 
 
@@ -74,8 +74,9 @@ def test_the_users_dict_is_never_changed_whether_it_parses_or_fails(block):
     ({"inference": {"replan_threshold": 0.9}}, r"easybalance\.inference\.replan_threshold \(0\.9\) must be >= 1"),
     ({"inference": {"replan_interval": 0}}, r"easybalance\.inference\.replan_interval \(0\) must be >= 1"),
     ({"inference": []}, r"easybalance\.inference must be a JSON object, got list"),
-    ({"window": -1}, r"easybalance\.window \(-1\) must be >= 0 or \"auto\""),
-    ({"window": 2.5}, r"easybalance\.window \(2\.5\) must be an integer >= 0 or \"auto\""),
+    ({"window": -1}, r"easybalance\.window \(-1\) must be >= 0 or null"),
+    ({"window": 2.5}, r"easybalance\.window \(2\.5\) must be an integer >= 0 or null"),
+    ({"window": "auto"}, r"easybalance\.window \('auto'\) must be an integer >= 0 or null"),   # Accelerate's word
     ({"warmup_batches": True}, r"easybalance\.warmup_batches \(True\) must be an integer >= 0"),
     ({"warmup_batches": 10 ** 400}, r"easybalance\.warmup_batches \(1000.*\.\.\.\) must be <= 2147483647"),
     ({"window": 2 ** 63}, r"easybalance\.window \(9223372036854775808\) must be <= 2147483647"),
@@ -150,6 +151,26 @@ def test_the_readme_block_of_defaults_warns_about_nothing_and_a_changed_key_stil
         "easybalance.aux.gain", "easybalance.inference.replica_slots"]
 
 
+
+def test_the_readme_block_passes_through_accelerates_fill_of_auto_values_as_the_trainer_gives_it():
+    # Hugging Face Trainer, TRL: Accelerate fills every "auto" in the ds_config before deepspeed.initialize, and
+    # refuses one it has no value for (the block's "window" was "auto" once)
+    import json
+    import os
+    from accelerate.utils import DeepSpeedPlugin
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    start = readme.index("```json", readme.index("The block, with its defaults")) + len("```json")
+    block = json.loads("{" + readme[start:readme.index("```", start)] + "}")["easybalance"]
+    for given, ok in ((block, True), ({**block, "window": "auto"}, False)):
+        plugin = DeepSpeedPlugin(hf_ds_config={"train_micro_batch_size_per_gpu": "auto", "easybalance": given,
+                                               "zero_optimization": {"stage": 0}})
+        try:
+            plugin.deepspeed_config_process(must_match=False, train_micro_batch_size_per_gpu=4)
+        except ValueError as e:
+            assert not ok and "easybalance.window" in str(e)
+        else:
+            assert ok and plugin.deepspeed_config["easybalance"] == block
+
 def test_readmes_block_and_config_mds_table_are_the_key_table():
     import json
     import os
@@ -187,7 +208,7 @@ def test_a_missing_or_broken_config_file_is_a_config_error_naming_the_file(tmp_p
         EasyBalanceConfig.from_ds_config(str(broken))
 
 
-VALID = {"enabled": True, "mode": "balance", "ema_alpha": 0.3, "window": "auto", "warmup_batches": 4,
+VALID = {"enabled": True, "mode": "balance", "ema_alpha": 0.3, "window": None, "warmup_batches": 4,
          "checkpoint": "strict", "log": {"interval": 10, "dir": "x", "wandb": True},
          "aux": {"policy": "bias", "weight_range": [0.5, 2.0], "gain": 0.02, "bias_rate": 0.001,
                  "loss_coeff": 0.01},

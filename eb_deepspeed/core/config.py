@@ -20,7 +20,7 @@ import copy
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from .files import MAX_JSON_DEPTH, clip, json_too_deep, load_json
 from .policies import POLICIES
@@ -71,19 +71,19 @@ def choice(options: tuple) -> Valid:
                  _fail(p, v, f"must be one of: {', '.join(options)}"))
 
 
-def integer(least: int, most: int = INT_MAX, auto: bool = False) -> Valid:
-    """An integer in [least, most] (and "auto", read as None, when `auto`)."""
-    hint = ' or "auto"' if auto else ""
+def integer(least: int, most: int = INT_MAX, nullable: bool = False) -> Valid:
+    """An integer in [least, most] (and null, None, when `nullable`)."""
+    hint = " or null" if nullable else ""
 
     def read(v, p):
-        if auto and v == "auto":
+        if nullable and v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, int):
             _fail(p, v, f"must be an integer >= {least}{hint}")
         return _fail(p, v, f"must be >= {least}{hint}") if v < least else _fail(p, v, f"must be <= {most}") \
             if v > most else v
     span = f"int ≥ {least}" if most == INT_MAX else f"int in [{least}, {most}]"
-    return Valid(span + (', `"auto"`' if auto else ""), read)
+    return Valid(span + (", `null`" if nullable else ""), read)
 
 
 def number(text: str) -> Valid:
@@ -177,7 +177,7 @@ class EasyBalanceConfig:
     enabled: bool = key(True, boolean(), "both", absent=False)
     mode: str = key("balance", choice(("observe", "balance")), "both")
     ema_alpha: float = key(0.3, number("(0, 1]"), "both")
-    window: Any = key("auto", integer(0, auto=True), "training", reads="view")     # read as None
+    window: Optional[int] = key(None, integer(0, nullable=True), "training", reads="view")   # null: by depth
     warmup_batches: int = key(4, integer(0), "training+serving+placement", reads="view")
     checkpoint: str = key("strict", choice(("strict", "ignore_mismatch")), "both")
     log: LogConfig = section(LogConfig)
@@ -215,7 +215,7 @@ class EasyBalanceConfig:
     def window_for(self, num_layers: int) -> int:
         """Half-width of the cross-layer window: pressure around layer l sums layers l-w .. l+w.
 
-        "auto" follows the EasyBalance article, §5.1: 5 layers, widened for deep models (61 layers -> 8)."""
+        null (None) follows the EasyBalance article, §5.1: 5 layers, widened for deep models (61 layers -> 8)."""
         return self.window if self.window is not None else int(min(8, max(5, math.ceil(num_layers / 8))))
 
     def changed(self) -> set[str]:
@@ -244,10 +244,8 @@ class EasyBalanceConfig:
         return [f"easybalance.{p}" for p in sorted(self.changed()) if not acts(KEYS[p])]
 
     def to_dict(self) -> dict[str, Any]:
-        """The block as JSON (every key, defaults filled in; `window` None is "auto"): what `from_block` reads."""
-        out = _as_json(self)
-        out["window"] = "auto" if self.window is None else self.window
-        return out
+        """The block as JSON (every key, defaults filled in): what `from_block` reads."""
+        return _as_json(self)
 
 
 @dataclass(frozen=True)
