@@ -770,7 +770,14 @@ def scenario_serve_checkpoint(p):
     except Exception as e:   # noqa: BLE001 - whatever DeepSpeed raises: the test reads the message
         refused = f"{type(e).__name__}: {e}"[:500]
     after_refusal = _compare(model, fresh.module, range(7, 9))      # still the weights loaded before, every one
-    return {"rows": rows + rows_after_save, "fresh_rows": fresh_rows, "path": path, "saved": saved,
+    # a load that fails on rank 1 only (no such tag there): rank 0 puts back what it had loaded too
+    one_failed = None
+    try:
+        serving.load_checkpoint(os.path.join(p["out"], "trained"), tag="t" if dist.get_rank() == 0 else "missing")
+    except Exception as e:   # noqa: BLE001
+        one_failed = f"{type(e).__name__}: {e}"[:500]
+    after_refusal += _compare(model, fresh.module, range(9, 11))
+    return {"one_failed": one_failed, "rows": rows + rows_after_save, "fresh_rows": fresh_rows, "path": path, "saved": saved,
             "fresh_path": fresh_path, "kept": torch.equal(serving.placement.phy2log, before_load.phy2log),
             "S": serving.S, "H": serving.H, "refused": refused, "after_refusal": after_refusal}
 

@@ -11,6 +11,7 @@ import atexit
 import faulthandler
 import json
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -611,7 +612,9 @@ def _skewed_batch(b: int, rank: int, vocab: int = 24, equal: bool = False):
     return torch.randint(0, vocab, (2 if equal else 2 + rank, SMALL["seq_len"]), generator=g)
 
 
-def _serve_and_compare(engine, plain, batches: int, rank: int, vocab: int = 24, start: int = 0, equal: bool = False):
+def _serve_and_compare(engine, plain, batches: int, rank: int, vocab: int = 24, start: int = 0, equal: bool = False,
+                       read_view: bool = False):
+    """read_view: rank 0 reads the view after each batch (as a rank-0 logger does), the other ranks do not."""
     rows = []
     for b in range(start, start + batches):
         x = _skewed_batch(b, rank, vocab, equal)
@@ -623,6 +626,8 @@ def _serve_and_compare(engine, plain, batches: int, rank: int, vocab: int = 24, 
             expected = plain(x)[0]
             torch.manual_seed(b)
             got = engine(x)[0]
+        if read_view and rank == 0:
+            engine.easybalance.metrics()
         rows.append({"equal": torch.equal(expected, got), "maxdiff": float((expected - got).abs().max()),
                      "replans": serving.replans, "phy2log": served_by, "replicated": replicated,
                      "capacity": [g.last_capacity for g in serving.gates]})
@@ -807,8 +812,9 @@ def scenario_serve_move_fault(p):
 
 
 def scenario_serve_checkpoint(p):
-    """A plain DeepSpeed training checkpoint loaded into a replicated model, served through a re-plan,
-    saved back: the saved files hold the original tensors."""
+    """A plain DeepSpeed training checkpoint loaded into a replicated model, served through a re-plan (rank 0
+    reading the view after each batch), saved back: the saved files hold the original tensors. Then a copy with
+    an expert file only rank 1 reads broken: every rank raises and serves the weights it had."""
     rank = torch.distributed.get_rank()
     ckpt, back = os.path.join(p["out"], "ckpt"), os.path.join(p["out"], "back")
     trainer = make_engine(_skewed(make_model(seed=3, ep_size=2, drop_tokens=False)), base_config(), use_eb=False)
@@ -820,7 +826,7 @@ def scenario_serve_checkpoint(p):
     engine.serving.load_checkpoint(ckpt)
     plain = _plain_eval_model(seed=99, drop_tokens=False, ep_size=2)
     plain.load_state_dict({k: v for k, v in trainer.module.state_dict().items()})
-    rows = _serve_and_compare(engine, plain, 3, rank)
+    rows = _serve_and_compare(engine, plain, 3, rank, read_view=True)
     engine.serving.load_checkpoint(ckpt)       # now the replicas read their experts' files
     rows += _serve_and_compare(engine, plain, 1, rank, start=3)
     loaded_plain = _plain_eval_model(seed=123, drop_tokens=False, ep_size=2)
@@ -842,7 +848,19 @@ def scenario_serve_checkpoint(p):
         fresh.load_checkpoint(back, **kwargs)
         plain_loads[how] = all(torch.equal(a, b) for a, b in zip(fresh.module.state_dict().values(),
                                                                  trainer.module.state_dict().values()))
-    return {"rows": rows, "original": original, "saved": saved, "replans": engine.serving.replans,
+    broken = os.path.join(p["out"], "broken")
+    if rank == 0:
+        shutil.copytree(ckpt, broken)
+        with open(os.path.join(broken, "t2", "layer_0_expert_3_mp_rank_00_model_states.pt"), "wb") as f:
+            f.write(b"not a checkpoint")         # expert 3's home is EP rank 1: only rank 1 reads it
+    torch.distributed.barrier()
+    try:
+        engine.serving.load_checkpoint(broken)
+        broken_load = None
+    except Exception as e:   # noqa: BLE001
+        broken_load = f"{type(e).__name__}: {e}"
+    rows += _serve_and_compare(engine, plain, 1, rank, start=4)      # still the trained weights
+    return {"rows": rows, "broken_load": broken_load, "original": original, "saved": saved, "replans": engine.serving.replans,
             "latest": open(os.path.join(back, "latest")).read(), "plain_matches": plain_matches,
             "marker_left": os.path.exists(os.path.join(back, "served", "eb_save_incomplete")),
             "plain_loads": plain_loads}

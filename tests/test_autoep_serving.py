@@ -70,7 +70,11 @@ def test_a_failed_weight_move_keeps_every_rank_on_the_old_placement(tmp_path, ph
 
 
 def test_deepspeed_checkpoints_load_into_and_save_from_a_served_autoep_model(tmp_path):
-    for rank in run(tmp_path, "serve_checkpoint"):
+    ranks = run(tmp_path, "serve_checkpoint")
+    # a load that failed on rank 1 only: rank 1 raised DeepSpeed's error, rank 0 one naming rank 1, and both serve
+    # the weights they had (after_refusal)
+    assert ranks[1]["one_failed"] and "loading the checkpoint failed on rank 1" in ranks[0]["one_failed"]
+    for rank in ranks:
         assert rank["path"] and rank["saved"] and rank["fresh_path"]
         assert rank["kept"] and rank["S"] == rank["H"] + 1            # replicas serving through the load
         for r in rank["rows"] + rank["fresh_rows"]:

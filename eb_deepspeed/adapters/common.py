@@ -96,6 +96,16 @@ def gather_startup(mine: dict[str, Any], prepare: Optional[Callable[[], Any]] = 
     return gathered, rank, result
 
 
+def shared_problem(problem: Optional[str]) -> Optional[str]:
+    """The first rank's problem of all ranks' (one all-gather, which is also a barrier); this rank's alone
+    without a process group."""
+    if dist_ready() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, problem)
+        return next((p for p in gathered if p), None)
+    return problem
+
+
 def join_startup_off() -> None:
     """A rank whose block is off (or absent) joins the start-up all-gather of the ranks whose block is on:
     when every rank agrees it is off this is the only communication easybalance adds; when they disagree

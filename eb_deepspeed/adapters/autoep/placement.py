@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ...planning.placement import DISPATCH, Placement, choose_placement, index_maps, plan_placement, static_placement
-from ..common import dist_ready, torch_optimizer
-from ..deepspeed.hooks import is_decoupled, shared_problem
+from ..common import dist_ready, shared_problem, torch_optimizer
+from ..deepspeed.hooks import is_decoupled
 from ..moves import Placer, RowMover, slot_moves, transfer_stall, warn_failed
 from ..routing import Routing, SlotTable
 from .fetch import LayerReplicas, with_replicas

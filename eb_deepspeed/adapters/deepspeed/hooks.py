@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.balancer import Balancer
-from ..common import dist_rank, dist_ready, reduce_over, torch_optimizer, write_atomically
+from ..common import dist_rank, dist_ready, reduce_over, shared_problem, torch_optimizer, write_atomically
 
 __all__ = ["StepHook", "wrap_checkpointing"]
 
@@ -204,16 +204,6 @@ def mark_complete(save_dir: str, tag: str, save_latest: bool = True) -> None:
     os.remove(os.path.join(save_dir, tag, INCOMPLETE))
     if save_latest:
         write_atomically(os.path.join(save_dir, "latest"), tag)
-
-
-def shared_problem(problem: Optional[str]) -> Optional[str]:
-    """The first rank's problem of all ranks' (one all-gather, which is also a barrier); this rank's alone
-    without a process group."""
-    if dist_ready() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, problem)
-        return next((p for p in gathered if p), None)
-    return problem
 
 
 def on_rank0_for_all(work, what: str) -> None:

@@ -36,7 +36,7 @@ from ...observe.monitor import JsonlLogger
 from ...planning.placement import (MAX_LAYER_SLOTS, MAX_SCAN, MAX_SLOTS, Placement, check_plan_size,
                                    choose_placement, plan_placement, prefix_placement, runtime_dispatch,
                                    static_placement, with_prefix)
-from ..common import dist_rank, dist_ready, gather_startup, join_startup_off
+from ..common import dist_rank, dist_ready, gather_startup, join_startup_off, shared_problem
 from ..moves import Placer, RowMover, slot_moves, transfer, transfer_stall
 from ..routing import Routing
 
@@ -118,6 +118,7 @@ class ServingEngine(Placer):
         self.batches, self.last_plan_batch, self.placed_batch = 0, None, 0
         self.placement = self.home      # what the gates' tables serve
         self._in_flight: Optional[torch.Tensor] = None      # a view step's tally whose reduce was posted
+        self._check_due = False                              # a step posted: the next batch checks for a re-plan
         self._posted: list = []                              # its work object
         self.node_G = torch.zeros(self.G, dtype=torch.long)
         self.rank_to_node, self.topology, logger = [0], "pcie", None
@@ -191,7 +192,8 @@ class ServingEngine(Placer):
         if self.balancer is None:
             return
         self.batches += 1
-        if self._in_flight is not None:        # posted after an earlier forward: done by now, or nearly
+        if self._check_due:        # posted after an earlier forward (taken by a read of the view, or now)
+            self._check_due = False
             self.settle()
             if self.R:
                 self.maybe_replan()
@@ -199,7 +201,7 @@ class ServingEngine(Placer):
             packed_LW = self.balancer.gather()
             if dist_ready() and dist.get_world_size() > 1:
                 self._posted.append(dist.all_reduce(packed_LW, async_op=True))
-            self._in_flight = packed_LW
+            self._in_flight, self._check_due = packed_LW, True
 
     def settle(self) -> None:
         """The view takes the step in flight (its reduce waited for), if any."""
@@ -313,6 +315,17 @@ class ServingEngine(Placer):
         if resident is not self.home and self.apply(resident) and serving is not resident:
             self._serve(serving)                   # the prefix that served, resident again
         return path
+
+
+def agree_to_load(error: Optional[Exception]) -> None:
+    """Before a checkpoint load writes anything: every rank read its part (`error` None on each), or every rank
+    raises, this one its own error, the others one naming it, and none writes (one all-gather)."""
+    problem = shared_problem(None if error is None else f"rank {dist_rank()}: {type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if problem:
+        raise RuntimeError(f"easybalance: loading the checkpoint failed on {problem}; this rank keeps the weights "
+                           "it served")
 
 
 def _prefix(plan: Placement) -> Optional[Placement]:
