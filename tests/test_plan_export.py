@@ -71,7 +71,19 @@ def test_sglangs_parser_refuses_what_we_must_never_write(tmp_path):
     assert list(sglang_mapping(plan)) == ["physical_to_logical_map"]
     empty = index_maps(torch.tensor([[0, 1, 2, 3, -1, -1]]), 4, 2, 3)
     with pytest.raises(ValueError, match="SGLang needs an expert in every physical slot"):
-        sglang_mapping(empty)
+        sglang_mapping(empty)                            # empty slots, and no load to fill them by
+
+
+def test_an_sglang_map_fills_the_slots_our_plan_leaves_empty_with_the_copies_that_cost_least(tmp_path):
+    # 4 experts, loads 8 / 4 / 2 / 0 on 2 devices x 3 slots; device 0 holds 0 and 3, device 1 holds 1, 2 and
+    # 0's copy: even split 4 + 0 = 4 and 2 + 4 + 4 = 10. Device 0's empty slot: a copy of 1 makes 4 + 2 = 6 and
+    # 2 + 2 + 4 = 8, of 2 makes 5 and 9 (1, 2 already on device 1: only 1 and 2 may go to device 0) -> 1
+    plan = index_maps(torch.tensor([[0, 3, -1, 1, 2, 0]]), 4, 2, 3)
+    mapping = sglang_mapping(plan, torch.tensor([[8.0, 4, 2, 0]]))["physical_to_logical_map"]
+    assert mapping == [[0, 3, 1, 1, 2, 0]]
+    (tmp_path / "s.json").write_text(json.dumps({"physical_to_logical_map": mapping}))
+    meta = read_init_expert_location(str(tmp_path / "s.json"), num_layers=1, num_logical=4, ep_size=2, gpus_per_node=2)
+    assert meta["logical_to_all_physical_map_num_valid"].tolist() == [[2, 2, 1, 1]]
 
 
 def test_our_plan_file_round_trips(tmp_path):
@@ -146,7 +158,7 @@ def test_eb_plan_writes_no_file_when_a_document_cannot_be_made(tmp_path, monkeyp
     import eb_deepspeed.planning.export as export
     _sglang_stat_dump(tmp_path / "d.pt", layers=2, experts=8, dense_first=False)
 
-    def refuse(plan):
+    def refuse(plan, load_LE):
         raise ValueError("SGLang needs an expert in every physical slot; this plan leaves some empty")
     monkeypatch.setattr(export, "sglang_mapping", refuse)
     assert main(["plan", str(tmp_path / "d.pt"), "--devices", "2", "--slots", "5", "--out", str(tmp_path / "a.json"),

@@ -3,13 +3,14 @@
 Shape legend: L layers, E logical experts, G devices, S slots per device, P slots (G * S; slot p on device p // S).
 
     doc = placement_json(plan, dispatch="uniform", num_nodes=2, source="runs/main/balance")
-    sglang = sglang_mapping(plan)          # {"physical_to_logical_map": [L][P]}: --init-expert-location
+    sglang = sglang_mapping(plan, load_LE) # {"physical_to_logical_map": [L][P]}: --init-expert-location
     table = balance_table(load_LE, {"trivial": trivial_placement(L, E, G, S), "planned": plan})
 
 SGLang reads `--init-expert-location FILE.json` with `json.loads` and passes the dict as keyword arguments to
 `ExpertLocationMetadata.init_by_mapping(physical_to_logical_map=...)`, so the file must hold that one key and nothing
 else; physical slot p serves EP rank p // (P / ep_size), as here; P is num_logical + `--ep-num-redundant-experts`,
-and every slot must hold an expert (tests/test_plan_export.py checks it against SGLang's parsing, re-implemented)."""
+and every slot must hold an expert (tests/test_plan_export.py checks it against SGLang's parsing, re-implemented):
+a slot our plan leaves empty gets the copy that raises its layer's busiest device least under SGLang's even split."""
 from __future__ import annotations
 
 import numpy as np
@@ -32,11 +33,30 @@ def placement_json(plan: Placement, **meta) -> dict:
             "phy2log": plan.phy2log.tolist(), "log2phy": plan.log2phy.tolist(), "logcnt": plan.logcnt.tolist()}
 
 
-def sglang_mapping(plan: Placement) -> dict:
-    """SGLang's `--init-expert-location` JSON: {"physical_to_logical_map": [L][P]} and nothing else."""
-    if bool((plan.phy2log < 0).any()):
+def sglang_mapping(plan: Placement, load_LE=None) -> dict:
+    """SGLang's `--init-expert-location` JSON: {"physical_to_logical_map": [L][P]} and nothing else. Empty slots
+    are filled (module doc) from load_LE [L, E], the load the plan was made for; without it they are refused."""
+    phy_LP = plan.phy2log.clone()
+    empty = torch.nonzero(phy_LP < 0).tolist()
+    if empty and load_LE is None:
         raise ValueError("SGLang needs an expert in every physical slot; this plan leaves some empty")
-    return {"physical_to_logical_map": plan.phy2log.tolist()}
+    load_LE = torch.as_tensor(np.asarray(load_LE if empty else []), dtype=torch.float64)
+    G, S, E = plan.num_devices, plan.slots_per_device, plan.num_experts
+    for layer, p in empty:            # a few slots: one at a time, each seeing the ones filled before it
+        holds_GE = torch.zeros(G, E + 1, dtype=torch.bool)
+        holds_GE[torch.arange(G * S) // S, torch.where(phy_LP[layer] >= 0, phy_LP[layer], E)] = True
+        holds_GE = holds_GE[:, :E]
+        load_E, count_E = load_LE[layer], holds_GE.sum(0).clamp_min(1)
+        y_G = (holds_GE * (load_E / count_E)).sum(1)
+        # a copy of e on device d: e's holders shed load/count - load/(count + 1), d takes load/(count + 1)
+        y_GE = y_G[:, None] - holds_GE * (load_E / count_E - load_E / (count_E + 1))
+        y_GE[p // S] += load_E / (count_E + 1)
+        busiest_E = torch.where(holds_GE[p // S], torch.inf, y_GE.amax(0))
+        if bool(holds_GE[p // S].all()):
+            raise ValueError(f"SGLang needs an expert in every physical slot, and device {p // S} already holds "
+                             f"every one of the {E} experts: use fewer slots per device")
+        phy_LP[layer, p] = int(busiest_E.argmin())
+    return {"physical_to_logical_map": phy_LP.tolist()}
 
 
 def balance_table(load_LE, plans: dict[str, Placement]) -> dict[str, dict[str, dict[str, float]]]:

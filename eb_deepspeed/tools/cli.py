@@ -45,7 +45,8 @@ def _refuse_overwriting_inputs(source: str, outputs: list) -> None:
 
 def _plan(args) -> int:
     from ..planning.export import balance_table, format_balance_table, placement_json, sglang_mapping
-    from ..planning.placement import plan_placement, trivial_placement
+    import torch
+    from ..planning.placement import index_maps, plan_placement, trivial_placement
     from ..observe.traces import load_total
 
     _refuse_overwriting_inputs(args.load, [args.out, args.sglang])
@@ -60,12 +61,16 @@ def _plan(args) -> int:
     else:
         S = (E + args.redundant) // G
     plan = plan_placement(load_LE, G, S, num_nodes=args.nodes, dispatch=args.dispatch)
-    table = balance_table(load_LE, {"before (slot p holds expert p % E)": trivial_placement(L, E, G, S),
-                                    f"planned (dispatch={args.dispatch})": plan})
+    layouts = {"before (slot p holds expert p % E)": trivial_placement(L, E, G, S),
+               f"planned (dispatch={args.dispatch})": plan}
+    sglang = sglang_mapping(plan, load_LE) if args.sglang else None      # checked before any file is written
+    if sglang is not None and bool((plan.phy2log < 0).any()):           # SGLang's map fills our empty slots
+        layouts["--sglang (empty slots filled)"] = index_maps(torch.tensor(sglang["physical_to_logical_map"]), E, G, S)
+    table = balance_table(load_LE, layouts)
     meta = {"dispatch": args.dispatch, "num_nodes": args.nodes, "source": args.load, "steps": steps,
             **({"workload": args.workload} if args.workload else {}), "balance": table}
     documents = [(path, make()) for path, make in ((args.out, lambda: placement_json(plan, **meta)),
-                                                    (args.sglang, lambda: sglang_mapping(plan))) if path]
+                                                    (args.sglang, lambda: sglang)) if path]
     written = []
     from ..adapters.common import write_atomically
     for path, doc in documents:           # every document built (and checked) before any file is written
