@@ -208,3 +208,34 @@ def test_eb_report_compare_draws_each_layer_the_lm_loss_and_a_map_per_run(tmp_pa
                                                    "p90 over layers of device max/mean", "LM loss"]
     assert [t.split(" (")[0] for t in maps] == ["baseline", "balanced"]     # layers x ranks, one per run
     assert all("load / layer mean, second half" in t for t in maps)
+
+
+def test_eb_report_compare_takes_a_run_resumed_on_more_ranks_and_names_the_png_it_wrote(tmp_path, capsys):
+    # the resumed run (run_start 10) logs 3 EP ranks where the first logged 2: its maps are the last run's
+    resumed = records() + [{**r, "step": 10 + r["step"], "pressure_LG": [[4.0, 5.0, 6.0], [7.0, 8.0, 9.0]],
+                            **({"run_start": 10} if r["step"] == 5 else {})} for r in records()]
+    for name, rows in (("resumed", resumed), ("plain", records())):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "balance.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert eb_main(["report", "--compare", str(tmp_path / "resumed"), str(tmp_path / "plain"),
+                    "--out", str(tmp_path / "both")]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == str(tmp_path / "both.png") and open(printed, "rb").read(8) == PNG_MAGIC
+
+
+def test_a_run_of_one_record_draws_its_point():
+    from eb_deepspeed.observe.report import _panel, _plt
+    fig, ax = _plt().subplots()
+    _panel(ax, [([(5, 1.2)], "one")], "device_max_over_mean", "one record")
+    assert [line.get_marker() for line in ax.get_lines()][-2] == "o"      # the solid line of the one point
+    _plt().close(fig)
+
+
+def test_a_new_run_after_a_long_one_is_kept_whole_when_the_log_is_thinned(tmp_path):
+    # 400 records thinned to about 50 (stride 8), then a new run from step 0 replaces them: its 40 all kept
+    rows = [{"step": s, "device_util_std": 0.1} for s in range(1, 401)]
+    rows += [{"step": s, "device_util_std": 0.2, **({"run_start": 0} if s == 1 else {})} for s in range(1, 41)]
+    (tmp_path / "balance.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning, match="holds 2 runs"):
+        kept = read_log(str(tmp_path), max_records=50)
+    assert [r["step"] for r in kept] == list(range(1, 41))

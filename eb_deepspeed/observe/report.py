@@ -160,6 +160,8 @@ def read_log(run_dir: str, keys: Optional[Sequence[str]] = None, max_records: Op
             runs += newest is not None and (newest["step"] > start or start == 0)   # a run that replaces what it follows
             while kept and kept[-1]["step"] > start:
                 kept.pop()
+            if not kept:            # a run that replaces the whole log: thinned from its own first record
+                stride, seen = 1, 0
             if newest is not None and newest["step"] > start:
                 newest = None
         if newest is not None and (seen - 1) % stride == 0:
@@ -200,7 +202,9 @@ def _plt():
 
 
 def _save(fig, path: str, dpi: int = 90) -> str:
-    """Write `fig` to `path` and close it; returns the path."""
+    """Write `fig` to `path` (".png" added when it has no extension, as matplotlib does) and close it; returns the
+    path written."""
+    path = path if os.path.splitext(path)[1] else path + ".png"
     fig.savefig(path, dpi=dpi)
     _plt().close(fig)
     return path
@@ -260,7 +264,8 @@ def _panel(ax, series: list[tuple[list, Optional[str]]], key: str, title: str, x
     for index, (points, label) in enumerate(series):
         xs, ys = [p[0] for p in points], [p[1] for p in points]
         ax.plot(xs, ys, color=f"C{index % 10}", alpha=0.25, linewidth=0.8)
-        ax.plot(xs, _smoothed(ys, SMOOTH), color=f"C{index % 10}", label=label)
+        ax.plot(xs, _smoothed(ys, SMOOTH), color=f"C{index % 10}", label=label,
+                marker="o" if len(xs) == 1 else None)            # one record: a point, not an invisible line
     if "max_over_mean" in key or key == "device_loss_weight":
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
     ax.set_title(title, fontsize="medium")
@@ -336,8 +341,9 @@ def _second_half_loads(records: list[dict[str, Any]]) -> Optional[list[list[floa
     rows = [r.get(R.PRESSURE) for r in records[len(records) // 2:] if r.get(R.PRESSURE)]
     if not rows:
         return None
-    L, G = len(rows[0]), len(rows[0][0])
-    return [[sum(_number(r[layer][g]) for r in rows if len(r) == L) for g in range(G)] for layer in range(L)]
+    L, G = len(rows[-1]), len(rows[-1][0])          # the last run's shape (a resume may change the EP ranks)
+    rows = [r for r in rows if len(r) == L and all(len(x) == G for x in r)]
+    return [[sum(_number(r[layer][g]) for r in rows) for g in range(G)] for layer in range(L)]
 
 
 def render_compare(run_dirs: Sequence[str], out_path: str) -> str:
