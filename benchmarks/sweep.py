@@ -323,7 +323,7 @@ def score_noise(run_dir: str, skip: float = 0.25, window: int | None = None) -> 
     layer's weight reach x2 (log 2) just when it is told apart is ln 2 / (|mu_l| N_l); `gain_rule`
     is its median over layers, `gain_rule_stalling` its median over the layers the law pushes up
     (mu_l > 0: persistently worse than the others). window: the run's `easybalance.window` (default
-    "auto", as the sweep's runs use). Steps where every score is 0 are left out (the law holds there).
+    null: by depth, `window_for`, as the sweep's runs use). Steps where every score is 0 are left out (the law holds there).
     """
     import math
 

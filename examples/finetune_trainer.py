@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--save-strategy", choices=("steps", "epoch", "best"), default="steps",
                    help="with --save-steps: when the Trainer saves (best: at a new best eval loss, with --eval-steps)")
     p.add_argument("--epochs", type=int, default=1, help="the data is this many epochs of --steps")
+    p.add_argument("--greater-is-better", action="store_true", help="with --save-strategy best: a higher eval loss")
     p.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     p.add_argument("--report-to", default="none")
     p.add_argument("--trl", action="store_true", help="TRL's SFTTrainer in place of the Trainer")
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     model = hf_moe_model("mixtral", layers=4, hidden=64, experts=8, k=2, ffn=128, seq_len=64)
     with open(args.ds_config) as f:
         ds_config = json.load(f)
-    losses, evals = [], []
+    losses, evals, home_steps = [], [], []
 
     class Losses(TrainerCallback):
         def on_log(self, a, state, control, logs=None, **kwargs):
@@ -71,13 +72,19 @@ def main(argv=None) -> int:
                 losses.append([state.global_step, logs["loss"]])
             if logs and "eval_loss" in logs:
                 evals.append([state.global_step, logs["eval_loss"]])
+
+        def on_step_end(self, a, state, control, model=None, **kwargs):
+            placement = getattr(getattr(model, "easybalance", None), "placement", None)
+            if placement is not None and placement.resident is placement.home:
+                home_steps.append(state.global_step)       # placed experts home (in AutoEP's layout) here
     training = dict(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=4, learning_rate=1e-3,
                     bf16=args.bf16, gradient_accumulation_steps=args.accum,
                     logging_steps=1, save_strategy=args.save_strategy if args.save_steps else "no", save_steps=args.save_steps or 1,
                     report_to=args.report_to, deepspeed=ds_config, seed=1234, data_seed=1234, use_cpu=True,
                     dataloader_drop_last=True, save_only_model=False, per_device_eval_batch_size=4,
                     eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
-                    metric_for_best_model="eval_loss" if args.save_strategy == "best" else None)
+                    metric_for_best_model="eval_loss" if args.save_strategy == "best" else None,
+                    greater_is_better=True if args.greater_is_better else None)
     evaluation = Windows(16, 64, seed=8, split="val") if args.eval_steps else None
     data = Windows(4 * 2 * args.accum * args.steps // args.epochs, 64, seed=7)
     if args.trl:                     # the same windows, already tokenized; a byte tokenizer only for its pad token
@@ -101,7 +108,7 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "losses.json"), "w") as f:
             balancer = getattr(engine, "easybalance", None)
             placement = getattr(balancer, "placement", None)
-            json.dump({"losses": losses, "evals": evals, "balanced": balancer is not None,
+            json.dump({"losses": losses, "evals": evals, "balanced": balancer is not None, "home_steps": home_steps,
                        "expert_max_over_mean": balancer.metrics()["expert_max_over_mean"] if balancer else None,
                        "replans": placement.replans if placement else 0}, f)
     return 0

@@ -211,9 +211,10 @@ def test_eb_report_compare_draws_each_layer_the_lm_loss_and_a_map_per_run(tmp_pa
 
 
 def test_eb_report_compare_takes_a_run_resumed_on_more_ranks_and_names_the_png_it_wrote(tmp_path, capsys):
-    # the resumed run (run_start 10) logs 3 EP ranks where the first logged 2: its maps are the last run's
-    resumed = records() + [{**r, "step": 10 + r["step"], "pressure_LG": [[4.0, 5.0, 6.0], [7.0, 8.0, 9.0]],
-                            **({"run_start": 10} if r["step"] == 5 else {})} for r in records()]
+    # a run on 3 EP ranks (steps 5-15) resumed at 15 on 2 (steps 20, 25): the second half holds both; the map is
+    # the last run's
+    resumed = [{**r, "pressure_LG": [[4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]} for r in records()]
+    resumed += [{**r, "step": 15 + r["step"], **({"run_start": 15} if r["step"] == 5 else {})} for r in records()[:2]]
     for name, rows in (("resumed", resumed), ("plain", records())):
         (tmp_path / name).mkdir()
         (tmp_path / name / "balance.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -221,6 +222,8 @@ def test_eb_report_compare_takes_a_run_resumed_on_more_ranks_and_names_the_png_i
                     "--out", str(tmp_path / "both")]) == 0
     printed = capsys.readouterr().out.strip()
     assert printed == str(tmp_path / "both.png") and open(printed, "rb").read(8) == PNG_MAGIC
+    from eb_deepspeed.observe.report import _second_half_loads
+    assert _second_half_loads(read_log(str(tmp_path / "resumed"))) == [[20.0, 10.0], [14.0, 16.0]]   # 20 + 25
 
 
 def test_a_run_of_one_record_draws_its_point():

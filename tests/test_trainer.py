@@ -78,11 +78,15 @@ def test_a_trainer_saving_at_epoch_ends_or_new_best_evaluations_saves_placed_exp
     block = {"mode": "observe", "warmup_batches": 1, "train_placement": {"interval": 2}}
     epochs = finetune(tmp_path, "epochs", block, "--steps", "8", "--epochs", "2", "--save-steps", "1",
                       "--save-strategy", "epoch")
-    best = finetune(tmp_path, "best", block, "--steps", "8", "--save-steps", "1", "--save-strategy", "best",
-                    "--eval-steps", "3")
+    # "best" as a higher eval loss while it falls: only the first evaluation (step 3) saves, step 6's does not
+    # (re-planned every 4 steps: no re-plan moves them off home at step 7 but the callback)
+    best = finetune(tmp_path, "best", {**block, "train_placement": {"interval": 4}}, "--steps", "8", "--save-steps",
+                    "1", "--save-strategy", "best", "--eval-steps", "3", "--greater-is-better")
     assert epochs["replans"] >= 1 and best["replans"] >= 1
     assert {p.name for p in (tmp_path / "epochs").glob("checkpoint-*")} == {"checkpoint-4", "checkpoint-8"}
-    assert (tmp_path / "best" / "checkpoint-3" / "model.safetensors").exists()       # the first evaluation: a best
+    assert {p.name for p in (tmp_path / "best").glob("checkpoint-*")} == {"checkpoint-3"}
+    assert 5 not in best["home_steps"] and 6 in best["home_steps"]    # placed, then home for step 6's evaluation
+    assert 7 not in best["home_steps"]                                 # and back at the next step: no save came
     plain = finetune(tmp_path, "best_plain", None, "--steps", "8", "--eval-steps", "3")
     for (_, a), (_, b) in zip(best["losses"], plain["losses"]):     # the trips home and back change nothing
         assert a == pytest.approx(b, rel=1e-5)

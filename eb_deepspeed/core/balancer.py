@@ -297,6 +297,8 @@ class Balancer:
         self._set_maps()
         self.apply_controls()
         saved, now = dict(state.get("config", {})), self.config.to_dict()
+        if saved.get("window") == "auto":                     # how states saved before null was its default say it
+            saved["window"] = None
         for key in ("log", "checkpoint"):                     # where records go, how to load: not balancer state
             saved.pop(key, None), now.pop(key, None)
         differ = _differences(saved, now, "easybalance")

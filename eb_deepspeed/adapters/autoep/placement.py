@@ -230,8 +230,8 @@ class TrainPlacement(Placer):
             raise RuntimeError("easybalance.train_placement: the experts are re-placed over the EP ranks, and this "
                                "state dict would hold them permuted under AutoEP's keys; on every rank, take it "
                                "inside `with engine.easybalance.placement.at_home():` (save_checkpoint and "
-                               "save_16bit_model do so themselves, and a Hugging Face Trainer built after "
-                               "`eb_deepspeed.patch_deepspeed()`)")
+                               "save_16bit_model do so themselves, and so do the saves a Hugging Face Trainer "
+                               "built after `eb_deepspeed.patch_deepspeed()` decides)")
 
     def _wrap_exports(self, engine) -> None:
         """DeepSpeed's files in the logical layout: `save_checkpoint` and `save_16bit_model` go home for the save
