@@ -46,15 +46,15 @@ def sglang_mapping(plan: Placement, load_LE=None) -> dict:
         holds_GE = torch.zeros(G, E + 1, dtype=torch.bool)
         holds_GE[torch.arange(G * S) // S, torch.where(phy_LP[layer] >= 0, phy_LP[layer], E)] = True
         holds_GE = holds_GE[:, :E]
+        if bool(holds_GE[p // S].all()):
+            raise ValueError(f"SGLang needs an expert in every physical slot, and device {p // S} already holds "
+                             f"every one of the {E} experts: use fewer slots per device")
         load_E, count_E = load_LE[layer], holds_GE.sum(0).clamp_min(1)
         y_G = (holds_GE * (load_E / count_E)).sum(1)
         # a copy of e on device d: e's holders shed load/count - load/(count + 1), d takes load/(count + 1)
         y_GE = y_G[:, None] - holds_GE * (load_E / count_E - load_E / (count_E + 1))
         y_GE[p // S] += load_E / (count_E + 1)
         busiest_E = torch.where(holds_GE[p // S], torch.inf, y_GE.amax(0))
-        if bool(holds_GE[p // S].all()):
-            raise ValueError(f"SGLang needs an expert in every physical slot, and device {p // S} already holds "
-                             f"every one of the {E} experts: use fewer slots per device")
         phy_LP[layer, p] = int(busiest_E.argmin())
     return {"physical_to_logical_map": phy_LP.tolist()}
 

@@ -26,7 +26,7 @@ from ...core.config import EasyBalanceConfig
 from ...planning.placement import Placement
 from ..common import dist_ready
 from ..routing import Routing, SlotTable
-from ..serving.engine import ServingEngine, agree_to_load, flat_state, unflatten_into
+from ..serving.engine import ServingEngine, agreed_load, flat_state, unflatten_into
 from .layer import find_autoep_layers
 from .routes import AutoEPRoutes
 
@@ -138,14 +138,10 @@ class AutoEPStore:
         kept = {k: t.detach().to("cpu", copy=True) for k, t in self.module.state_dict().items()}
         self._point_home(None)
         try:
-            error = None
-            try:
+            with agreed_load():             # every rank loaded, or every rank puts back what it had
                 path, _ = engine.load_checkpoint(ckpt_dir, tag=tag, load_module_only=True)
                 if path is None:
                     raise FileNotFoundError(f"{ckpt_dir}: DeepSpeed found no checkpoint to load (tag {tag!r})")
-            except Exception as e:   # noqa: BLE001 -- handed to `agree_to_load`, which raises it
-                error = e
-            agree_to_load(error)            # every rank loaded, or every rank puts back what it had
         except BaseException:
             for layer, s in enumerate(S):
                 self._point(layer, s)

@@ -33,7 +33,7 @@ from ...core.config import EasyBalanceConfig, strip_block
 from ...planning.placement import Placement
 from ..common import dist_rank, dist_ready
 from ..routing import Routing, SlotTable
-from ..serving.engine import ServingEngine, agree_to_load, flat_state, unflatten_into
+from ..serving.engine import ServingEngine, agreed_load, flat_state, unflatten_into
 from .engine import check_world_size, find_moe_layers
 from .hooks import incomplete_problem, latest_tag, mark_complete, mark_incomplete, on_rank0_for_all, refuse
 from .replicas import ReplicaGate
@@ -94,7 +94,10 @@ class MoEStore:
         self.gates[layer].set_table(SlotTable.even(placement.log2phy[layer]), S)
 
     def load_home(self, ckpt_dir: str, tag: Optional[str]) -> str:
-        return load_moe_checkpoint(self.module, ckpt_dir, tag, agree=agree_to_load)
+        with agreed_load():                 # every rank read its experts' files, or none loads
+            folder, state = _read_moe_checkpoint(self.module, ckpt_dir, tag)
+        self.module.load_state_dict(state, strict=False)
+        return folder
 
     def save_home(self, ckpt_dir: str, tag: str, homes: dict) -> str:
         """DeepSpeed's MoE checkpoint layout with the logical experts: every rank of the first EP group its home
@@ -128,21 +131,12 @@ class MoEStore:
         return folder
 
 
-def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[str] = None, agree=None) -> str:
+def load_moe_checkpoint(module: torch.nn.Module, ckpt_dir: str, tag: Optional[str] = None) -> str:
     """Load DeepSpeed's MoE checkpoint layout into `module` on this rank: the non-expert weights from
     `mp_rank_00_model_states.pt`, and each local expert module j of MoE layer l from the file of the expert it holds,
     `layer_{l}_expert_{e}_mp_rank_00_model_states.pt` (read with weights_only=True): DeepSpeed's layout, expert
-    EP-rank * local experts + j. Works for a plain DeepSpeed model whose layers have their EP groups. agree: called
-    with the error of reading (None: read whole) before anything is written; it raises to stop the load."""
-    error = None
-    try:
-        folder, state = _read_moe_checkpoint(module, ckpt_dir, tag)
-    except Exception as e:   # noqa: BLE001 -- handed to `agree`, which raises it
-        if agree is None:
-            raise
-        error = e
-    if agree is not None:
-        agree(error)
+    EP-rank * local experts + j. Works for a plain DeepSpeed model whose layers have their EP groups."""
+    folder, state = _read_moe_checkpoint(module, ckpt_dir, tag)
     module.load_state_dict(state, strict=False)
     return folder
 

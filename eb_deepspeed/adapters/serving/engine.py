@@ -20,6 +20,7 @@ it is given."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import warnings
 import weakref
@@ -317,9 +318,15 @@ class ServingEngine(Placer):
         return path
 
 
-def agree_to_load(error: Optional[Exception]) -> None:
-    """Before a checkpoint load writes anything: every rank read its part (`error` None on each), or every rank
-    raises, this one its own error, the others one naming it, and none writes (one all-gather)."""
+@contextlib.contextmanager
+def agreed_load():
+    """Around a checkpoint load's reading, before anything is written: every rank read its part, or every rank
+    raises, this one its own error, the others one naming it (one all-gather), and none goes on to write."""
+    error = None
+    try:
+        yield
+    except Exception as e:   # noqa: BLE001 -- every rank hears of it, then it is raised
+        error = e
     problem = shared_problem(None if error is None else f"rank {dist_rank()}: {type(error).__name__}: {error}")
     if error is not None:
         raise error
